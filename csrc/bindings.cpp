@@ -1,0 +1,37 @@
+// The one place that exposes the C++ core to Python, as torch custom classes
+// (torch.classes.zero_ext.*) so it needs no pybind and shows in the profiler.
+#include <Python.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include "grad_buckets.h"
+
+namespace zero_ext {
+
+TORCH_LIBRARY(zero_ext, m) {
+  m.class_<GradBuckets>("GradBuckets")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<std::string>, std::vector<int64_t>,
+                       int64_t, std::string, double>())
+      .def("attach_output_hook", &GradBuckets::attach_output_hook)
+      .def("set_sync", &GradBuckets::set_sync)
+      .def("sync", &GradBuckets::sync)
+      .def("zero_grad", &GradBuckets::zero_grad)
+      .def("gather_params", &GradBuckets::gather_params)
+      .def("reset_if_stale", &GradBuckets::reset_if_stale)
+      .def("segments", &GradBuckets::segments)
+      .def("segment_param_indices", &GradBuckets::segment_param_indices)
+      .def("full_grads", &GradBuckets::full_grads)
+      .def("has_grad", &GradBuckets::has_grad)
+      .def("bucket_layout", &GradBuckets::bucket_layout)
+      .def("stats", &GradBuckets::stats)
+      .def("rank", &GradBuckets::rank)
+      .def("world_size", &GradBuckets::world_size);
+}
+
+} // namespace zero_ext
+
+// Importing zero_ext._C runs the registration above.
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}

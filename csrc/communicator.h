@@ -1,0 +1,49 @@
+#pragma once
+// A process group resolved by name, or none for a single process.
+//
+// Every collective zero_ext issues goes through here so that waits are bounded
+// by one timeout and a failure names what was being reduced. World size 1 (no
+// torch.distributed) is a real mode, not a special case at call sites: the
+// collectives degrade to local copies.
+
+#include <chrono>
+#include <string>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+namespace zero_ext {
+
+class Communicator {
+ public:
+  // group_name "" means no process group: rank 0 of 1.
+  Communicator(const std::string& group_name, double timeout_seconds);
+
+  int64_t rank() const { return rank_; }
+  int64_t size() const { return size_; }
+  bool distributed() const { return static_cast<bool>(group_); }
+
+  // Each returns the in-flight work, or nullptr when the result is already
+  // in place (single process). Inputs must stay alive until wait().
+  c10::intrusive_ptr<c10d::Work> all_reduce_sum(at::Tensor& tensor);
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_sum(at::Tensor& shard_out, at::Tensor& full_in);
+  c10::intrusive_ptr<c10d::Work> all_gather(at::Tensor& full_out, at::Tensor& shard_in);
+  c10::intrusive_ptr<c10d::Work> broadcast_from_rank0(at::Tensor& tensor);
+
+  // Waits within the timeout; on failure raises naming `what`.
+  void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) const;
+
+  // Counters for tests and benchmarks: collectives issued and bytes sent.
+  int64_t collectives_issued() const { return collectives_issued_; }
+  int64_t all_gathers_issued() const { return all_gathers_issued_; }
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  int64_t rank_ = 0;
+  int64_t size_ = 1;
+  std::chrono::milliseconds timeout_;
+  int64_t collectives_issued_ = 0;
+  int64_t all_gathers_issued_ = 0;
+};
+
+} // namespace zero_ext

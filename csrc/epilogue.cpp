@@ -1,0 +1,34 @@
+#include "epilogue.h"
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+namespace zero_ext {
+
+BackwardInfo current_backward() {
+  BackwardInfo info;
+  info.graph_task_id = torch::autograd::get_current_graph_task_id();
+  info.keep_graph =
+      info.graph_task_id >= 0 && torch::autograd::get_current_graph_task_keep_graph();
+  return info;
+}
+
+bool Epilogue::arm(const std::function<void()>& fn) {
+  if (pending_) {
+    return true;
+  }
+  const auto info = current_backward();
+  if (info.graph_task_id < 0) {
+    return false;
+  }
+  pending_ = true;
+  owner_ = info.graph_task_id;
+  torch::autograd::Engine::get_default_engine().queue_callback(fn);
+  return true;
+}
+
+bool Epilogue::is_stale() const {
+  return pending_ && torch::autograd::get_current_graph_task_id() < 0;
+}
+
+} // namespace zero_ext

@@ -1,0 +1,589 @@
+#include "grad_buckets.h"
+
+#include <sstream>
+
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+namespace zero_ext {
+namespace {
+
+// Post hook on a parameter's AccumulateGrad node: runs after the engine has
+// accumulated this backward's gradient into param.grad.
+class ParamReadyHook : public torch::autograd::FunctionPostHook {
+ public:
+  ParamReadyHook(GradBuckets* owner, int64_t index) : owner_(owner), index_(index) {}
+  torch::autograd::variable_list operator()(
+      const torch::autograd::variable_list& outputs,
+      const torch::autograd::variable_list& /*inputs*/) override {
+    owner_->on_grad_ready(index_);
+    return outputs;
+  }
+
+ private:
+  GradBuckets* owner_;  // owner removes this hook in its destructor
+  int64_t index_;
+};
+
+bool same_memory(const at::Tensor& a, const at::Tensor& b) {
+  return a.defined() && b.defined() && a.data_ptr() == b.data_ptr() &&
+         a.sizes() == b.sizes() && a.strides() == b.strides();
+}
+
+int64_t round_up(int64_t n, int64_t multiple) {
+  return (n + multiple - 1) / multiple * multiple;
+}
+
+} // namespace
+
+GradBuckets::GradBuckets(std::vector<at::Tensor> params,
+                         std::vector<std::string> names,
+                         std::vector<int64_t> params_per_bucket,
+                         int64_t stage,
+                         std::string group_name,
+                         double timeout_seconds)
+    : stage_(stage), comm_(group_name, timeout_seconds), params_(std::move(params)),
+      names_(std::move(names)) {
+  TORCH_CHECK(stage_ >= 0 && stage_ <= 2, "zero_ext internal: GradBuckets serves stages 0-2");
+  TORCH_CHECK(params_.size() == names_.size(), "zero_ext internal: one name per parameter");
+  const int64_t n_params = static_cast<int64_t>(params_.size());
+  const int64_t world = comm_.size();
+  at::NoGradGuard no_grad;
+
+  bucket_of_.assign(n_params, -1);
+  offset_.assign(n_params, 0);
+  int64_t next = 0;
+  std::vector<c10::intrusive_ptr<c10d::Work>> broadcasts;
+  for (int64_t count : params_per_bucket) {
+    TORCH_CHECK(count > 0 && next + count <= n_params, "zero_ext internal: bad bucket plan");
+    Bucket bucket;
+    bucket.first = next;
+    bucket.count = count;
+    const auto options = params_[next].options();
+    for (int64_t i = next; i < next + count; ++i) {
+      TORCH_CHECK(params_[i].dtype() == options.dtype() && params_[i].device() == options.device(),
+                  "zero_ext internal: a bucket mixes dtypes or devices");
+      bucket_of_[i] = static_cast<int64_t>(buckets_.size());
+      offset_[i] = bucket.numel;
+      bucket.numel += params_[i].numel();
+    }
+    bucket.padded = round_up(std::max<int64_t>(bucket.numel, 1), world);
+    bucket.shard = bucket.padded / world;
+    bucket.param_flat = at::zeros({bucket.padded}, options);
+    for (int64_t i = next; i < next + count; ++i) {
+      auto view = bucket.param_flat.narrow(0, offset_[i], params_[i].numel()).view(params_[i].sizes());
+      view.copy_(params_[i].detach());
+      params_[i].set_data(view);
+    }
+    // Every rank starts from rank 0's parameters, as DDP does.
+    broadcasts.push_back(comm_.broadcast_from_rank0(bucket.param_flat));
+    if (stage_ == 0 || stage_ == 1) {
+      bucket.staging = at::zeros({bucket.padded}, options);
+    }
+    if (stage_ >= 1) {
+      bucket.accum = at::zeros({bucket.shard}, options.dtype(at::kFloat));
+    }
+    buckets_.push_back(std::move(bucket));
+    next += count;
+  }
+  TORCH_CHECK(next == n_params, "zero_ext internal: bucket plan does not cover every parameter");
+  for (size_t b = 0; b < broadcasts.size(); ++b) {
+    comm_.wait(broadcasts[b], "initial broadcast of parameters from rank 0 (" + describe_bucket(b) + ")");
+  }
+
+  if (stage_ == 0) {
+    for (int64_t i = 0; i < n_params; ++i) {
+      grad_views_.push_back(staging_region(buckets_[bucket_of_[i]], i));
+    }
+  } else {
+    // Segments: the local shard of each bucket cut at parameter boundaries.
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      Bucket& bucket = buckets_[b];
+      const int64_t lo = comm_.rank() * bucket.shard;
+      const int64_t hi = lo + bucket.shard;
+      for (int64_t i = bucket.first; i < bucket.first + bucket.count; ++i) {
+        const int64_t start = std::max(lo, offset_[i]);
+        const int64_t end = std::min(hi, offset_[i] + params_[i].numel());
+        if (start >= end) {
+          continue;
+        }
+        segments_.push_back(bucket.param_flat.narrow(0, start, end - start));
+        segment_grads_.push_back(bucket.accum.narrow(0, start - lo, end - start));
+        segment_param_.push_back(i);
+      }
+    }
+  }
+
+  arrived_.assign(n_params, 0);
+  detached_.assign(n_params, 0);
+  local_has_grad_.assign(n_params, 0);
+  global_has_grad_.assign(n_params, 0);
+  for (int64_t i = 0; i < n_params; ++i) {
+    auto node = torch::autograd::impl::grad_accumulator(params_[i]);
+    TORCH_CHECK(node, "zero_ext: parameter '", names_[i],
+                "' has no gradient accumulator; is it a leaf that requires grad?");
+    hook_keys_.push_back(node->add_post_hook(std::make_unique<ParamReadyHook>(this, i)));
+    accumulators_.push_back(std::move(node));
+  }
+  start_round();
+}
+
+GradBuckets::~GradBuckets() {
+  for (size_t i = 0; i < accumulators_.size(); ++i) {
+    accumulators_[i]->del_post_hook(hook_keys_[i]);
+  }
+}
+
+at::Tensor GradBuckets::staging_region(Bucket& bucket, int64_t i) {
+  return bucket.staging.narrow(0, offset_[i], params_[i].numel()).view(params_[i].sizes());
+}
+
+void GradBuckets::ensure_staging(Bucket& bucket) {
+  if (!bucket.staging.defined()) {
+    bucket.staging = at::empty({bucket.padded}, bucket.param_flat.options());
+  }
+}
+
+std::string GradBuckets::describe_bucket(int64_t b) const {
+  const Bucket& bucket = buckets_[b];
+  std::ostringstream out;
+  out << "bucket " << b << " of " << buckets_.size() << " (stage " << stage_ << ", "
+      << bucket.count << " parameters from '" << names_[bucket.first] << "', "
+      << bucket.padded << " elements)";
+  return out.str();
+}
+
+void GradBuckets::arm_epilogue() {
+  if (epilogue_.pending()) {
+    return;
+  }
+  auto self = c10::intrusive_ptr<GradBuckets>::unsafe_reclaim_from_nonowning(this);
+  epilogue_.arm([self]() { self->run_epilogue(); });
+}
+
+void GradBuckets::on_output_grad() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  arm_epilogue();
+}
+
+void GradBuckets::attach_output_hook(const at::Tensor& output) {
+  if (!output.requires_grad()) {
+    return;
+  }
+  c10::weak_intrusive_ptr<GradBuckets> weak(
+      c10::intrusive_ptr<GradBuckets>::unsafe_reclaim_from_nonowning(this));
+  output.register_hook([weak](const at::Tensor& /*grad*/) {
+    if (auto self = weak.lock()) {
+      self->on_output_grad();
+    }
+  });
+}
+
+void GradBuckets::on_grad_ready(int64_t i) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  arm_epilogue();  // fallback when no forward output was hooked
+  at::Tensor& grad = params_[i].mutable_grad();
+  if (!grad.defined()) {
+    return;
+  }
+  local_has_grad_[i] = 1;
+  Bucket& bucket = buckets_[bucket_of_[i]];
+  if (bucket.launched) {
+    // Arrived after its bucket went out (a parameter reached twice through a
+    // reentrant checkpoint, say). It stays in param.grad; the epilogue runs a
+    // second round for it on every rank.
+    late_ = true;
+    return;
+  }
+  at::NoGradGuard no_grad;
+  if (stage_ == 0) {
+    const at::Tensor& view = grad_views_[i];
+    if (!same_memory(grad, view)) {
+      // param.grad was None or replaced: it holds the whole accumulated value.
+      view.copy_(grad);
+      grad = view;
+    }
+  } else {
+    if (!sync_) {
+      return;  // no_sync(): accumulate locally in param.grad
+    }
+    ensure_staging(bucket);
+    at::Tensor region = staging_region(bucket, i);
+    if (arrived_[i]) {
+      region.add_(grad);
+    } else {
+      region.copy_(grad);
+    }
+    grad = at::Tensor();  // the full gradient lives on only in the bucket
+  }
+  if (!sync_ || arrived_[i]) {
+    return;
+  }
+  arrived_[i] = 1;
+  ++arrivals_;
+  if (--bucket.waiting == 0) {
+    launch_ready_buckets();
+  }
+}
+
+void GradBuckets::launch_ready_buckets() {
+  const int64_t n = static_cast<int64_t>(buckets_.size());
+  while (next_launch_ < n && buckets_[next_launch_].waiting == 0) {
+    launch(next_launch_++);
+  }
+}
+
+void GradBuckets::launch(int64_t b) {
+  Bucket& bucket = buckets_[b];
+  at::NoGradGuard no_grad;
+  if (stage_ == 0) {
+    for (int64_t i = bucket.first; i < bucket.first + bucket.count; ++i) {
+      at::Tensor& grad = params_[i].mutable_grad();
+      const at::Tensor& view = grad_views_[i];
+      if (same_memory(grad, view)) {
+        // already in place
+      } else if (grad.defined()) {
+        // After a detach only the new part is in param.grad; before it, all.
+        if (detached_[i]) {
+          view.add_(grad);
+        } else {
+          view.copy_(grad);
+        }
+      } else if (!detached_[i]) {
+        view.zero_();  // param.grad was cleared: contribute no stale value
+      }
+      // Detach while the reduction runs, so a late AccumulateGrad cannot
+      // write into memory the collective is reading.
+      grad = at::Tensor();
+      detached_[i] = 1;
+    }
+  } else {
+    ensure_staging(bucket);
+    for (int64_t i = bucket.first; i < bucket.first + bucket.count; ++i) {
+      if (arrived_[i]) {
+        continue;
+      }
+      at::Tensor& grad = params_[i].mutable_grad();
+      at::Tensor region = staging_region(bucket, i);
+      if (grad.defined()) {
+        region.copy_(grad);  // accumulated under no_sync(), or late
+        grad = at::Tensor();
+      } else {
+        region.zero_();  // unused here: zeros keep the collective in step
+      }
+    }
+    if (bucket.padded > bucket.numel) {
+      bucket.staging.narrow(0, bucket.numel, bucket.padded - bucket.numel).zero_();
+    }
+  }
+  const int64_t world = comm_.size();
+  if (world > 1) {
+    bucket.staging.div_(world);  // pre-divide: gloo has no AVG/PREMUL_SUM everywhere
+  }
+  if (stage_ == 0) {
+    bucket.work = comm_.all_reduce_sum(bucket.staging);
+  } else {
+    const bool direct = !bucket.accum_has_value && bucket.accum.dtype() == bucket.staging.dtype();
+    bucket.reduce_out = direct ? bucket.accum : at::empty({bucket.shard}, bucket.staging.options());
+    bucket.work = comm_.reduce_scatter_sum(bucket.reduce_out, bucket.staging);
+  }
+  bucket.launched = true;
+}
+
+void GradBuckets::wait_all() {
+  at::NoGradGuard no_grad;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    Bucket& bucket = buckets_[b];
+    if (!bucket.launched) {
+      continue;
+    }
+    comm_.wait(bucket.work, "gradient reduction of " + describe_bucket(b));
+    bucket.work.reset();
+    if (stage_ >= 1) {
+      if (!bucket.reduce_out.is_same(bucket.accum)) {
+        if (bucket.accum_has_value) {
+          bucket.accum.add_(bucket.reduce_out);
+        } else {
+          bucket.accum.copy_(bucket.reduce_out);
+        }
+      }
+      bucket.reduce_out.reset();
+      bucket.accum_has_value = true;
+      if (stage_ == 2) {
+        bucket.staging.reset();  // stage 2 keeps no full gradient
+      }
+    }
+  }
+}
+
+void GradBuckets::start_round() {
+  for (auto& bucket : buckets_) {
+    bucket.waiting = bucket.count;
+    bucket.launched = false;
+  }
+  std::fill(arrived_.begin(), arrived_.end(), 0);
+  next_launch_ = 0;
+  arrivals_ = 0;
+  late_ = false;
+}
+
+void GradBuckets::exchange_grad_mask_and_late_flag() {
+  const int64_t n = static_cast<int64_t>(params_.size());
+  at::Tensor mask = at::empty({n + 1}, at::TensorOptions().dtype(at::kFloat));
+  float* data = mask.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    data[i] = static_cast<float>(local_has_grad_[i]);
+  }
+  data[n] = late_ ? 1.0f : 0.0f;
+  if (comm_.distributed()) {
+    // The collective runs on the parameters' device (NCCL cannot reduce CPU tensors).
+    at::Tensor on_device = mask.to(params_[0].device());
+    comm_.wait(comm_.all_reduce_sum(on_device), "exchange of which parameters got gradients");
+    mask = on_device.cpu();
+    data = mask.data_ptr<float>();
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    global_has_grad_[i] = data[i] > 0.0f;
+  }
+  late_ = data[n] > 0.0f;
+}
+
+void GradBuckets::publish_grads() {
+  if (stage_ == 0) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      params_[i].mutable_grad() = global_has_grad_[i] ? grad_views_[i] : at::Tensor();
+      detached_[i] = 0;
+    }
+    return;
+  }
+  for (size_t s = 0; s < segments_.size(); ++s) {
+    segments_[s].mutable_grad() =
+        global_has_grad_[segment_param_[s]] ? segment_grads_[s] : at::Tensor();
+  }
+}
+
+void GradBuckets::verify_hooks(bool after_sync) const {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto current = torch::autograd::impl::try_get_grad_accumulator(params_[i]);
+    TORCH_CHECK(!current || current.get() == accumulators_[i].get(),
+                "zero_ext: parameter '", names_[i],
+                "' got a gradient that zero_ext never saw: its autograd accumulator was "
+                "re-created after zero_ext.wrap() (its .data was replaced by a tensor of "
+                "another dtype or device, or it was re-registered). Its gradient would "
+                "silently miss the reduction. Change parameters in place "
+                "(param.data.copy_(...)) or wrap the model after changing them.");
+    TORCH_CHECK(!(after_sync && stage_ >= 1 && params_[i].grad().defined()),
+                "zero_ext: parameter '", names_[i],
+                "' holds a gradient in .grad that did not pass zero_ext's reduction "
+                "(was .grad assigned by hand during backward?). In stages 1-2 gradients "
+                "live in the optimizer's shards; use zero_ext.full_grads(model) to read them.");
+  }
+}
+
+void GradBuckets::run_epilogue() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  epilogue_.fired();
+  const auto info = current_backward();
+  last_graph_task_ = info.graph_task_id;
+  last_keep_graph_ = info.keep_graph;
+  ++epilogues_run_;
+  try {
+    // no_sync(), or a backward that accumulated nothing into this model
+    // (torch.autograd.grad runs no AccumulateGrad): nothing to reduce.
+    if (!sync_ || arrivals_ == 0) {
+      verify_hooks(false);
+      start_round();
+      return;
+    }
+    ++synced_epilogues_;
+    // Flush in bucket order: unused parameters contribute zeros, so the
+    // sequence of collectives is the same on every rank.
+    for (int64_t b = next_launch_; b < static_cast<int64_t>(buckets_.size()); ++b) {
+      launch(b);
+    }
+    next_launch_ = static_cast<int64_t>(buckets_.size());
+    wait_all();
+    exchange_grad_mask_and_late_flag();
+    if (late_) {
+      ++late_rounds_;
+      start_round();  // every parameter counts as not arrived: pending grads are flushed
+      for (int64_t b = 0; b < static_cast<int64_t>(buckets_.size()); ++b) {
+        launch(b);
+      }
+      wait_all();
+    }
+    publish_grads();
+    verify_hooks(true);
+  } catch (...) {
+    for (auto& bucket : buckets_) {
+      bucket.work.reset();
+      bucket.reduce_out.reset();
+    }
+    std::fill(detached_.begin(), detached_.end(), 0);
+    start_round();
+    throw;
+  }
+  start_round();
+}
+
+void GradBuckets::set_sync(bool sync) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  sync_ = sync;
+}
+
+void GradBuckets::zero_grad(bool set_to_none) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(!epilogue_.pending() || epilogue_.is_stale(),
+              "zero_ext: zero_grad() was called while a backward is running; call it "
+              "between steps");
+  at::NoGradGuard no_grad;
+  for (auto& bucket : buckets_) {
+    if (stage_ == 0) {
+      bucket.staging.zero_();
+    } else {
+      bucket.accum_has_value = false;
+      if (!set_to_none) {
+        bucket.accum.zero_();
+      }
+    }
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor& grad = params_[i].mutable_grad();
+    if (set_to_none) {
+      grad = at::Tensor();
+    } else if (stage_ == 0 && global_has_grad_[i]) {
+      grad = grad_views_[i];
+    } else if (grad.defined()) {
+      grad.zero_();
+    }
+  }
+  if (set_to_none) {
+    std::fill(local_has_grad_.begin(), local_has_grad_.end(), 0);
+    std::fill(global_has_grad_.begin(), global_has_grad_.end(), 0);
+    for (auto& segment : segments_) {
+      segment.mutable_grad() = at::Tensor();
+    }
+  }
+}
+
+void GradBuckets::gather_params() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (stage_ == 0) {
+    return;
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Bucket& bucket = buckets_[bucket_of_[i]];
+    TORCH_CHECK(params_[i].data_ptr() ==
+                    static_cast<char*>(bucket.param_flat.data_ptr()) +
+                        offset_[i] * bucket.param_flat.element_size(),
+                "zero_ext: the storage of parameter '", names_[i],
+                "' was replaced after zero_ext.wrap() (param.data = ...), so optimizer "
+                "updates can no longer reach it. Change parameters in place "
+                "(param.data.copy_(...)) or zero_ext.load_full_state_dict().");
+  }
+  std::vector<c10::intrusive_ptr<c10d::Work>> works(buckets_.size());
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    Bucket& bucket = buckets_[b];
+    bool touched = false;
+    for (int64_t i = bucket.first; i < bucket.first + bucket.count && !touched; ++i) {
+      touched = global_has_grad_[i];
+    }
+    if (!touched) {
+      continue;  // the optimizer skipped every parameter in it, on every rank
+    }
+    at::Tensor shard = bucket.param_flat.narrow(0, comm_.rank() * bucket.shard, bucket.shard);
+    works[b] = comm_.all_gather(bucket.param_flat, shard);
+  }
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    comm_.wait(works[b], "all-gather of updated parameters of " + describe_bucket(b));
+  }
+}
+
+bool GradBuckets::reset_if_stale() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!epilogue_.is_stale()) {
+    return false;
+  }
+  // The backward raised before its epilogue: wait out what is in flight so no
+  // buffer is freed under a collective, then forget the round.
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    if (buckets_[b].work) {
+      try {
+        comm_.wait(buckets_[b].work, "reduction abandoned by a failed backward");
+      } catch (...) {
+      }
+    }
+    buckets_[b].work.reset();
+    buckets_[b].reduce_out.reset();
+  }
+  if (stage_ == 0) {
+    publish_grads();
+  }
+  epilogue_.reset();
+  start_round();
+  return true;
+}
+
+std::vector<at::Tensor> GradBuckets::full_grads() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> out(params_.size());
+  if (stage_ == 0) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      out[i] = grad_views_[i].to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+    }
+    return out;
+  }
+  std::vector<at::Tensor> full(buckets_.size());
+  std::vector<c10::intrusive_ptr<c10d::Work>> works(buckets_.size());
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    Bucket& bucket = buckets_[b];
+    at::Tensor shard = bucket.accum_has_value ? bucket.accum : at::zeros_like(bucket.accum);
+    full[b] = at::empty({bucket.padded}, shard.options());
+    works[b] = comm_.all_gather(full[b], shard);
+  }
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    comm_.wait(works[b], "all-gather of gradients for full_grads() of " + describe_bucket(b));
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    out[i] = full[bucket_of_[i]].narrow(0, offset_[i], params_[i].numel()).view(params_[i].sizes());
+  }
+  return out;
+}
+
+std::vector<bool> GradBuckets::has_grad() const {
+  return std::vector<bool>(global_has_grad_.begin(), global_has_grad_.end());
+}
+
+std::vector<int64_t> GradBuckets::bucket_layout() const {
+  std::vector<int64_t> out;
+  for (const auto& bucket : buckets_) {
+    out.push_back(bucket.first);
+    out.push_back(bucket.count);
+    out.push_back(bucket.padded);
+  }
+  return out;
+}
+
+c10::Dict<std::string, int64_t> GradBuckets::stats() const {
+  c10::Dict<std::string, int64_t> out;
+  out.insert("epilogues", epilogues_run_);
+  out.insert("synced_epilogues", synced_epilogues_);
+  out.insert("late_rounds", late_rounds_);
+  out.insert("last_graph_task", last_graph_task_);
+  out.insert("last_keep_graph", last_keep_graph_ ? 1 : 0);
+  out.insert("collectives", comm_.collectives_issued());
+  out.insert("all_gathers", comm_.all_gathers_issued());
+  out.insert("buckets", static_cast<int64_t>(buckets_.size()));
+  int64_t param_bytes = 0, grad_bytes = 0;
+  for (const auto& bucket : buckets_) {
+    param_bytes += bucket.param_flat.nbytes();
+    if (bucket.staging.defined()) grad_bytes += bucket.staging.nbytes();
+    if (bucket.accum.defined()) grad_bytes += bucket.accum.nbytes();
+  }
+  out.insert("param_bytes", param_bytes);
+  out.insert("grad_bytes", grad_bytes);
+  return out;
+}
+
+} // namespace zero_ext

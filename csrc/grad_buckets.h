@@ -1,0 +1,148 @@
+#pragma once
+// GradBuckets: the per-model gradient path of ZeRO stages 0, 1 and 2.
+//
+// Trainable parameters are laid out at wrap time in flat buckets (one dtype,
+// one optimizer param group each, `bucket_mb` large, in reverse registration
+// order so they fill in the order backward produces gradients). Each bucket is
+// padded to a multiple of the world size; rank r owns the r-th equal shard.
+// Parameters become views into their bucket's flat buffer, so one collective
+// moves a whole bucket.
+//
+// A post hook on each parameter's AccumulateGrad node (C++, no Python per
+// gradient) moves the gradient into the bucket's staging buffer; a bucket's
+// reduction starts as soon as all its parameters have arrived, strictly in
+// bucket order so every rank issues the same sequence of collectives even when
+// ranks use different parameters. The epilogue (see epilogue.h) flushes the
+// rest with zeros for missing gradients, waits, and publishes the results.
+//
+// Where the reduced gradient lives:
+//   stage 0  staging *is* the gradient: param.grad views it and it is
+//            all-reduced in place (DDP's layout; a previous result A is the
+//            same on every rank, so sum((A + g_r) / N) = A + mean(g_r)).
+//   stage 1  staging is persistent; each reduction reduce-scatters it and adds
+//            the rank's shard into a persistent fp32 shard accumulator.
+//   stage 2  as 1, but staging exists only while its bucket is being filled
+//            and reduced: no full gradient survives a backward.
+// In stages 1 and 2 the optimizer works on "segments": views of the local
+// shard cut at parameter boundaries, whose .grad views the accumulator.
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+
+#include "communicator.h"
+#include "epilogue.h"
+
+namespace zero_ext {
+
+class GradBuckets : public torch::CustomClassHolder {
+ public:
+  GradBuckets(std::vector<at::Tensor> params,
+              std::vector<std::string> names,
+              std::vector<int64_t> params_per_bucket,
+              int64_t stage,
+              std::string group_name,
+              double timeout_seconds);
+  ~GradBuckets() override;
+
+  // --- autograd entry points --------------------------------------------
+  void on_grad_ready(int64_t param_index);
+  void on_output_grad();
+  void attach_output_hook(const at::Tensor& output);
+  void run_epilogue();
+
+  // --- training-loop controls ------------------------------------------
+  void set_sync(bool sync);
+  bool sync() const { return sync_; }
+  void zero_grad(bool set_to_none);
+  // Stages 1-2: all-gather every bucket whose shard the optimizer changed.
+  void gather_params();
+  // Drops state left by a backward that raised before its epilogue ran.
+  bool reset_if_stale();
+
+  // --- inspection ---------------------------------------------------------
+  std::vector<at::Tensor> segments() const { return segments_; }
+  std::vector<int64_t> segment_param_indices() const { return segment_param_; }
+  // Full averaged gradient of each parameter (flat, fp32); has_grad() tells
+  // which are real. Collective in stages 1-2: every rank must call it.
+  std::vector<at::Tensor> full_grads();
+  std::vector<bool> has_grad() const;
+  std::vector<int64_t> bucket_layout() const;  // (first param, count, padded numel) triples
+  c10::Dict<std::string, int64_t> stats() const;
+  int64_t rank() const { return comm_.rank(); }
+  int64_t world_size() const { return comm_.size(); }
+
+ private:
+  struct Bucket {
+    int64_t first = 0;        // index of its first parameter in params_
+    int64_t count = 0;        // parameters in it
+    int64_t numel = 0;        // their elements
+    int64_t padded = 0;       // numel rounded up to a multiple of world size
+    int64_t shard = 0;        // padded / world size
+    at::Tensor param_flat;    // the parameters' storage
+    at::Tensor staging;       // gradients being reduced (see header comment)
+    at::Tensor accum;         // stages 1-2: fp32 shard of the reduced gradient
+    bool accum_has_value = false;
+    at::Tensor reduce_out;    // temporary output when accum already holds a sum
+    int64_t waiting = 0;      // parameters not yet arrived in this round
+    bool launched = false;
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+
+  at::Tensor staging_region(Bucket& bucket, int64_t param_index);
+  void ensure_staging(Bucket& bucket);
+  void arm_epilogue();
+  void launch_ready_buckets();
+  void launch(int64_t bucket_index);
+  void wait_all();
+  void start_round();
+  void exchange_grad_mask_and_late_flag();
+  void publish_grads();
+  void verify_hooks(bool after_sync) const;
+  std::string describe_bucket(int64_t bucket_index) const;
+
+  const int64_t stage_;
+  Communicator comm_;
+  std::vector<at::Tensor> params_;
+  std::vector<std::string> names_;
+  std::vector<int64_t> bucket_of_;
+  std::vector<int64_t> offset_;  // element offset of each param in its bucket
+  std::vector<Bucket> buckets_;
+  std::vector<at::Tensor> grad_views_;  // stage 0: param-shaped views of staging
+
+  // Strong references: a tensor holds its AccumulateGrad node only weakly, and
+  // a hook on a node that was dropped and re-created would never fire.
+  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<uintptr_t> hook_keys_;
+
+  std::vector<at::Tensor> segments_;
+  std::vector<at::Tensor> segment_grads_;
+  std::vector<int64_t> segment_param_;
+
+  // Round state: one round is one synchronized reduction of every bucket.
+  std::vector<uint8_t> arrived_;
+  std::vector<uint8_t> detached_;   // stage 0: grad moved into staging for a reduction
+  int64_t next_launch_ = 0;
+  int64_t arrivals_ = 0;
+  bool late_ = false;               // a gradient came after its bucket was launched
+
+  // Since the last zero_grad: which parameters got a gradient here / anywhere.
+  std::vector<uint8_t> local_has_grad_;
+  std::vector<uint8_t> global_has_grad_;
+
+  bool sync_ = true;
+  Epilogue epilogue_;
+  std::mutex mutex_;
+
+  int64_t epilogues_run_ = 0;
+  int64_t synced_epilogues_ = 0;
+  int64_t late_rounds_ = 0;
+  int64_t last_graph_task_ = -1;
+  bool last_keep_graph_ = false;
+};
+
+} // namespace zero_ext

@@ -1,0 +1,28 @@
+"""Builds zero_ext._C against the torch that is already installed (CPU or CUDA).
+
+The extension is pure C++: CUDA streams are reached through c10's device-generic
+interfaces at run time, so no nvcc is needed and one build serves CPU and GPU.
+"""
+import glob
+import os
+
+from setuptools import setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+here = os.path.dirname(os.path.abspath(__file__))
+sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+extra = ["-O3", "-std=c++17", "-Wno-deprecated-declarations"]
+if os.environ.get("ZERO_EXT_DEBUG"):
+    extra = ["-O0", "-g", "-std=c++17", "-Wno-deprecated-declarations"]
+
+setup(
+    ext_modules=[
+        CppExtension(
+            "zero_ext._C",
+            sources,
+            include_dirs=[os.path.join(here, "csrc")],
+            extra_compile_args={"cxx": extra},
+        )
+    ],
+    cmdclass={"build_ext": BuildExtension},
+)

@@ -1,0 +1,20 @@
+"""zero_ext: ZeRO-style sharded data parallelism for PyTorch.
+
+    model, optimizer = zero_ext.wrap(model, optimizer, stage=2)
+    loss.backward(); optimizer.step(); optimizer.zero_grad()
+
+The gradient path (hooks, buckets, reductions, the once-per-backward epilogue)
+runs in C++ inside the autograd engine; this package is the wiring.
+"""
+from ._api import MixedPrecision
+from ._state_dict import full_grads, full_state_dict, load_full_state_dict
+from ._wrap import wrap
+
+__all__ = [
+    "MixedPrecision",
+    "full_grads",
+    "full_state_dict",
+    "load_full_state_dict",
+    "wrap",
+]
+__version__ = "0.1.0"

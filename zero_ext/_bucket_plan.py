@@ -1,0 +1,41 @@
+"""Which parameters share a gradient bucket, decided once at wrap time."""
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+
+def plan_buckets(
+    params: Sequence[torch.nn.Parameter],
+    group_of: Dict[int, int],
+    bucket_bytes: int,
+) -> Tuple[List[torch.nn.Parameter], List[int]]:
+    """Groups parameters into buckets of about `bucket_bytes`.
+
+    Parameters are taken in reverse registration order, the order backward
+    usually produces their gradients, so early buckets fill first. A bucket
+    holds one dtype, one device and one optimizer param group (its shard is
+    handed to that group). Returns the parameters in bucket order and the
+    number of parameters in each bucket.
+    """
+    open_buckets: Dict[tuple, List[torch.nn.Parameter]] = {}
+    open_bytes: Dict[tuple, int] = {}
+    closed: List[Tuple[int, List[torch.nn.Parameter]]] = []
+    opened_at: Dict[tuple, int] = {}
+    for position, p in enumerate(reversed(list(params))):
+        key = (group_of[id(p)], p.dtype, p.device)
+        if key not in open_buckets:
+            open_buckets[key] = []
+            open_bytes[key] = 0
+            opened_at[key] = position
+        open_buckets[key].append(p)
+        open_bytes[key] += p.numel() * p.element_size()
+        if open_bytes[key] >= bucket_bytes:
+            closed.append((opened_at[key], open_buckets.pop(key)))
+            del open_bytes[key]
+    for key, bucket in open_buckets.items():
+        closed.append((opened_at[key], bucket))
+    closed.sort(key=lambda item: item[0])
+    ordered = [p for _, bucket in closed for p in bucket]
+    return ordered, [len(bucket) for _, bucket in closed]

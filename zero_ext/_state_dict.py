@@ -1,0 +1,44 @@
+"""Full (unsharded) views of a wrapped model: state and gradients."""
+from __future__ import annotations
+
+from typing import Dict, Mapping, Optional
+
+import torch
+
+
+def _state(model: torch.nn.Module):
+    state = getattr(model, "_zero_ext", None)
+    if state is None:
+        raise ValueError("zero_ext: this model is not wrapped; call zero_ext.wrap(model, optimizer) first")
+    return state
+
+
+@torch.no_grad()
+def full_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """Every entry of ``model.state_dict()``, full shape, on CPU, on every rank."""
+    _state(model)
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+@torch.no_grad()
+def load_full_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Loads a full state_dict (e.g. from an unwrapped model) into a wrapped
+    model, in place, on every rank. Keys must match exactly."""
+    _state(model)
+    result = model.load_state_dict(state_dict, strict=True)
+    del result
+
+
+@torch.no_grad()
+def full_grads(model: torch.nn.Module) -> Dict[str, Optional[torch.Tensor]]:
+    """Each parameter's full averaged gradient accumulated since the last
+    zero_grad(), fp32, on CPU, on every rank; None where no rank produced one.
+
+    Collective: call it on every rank, after a backward outside no_sync() and
+    before optimizer.step().
+    """
+    state = _state(model)
+    grads = state.buckets.full_grads()
+    has = state.buckets.has_grad()
+    by_id = {id(p): (g.float().cpu() if h else None) for p, g, h in zip(state.params, grads, has)}
+    return {name: by_id.get(id(p)) for name, p in model.named_parameters()}

@@ -1,0 +1,213 @@
+"""zero_ext.wrap(): validate, lay out buckets, hook the model, shard the optimizer."""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Set, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from ._api import MixedPrecision
+from ._bucket_plan import plan_buckets
+from ._C_loader import GradBuckets
+from ._module import ZeroExtModule, install_forward_hooks, swap_module_class
+from ._optimizer import check_elementwise, shard_optimizer
+
+
+@dataclass
+class ZeroState:
+    """Everything zero_ext keeps for one wrapped model (model._zero_ext)."""
+
+    model: torch.nn.Module
+    stage: int
+    buckets: object  # torch.classes.zero_ext.GradBuckets
+    process_group: Optional[dist.ProcessGroup]
+    world_size: int
+    rank: int
+    device: torch.device
+    params: List[torch.nn.Parameter]  # trainable, in bucket order
+    names: List[str]
+    param_ids: Set[int] = field(default_factory=set)
+
+    def check_parameters_unchanged(self) -> None:
+        """Once per step: a parameter replaced by a new object after wrap()
+        would train on silently missing gradients."""
+        current = [p for p in self.model.parameters() if p.requires_grad]
+        if len(current) == len(self.params) and all(id(p) in self.param_ids for p in current):
+            return
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        new = [names[id(p)] for p in current if id(p) not in self.param_ids]
+        gone = [n for p, n in zip(self.params, self.names) if id(p) not in names or not p.requires_grad]
+        raise RuntimeError(
+            "zero_ext: the model's trainable parameters changed after zero_ext.wrap() "
+            f"(new or replaced: {new or 'none'}; no longer trainable or removed: {gone or 'none'}). "
+            "Their gradients would not be reduced or stepped. Update parameters in place "
+            "(param.data.copy_(...)) or freeze/replace them before calling wrap()."
+        )
+
+
+def _resolve_group(process_group: Optional[dist.ProcessGroup]) -> Tuple[Optional[dist.ProcessGroup], int, int, str]:
+    if process_group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None, 1, 0, ""  # notebooks: a single process, no communication
+        process_group = dist.group.WORLD
+    rank = dist.get_rank(process_group)
+    if rank < 0:
+        raise ValueError(
+            "zero_ext.wrap: this rank is not a member of the process_group passed; "
+            "call wrap() only on ranks of that group, or pass a group that contains this rank."
+        )
+    world = dist.get_world_size(process_group)
+    return process_group, world, rank, process_group.group_name
+
+
+def _timeout_seconds(timeout: Union[None, float, int, datetime.timedelta]) -> float:
+    if timeout is None:
+        return 0.0
+    if isinstance(timeout, datetime.timedelta):
+        return timeout.total_seconds()
+    if isinstance(timeout, (int, float)) and timeout > 0:
+        return float(timeout)
+    raise ValueError(f"zero_ext.wrap: timeout must be positive seconds or a timedelta, got {timeout!r}")
+
+
+def _validate(model, optimizer, stage, mixed_precision, offload_optimizer) -> List[torch.nn.Parameter]:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"zero_ext.wrap: model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"zero_ext.wrap: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_ext.wrap: stage must be 0, 1, 2 or 3, got {stage!r}")
+    if stage == 3:
+        raise NotImplementedError("zero_ext.wrap: stage 3 (sharded parameters) is not available in this version; use stage 0, 1 or 2")
+    if mixed_precision is not None:
+        if mixed_precision not in ("bf16", "fp16") and not isinstance(mixed_precision, MixedPrecision):
+            raise ValueError(
+                f"zero_ext.wrap: mixed_precision must be None, 'bf16', 'fp16' or "
+                f"zero_ext.MixedPrecision(...), got {mixed_precision!r}"
+            )
+        raise NotImplementedError("zero_ext.wrap: mixed precision is not available in this version; pass mixed_precision=None")
+    if offload_optimizer is not None:
+        if offload_optimizer != "cpu":
+            raise ValueError(f"zero_ext.wrap: offload_optimizer must be None or 'cpu', got {offload_optimizer!r}")
+        raise NotImplementedError("zero_ext.wrap: optimizer offload is not available in this version; pass offload_optimizer=None")
+
+    for module in model.modules():
+        if isinstance(module, ZeroExtModule):
+            where = "the model itself" if module is model else "one of its submodules"
+            raise ValueError(
+                f"zero_ext.wrap: {where} is already wrapped by zero_ext; wrap each model "
+                "once, at the top level"
+            )
+    for p in model.parameters():
+        if getattr(p, "_zero_ext_owner", None) is not None:
+            raise ValueError(
+                "zero_ext.wrap: this module's parameters belong to a model already wrapped by "
+                "zero_ext (is it a submodule of one?); wrap each model once, at the top level"
+            )
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError(
+            "zero_ext.wrap: the model has no trainable parameters (every requires_grad is False); "
+            "there is nothing to shard or train"
+        )
+    devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
+    if len(devices) > 1:
+        raise ValueError(
+            f"zero_ext.wrap: the model's tensors are on several devices {sorted(map(str, devices))}; "
+            "move the whole model to one device (model.to(device)) before wrap()"
+        )
+    bad = [n for n, p in model.named_parameters() if p.requires_grad and p.dtype != torch.float32]
+    if bad:
+        raise ValueError(
+            f"zero_ext.wrap: trainable parameters must be float32 (fp32 master weights); "
+            f"{bad[:3]} are not. Keep the model in fp32 and use mixed_precision for lower-precision compute."
+        )
+
+    model_ids = {id(p) for p in model.parameters()}
+    foreign = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"] if id(p) not in model_ids]
+    if foreign:
+        raise ValueError(
+            f"zero_ext.wrap: the optimizer holds {len(foreign)} tensors that are not parameters of this "
+            f"model (shapes {foreign[:3]}); build the optimizer over model.parameters()"
+        )
+    in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    names = {id(p): n for n, p in model.named_parameters()}
+    missing = [names[id(p)] for p in trainable if id(p) not in in_optimizer]
+    if missing:
+        raise ValueError(
+            f"zero_ext.wrap: trainable parameters {missing[:3]} are not in the optimizer; add them "
+            "to it or freeze them (requires_grad_(False)) before wrap()"
+        )
+    if optimizer.state:
+        raise ValueError(
+            "zero_ext.wrap: the optimizer already has state (it has stepped); wrap before the "
+            "first step. To resume training, load a checkpoint after wrap()"
+        )
+    check_elementwise(optimizer, stage)
+    return trainable
+
+
+def wrap(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    stage: int = 2,
+    process_group: Optional[dist.ProcessGroup] = None,
+    mixed_precision: Union[None, str, MixedPrecision] = None,
+    offload_optimizer: Optional[str] = None,
+    units: Union[None, Set[type], Callable[[torch.nn.Module], bool]] = None,
+    bucket_mb: float = 25.0,
+    timeout: Union[None, float, datetime.timedelta] = None,
+) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """Makes `model` and `optimizer` ZeRO data parallel, in place.
+
+    Train with plain ``loss.backward(); optimizer.step(); optimizer.zero_grad()``.
+    Gradients are averaged over the ranks of `process_group` (the world group
+    by default; a single process if torch.distributed is not initialized).
+
+    Args:
+        model: module already on its device; modified in place, same names.
+        optimizer: a torch.optim.Optimizer over ``model.parameters()``.
+        stage: 0 replicated (DDP-like), 1 sharded optimizer state,
+            2 also sharded gradients.
+        bucket_mb: gradient bucket size in MiB.
+        timeout: bound in seconds on every collective wait.
+    Returns:
+        ``(model, optimizer)``, the same objects.
+    Raises:
+        TypeError, ValueError: bad input, before any communication.
+    """
+    trainable = _validate(model, optimizer, stage, mixed_precision, offload_optimizer)
+    if units is not None and stage != 3:
+        raise ValueError("zero_ext.wrap: units only applies to stage 3")
+    if not bucket_mb > 0:
+        raise ValueError(f"zero_ext.wrap: bucket_mb must be positive, got {bucket_mb!r}")
+    group, world, rank, group_name = _resolve_group(process_group)
+    timeout_s = _timeout_seconds(timeout)
+
+    group_of = {id(p): g for g, group_ in enumerate(optimizer.param_groups) for p in group_["params"]}
+    ordered, counts = plan_buckets(trainable, group_of, int(bucket_mb * 2**20))
+    names_by_id = {id(p): n for n, p in model.named_parameters()}
+    names = [names_by_id[id(p)] for p in ordered]
+    buckets = GradBuckets(ordered, names, counts, stage, group_name, timeout_s)
+    if group is not None and world > 1:
+        with torch.no_grad():
+            for buffer in model.buffers():  # every rank starts from rank 0's state
+                dist.broadcast(buffer, src=dist.get_global_rank(group, 0), group=group)
+
+    state = ZeroState(
+        model=model, stage=stage, buckets=buckets, process_group=group, world_size=world,
+        rank=rank, device=ordered[0].device, params=ordered, names=names,
+        param_ids={id(p) for p in ordered},
+    )
+    for p in ordered:
+        p._zero_ext_owner = True
+    swap_module_class(model)
+    model._zero_ext = state
+    install_forward_hooks(model)
+    shard_optimizer(optimizer, state, ordered, group_of)
+    return model, optimizer
