@@ -1,0 +1,430 @@
+"""Training scenarios run twice: wrapped by zero_ext on N ranks, and as a
+single-process reference over the global batch.
+
+A scenario is written once against a Context. The reference context plays
+every rank at once: each forward computes the sum over ranks r of
+(1/N) * loss_r, so its gradients are exactly what averaging N ranks' gradients
+must give, rank-dependent branches included. A scenario returns a list of
+named checkpoints (gradients after a backward, parameters after a step,
+returned norms); the two lists must match.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import zero_ext
+
+BATCH = 4          # samples per rank
+IN, HIDDEN, OUT = 6, 12, 3
+BUCKET_MB = 0.0005  # ~500 bytes: several buckets even for these tiny models
+
+
+class Net(nn.Module):
+    """Small MLP with an optional side branch, for unused/rank-dependent tests."""
+
+    def __init__(self, seed: int = 0, branch: bool = False):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.inp = nn.Linear(IN, HIDDEN)
+        self.mid = nn.Linear(HIDDEN, HIDDEN)
+        self.out = nn.Linear(HIDDEN, OUT)
+        self.branch = nn.Linear(HIDDEN, OUT) if branch else None
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+    def forward(self, x: torch.Tensor, use_branch: bool = False) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.mid(h))
+        y = self.out(h)
+        if use_branch:
+            y = y + self.branch(h)
+        return y
+
+
+class LossNet(Net):
+    """Computes its own loss inside forward()."""
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return F.mse_loss(super().forward(x), target)
+
+
+def batch(step: int, rank: int, world: int, salt: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s slice of the global batch of `step`."""
+    g = torch.Generator().manual_seed(1000 * step + salt)
+    x = torch.randn(world * BATCH, IN, generator=g)
+    y = torch.randn(world * BATCH, OUT, generator=g)
+    sl = slice(rank * BATCH, (rank + 1) * BATCH)
+    return x[sl], y[sl]
+
+
+class Context:
+    def __init__(self, stage: int, rank: int, world: int, reference: bool):
+        self.stage, self.rank, self.world, self.reference = stage, rank, world, reference
+        self.checkpoints: List[Tuple[str, Dict[str, Optional[torch.Tensor]]]] = []
+
+    # -- who this process plays -------------------------------------------
+    def participants(self) -> List[Tuple[int, float]]:
+        """(rank, weight) pairs: this rank alone, or every rank at 1/N."""
+        if self.reference:
+            return [(r, 1.0 / self.world) for r in range(self.world)]
+        return [(self.rank, 1.0)]
+
+    def wrap(self, model: nn.Module, opt: torch.optim.Optimizer):
+        if self.reference:
+            return model, opt
+        return zero_ext.wrap(model, opt, stage=self.stage, bucket_mb=BUCKET_MB)
+
+    def no_sync(self, model: nn.Module):
+        return contextlib.nullcontext() if self.reference else model.no_sync()
+
+    def clip(self, model: nn.Module, opt, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        if self.reference:
+            return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+        return opt.clip_grad_norm_(max_norm, norm_type)
+
+    # -- checkpoints --------------------------------------------------------
+    def record_grads(self, label: str, model: nn.Module) -> None:
+        if self.reference:
+            grads = {n: None if p.grad is None else p.grad.detach().clone()
+                     for n, p in model.named_parameters()}
+        else:
+            grads = zero_ext.full_grads(model)
+        self.checkpoints.append((f"{label}: grads", grads))
+
+    def record_params(self, label: str, model: nn.Module) -> None:
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        self.checkpoints.append((f"{label}: params", params))
+
+    def record_value(self, label: str, value: torch.Tensor) -> None:
+        self.checkpoints.append((label, {"value": value.detach().clone().reshape(())}))
+
+    def record_check(self, label: str, ok: bool) -> None:
+        """A property only the zero_ext run can check (the reference records True)."""
+        self.checkpoints.append((label, {"ok": torch.tensor(bool(ok) or self.reference)}))
+
+
+def mlp_loss(ctx: Context, model: nn.Module, step: int, salt: int = 0, branch_on_rank0: bool = False) -> torch.Tensor:
+    total = 0.0
+    for r, w in ctx.participants():
+        x, y = batch(step, r, ctx.world, salt)
+        out = model(x, use_branch=branch_on_rank0 and r == 0) if branch_on_rank0 else model(x)
+        total = total + w * F.mse_loss(out, y)
+    return total
+
+
+def sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+
+
+def adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+
+
+# ---------------------------------------------------------------------------
+# Scenarios. Each takes a Context and records checkpoints.
+# ---------------------------------------------------------------------------
+
+def scalar_loss_outside_model(ctx: Context) -> None:
+    model = Net()
+    model, opt = ctx.wrap(model, sgd(model))
+    for step in range(3):
+        mlp_loss(ctx, model, step).backward()
+        ctx.record_grads(f"step {step}", model)
+        opt.step()
+        opt.zero_grad()
+        ctx.record_params(f"step {step}", model)
+
+
+def loss_inside_model_adamw(ctx: Context) -> None:
+    model = LossNet()
+    model, opt = ctx.wrap(model, adamw(model))
+    for step in range(3):
+        loss = 0.0
+        for r, w in ctx.participants():
+            x, y = batch(step, r, ctx.world)
+            loss = loss + w * model(x, y)
+        loss.backward()
+        ctx.record_grads(f"step {step}", model)
+        opt.step()
+        opt.zero_grad()
+        ctx.record_params(f"step {step}", model)
+
+
+def nonscalar_backward(ctx: Context) -> None:
+    model = Net()
+    model, opt = ctx.wrap(model, sgd(model))
+    for step in range(2):
+        outs, grads = [], []
+        for r, w in ctx.participants():
+            x, _ = batch(step, r, ctx.world)
+            g = torch.Generator().manual_seed(7 + step + 100 * r)
+            outs.append(model(x))
+            grads.append(w * torch.randn(BATCH, OUT, generator=g))
+        torch.cat(outs).backward(torch.cat(grads))
+        ctx.record_grads(f"step {step}", model)
+        opt.step()
+        opt.zero_grad()
+        ctx.record_params(f"step {step}", model)
+
+
+def autograd_backward_list(ctx: Context) -> None:
+    model = Net()
+    model, opt = ctx.wrap(model, sgd(model))
+    for step in range(2):
+        l1 = mlp_loss(ctx, model, step)
+        l2 = 0.5 * mlp_loss(ctx, model, step, salt=1)
+        torch.autograd.backward([l1, l2])
+        ctx.record_grads(f"step {step}", model)
+        opt.step()
+        opt.zero_grad()
+        ctx.record_params(f"step {step}", model)
+
+
+def three_models_one_loss(ctx: Context) -> None:
+    models, opts = [], []
+    for seed in range(3):
+        m = Net(seed=seed)
+        m, o = ctx.wrap(m, sgd(m))
+        models.append(m)
+        opts.append(o)
+    for step in range(2):
+        loss = 0.0
+        for r, w in ctx.participants():
+            x, y = batch(step, r, ctx.world)
+            h = models[0](x)
+            h2 = models[1](torch.cat([h, h], dim=1))
+            loss = loss + w * (F.mse_loss(h2, y) + models[2](x).square().mean())
+        loss.backward()
+        for i, m in enumerate(models):
+            ctx.record_grads(f"step {step} model {i}", m)
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        for i, m in enumerate(models):
+            ctx.record_params(f"step {step} model {i}", m)
+
+
+def _retain_graph(ctx: Context, zero_between: bool) -> None:
+    model = Net()
+    model, opt = ctx.wrap(model, sgd(model))
+    for step in range(2):
+        l1 = mlp_loss(ctx, model, step)
+        out_sq = 0.0
+        for r, w in ctx.participants():
+            x, _ = batch(step, r, ctx.world)
+            out_sq = out_sq + w * model(x).square().mean()
+        total = l1 + out_sq
+        l1.backward(retain_graph=True)
+        ctx.record_check(f"step {step}: keep_graph seen from C++",
+                         ctx.reference or model._zero_ext.buckets.stats()["last_keep_graph"] == 1)
+        ctx.record_grads(f"step {step} after first backward", model)
+        if zero_between:
+            opt.zero_grad()
+        total.backward()  # goes through l1's retained graph a second time
+        ctx.record_check(f"step {step}: second backward did not keep graph",
+                         ctx.reference or model._zero_ext.buckets.stats()["last_keep_graph"] == 0)
+        ctx.record_grads(f"step {step} after second backward", model)
+        opt.step()
+        opt.zero_grad()
+        ctx.record_params(f"step {step}", model)
+
+
+def retain_graph_two_losses(ctx: Context) -> None:
+    _retain_graph(ctx, zero_between=False)
+
+
+def retain_graph_zero_grad_between(ctx: Context) -> None:
+    _retain_graph(ctx, zero_between=True)
+
+
+def _accumulate(ctx: Context, counts: List[int]) -> None:
+    model = Net()
+    model, opt = ctx.wrap(model, adamw(model))
+    for step, count in enumerate(counts):
+        for micro in range(count):
+            mlp_loss(ctx, model, step, salt=micro).backward()
+            ctx.record_grads(f"step {step} backward {micro}", model)
+        opt.step()
+        opt.zero_grad()
+        ctx.record_params(f"step {step}", model)
+
+
+def four_backward_per_step(ctx: Context) -> None:
+    _accumulate(ctx, [4, 4])
+
+
+def varying_backward_per_step(ctx: Context) -> None:
+    _accumulate(ctx, [2, 5, 3])
+
+
+def no_sync_accumulation(ctx: Context) -> None:
+    model = Net()
+    model, opt = ctx.wrap(model, sgd(model))
+    for step in range(2):
+        with ctx.no_sync(model):
+            for micro in range(3):
+                mlp_loss(ctx, model, step, salt=micro).backward()
+        mlp_loss(ctx, model, step, salt=3).backward()
+        ctx.record_grads(f"step {step}", model)
+        opt.step()
+        opt.zero_grad()
+        ctx.record_params(f"step {step}", model)
+
+
+def unused_parameters(ctx: Context) -> None:
+    """The branch is unused in step 0, used in step 1, unused in step 2."""
+    model = Net(branch=True)
+    model, opt = ctx.wrap(model, adamw(model))
+    for step in range(3):
+        loss = 0.0
+        for r, w in ctx.participants():
+            x, y = batch(step, r, ctx.world)
+            loss = loss + w * F.mse_loss(model(x, use_branch=step == 1), y)
+        loss.backward()
+        ctx.record_grads(f"step {step}", model)
+        opt.step()
+        opt.zero_grad()
+        ctx.record_params(f"step {step}", model)
+
+
+def branch_on_rank0_only(ctx: Context) -> None:
+    model = Net(branch=True)
+    model, opt = ctx.wrap(model, adamw(model))
+    for step in range(3):
+        mlp_loss(ctx, model, step, branch_on_rank0=True).backward()
+        ctx.record_grads(f"step {step}", model)
+        opt.step()
+        opt.zero_grad()
+        ctx.record_params(f"step {step}", model)
+
+
+def frozen_parameters(ctx: Context) -> None:
+    model = Net()
+    model.mid.requires_grad_(False)
+    model, opt = ctx.wrap(model, adamw(model))  # optimizer also holds the frozen ones
+    for step in range(2):
+        mlp_loss(ctx, model, step).backward()
+        ctx.record_grads(f"step {step}", model)
+        opt.step()
+        opt.zero_grad()
+        ctx.record_params(f"step {step}", model)
+
+
+def param_groups_and_scheduler(ctx: Context) -> None:
+    model = Net()
+    opt = torch.optim.Adam([
+        {"params": list(model.inp.parameters()) + list(model.out.parameters()), "lr": 0.02, "weight_decay": 0.0},
+        {"params": model.mid.parameters(), "lr": 0.005, "weight_decay": 0.05},
+    ])
+    model, opt = ctx.wrap(model, opt)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(3):
+        mlp_loss(ctx, model, step).backward()
+        ctx.record_grads(f"step {step}", model)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        ctx.record_params(f"step {step}", model)
+        ctx.record_value(f"step {step} lr group 1", torch.tensor(opt.param_groups[1]["lr"]))
+
+
+def clip_grad_norm(ctx: Context) -> None:
+    model = Net(branch=True)  # the unused branch must not count
+    model, opt = ctx.wrap(model, sgd(model))
+    for step in range(2):
+        (10.0 * mlp_loss(ctx, model, step)).backward()
+        norm = ctx.clip(model, opt, max_norm=0.5, norm_type=2.0 if step == 0 else float("inf"))
+        ctx.record_value(f"step {step} total norm", norm)
+        ctx.record_grads(f"step {step} clipped", model)
+        opt.step()
+        opt.zero_grad()
+        ctx.record_params(f"step {step}", model)
+
+
+def autograd_grad_is_side_effect_free(ctx: Context) -> None:
+    model = Net()
+    model, opt = ctx.wrap(model, adamw(model))
+    for step in range(2):
+        mlp_loss(ctx, model, step).backward()
+        ctx.record_grads(f"step {step} before autograd.grad", model)
+        # Only returns gradients: .grad, optimizer gradients and comm state stay.
+        collectives = None if ctx.reference else model._zero_ext.buckets.stats()["collectives"]
+        g = torch.autograd.grad(mlp_loss(ctx, model, step, salt=5), [model.inp.weight])[0]
+        ctx.record_check(f"step {step} autograd.grad returned a gradient", g.abs().sum() > 0)
+        ctx.record_check(f"step {step} autograd.grad issued no collective",
+                         ctx.reference or model._zero_ext.buckets.stats()["collectives"] == collectives)
+        ctx.record_grads(f"step {step} after autograd.grad", model)
+        opt.step()
+        opt.zero_grad()
+        ctx.record_params(f"step {step}", model)
+
+
+SCENARIOS: Dict[str, Callable[[Context], None]] = {
+    f.__name__: f
+    for f in [
+        scalar_loss_outside_model,
+        loss_inside_model_adamw,
+        nonscalar_backward,
+        autograd_backward_list,
+        three_models_one_loss,
+        retain_graph_two_losses,
+        retain_graph_zero_grad_between,
+        four_backward_per_step,
+        varying_backward_per_step,
+        no_sync_accumulation,
+        unused_parameters,
+        branch_on_rank0_only,
+        frozen_parameters,
+        param_groups_and_scheduler,
+        clip_grad_norm,
+        autograd_grad_is_side_effect_free,
+    ]
+}
+STAGES = (0, 1, 2)
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def compare(ref, got) -> Optional[str]:
+    """First mismatch between two checkpoint lists, or None."""
+    if len(ref) != len(got):
+        return f"{len(got)} checkpoints, reference has {len(ref)}"
+    for (label, want), (label2, have) in zip(ref, got):
+        assert label == label2
+        if set(want) != set(have):
+            return f"{label}: keys {sorted(have)} != reference {sorted(want)}"
+        for key in want:
+            a, b = want[key], have[key]
+            if a is None or b is None:
+                if a is not None or b is not None:
+                    return f"{label} [{key}]: got {'None' if b is None else 'a tensor'}, reference {'None' if a is None else 'a tensor'}"
+                continue
+            if a.dtype == torch.bool:
+                if not bool(b):
+                    return f"{label}: check failed"
+                continue
+            if a.shape != b.shape or not torch.allclose(b.float(), a.float(), rtol=RTOL, atol=ATOL):
+                diff = (b.float() - a.float()).abs().max().item() if a.shape == b.shape else "shape"
+                return f"{label} [{key}]: max abs diff {diff}"
+    return None
+
+
+def run_all(rank: int, world: int, names: Optional[List[str]] = None) -> Dict[str, Optional[str]]:
+    """Entry point on each rank: every scenario at every stage; returns
+    {"scenario/stage": None or mismatch}. An exception ends the group."""
+    results: Dict[str, Optional[str]] = {}
+    for name, fn in SCENARIOS.items():
+        if names and name not in names:
+            continue
+        ref_ctx = Context(stage=0, rank=rank, world=world, reference=True)
+        fn(ref_ctx)
+        for stage in STAGES:
+            ctx = Context(stage=stage, rank=rank, world=world, reference=False)
+            fn(ctx)
+            results[f"{name}/stage{stage}"] = compare(ref_ctx.checkpoints, ctx.checkpoints)
+    return results
