@@ -17,6 +17,7 @@ TORCH_LIBRARY(zero_ext, m) {
       .def("sync", &GradBuckets::sync)
       .def("zero_grad", &GradBuckets::zero_grad)
       .def("gather_params", &GradBuckets::gather_params)
+      .def("check_before_step", &GradBuckets::check_before_step)
       .def("reset_if_stale", &GradBuckets::reset_if_stale)
       .def("segments", &GradBuckets::segments)
       .def("segment_param_indices", &GradBuckets::segment_param_indices)

@@ -466,20 +466,34 @@ void GradBuckets::zero_grad(bool set_to_none) {
   }
 }
 
+void GradBuckets::check_before_step() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  verify_hooks(false);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& grad = params_[i].grad();
+    const bool stray = stage_ == 0 ? grad.defined() && !same_memory(grad, grad_views_[i])
+                                   : grad.defined();
+    TORCH_CHECK(!stray, "zero_ext: parameter '", names_[i],
+                "' holds a gradient in .grad that zero_ext did not reduce: either the last "
+                "backward ran under no_sync() (run one backward outside it before step()), or "
+                "the gradient bypassed zero_ext's hook (the parameter's .data was replaced "
+                "after wrap()).");
+    const Bucket& bucket = buckets_[bucket_of_[i]];
+    TORCH_CHECK(params_[i].data_ptr() ==
+                        static_cast<char*>(bucket.param_flat.data_ptr()) +
+                            offset_[i] * bucket.param_flat.element_size() &&
+                    params_[i].dtype() == bucket.param_flat.dtype(),
+                "zero_ext: the storage of parameter '", names_[i],
+                "' was replaced after zero_ext.wrap() (param.data = ...), so optimizer "
+                "updates can no longer reach it. Change parameters in place "
+                "(param.data.copy_(...)) or use zero_ext.load_full_state_dict().");
+  }
+}
+
 void GradBuckets::gather_params() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (stage_ == 0) {
     return;
-  }
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const Bucket& bucket = buckets_[bucket_of_[i]];
-    TORCH_CHECK(params_[i].data_ptr() ==
-                    static_cast<char*>(bucket.param_flat.data_ptr()) +
-                        offset_[i] * bucket.param_flat.element_size(),
-                "zero_ext: the storage of parameter '", names_[i],
-                "' was replaced after zero_ext.wrap() (param.data = ...), so optimizer "
-                "updates can no longer reach it. Change parameters in place "
-                "(param.data.copy_(...)) or zero_ext.load_full_state_dict().");
   }
   std::vector<c10::intrusive_ptr<c10d::Work>> works(buckets_.size());
   for (size_t b = 0; b < buckets_.size(); ++b) {

@@ -61,6 +61,9 @@ class GradBuckets : public torch::CustomClassHolder {
   void zero_grad(bool set_to_none);
   // Stages 1-2: all-gather every bucket whose shard the optimizer changed.
   void gather_params();
+  // Before a step: raises if a gradient bypassed zero_ext's hook, or a
+  // parameter's storage is no longer the bucket's.
+  void check_before_step();
   // Drops state left by a backward that raised before its epilogue ran.
   bool reset_if_stale();
 

@@ -365,6 +365,73 @@ def autograd_grad_is_side_effect_free(ctx: Context) -> None:
         ctx.record_params(f"step {step}", model)
 
 
+def _checkpointed(ctx: Context, reentrant: bool) -> None:
+    """`mid` runs inside an activation checkpoint and again outside it, so its
+    gradient arrives twice per backward (from an inner graph task when
+    reentrant), possibly after its bucket was already reduced."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = Net()
+    model, opt = ctx.wrap(model, adamw(model))
+    for step in range(2):
+        loss = 0.0
+        for r, w in ctx.participants():
+            x, y = batch(step, r, ctx.world)
+            h = torch.tanh(model.inp(x))
+            h = checkpoint(lambda t: torch.tanh(model.mid(t)), h, use_reentrant=reentrant)
+            h = torch.tanh(model.mid(h))
+            loss = loss + w * F.mse_loss(model.out(h), y)
+        loss.backward()
+        ctx.record_grads(f"step {step}", model)
+        opt.step()
+        opt.zero_grad()
+        ctx.record_params(f"step {step}", model)
+
+
+def checkpoint_reentrant_param_used_twice(ctx: Context) -> None:
+    _checkpointed(ctx, reentrant=True)
+
+
+def checkpoint_nonreentrant_param_used_twice(ctx: Context) -> None:
+    _checkpointed(ctx, reentrant=False)
+
+
+def state_bytes_match_the_stage(ctx: Context) -> None:
+    """Exact bytes each rank holds after a step: full parameters; gradients
+    full (stage 0), full staging + fp32 shard (1) or only the shard (2);
+    AdamW state for this rank's shard only (stages 1-2)."""
+    model = Net(branch=True)
+    n_elems = sum(p.numel() for p in model.parameters())
+    model, opt = ctx.wrap(model, adamw(model))
+    mlp_loss(ctx, model, 0, branch_on_rank0=True).backward()
+    opt.step()
+    ctx.record_params("after step", model)
+    labels = ["padding below world size per bucket", "parameter bytes are the full model",
+              "gradient bytes match the stage", "optimizer state covers exactly its elements",
+              "optimizer shards tile the model exactly once"]
+    if ctx.reference:
+        for label in labels:
+            ctx.record_check(label, True)
+        return
+    stats = model._zero_ext.buckets.stats()
+    padded = sum(model._zero_ext.buckets.bucket_layout()[2::3])
+    expected_grad = {0: padded, 1: padded + padded // ctx.world, 2: padded // ctx.world}[ctx.stage] * 4
+    state_elems = sum(t.numel() for st in opt.state.values() for k, t in st.items() if k != "step")
+    opt_elems = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    total = torch.tensor([opt_elems])
+    if ctx.stage > 0 and ctx.world > 1:
+        torch.distributed.all_reduce(total)
+    checks = [
+        n_elems <= padded < n_elems + ctx.world * stats["buckets"],
+        stats["param_bytes"] == padded * 4,
+        stats["grad_bytes"] == expected_grad,
+        state_elems == 2 * opt_elems,
+        int(total) == n_elems,
+    ]
+    for label, ok in zip(labels, checks):
+        ctx.record_check(label, ok)
+
+
 SCENARIOS: Dict[str, Callable[[Context], None]] = {
     f.__name__: f
     for f in [
@@ -384,6 +451,9 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
         param_groups_and_scheduler,
         clip_grad_norm,
         autograd_grad_is_side_effect_free,
+        checkpoint_reentrant_param_used_twice,
+        checkpoint_nonreentrant_param_used_twice,
+        state_bytes_match_the_stage,
     ]
 }
 STAGES = (0, 1, 2)

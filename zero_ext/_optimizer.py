@@ -97,6 +97,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, state, ordered_params: Lis
 
     def before_step(opt, args, kwargs) -> None:
         state.check_parameters_unchanged()
+        state.buckets.check_before_step()
 
     def after_step(opt, args, kwargs) -> None:
         state.buckets.gather_params()

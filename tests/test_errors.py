@@ -1,0 +1,174 @@
+"""Bad input: each gets an error whose message names the problem and the fix."""
+import pytest
+import torch
+import torch.nn as nn
+
+import zero_ext
+
+
+def make(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def train_step(model, opt):
+    model(torch.randn(3, 4)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("stage", [-1, 4, "2", 2.5, True])
+def test_stage_outside_range(stage):
+    model, opt = make()
+    with pytest.raises(ValueError, match="stage must be 0, 1, 2 or 3"):
+        zero_ext.wrap(model, opt, stage=stage)
+
+
+def test_optimizer_over_other_parameters():
+    model, _ = make()
+    other, other_opt = make(1)
+    with pytest.raises(ValueError, match="not parameters of this model.*model.parameters"):
+        zero_ext.wrap(model, other_opt, stage=1)
+
+
+def test_trainable_parameter_missing_from_optimizer():
+    model, _ = make()
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"not in the optimizer.*freeze them"):
+        zero_ext.wrap(model, opt, stage=1)
+
+
+def test_wrap_twice():
+    model, opt = make()
+    zero_ext.wrap(model, opt, stage=1)
+    with pytest.raises(ValueError, match="already wrapped"):
+        zero_ext.wrap(model, opt, stage=1)
+
+
+def test_wrap_submodule_of_wrapped_model():
+    model, opt = make()
+    zero_ext.wrap(model, opt, stage=2)
+    with pytest.raises(ValueError, match="already wrapped"):
+        zero_ext.wrap(model[0], torch.optim.SGD(model[0].parameters(), lr=0.1), stage=2)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_non_elementwise_optimizer(stage):
+    model, _ = make()
+    opt = torch.optim.LBFGS(model.parameters())
+    with pytest.raises(TypeError, match="LBFGS is not known to update each element independently.*stage=0"):
+        zero_ext.wrap(model, opt, stage=stage)
+
+
+def test_no_trainable_parameters():
+    model, opt = make()
+    model.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        zero_ext.wrap(model, opt, stage=2)
+
+
+def test_not_a_module_or_optimizer():
+    model, opt = make()
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        zero_ext.wrap(object(), opt)
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        zero_ext.wrap(model, object())
+
+
+def test_optimizer_that_already_stepped():
+    model, _ = make()
+    opt = torch.optim.Adam(model.parameters())
+    train_step(model, opt)
+    with pytest.raises(ValueError, match="already has state"):
+        zero_ext.wrap(model, opt, stage=1)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_parameter_replaced_by_new_object_after_wrap(stage):
+    model, opt = make()
+    zero_ext.wrap(model, opt, stage=stage)
+    train_step(model, opt)
+    model[2].weight = nn.Parameter(torch.zeros(2, 8))
+    model(torch.randn(3, 4)).square().mean().backward()
+    with pytest.raises(RuntimeError, match=r"changed after zero_ext.wrap\(\).*2.weight"):
+        opt.step()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_parameter_data_swapped_to_other_dtype_after_wrap(stage):
+    """The accumulator is re-created, so the hook would never see the gradient."""
+    model, opt = make()
+    zero_ext.wrap(model, opt, stage=stage)
+    train_step(model, opt)
+    model.double()  # Module._apply assigns param.data: new accumulators
+    with pytest.raises(RuntimeError, match=r"'\d.(weight|bias)' got a gradient that zero_ext never saw"):
+        model(torch.randn(3, 4, dtype=torch.float64)).square().mean().backward()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_bypassed_hook_is_caught_without_forward_hooks(stage):
+    """Submodules called directly: no output hook ran, so the epilogue is armed
+    by the first gradient hook, and it still catches the bypassed layer."""
+    model, opt = make()
+    zero_ext.wrap(model, opt, stage=stage)
+    model[0].double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"'0.(weight|bias)' got a gradient that zero_ext never saw"):
+        model[2](torch.tanh(model[0](x)).float()).square().mean().backward()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_bypassed_hooks_are_caught_at_step(stage):
+    """No hook of zero_ext ran in that backward at all: step() catches it."""
+    model, opt = make()
+    zero_ext.wrap(model, opt, stage=stage)
+    model.double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    model[2](torch.tanh(model[0](x))).square().mean().backward()
+    with pytest.raises(RuntimeError, match=r"(got a gradient that zero_ext never saw|zero_ext did not reduce)"):
+        opt.step()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_parameter_storage_swapped_after_wrap(stage):
+    model, opt = make()
+    zero_ext.wrap(model, opt, stage=stage)
+    model[0].bias.data = torch.zeros(8)
+    model(torch.randn(3, 4)).square().mean().backward()
+    with pytest.raises(RuntimeError, match=r"storage of parameter '0.bias' was replaced"):
+        opt.step()
+
+
+@pytest.mark.parametrize("bad", [{"mixed_precision": "int8"}, {"offload_optimizer": "disk"},
+                                 {"bucket_mb": 0}, {"timeout": -1}])
+def test_bad_option_values(bad):
+    model, opt = make()
+    with pytest.raises(ValueError, match="|".join(bad)):
+        zero_ext.wrap(model, opt, **bad)
+
+
+def test_model_on_several_devices():
+    model, opt = make()
+    model.register_buffer("meta_buf", torch.zeros(1, device="meta"))
+    with pytest.raises(ValueError, match="several devices.*model.to"):
+        zero_ext.wrap(model, opt)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_step_after_only_no_sync_backward(stage):
+    model, opt = make()
+    zero_ext.wrap(model, opt, stage=stage)
+    with model.no_sync():
+        model(torch.randn(3, 4)).square().mean().backward()
+    with pytest.raises(RuntimeError, match=r"did not reduce.*no_sync\(\)"):
+        opt.step()
+
+
+def test_step_before_any_backward_is_a_noop():
+    model, opt = make()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    zero_ext.wrap(model, opt, stage=2)
+    opt.step()
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n])
