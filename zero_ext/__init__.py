@@ -7,6 +7,7 @@ The gradient path (hooks, buckets, reductions, the once-per-backward epilogue)
 runs in C++ inside the autograd engine; this package is the wiring.
 """
 from ._api import MixedPrecision
+from ._report import memory_report
 from ._state_dict import full_grads, full_state_dict, load_full_state_dict
 from ._wrap import wrap
 
@@ -15,6 +16,7 @@ __all__ = [
     "full_grads",
     "full_state_dict",
     "load_full_state_dict",
+    "memory_report",
     "wrap",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,137 @@
+"""Step time of zero_ext stages 0-2 against torch DDP, measured in one run.
+
+    python benchmarks/step_time.py                 # 2 CPU ranks (gloo)
+    python benchmarks/step_time.py --world 4 --dim 384 --layers 6
+
+Every system trains the same transformer on the same token batches in the same
+group of processes; the systems take their steps in turn (round-robin), each
+timed over --steps steps after --warmup steps, and the median is reported. Prints a table (ms per step, ratio
+against DDP, bytes of model state per rank, final loss) and optionally writes
+it as JSON. Timings are not asserted anywhere.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from train_lm import TinyGPT  # noqa: E402
+
+import zero_ext  # noqa: E402
+
+
+def make_batch(args, rank, world, step):
+    g = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, args.vocab, (world * args.batch, args.context + 1), generator=g)
+    mine = tokens[rank * args.batch:(rank + 1) * args.batch]
+    return mine[:, :-1], mine[:, 1:]
+
+
+def build_system(args, system, world):
+    torch.manual_seed(0)
+    model = TinyGPT(args.vocab, args.dim, args.layers, args.heads, args.context)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    if system == "ddp":
+        trained = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb) if world > 1 else model
+    else:
+        trained, opt = zero_ext.wrap(model, opt, stage=int(system[-1]), bucket_mb=args.bucket_mb)
+    return model, trained, opt
+
+
+def run_systems(args, rank, world):
+    """Steps the systems round-robin, so drift in machine load hits all alike."""
+    built = {system: build_system(args, system, world) for system in args.systems}
+    times = {system: [] for system in args.systems}
+    losses = {}
+    for step in range(args.warmup + args.steps):
+        x, y = make_batch(args, rank, world, step)
+        for system, (model, trained, opt) in built.items():
+            if world > 1:
+                dist.barrier()
+            start = time.perf_counter()
+            loss = F.cross_entropy(trained(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            elapsed = time.perf_counter() - start
+            losses[system] = loss.item()
+            if step >= args.warmup:
+                times[system].append(elapsed)
+    results = {}
+    for system, (model, trained, opt) in built.items():
+        report = zero_ext.memory_report(model, opt)
+        if system == "ddp":  # zero_grad() cleared them; during a step DDP holds full grads
+            report["grads"] = sum(p.numel() * p.element_size() for p in model.parameters())
+        results[system] = {"median_ms": 1e3 * statistics.median(times[system]), "loss": losses[system], **report}
+    return results
+
+
+def rank_main(rank, world, init_file, args, out_file):
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    results = run_systems(args, rank, world)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        with open(out_file, "w") as f:
+            json.dump(gathered, f)
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank")
+    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--systems", nargs="+", default=["ddp", "zero_ext-0", "zero_ext-1", "zero_ext-2"])
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out_file = os.path.join(tmp, "results.json")
+        mp.spawn(rank_main, args=(args.world, os.path.join(tmp, "rdv"), args, out_file), nprocs=args.world)
+        per_rank = json.load(open(out_file))
+
+    n_params = sum(p.numel() for p in TinyGPT(args.vocab, args.dim, args.layers, args.heads, args.context).parameters())
+    print(f"{n_params / 1e6:.2f}M parameters, world size {args.world} (gloo, CPU), "
+          f"{args.batch}x{args.context} tokens per rank, median of {args.steps} steps")
+    base = statistics.mean(r["ddp"]["median_ms"] for r in per_rank) if "ddp" in args.systems else None
+    header = f"{'system':<12} {'ms/step':>9} {'vs DDP':>7} {'params MiB':>11} {'grads MiB':>10} {'optim MiB':>10} {'loss':>7}"
+    print(header)
+    print("-" * len(header))
+    table = {}
+    for system in args.systems:
+        ms = statistics.mean(r[system]["median_ms"] for r in per_rank)
+        r0 = per_rank[0][system]
+        ratio = f"{ms / base:.2f}x" if base else "-"
+        print(f"{system:<12} {ms:>9.1f} {ratio:>7} {r0['params'] / 2**20:>11.2f} {r0['grads'] / 2**20:>10.2f} "
+              f"{r0['optimizer_state'] / 2**20:>10.2f} {r0['loss']:>7.4f}")
+        table[system] = {"ms_per_step": ms, "ratio_vs_ddp": ms / base if base else None, **r0}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": table}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

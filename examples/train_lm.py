@@ -1,0 +1,158 @@
+"""Train a small character-level transformer language model with zero_ext.
+
+    torchrun --nproc-per-node 2 examples/train_lm.py --stage 2
+
+Each rank reads its own slice of every batch from examples/data/corpus.txt;
+training is plain `loss.backward(); optimizer.step()`. At the end it prints,
+for each rank, the bytes of parameters, gradients and optimizer state that
+zero_ext holds at the chosen stage next to what DDP holds for the same model.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+import zero_ext
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, context: int):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, dim)
+        self.positions = nn.Embedding(context, dim)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(layers)
+        )
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+        self.register_buffer("causal", nn.Transformer.generate_square_subsequent_mask(context), persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        h = self.tokens(idx) + self.positions(torch.arange(t, device=idx.device))
+        for block in self.blocks:
+            h = block(h, src_mask=self.causal[:t, :t], is_causal=True)
+        return self.head(self.norm(h))
+
+
+def batches(data: torch.Tensor, context: int, batch: int, rank: int, world: int, step: int):
+    """This rank's slice of the global batch of `step` (same on every run)."""
+    g = torch.Generator().manual_seed(step)
+    starts = torch.randint(0, len(data) - context - 1, (world * batch,), generator=g)[rank * batch:(rank + 1) * batch]
+    x = torch.stack([data[s:s + context] for s in starts])
+    y = torch.stack([data[s + 1:s + context + 1] for s in starts])
+    return x, y
+
+
+def progress(step: int, total: int, loss: float, started: float) -> None:
+    width = 30
+    done = int(width * step / total)
+    rate = step / max(time.perf_counter() - started, 1e-9)
+    sys.stdout.write(f"\r[{'#' * done}{'.' * (width - done)}] {step}/{total}  loss {loss:.3f}  {rate:.1f} steps/s")
+    sys.stdout.flush()
+
+
+def fmt(n: int) -> str:
+    return f"{n / 1024:.1f} KiB" if n < 2**20 else f"{n / 2**20:.2f} MiB"
+
+
+def build(args, vocab):
+    torch.manual_seed(0)
+    model = TinyGPT(vocab, args.dim, args.layers, args.heads, args.context)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    return model, opt
+
+
+def ddp_bytes(args, vocab, data, rank, world):
+    """What DDP holds for the same model after one step (for comparison)."""
+    model, opt = build(args, vocab)
+    ddp = DistributedDataParallel(model) if world > 1 else model
+    x, y = batches(data, args.context, args.batch, rank, world, 0)
+    F.cross_entropy(ddp(x).flatten(0, 1), y.flatten()).backward()
+    opt.step()
+    return zero_ext.memory_report(model, opt)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stage", type=int, default=2, choices=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--corpus", default=os.path.join(HERE, "data", "corpus.txt"))
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+
+    text = open(args.corpus, encoding="utf-8").read()
+    chars = sorted(set(text))
+    data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
+
+    model, opt = build(args, len(chars))
+    n_params = sum(p.numel() for p in model.parameters())
+    model, opt = zero_ext.wrap(model, opt, stage=args.stage)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+    if rank == 0:
+        print(f"zero_ext stage {args.stage}: {n_params / 1e3:.1f}K-parameter transformer, "
+              f"{world} rank(s) x {args.batch} sequences of {args.context} characters")
+
+    started = time.perf_counter()
+    first_loss = None
+    for step in range(1, args.steps + 1):
+        x, y = batches(data, args.context, args.batch, rank, world, step)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        value = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(value)
+            value /= world
+        first_loss = value.item() if first_loss is None else first_loss
+        if rank == 0 and (step % 5 == 0 or step == args.steps):
+            progress(step, args.steps, value.item(), started)
+    if rank == 0:
+        print(f"\nloss {first_loss:.3f} -> {value.item():.3f} (uniform guess: {math.log(len(chars)):.3f})")
+
+    mine = zero_ext.memory_report(model, opt)
+    theirs = ddp_bytes(args, len(chars), data, rank, world)
+    rows = [None] * world
+    row = (rank, mine, theirs)
+    if world > 1:
+        dist.all_gather_object(rows, row)
+    else:
+        rows = [row]
+    if rank == 0:
+        print(f"\nbytes held per rank: zero_ext stage {args.stage} vs DDP")
+        print(f"{'rank':>4} | {'params':>21} | {'grads':>21} | {'optimizer state':>21}")
+        for r, z, d in rows:
+            cells = [f"{fmt(z[k])} vs {fmt(d[k])}" for k in ("params", "grads", "optimizer_state")]
+            print(f"{r:>4} | " + " | ".join(f"{c:>21}" for c in cells))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

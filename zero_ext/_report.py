@@ -1,0 +1,35 @@
+"""Bytes of model state a rank holds, for logs, demos and benchmarks."""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+
+def _optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(
+        t.numel() * t.element_size()
+        for state in optimizer.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor)
+    )
+
+
+def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, int]:
+    """This rank's bytes of parameters, gradients and optimizer state.
+
+    For a wrapped model, gradients are zero_ext's buffers (full staging and/or
+    the fp32 shard accumulator, as the stage keeps them); for a plain or DDP
+    model they are the parameters' .grad tensors.
+    """
+    state = getattr(model, "_zero_ext", None)
+    if state is not None:
+        stats = state.buckets.stats()
+        params = stats["param_bytes"] + sum(
+            p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad
+        )
+        grads = stats["grad_bytes"]
+    else:
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    return {"params": params, "grads": grads, "optimizer_state": _optimizer_state_bytes(optimizer)}
