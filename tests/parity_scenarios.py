@@ -396,6 +396,37 @@ def checkpoint_nonreentrant_param_used_twice(ctx: Context) -> None:
     _checkpointed(ctx, reentrant=False)
 
 
+def full_state_dict_round_trip(ctx: Context) -> None:
+    """full_state_dict() of a trained model drives a plain model to the same
+    outputs; load_full_state_dict() of a plain model's weights (never wrapped)
+    resets training to them."""
+    model = Net()
+    model, opt = ctx.wrap(model, sgd(model))
+    fresh = Net(seed=11)
+    for step in range(2):
+        mlp_loss(ctx, model, step).backward()
+        opt.step()
+        opt.zero_grad()
+    sd = model.state_dict() if ctx.reference else zero_ext.full_state_dict(model)
+    ctx.checkpoints.append(("full_state_dict", {k: v.clone() for k, v in sd.items()}))
+    plain = Net(seed=5)
+    plain.load_state_dict(sd)
+    x, _ = batch(9, 0, 1)
+    ctx.record_check("plain model loaded from it gives the same outputs",
+                     torch.allclose(plain(x), model(x), rtol=0, atol=0))
+    if ctx.reference:
+        model.load_state_dict(fresh.state_dict())
+    else:
+        zero_ext.load_full_state_dict(model, fresh.state_dict())
+    ctx.record_params("after load_full_state_dict", model)
+    for step in range(2, 4):
+        mlp_loss(ctx, model, step).backward()
+        ctx.record_grads(f"step {step}", model)
+        opt.step()
+        opt.zero_grad()
+        ctx.record_params(f"step {step}", model)
+
+
 def state_bytes_match_the_stage(ctx: Context) -> None:
     """Exact bytes each rank holds after a step: full parameters; gradients
     full (stage 0), full staging + fp32 shard (1) or only the shard (2);
@@ -453,6 +484,7 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
         autograd_grad_is_side_effect_free,
         checkpoint_reentrant_param_used_twice,
         checkpoint_nonreentrant_param_used_twice,
+        full_state_dict_round_trip,
         state_bytes_match_the_stage,
     ]
 }

@@ -172,3 +172,39 @@ def test_step_before_any_backward_is_a_noop():
     opt.step()
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n])
+
+
+class FailingBackward(torch.autograd.Function):
+    fail = True
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if FailingBackward.fail:
+            raise RuntimeError("injected failure in backward")
+        return grad
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_training_recovers_after_a_backward_that_raised(stage):
+    """No epilogue runs when a node throws; the next forward resets the round."""
+    model, opt = make()
+    reference, ref_opt = make()
+    reference.load_state_dict(model.state_dict())
+    zero_ext.wrap(model, opt, stage=stage, bucket_mb=0.0001)
+    x = torch.randn(3, 4)
+    FailingBackward.fail = True
+    with pytest.raises(RuntimeError, match="injected failure"):
+        model[2](FailingBackward.apply(torch.tanh(model[0](x)))).square().mean().backward()
+    opt.zero_grad()
+    FailingBackward.fail = False
+    for _ in range(2):
+        for m, o in ((model, opt), (reference, ref_opt)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(p, q, atol=1e-6), name
