@@ -118,6 +118,14 @@ def mlp_loss(ctx: Context, model: nn.Module, step: int, salt: int = 0, branch_on
     return total
 
 
+def step_and_record(ctx: Context, model: nn.Module, opt, step: int) -> None:
+    """Records the gradients, steps, zeroes, records the parameters."""
+    ctx.record_grads(f"step {step}", model)
+    opt.step()
+    opt.zero_grad()
+    ctx.record_params(f"step {step}", model)
+
+
 def sgd(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
 
@@ -135,10 +143,7 @@ def scalar_loss_outside_model(ctx: Context) -> None:
     model, opt = ctx.wrap(model, sgd(model))
     for step in range(3):
         mlp_loss(ctx, model, step).backward()
-        ctx.record_grads(f"step {step}", model)
-        opt.step()
-        opt.zero_grad()
-        ctx.record_params(f"step {step}", model)
+        step_and_record(ctx, model, opt, step)
 
 
 def loss_inside_model_adamw(ctx: Context) -> None:
@@ -150,10 +155,7 @@ def loss_inside_model_adamw(ctx: Context) -> None:
             x, y = batch(step, r, ctx.world)
             loss = loss + w * model(x, y)
         loss.backward()
-        ctx.record_grads(f"step {step}", model)
-        opt.step()
-        opt.zero_grad()
-        ctx.record_params(f"step {step}", model)
+        step_and_record(ctx, model, opt, step)
 
 
 def nonscalar_backward(ctx: Context) -> None:
@@ -167,10 +169,7 @@ def nonscalar_backward(ctx: Context) -> None:
             outs.append(model(x))
             grads.append(w * torch.randn(BATCH, OUT, generator=g))
         torch.cat(outs).backward(torch.cat(grads))
-        ctx.record_grads(f"step {step}", model)
-        opt.step()
-        opt.zero_grad()
-        ctx.record_params(f"step {step}", model)
+        step_and_record(ctx, model, opt, step)
 
 
 def autograd_backward_list(ctx: Context) -> None:
@@ -180,10 +179,7 @@ def autograd_backward_list(ctx: Context) -> None:
         l1 = mlp_loss(ctx, model, step)
         l2 = 0.5 * mlp_loss(ctx, model, step, salt=1)
         torch.autograd.backward([l1, l2])
-        ctx.record_grads(f"step {step}", model)
-        opt.step()
-        opt.zero_grad()
-        ctx.record_params(f"step {step}", model)
+        step_and_record(ctx, model, opt, step)
 
 
 def three_models_one_loss(ctx: Context) -> None:
@@ -271,10 +267,7 @@ def no_sync_accumulation(ctx: Context) -> None:
             for micro in range(3):
                 mlp_loss(ctx, model, step, salt=micro).backward()
         mlp_loss(ctx, model, step, salt=3).backward()
-        ctx.record_grads(f"step {step}", model)
-        opt.step()
-        opt.zero_grad()
-        ctx.record_params(f"step {step}", model)
+        step_and_record(ctx, model, opt, step)
 
 
 def unused_parameters(ctx: Context) -> None:
@@ -287,10 +280,7 @@ def unused_parameters(ctx: Context) -> None:
             x, y = batch(step, r, ctx.world)
             loss = loss + w * F.mse_loss(model(x, use_branch=step == 1), y)
         loss.backward()
-        ctx.record_grads(f"step {step}", model)
-        opt.step()
-        opt.zero_grad()
-        ctx.record_params(f"step {step}", model)
+        step_and_record(ctx, model, opt, step)
 
 
 def branch_on_rank0_only(ctx: Context) -> None:
@@ -298,10 +288,7 @@ def branch_on_rank0_only(ctx: Context) -> None:
     model, opt = ctx.wrap(model, adamw(model))
     for step in range(3):
         mlp_loss(ctx, model, step, branch_on_rank0=True).backward()
-        ctx.record_grads(f"step {step}", model)
-        opt.step()
-        opt.zero_grad()
-        ctx.record_params(f"step {step}", model)
+        step_and_record(ctx, model, opt, step)
 
 
 def frozen_parameters(ctx: Context) -> None:
@@ -310,10 +297,7 @@ def frozen_parameters(ctx: Context) -> None:
     model, opt = ctx.wrap(model, adamw(model))  # optimizer also holds the frozen ones
     for step in range(2):
         mlp_loss(ctx, model, step).backward()
-        ctx.record_grads(f"step {step}", model)
-        opt.step()
-        opt.zero_grad()
-        ctx.record_params(f"step {step}", model)
+        step_and_record(ctx, model, opt, step)
 
 
 def param_groups_and_scheduler(ctx: Context) -> None:
@@ -382,10 +366,7 @@ def _checkpointed(ctx: Context, reentrant: bool) -> None:
             h = torch.tanh(model.mid(h))
             loss = loss + w * F.mse_loss(model.out(h), y)
         loss.backward()
-        ctx.record_grads(f"step {step}", model)
-        opt.step()
-        opt.zero_grad()
-        ctx.record_params(f"step {step}", model)
+        step_and_record(ctx, model, opt, step)
 
 
 def checkpoint_reentrant_param_used_twice(ctx: Context) -> None:
@@ -421,10 +402,7 @@ def full_state_dict_round_trip(ctx: Context) -> None:
     ctx.record_params("after load_full_state_dict", model)
     for step in range(2, 4):
         mlp_loss(ctx, model, step).backward()
-        ctx.record_grads(f"step {step}", model)
-        opt.step()
-        opt.zero_grad()
-        ctx.record_params(f"step {step}", model)
+        step_and_record(ctx, model, opt, step)
 
 
 def state_bytes_match_the_stage(ctx: Context) -> None:
