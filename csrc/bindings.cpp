@@ -11,12 +11,18 @@ namespace zero_ext {
 TORCH_LIBRARY(zero_ext, m) {
   m.class_<GradBuckets>("GradBuckets")
       .def(torch::init<std::vector<at::Tensor>, std::vector<std::string>, std::vector<int64_t>,
-                       int64_t, std::string, double>())
+                       std::vector<int64_t>, std::vector<int64_t>, int64_t, std::string, std::string, double,
+                       int64_t>())
+      .def("pre_forward", &GradBuckets::pre_forward)
+      .def("post_forward", &GradBuckets::post_forward)
+      .def("gather_all", &GradBuckets::gather_all)
+      .def("release_all", &GradBuckets::release_all)
+      .def("write_back_shards", &GradBuckets::write_back_shards)
       .def("attach_output_hook", &GradBuckets::attach_output_hook)
       .def("set_sync", &GradBuckets::set_sync)
       .def("sync", &GradBuckets::sync)
       .def("zero_grad", &GradBuckets::zero_grad)
-      .def("gather_params", &GradBuckets::gather_params)
+      .def("after_step", &GradBuckets::after_step)
       .def("check_before_step", &GradBuckets::check_before_step)
       .def("reset_if_stale", &GradBuckets::reset_if_stale)
       .def("segments", &GradBuckets::segments)

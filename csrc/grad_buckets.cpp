@@ -1,5 +1,7 @@
 #include "grad_buckets.h"
 
+#include "param_storage.h"
+
 #include <sstream>
 
 #include <torch/csrc/autograd/function_hook.h>
@@ -38,14 +40,25 @@ int64_t round_up(int64_t n, int64_t multiple) {
 
 GradBuckets::GradBuckets(std::vector<at::Tensor> params,
                          std::vector<std::string> names,
+                         std::vector<int64_t> trainable,
                          std::vector<int64_t> params_per_bucket,
+                         std::vector<int64_t> unit_of_bucket,
                          int64_t stage,
                          std::string group_name,
-                         double timeout_seconds)
-    : stage_(stage), comm_(group_name, timeout_seconds), params_(std::move(params)),
-      names_(std::move(names)) {
-  TORCH_CHECK(stage_ >= 0 && stage_ <= 2, "zero_ext internal: GradBuckets serves stages 0-2");
-  TORCH_CHECK(params_.size() == names_.size(), "zero_ext internal: one name per parameter");
+                         std::string gather_group_name,
+                         double timeout_seconds,
+                         int64_t prefetch)
+    : stage_(stage), comm_(group_name, timeout_seconds),
+      gather_comm_(gather_group_name.empty() ? group_name : gather_group_name, timeout_seconds),
+      params_(std::move(params)),
+      names_(std::move(names)), trainable_(trainable.begin(), trainable.end()),
+      prefetch_(prefetch) {
+  TORCH_CHECK(stage_ >= 0 && stage_ <= 3, "zero_ext: stage must be 0, 1, 2 or 3");
+  TORCH_CHECK(params_.size() == names_.size() && params_.size() == trainable_.size(),
+              "zero_ext internal: one name and trainable flag per parameter");
+  TORCH_CHECK(stage_ == 3 || unit_of_bucket.empty() ||
+                  unit_of_bucket.size() == params_per_bucket.size(),
+              "zero_ext internal: one unit per bucket");
   const int64_t n_params = static_cast<int64_t>(params_.size());
   const int64_t world = comm_.size();
   at::NoGradGuard no_grad;
@@ -59,13 +72,17 @@ GradBuckets::GradBuckets(std::vector<at::Tensor> params,
     Bucket bucket;
     bucket.first = next;
     bucket.count = count;
+    bucket.unit = stage_ == 3 ? unit_of_bucket.at(buckets_.size()) : -1;
     const auto options = params_[next].options();
     for (int64_t i = next; i < next + count; ++i) {
       TORCH_CHECK(params_[i].dtype() == options.dtype() && params_[i].device() == options.device(),
                   "zero_ext internal: a bucket mixes dtypes or devices");
+      TORCH_CHECK(trainable_[i] || stage_ == 3,
+                  "zero_ext internal: frozen parameters are bucketed in stage 3 only");
       bucket_of_[i] = static_cast<int64_t>(buckets_.size());
       offset_[i] = bucket.numel;
       bucket.numel += params_[i].numel();
+      bucket.trainable += trainable_[i] ? 1 : 0;
     }
     bucket.padded = round_up(std::max<int64_t>(bucket.numel, 1), world);
     bucket.shard = bucket.padded / world;
@@ -80,7 +97,7 @@ GradBuckets::GradBuckets(std::vector<at::Tensor> params,
     if (stage_ == 0 || stage_ == 1) {
       bucket.staging = at::zeros({bucket.padded}, options);
     }
-    if (stage_ >= 1) {
+    if (stage_ >= 1 && bucket.trainable > 0) {
       bucket.accum = at::zeros({bucket.shard}, options.dtype(at::kFloat));
     }
     buckets_.push_back(std::move(bucket));
@@ -89,6 +106,21 @@ GradBuckets::GradBuckets(std::vector<at::Tensor> params,
   TORCH_CHECK(next == n_params, "zero_ext internal: bucket plan does not cover every parameter");
   for (size_t b = 0; b < broadcasts.size(); ++b) {
     comm_.wait(broadcasts[b], "initial broadcast of parameters from rank 0 (" + describe_bucket(b) + ")");
+  }
+
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    Bucket& bucket = buckets_[b];
+    at::Tensor mine = bucket.param_flat.narrow(0, comm_.rank() * bucket.shard, bucket.shard);
+    if (stage_ == 3) {
+      bucket.param_shard = mine.clone();
+      release_storage(bucket.param_flat);
+      if (static_cast<int64_t>(units_.size()) <= bucket.unit) {
+        units_.resize(bucket.unit + 1);
+      }
+      units_[bucket.unit].buckets.push_back(static_cast<int64_t>(b));
+    } else {
+      bucket.param_shard = mine;
+    }
   }
 
   if (stage_ == 0) {
@@ -104,10 +136,10 @@ GradBuckets::GradBuckets(std::vector<at::Tensor> params,
       for (int64_t i = bucket.first; i < bucket.first + bucket.count; ++i) {
         const int64_t start = std::max(lo, offset_[i]);
         const int64_t end = std::min(hi, offset_[i] + params_[i].numel());
-        if (start >= end) {
+        if (!trainable_[i] || start >= end) {
           continue;
         }
-        segments_.push_back(bucket.param_flat.narrow(0, start, end - start));
+        segments_.push_back(bucket.param_shard.narrow(0, start - lo, end - start));
         segment_grads_.push_back(bucket.accum.narrow(0, start - lo, end - start));
         segment_param_.push_back(i);
       }
@@ -118,19 +150,26 @@ GradBuckets::GradBuckets(std::vector<at::Tensor> params,
   detached_.assign(n_params, 0);
   local_has_grad_.assign(n_params, 0);
   global_has_grad_.assign(n_params, 0);
+  accumulators_.resize(n_params);
+  hook_keys_.assign(n_params, 0);
   for (int64_t i = 0; i < n_params; ++i) {
+    if (!trainable_[i]) {
+      continue;
+    }
     auto node = torch::autograd::impl::grad_accumulator(params_[i]);
     TORCH_CHECK(node, "zero_ext: parameter '", names_[i],
                 "' has no gradient accumulator; is it a leaf that requires grad?");
-    hook_keys_.push_back(node->add_post_hook(std::make_unique<ParamReadyHook>(this, i)));
-    accumulators_.push_back(std::move(node));
+    hook_keys_[i] = node->add_post_hook(std::make_unique<ParamReadyHook>(this, i));
+    accumulators_[i] = std::move(node);
   }
   start_round();
 }
 
 GradBuckets::~GradBuckets() {
   for (size_t i = 0; i < accumulators_.size(); ++i) {
-    accumulators_[i]->del_post_hook(hook_keys_[i]);
+    if (accumulators_[i]) {
+      accumulators_[i]->del_post_hook(hook_keys_[i]);
+    }
   }
 }
 
@@ -223,6 +262,15 @@ void GradBuckets::on_grad_ready(int64_t i) {
   ++arrivals_;
   if (--bucket.waiting == 0) {
     launch_ready_buckets();
+    // Stage 3: the unit's backward is over once its gradients are all in, if
+    // they came from the backward that owns the epilogue (a reentrant
+    // checkpoint's inner backward may finish before outer nodes that still
+    // read these parameters) and that backward does not keep its graph.
+    const auto info = current_backward();
+    if (stage_ == 3 && !info.keep_graph && info.graph_task_id == epilogue_.owner_graph_task() &&
+        unit_backward_done(bucket.unit)) {
+      release_unit(bucket.unit);
+    }
   }
 }
 
@@ -236,6 +284,10 @@ void GradBuckets::launch_ready_buckets() {
 void GradBuckets::launch(int64_t b) {
   Bucket& bucket = buckets_[b];
   at::NoGradGuard no_grad;
+  if (bucket.trainable == 0) {
+    bucket.launched = true;  // frozen parameters only (stage 3): nothing to reduce
+    return;
+  }
   if (stage_ == 0) {
     for (int64_t i = bucket.first; i < bucket.first + bucket.count; ++i) {
       at::Tensor& grad = params_[i].mutable_grad();
@@ -294,7 +346,7 @@ void GradBuckets::wait_all() {
   at::NoGradGuard no_grad;
   for (size_t b = 0; b < buckets_.size(); ++b) {
     Bucket& bucket = buckets_[b];
-    if (!bucket.launched) {
+    if (!bucket.launched || bucket.trainable == 0) {
       continue;
     }
     comm_.wait(bucket.work, "gradient reduction of " + describe_bucket(b));
@@ -309,8 +361,8 @@ void GradBuckets::wait_all() {
       }
       bucket.reduce_out.reset();
       bucket.accum_has_value = true;
-      if (stage_ == 2) {
-        bucket.staging.reset();  // stage 2 keeps no full gradient
+      if (stage_ >= 2) {
+        bucket.staging.reset();  // stages 2-3 keep no full gradient
       }
     }
   }
@@ -318,7 +370,7 @@ void GradBuckets::wait_all() {
 
 void GradBuckets::start_round() {
   for (auto& bucket : buckets_) {
-    bucket.waiting = bucket.count;
+    bucket.waiting = bucket.trainable;
     bucket.launched = false;
   }
   std::fill(arrived_.begin(), arrived_.end(), 0);
@@ -364,6 +416,9 @@ void GradBuckets::publish_grads() {
 
 void GradBuckets::verify_hooks(bool after_sync) const {
   for (size_t i = 0; i < params_.size(); ++i) {
+    if (!trainable_[i]) {
+      continue;
+    }
     auto current = torch::autograd::impl::try_get_grad_accumulator(params_[i]);
     TORCH_CHECK(!current || current.get() == accumulators_[i].get(),
                 "zero_ext: parameter '", names_[i],
@@ -393,6 +448,7 @@ void GradBuckets::run_epilogue() {
     if (!sync_ || arrivals_ == 0) {
       verify_hooks(false);
       start_round();
+      release_after_backward(info.keep_graph);
       return;
     }
     ++synced_epilogues_;
@@ -424,6 +480,24 @@ void GradBuckets::run_epilogue() {
     throw;
   }
   start_round();
+  release_after_backward(info.keep_graph);
+}
+
+void GradBuckets::release_after_backward(bool keep_graph) {
+  if (stage_ != 3) {
+    return;
+  }
+  // [Note: retain_graph] A backward that keeps its graph may be followed by
+  // another over the same saved tensors: keep every gathered unit until a
+  // backward that does not keep it ends, or the next step.
+  if (!forward_order_.empty()) {
+    finish_forward_order();  // units ran without the root's forward hooks
+  }
+  if (!keep_graph) {
+    for (size_t u = 0; u < units_.size(); ++u) {
+      release_unit(static_cast<int64_t>(u));
+    }
+  }
 }
 
 void GradBuckets::set_sync(bool sync) {
@@ -471,6 +545,9 @@ void GradBuckets::check_before_step() {
   verify_hooks(false);
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& grad = params_[i].grad();
+    if (!trainable_[i]) {
+      continue;
+    }
     const bool stray = stage_ == 0 ? grad.defined() && !same_memory(grad, grad_views_[i])
                                    : grad.defined();
     TORCH_CHECK(!stray, "zero_ext: parameter '", names_[i],
@@ -479,9 +556,10 @@ void GradBuckets::check_before_step() {
                 "the gradient bypassed zero_ext's hook (the parameter's .data was replaced "
                 "after wrap()).");
     const Bucket& bucket = buckets_[bucket_of_[i]];
-    TORCH_CHECK(params_[i].data_ptr() ==
-                        static_cast<char*>(bucket.param_flat.data_ptr()) +
-                            offset_[i] * bucket.param_flat.element_size() &&
+    TORCH_CHECK(params_[i].storage().unsafeGetStorageImpl() ==
+                        bucket.param_flat.storage().unsafeGetStorageImpl() &&
+                    params_[i].storage_offset() ==
+                        bucket.param_flat.storage_offset() + offset_[i] &&
                     params_[i].dtype() == bucket.param_flat.dtype(),
                 "zero_ext: the storage of parameter '", names_[i],
                 "' was replaced after zero_ext.wrap() (param.data = ...), so optimizer "
@@ -490,9 +568,15 @@ void GradBuckets::check_before_step() {
   }
 }
 
-void GradBuckets::gather_params() {
+void GradBuckets::after_step() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (stage_ == 0) {
+    return;
+  }
+  if (stage_ == 3) {
+    for (size_t u = 0; u < units_.size(); ++u) {
+      release_unit(static_cast<int64_t>(u));  // full buffers are stale now
+    }
     return;
   }
   std::vector<c10::intrusive_ptr<c10d::Work>> works(buckets_.size());
@@ -505,8 +589,7 @@ void GradBuckets::gather_params() {
     if (!touched) {
       continue;  // the optimizer skipped every parameter in it, on every rank
     }
-    at::Tensor shard = bucket.param_flat.narrow(0, comm_.rank() * bucket.shard, bucket.shard);
-    works[b] = comm_.all_gather(bucket.param_flat, shard);
+    works[b] = comm_.all_gather(bucket.param_flat, bucket.param_shard);
   }
   for (size_t b = 0; b < buckets_.size(); ++b) {
     comm_.wait(works[b], "all-gather of updated parameters of " + describe_bucket(b));
@@ -535,6 +618,7 @@ bool GradBuckets::reset_if_stale() {
   }
   epilogue_.reset();
   start_round();
+  release_after_backward(false);
   return true;
 }
 
@@ -552,6 +636,10 @@ std::vector<at::Tensor> GradBuckets::full_grads() {
   std::vector<c10::intrusive_ptr<c10d::Work>> works(buckets_.size());
   for (size_t b = 0; b < buckets_.size(); ++b) {
     Bucket& bucket = buckets_[b];
+    if (bucket.trainable == 0) {
+      full[b] = at::zeros({bucket.padded}, bucket.param_flat.options().dtype(at::kFloat));
+      continue;
+    }
     at::Tensor shard = bucket.accum_has_value ? bucket.accum : at::zeros_like(bucket.accum);
     full[b] = at::empty({bucket.padded}, shard.options());
     works[b] = comm_.all_gather(full[b], shard);
@@ -588,16 +676,199 @@ c10::Dict<std::string, int64_t> GradBuckets::stats() const {
   out.insert("last_keep_graph", last_keep_graph_ ? 1 : 0);
   out.insert("collectives", comm_.collectives_issued());
   out.insert("all_gathers", comm_.all_gathers_issued());
+  out.insert("param_gathers", param_gathers_);
   out.insert("buckets", static_cast<int64_t>(buckets_.size()));
   int64_t param_bytes = 0, grad_bytes = 0;
   for (const auto& bucket : buckets_) {
-    param_bytes += bucket.param_flat.nbytes();
+    param_bytes += bucket.param_flat.storage().nbytes();
+    if (stage_ == 3) param_bytes += bucket.param_shard.nbytes();
     if (bucket.staging.defined()) grad_bytes += bucket.staging.nbytes();
     if (bucket.accum.defined()) grad_bytes += bucket.accum.nbytes();
   }
   out.insert("param_bytes", param_bytes);
   out.insert("grad_bytes", grad_bytes);
+  out.insert("units", static_cast<int64_t>(units_.size()));
+  out.insert("gathered_units", gathered_units());
   return out;
+}
+
+} // namespace zero_ext
+
+namespace zero_ext {
+
+// --- stage 3 units ----------------------------------------------------------
+
+void GradBuckets::start_gather(int64_t u) {
+  Unit& unit = units_[u];
+  if (unit.state != Unit::State::kReleased) {
+    return;
+  }
+  for (int64_t b : unit.buckets) {
+    Bucket& bucket = buckets_[b];
+    grow_storage(bucket.param_flat, bucket.padded * bucket.param_flat.element_size());
+    bucket.gather_work = gather_comm_.all_gather(bucket.param_flat, bucket.param_shard);
+    ++param_gathers_;
+  }
+  unit.state = Unit::State::kGathering;
+}
+
+void GradBuckets::finish_gather(int64_t u) {
+  Unit& unit = units_[u];
+  if (unit.state != Unit::State::kGathering) {
+    return;
+  }
+  for (int64_t b : unit.buckets) {
+    gather_comm_.wait(buckets_[b].gather_work,
+               "all-gather of unit " + std::to_string(u) + "'s parameters (" + describe_bucket(b) + ")");
+    buckets_[b].gather_work.reset();
+  }
+  unit.state = Unit::State::kGathered;
+}
+
+void GradBuckets::release_unit(int64_t u) {
+  Unit& unit = units_[u];
+  if (unit.state == Unit::State::kReleased) {
+    return;
+  }
+  finish_gather(u);  // never free memory a collective is writing
+  for (int64_t b : unit.buckets) {
+    release_storage(buckets_[b].param_flat);
+  }
+  unit.state = Unit::State::kReleased;
+}
+
+bool GradBuckets::unit_backward_done(int64_t u) const {
+  for (int64_t b : units_[u].buckets) {
+    const Bucket& bucket = buckets_[b];
+    // A frozen parameter may still be read by a node that computes input
+    // gradients after every trainable one arrived: wait for the epilogue.
+    if (bucket.trainable != bucket.count || bucket.waiting != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+int64_t GradBuckets::gathered_units() const {
+  int64_t n = 0;
+  for (const auto& unit : units_) {
+    n += unit.state != Unit::State::kReleased ? 1 : 0;
+  }
+  return n;
+}
+
+void GradBuckets::prefetch_around(int64_t u, bool forward) {
+  const auto& order = last_forward_order_;
+  const int64_t n = static_cast<int64_t>(order.size());
+  if (forward) {
+    int64_t k = forward_cursor_;
+    while (k < n && order[k] != u) ++k;
+    if (k == n) return;
+    forward_cursor_ = k + 1;
+    for (int64_t j = k + 1; j < n && j <= k + prefetch_; ++j) start_gather(order[j]);
+  } else {
+    int64_t k = std::min(backward_cursor_, n) - 1;
+    while (k >= 0 && order[k] != u) --k;
+    if (k < 0) return;
+    backward_cursor_ = k;
+    for (int64_t j = k - 1; j >= 0 && j >= k - prefetch_; --j) start_gather(order[j]);
+  }
+}
+
+void GradBuckets::finish_forward_order() {
+  if (!forward_order_.empty()) {
+    last_forward_order_ = std::move(forward_order_);
+    forward_order_.clear();
+  }
+  forward_cursor_ = 0;
+  backward_cursor_ = static_cast<int64_t>(last_forward_order_.size());
+}
+
+GradBuckets::Unit& GradBuckets::unit_at(int64_t u) {
+  TORCH_CHECK(u >= 0, "zero_ext internal: negative unit index");
+  if (u >= static_cast<int64_t>(units_.size())) {
+    units_.resize(u + 1);  // a unit whose parameters all belong to an outer one
+  }
+  return units_[u];
+}
+
+void GradBuckets::pre_forward(int64_t u) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  unit_at(u);
+  const bool in_backward = current_backward().graph_task_id >= 0;
+  if (!in_backward) {
+    if (u == 0) {
+      forward_order_.clear();
+      forward_cursor_ = 0;
+    }
+    forward_order_.push_back(u);
+  }
+  start_gather(u);
+  finish_gather(u);
+  if (!in_backward) {
+    prefetch_around(u, /*forward=*/true);
+  }
+}
+
+void GradBuckets::post_forward(int64_t u, std::vector<at::Tensor> outputs) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  unit_at(u);
+  const bool in_backward = current_backward().graph_task_id >= 0;
+  const bool grad_enabled = at::GradMode::is_enabled();
+  if (grad_enabled) {
+    c10::weak_intrusive_ptr<GradBuckets> weak(
+        c10::intrusive_ptr<GradBuckets>::unsafe_reclaim_from_nonowning(this));
+    for (const auto& output : outputs) {
+      if (output.requires_grad()) {
+        output.register_hook([weak, u](const at::Tensor& /*grad*/) {
+          if (auto self = weak.lock()) {
+            self->pre_backward(u);
+          }
+        });
+      }
+    }
+  }
+  if (u == 0 && !in_backward) {
+    finish_forward_order();
+  }
+  if (in_backward) {
+    return;  // a checkpoint's recompute: the backward that follows needs these
+  }
+  if (u == 0 && grad_enabled) {
+    return;  // the root is needed first thing in backward
+  }
+  release_unit(u);
+}
+
+void GradBuckets::pre_backward(int64_t u) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  unit_at(u);
+  start_gather(u);
+  finish_gather(u);
+  prefetch_around(u, /*forward=*/false);
+}
+
+void GradBuckets::gather_all() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (size_t u = 0; u < units_.size(); ++u) start_gather(static_cast<int64_t>(u));
+  for (size_t u = 0; u < units_.size(); ++u) finish_gather(static_cast<int64_t>(u));
+}
+
+void GradBuckets::release_all() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (size_t u = 0; u < units_.size(); ++u) release_unit(static_cast<int64_t>(u));
+}
+
+void GradBuckets::write_back_shards() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  at::NoGradGuard no_grad;
+  for (auto& bucket : buckets_) {
+    if (stage_ == 3) {
+      TORCH_CHECK(!storage_is_released(bucket.param_flat),
+                  "zero_ext internal: write_back_shards() needs gathered parameters");
+      bucket.param_shard.copy_(bucket.param_flat.narrow(0, comm_.rank() * bucket.shard, bucket.shard));
+    }
+  }
 }
 
 } // namespace zero_ext

@@ -23,8 +23,12 @@
 //            the rank's shard into a persistent fp32 shard accumulator.
 //   stage 2  as 1, but staging exists only while its bucket is being filled
 //            and reduced: no full gradient survives a backward.
-// In stages 1 and 2 the optimizer works on "segments": views of the local
-// shard cut at parameter boundaries, whose .grad views the accumulator.
+//   stage 3  as 2, and parameters are sharded too: each bucket belongs to a
+//            unit (a block gathered as one); the rank keeps a persistent
+//            shard, and the full buffer is gathered before the unit's forward
+//            and backward and released after (see param_storage.h).
+// In stages 1-3 the optimizer works on "segments": views of the local shard
+// cut at parameter boundaries, whose .grad views the accumulator.
 
 #include <cstdint>
 #include <mutex>
@@ -41,12 +45,20 @@ namespace zero_ext {
 
 class GradBuckets : public torch::CustomClassHolder {
  public:
+  // params: in bucket order; trainable: which get gradients (stage 3 also
+  // shards frozen ones); unit_of_bucket: stage 3 unit of each bucket (the
+  // root unit is 0), ignored otherwise; gather_group_name: the group stage 3
+  // gathers parameters on ("" = group_name); prefetch: units gathered ahead.
   GradBuckets(std::vector<at::Tensor> params,
               std::vector<std::string> names,
+              std::vector<int64_t> trainable,
               std::vector<int64_t> params_per_bucket,
+              std::vector<int64_t> unit_of_bucket,
               int64_t stage,
               std::string group_name,
-              double timeout_seconds);
+              std::string gather_group_name,
+              double timeout_seconds,
+              int64_t prefetch);
   ~GradBuckets() override;
 
   // --- autograd entry points --------------------------------------------
@@ -55,12 +67,22 @@ class GradBuckets : public torch::CustomClassHolder {
   void attach_output_hook(const at::Tensor& output);
   void run_epilogue();
 
+  // --- stage 3 units (called from module hooks) ---------------------------
+  void pre_forward(int64_t unit);
+  void post_forward(int64_t unit, std::vector<at::Tensor> outputs);
+  void pre_backward(int64_t unit);
+  void gather_all();
+  void release_all();
+  // After full parameters were written (load_full_state_dict): keep the shards.
+  void write_back_shards();
+
   // --- training-loop controls ------------------------------------------
   void set_sync(bool sync);
   bool sync() const { return sync_; }
   void zero_grad(bool set_to_none);
-  // Stages 1-2: all-gather every bucket whose shard the optimizer changed.
-  void gather_params();
+  // After optimizer.step(): stages 1-2 all-gather every bucket whose shard
+  // changed; stage 3 drops full buffers, now stale (the next forward gathers).
+  void after_step();
   // Before a step: raises if a gradient bypassed zero_ext's hook, or a
   // parameter's storage is no longer the bucket's.
   void check_before_step();
@@ -86,7 +108,11 @@ class GradBuckets : public torch::CustomClassHolder {
     int64_t numel = 0;        // their elements
     int64_t padded = 0;       // numel rounded up to a multiple of world size
     int64_t shard = 0;        // padded / world size
-    at::Tensor param_flat;    // the parameters' storage
+    int64_t trainable = 0;    // parameters in it that get gradients
+    int64_t unit = -1;        // stage 3
+    at::Tensor param_flat;    // the parameters' storage (stage 3: released between uses)
+    at::Tensor param_shard;   // this rank's shard of param_flat (stage 3: its own memory)
+    c10::intrusive_ptr<c10d::Work> gather_work;
     at::Tensor staging;       // gradients being reduced (see header comment)
     at::Tensor accum;         // stages 1-2: fp32 shard of the reduced gradient
     bool accum_has_value = false;
@@ -96,7 +122,20 @@ class GradBuckets : public torch::CustomClassHolder {
     c10::intrusive_ptr<c10d::Work> work;
   };
 
+  struct Unit {
+    std::vector<int64_t> buckets;
+    enum class State { kReleased, kGathering, kGathered } state = State::kReleased;
+  };
+
   at::Tensor staging_region(Bucket& bucket, int64_t param_index);
+  void start_gather(int64_t unit);
+  void finish_gather(int64_t unit);
+  void release_unit(int64_t unit);
+  void prefetch_around(int64_t unit, bool forward);
+  void finish_forward_order();
+  Unit& unit_at(int64_t unit);
+  bool unit_backward_done(int64_t unit) const;
+  int64_t gathered_units() const;
   void ensure_staging(Bucket& bucket);
   void arm_epilogue();
   void launch_ready_buckets();
@@ -106,12 +145,19 @@ class GradBuckets : public torch::CustomClassHolder {
   void exchange_grad_mask_and_late_flag();
   void publish_grads();
   void verify_hooks(bool after_sync) const;
+  void release_after_backward(bool keep_graph);
   std::string describe_bucket(int64_t bucket_index) const;
 
   const int64_t stage_;
   Communicator comm_;
+  // Stage 3 gathers parameters on a group of their own: gathers are issued
+  // from forward/backward hooks, reductions as buckets fill, and the engine
+  // may interleave the two differently on ranks whose graphs differ. Two
+  // groups keep each sequence identical on every rank.
+  Communicator gather_comm_;
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
+  std::vector<uint8_t> trainable_;
   std::vector<int64_t> bucket_of_;
   std::vector<int64_t> offset_;  // element offset of each param in its bucket
   std::vector<Bucket> buckets_;
@@ -136,6 +182,15 @@ class GradBuckets : public torch::CustomClassHolder {
   // Since the last zero_grad: which parameters got a gradient here / anywhere.
   std::vector<uint8_t> local_has_grad_;
   std::vector<uint8_t> global_has_grad_;
+
+  // Stage 3: units, and the order they ran in the last forward (for prefetch).
+  std::vector<Unit> units_;
+  std::vector<int64_t> forward_order_;       // being recorded
+  std::vector<int64_t> last_forward_order_;  // complete
+  int64_t forward_cursor_ = 0;
+  int64_t backward_cursor_ = 0;
+  int64_t prefetch_ = 1;
+  int64_t param_gathers_ = 0;  // bucket all-gathers of stage 3 parameters
 
   bool sync_ = true;
   Epilogue epilogue_;

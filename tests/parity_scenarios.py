@@ -34,6 +34,10 @@ class Net(nn.Module):
         self.mid = nn.Linear(HIDDEN, HIDDEN)
         self.out = nn.Linear(HIDDEN, OUT)
         self.branch = nn.Linear(HIDDEN, OUT) if branch else None
+        if branch:
+            # Used on some ranks only in some scenarios: it must not be a
+            # stage 3 unit of its own (its all-gather would run on those ranks only).
+            self.branch.zero_ext_test_root = True
         with torch.no_grad():
             for p in self.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
@@ -47,11 +51,64 @@ class Net(nn.Module):
         return y
 
 
+def net_units(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) and not getattr(module, "zero_ext_test_root", False)
+
+
 class LossNet(Net):
     """Computes its own loss inside forward()."""
 
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return F.mse_loss(super().forward(x), target)
+
+
+VOCAB, DIM, SEQ = 11, 8, 5
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ff = nn.Linear(DIM, DIM)
+        self.gate = nn.Linear(DIM, DIM)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.ff(h)) * torch.sigmoid(self.gate(h))
+
+
+class Blocks(nn.Module):
+    """Embedding, repeated blocks (stage 3's default units) and an output
+    layer tied to the embedding."""
+
+    def __init__(self, n_blocks: int = 3, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(n_blocks))
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+    def forward(self, tokens: torch.Tensor, plan=None, checkpointing=None) -> torch.Tensor:
+        h = self.embed(tokens)
+        for i in plan if plan is not None else range(len(self.blocks)):
+            if checkpointing is None:
+                h = self.blocks[i](h)
+            else:
+                from torch.utils.checkpoint import checkpoint
+                h = checkpoint(self.blocks[i], h, use_reentrant=checkpointing == "reentrant")
+        return self.head(h)
+
+
+def token_loss(ctx: "Context", model: nn.Module, step: int, **forward_kwargs) -> torch.Tensor:
+    total = 0.0
+    for r, w in ctx.participants():
+        g = torch.Generator().manual_seed(500 + step)
+        tokens = torch.randint(0, VOCAB, (ctx.world * BATCH, SEQ + 1), generator=g)[r * BATCH:(r + 1) * BATCH]
+        logits = model(tokens[:, :-1], **forward_kwargs)
+        total = total + w * F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    return total
 
 
 def batch(step: int, rank: int, world: int, salt: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +135,10 @@ class Context:
     def wrap(self, model: nn.Module, opt: torch.optim.Optimizer):
         if self.reference:
             return model, opt
-        return zero_ext.wrap(model, opt, stage=self.stage, bucket_mb=BUCKET_MB)
+        units = None
+        if self.stage == 3 and isinstance(model, Net):
+            units = net_units  # each Linear its own unit; Blocks use the default policy
+        return zero_ext.wrap(model, opt, stage=self.stage, bucket_mb=BUCKET_MB, units=units)
 
     def no_sync(self, model: nn.Module):
         return contextlib.nullcontext() if self.reference else model.no_sync()
@@ -98,7 +158,11 @@ class Context:
         self.checkpoints.append((f"{label}: grads", grads))
 
     def record_params(self, label: str, model: nn.Module) -> None:
-        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        if self.reference:
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        else:  # stage 3 parameters hold no memory between steps
+            full = zero_ext.full_state_dict(model)
+            params = {n: full[n] for n, _ in model.named_parameters()}
         self.checkpoints.append((f"{label}: params", params))
 
     def record_value(self, label: str, value: torch.Tensor) -> None:
@@ -222,7 +286,10 @@ def _retain_graph(ctx: Context, zero_between: bool) -> None:
         ctx.record_grads(f"step {step} after first backward", model)
         if zero_between:
             opt.zero_grad()
+        gathers = None if ctx.reference else model._zero_ext.buckets.stats()["param_gathers"]
         total.backward()  # goes through l1's retained graph a second time
+        ctx.record_check(f"step {step}: no parameter all-gather in the second backward",
+                         ctx.reference or model._zero_ext.buckets.stats()["param_gathers"] == gathers)
         ctx.record_check(f"step {step}: second backward did not keep graph",
                          ctx.reference or model._zero_ext.buckets.stats()["last_keep_graph"] == 0)
         ctx.record_grads(f"step {step} after second backward", model)
@@ -338,11 +405,11 @@ def autograd_grad_is_side_effect_free(ctx: Context) -> None:
         mlp_loss(ctx, model, step).backward()
         ctx.record_grads(f"step {step} before autograd.grad", model)
         # Only returns gradients: .grad, optimizer gradients and comm state stay.
-        collectives = None if ctx.reference else model._zero_ext.buckets.stats()["collectives"]
+        reductions = None if ctx.reference else model._zero_ext.buckets.stats()["synced_epilogues"]
         g = torch.autograd.grad(mlp_loss(ctx, model, step, salt=5), [model.inp.weight])[0]
         ctx.record_check(f"step {step} autograd.grad returned a gradient", g.abs().sum() > 0)
-        ctx.record_check(f"step {step} autograd.grad issued no collective",
-                         ctx.reference or model._zero_ext.buckets.stats()["collectives"] == collectives)
+        ctx.record_check(f"step {step} autograd.grad reduced no gradient",
+                         ctx.reference or model._zero_ext.buckets.stats()["synced_epilogues"] == reductions)
         ctx.record_grads(f"step {step} after autograd.grad", model)
         opt.step()
         opt.zero_grad()
@@ -415,7 +482,7 @@ def state_bytes_match_the_stage(ctx: Context) -> None:
     mlp_loss(ctx, model, 0, branch_on_rank0=True).backward()
     opt.step()
     ctx.record_params("after step", model)
-    labels = ["padding below world size per bucket", "parameter bytes are the full model",
+    labels = ["padding below world size per bucket", "parameter bytes: full model (stage 3: shard)",
               "gradient bytes match the stage", "optimizer state covers exactly its elements",
               "optimizer shards tile the model exactly once"]
     if ctx.reference:
@@ -424,7 +491,9 @@ def state_bytes_match_the_stage(ctx: Context) -> None:
         return
     stats = model._zero_ext.buckets.stats()
     padded = sum(model._zero_ext.buckets.bucket_layout()[2::3])
-    expected_grad = {0: padded, 1: padded + padded // ctx.world, 2: padded // ctx.world}[ctx.stage] * 4
+    shard = padded // ctx.world
+    expected_grad = {0: padded, 1: padded + shard, 2: shard, 3: shard}[ctx.stage] * 4
+    expected_params = (shard if ctx.stage == 3 else padded) * 4
     state_elems = sum(t.numel() for st in opt.state.values() for k, t in st.items() if k != "step")
     opt_elems = sum(p.numel() for g in opt.param_groups for p in g["params"])
     total = torch.tensor([opt_elems])
@@ -432,13 +501,67 @@ def state_bytes_match_the_stage(ctx: Context) -> None:
         torch.distributed.all_reduce(total)
     checks = [
         n_elems <= padded < n_elems + ctx.world * stats["buckets"],
-        stats["param_bytes"] == padded * 4,
+        stats["param_bytes"] == expected_params and stats["gathered_units"] == 0,
         stats["grad_bytes"] == expected_grad,
         state_elems == 2 * opt_elems,
         int(total) == n_elems,
     ]
     for label, ok in zip(labels, checks):
         ctx.record_check(label, ok)
+
+
+def _blocks(ctx: Context, steps: int = 3, build=None, **forward_kwargs_by_step) -> None:
+    model = build() if build else Blocks()
+    model, opt = ctx.wrap(model, adamw(model))
+    for step in range(steps):
+        kwargs = {k: v(step) for k, v in forward_kwargs_by_step.items()}
+        token_loss(ctx, model, step, **kwargs).backward()
+        step_and_record(ctx, model, opt, step)
+
+
+def tied_embedding_default_units(ctx: Context) -> None:
+    _blocks(ctx)
+
+
+def block_called_twice_per_forward(ctx: Context) -> None:
+    _blocks(ctx, plan=lambda step: [0, 1, 1, 2])
+
+
+def block_skipped_on_some_steps(ctx: Context) -> None:
+    _blocks(ctx, plan=lambda step: [0, 2] if step == 1 else [0, 1, 2])
+
+
+def frozen_block(ctx: Context) -> None:
+    def build():
+        model = Blocks()
+        model.blocks[1].requires_grad_(False)
+        return model
+    _blocks(ctx, build=build)
+
+
+def checkpoint_each_block_reentrant(ctx: Context) -> None:
+    _blocks(ctx, checkpointing=lambda step: "reentrant")
+
+
+def checkpoint_each_block_nonreentrant(ctx: Context) -> None:
+    _blocks(ctx, checkpointing=lambda step: "non-reentrant")
+
+
+def units_gathered_during_forward(ctx: Context) -> None:
+    """Stage 3: while a block computes, at most itself, the root and the
+    prefetched next block are gathered."""
+    model = Blocks(n_blocks=4)
+    model, opt = ctx.wrap(model, adamw(model))
+    seen = []
+    if ctx.stage == 3 and not ctx.reference:
+        for block in model.blocks:  # registered after zero_ext's own hooks
+            block.register_forward_pre_hook(
+                lambda mod, args: seen.append(model._zero_ext.buckets.stats()["gathered_units"]))
+    for step in range(2):
+        token_loss(ctx, model, step).backward()
+        step_and_record(ctx, model, opt, step)
+    ctx.record_check("at most block + root + prefetch gathered in forward", max(seen, default=0) <= 3)
+    ctx.record_check("the second forward prefetched", ctx.stage != 3 or ctx.reference or 3 in seen)
 
 
 SCENARIOS: Dict[str, Callable[[Context], None]] = {
@@ -464,9 +587,16 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
         checkpoint_nonreentrant_param_used_twice,
         full_state_dict_round_trip,
         state_bytes_match_the_stage,
+        tied_embedding_default_units,
+        block_called_twice_per_forward,
+        block_skipped_on_some_steps,
+        frozen_block,
+        checkpoint_each_block_reentrant,
+        checkpoint_each_block_nonreentrant,
+        units_gathered_during_forward,
     ]
 }
-STAGES = (0, 1, 2)
+STAGES = (0, 1, 2, 3)
 RTOL, ATOL = 1e-5, 1e-6
 
 

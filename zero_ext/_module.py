@@ -6,7 +6,7 @@ its parameter names and its state_dict keys stay the same.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, Type
+from typing import Any, Dict, Iterator, List
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -42,21 +42,40 @@ def swap_module_class(module: torch.nn.Module) -> None:
     module.__class__ = _wrapped_classes[cls]
 
 
-def install_forward_hooks(module: torch.nn.Module) -> None:
-    """One C++ call per forward: reset after a failed backward, and hook the
-    outputs so the epilogue is owned by the outermost backward through them."""
+def _tensors(output: Any) -> List[torch.Tensor]:
+    leaves, _ = tree_flatten(output)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def install_forward_hooks(module: torch.nn.Module, unit_modules: List[torch.nn.Module]) -> None:
+    """A C++ call or two per forward of the model and of each stage 3 unit.
+
+    The root's post hook hooks the model outputs, so the epilogue is owned by
+    the outermost backward through them; in stage 3 each unit is gathered
+    before its forward, released after it, and its outputs are hooked to
+    gather it again before its backward.
+    """
+    sharded = bool(unit_modules)
 
     def before_forward(mod: torch.nn.Module, args: Any) -> None:
         mod._zero_ext.buckets.reset_if_stale()
+        if sharded:
+            mod._zero_ext.buckets.pre_forward(0)
 
     def after_forward(mod: torch.nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():
-            return
         buckets = mod._zero_ext.buckets
-        leaves, _ = tree_flatten(output)
-        for leaf in leaves:
-            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                buckets.attach_output_hook(leaf)
+        outputs = _tensors(output) if torch.is_grad_enabled() else []
+        for t in outputs:
+            buckets.attach_output_hook(t)
+        if sharded:
+            buckets.post_forward(0, outputs)
 
     module.register_forward_pre_hook(before_forward)
     module.register_forward_hook(after_forward)
+
+    buckets = module._zero_ext.buckets
+    for index, unit in enumerate(unit_modules[1:], start=1):
+        unit.register_forward_pre_hook(lambda mod, args, u=index: buckets.pre_forward(u))
+        unit.register_forward_hook(
+            lambda mod, args, output, u=index: buckets.post_forward(
+                u, _tensors(output) if torch.is_grad_enabled() else []))

@@ -100,7 +100,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, state, ordered_params: Lis
         state.buckets.check_before_step()
 
     def after_step(opt, args, kwargs) -> None:
-        state.buckets.gather_params()
+        state.buckets.after_step()
 
     optimizer.register_step_pre_hook(before_step)
     optimizer.register_step_post_hook(after_step)

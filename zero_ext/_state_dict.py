@@ -16,17 +16,30 @@ def _state(model: torch.nn.Module):
 @torch.no_grad()
 def full_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """Every entry of ``model.state_dict()``, full shape, on CPU, on every rank."""
-    _state(model)
-    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    state = _state(model)
+    if state.stage == 3:
+        state.buckets.gather_all()
+    try:
+        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    finally:
+        if state.stage == 3:
+            state.buckets.release_all()
 
 
 @torch.no_grad()
 def load_full_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Loads a full state_dict (e.g. from an unwrapped model) into a wrapped
     model, in place, on every rank. Keys must match exactly."""
-    _state(model)
-    result = model.load_state_dict(state_dict, strict=True)
-    del result
+    state = _state(model)
+    if state.stage == 3:
+        state.buckets.gather_all()
+    try:
+        model.load_state_dict(state_dict, strict=True)
+        if state.stage == 3:
+            state.buckets.write_back_shards()
+    finally:
+        if state.stage == 3:
+            state.buckets.release_all()
 
 
 @torch.no_grad()
@@ -40,5 +53,5 @@ def full_grads(model: torch.nn.Module) -> Dict[str, Optional[torch.Tensor]]:
     state = _state(model)
     grads = state.buckets.full_grads()
     has = state.buckets.has_grad()
-    by_id = {id(p): (g.float().cpu() if h else None) for p, g, h in zip(state.params, grads, has)}
+    by_id = {id(p): (g.float().cpu() if h else None) for p, g, h in zip(state.bucketed, grads, has)}
     return {name: by_id.get(id(p)) for name, p in model.named_parameters()}

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, List, Optional, Set, Tuple, Union
 
 import torch
@@ -13,6 +13,7 @@ from ._bucket_plan import plan_buckets
 from ._C_loader import GradBuckets
 from ._module import ZeroExtModule, install_forward_hooks, swap_module_class
 from ._optimizer import check_elementwise, shard_optimizer
+from ._units import assign_parameters, resolve_units
 
 
 @dataclass
@@ -28,7 +29,8 @@ class ZeroState:
     device: torch.device
     params: List[torch.nn.Parameter]  # trainable, in bucket order
     names: List[str]
-    param_ids: Set[int] = field(default_factory=set)
+    bucketed: List[torch.nn.Parameter]  # what GradBuckets indexes (stage 3: frozen too)
+    param_ids: Set[int]
 
     def check_parameters_unchanged(self) -> None:
         """Once per step: a parameter replaced by a new object after wrap()
@@ -81,8 +83,6 @@ def _validate(model, optimizer, stage, mixed_precision, offload_optimizer) -> Li
         )
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_ext.wrap: stage must be 0, 1, 2 or 3, got {stage!r}")
-    if stage == 3:
-        raise NotImplementedError("zero_ext.wrap: stage 3 (sharded parameters) is not available in this version; use stage 0, 1 or 2")
     if mixed_precision is not None:
         if mixed_precision not in ("bf16", "fp16") and not isinstance(mixed_precision, MixedPrecision):
             raise ValueError(
@@ -152,6 +152,26 @@ def _validate(model, optimizer, stage, mixed_precision, offload_optimizer) -> Li
     return trainable
 
 
+def _plan_units(model: torch.nn.Module, unit_modules: List[torch.nn.Module]):
+    """Stage 3: one bucket per unit and dtype, frozen parameters included.
+    Blocks come in reverse registration order (the order backward finishes
+    them) and the root last, since its parameters are in use until the end."""
+    owner = assign_parameters(model, unit_modules)
+    by_unit: List[List[torch.nn.Parameter]] = [[] for _ in unit_modules]
+    for p in model.parameters():
+        by_unit[owner[id(p)]].append(p)
+    ordered, counts, unit_of_bucket = [], [], []
+    for u in list(range(len(unit_modules) - 1, 0, -1)) + [0]:
+        by_dtype: dict = {}
+        for p in by_unit[u]:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        for params in by_dtype.values():
+            ordered.extend(params)
+            counts.append(len(params))
+            unit_of_bucket.append(u)
+    return ordered, counts, unit_of_bucket
+
+
 def wrap(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -162,6 +182,7 @@ def wrap(
     units: Union[None, Set[type], Callable[[torch.nn.Module], bool]] = None,
     bucket_mb: float = 25.0,
     timeout: Union[None, float, datetime.timedelta] = None,
+    prefetch: int = 1,
 ) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
     """Makes `model` and `optimizer` ZeRO data parallel, in place.
 
@@ -173,9 +194,13 @@ def wrap(
         model: module already on its device; modified in place, same names.
         optimizer: a torch.optim.Optimizer over ``model.parameters()``.
         stage: 0 replicated (DDP-like), 1 sharded optimizer state,
-            2 also sharded gradients.
-        bucket_mb: gradient bucket size in MiB.
+            2 also sharded gradients, 3 also sharded parameters.
+        units: stage 3: submodules gathered as one (a set of module classes
+            or a callable module -> bool); default: each repeated block.
+        bucket_mb: gradient bucket size in MiB (stages 0-2; stage 3 reduces
+            one bucket per unit).
         timeout: bound in seconds on every collective wait.
+        prefetch: stage 3: units whose all-gather runs ahead of use.
     Returns:
         ``(model, optimizer)``, the same objects.
     Raises:
@@ -186,14 +211,32 @@ def wrap(
         raise ValueError("zero_ext.wrap: units only applies to stage 3")
     if not bucket_mb > 0:
         raise ValueError(f"zero_ext.wrap: bucket_mb must be positive, got {bucket_mb!r}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"zero_ext.wrap: prefetch must be a non-negative int, got {prefetch!r}")
     group, world, rank, group_name = _resolve_group(process_group)
     timeout_s = _timeout_seconds(timeout)
 
     group_of = {id(p): g for g, group_ in enumerate(optimizer.param_groups) for p in group_["params"]}
-    ordered, counts = plan_buckets(trainable, group_of, int(bucket_mb * 2**20))
+    unit_modules: List[torch.nn.Module] = []
+    if stage == 3:
+        unit_modules = resolve_units(model, units)
+        ordered, counts, unit_of_bucket = _plan_units(model, unit_modules)
+    else:
+        ordered, counts = plan_buckets(trainable, group_of, int(bucket_mb * 2**20))
+        unit_of_bucket = []
     names_by_id = {id(p): n for n, p in model.named_parameters()}
     names = [names_by_id[id(p)] for p in ordered]
-    buckets = GradBuckets(ordered, names, counts, stage, group_name, timeout_s)
+    flags = [int(p.requires_grad) for p in ordered]
+    gather_group_name = ""
+    if stage == 3 and group is not None and world > 1:
+        # A second group for parameter all-gathers (see grad_buckets.h).
+        gather_group = dist.new_group(
+            ranks=dist.get_process_group_ranks(group), use_local_synchronization=True,
+            backend=dist.get_backend(group),
+        )
+        gather_group_name = gather_group.group_name
+    buckets = GradBuckets(ordered, names, flags, counts, unit_of_bucket, stage, group_name,
+                          gather_group_name, timeout_s, prefetch)
     if group is not None and world > 1:
         with torch.no_grad():
             for buffer in model.buffers():  # every rank starts from rank 0's state
@@ -201,13 +244,14 @@ def wrap(
 
     state = ZeroState(
         model=model, stage=stage, buckets=buckets, process_group=group, world_size=world,
-        rank=rank, device=ordered[0].device, params=ordered, names=names,
-        param_ids={id(p) for p in ordered},
+        rank=rank, device=ordered[0].device, params=[p for p in ordered if p.requires_grad],
+        names=[n for n, p in zip(names, ordered) if p.requires_grad],
+        param_ids={id(p) for p in ordered if p.requires_grad}, bucketed=ordered,
     )
     for p in ordered:
         p._zero_ext_owner = True
     swap_module_class(model)
     model._zero_ext = state
-    install_forward_hooks(model)
+    install_forward_hooks(model, unit_modules)
     shard_optimizer(optimizer, state, ordered, group_of)
     return model, optimizer
