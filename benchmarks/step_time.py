@@ -45,9 +45,30 @@ def build_system(args, system, world):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     if system == "ddp":
         trained = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb) if world > 1 else model
+    elif system.startswith("fsdp2"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        reshard = system == "fsdp2"
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        trained = model
     else:
         trained, opt = zero_ext.wrap(model, opt, stage=int(system[-1]), bucket_mb=args.bucket_mb)
     return model, trained, opt
+
+
+def fsdp2_bytes(model, opt):
+    """FSDP2 parameters are DTensor shards; count the local shard bytes."""
+    def local(t):
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+    params = sum(local(p) for p in model.parameters())
+    state = sum(local(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+    return {"params": params, "grads": params, "optimizer_state": state}
 
 
 def run_systems(args, rank, world):
@@ -71,7 +92,10 @@ def run_systems(args, rank, world):
                 times[system].append(elapsed)
     results = {}
     for system, (model, trained, opt) in built.items():
-        report = zero_ext.memory_report(model, opt)
+        if system.startswith("fsdp2"):
+            report = fsdp2_bytes(model, opt)
+        else:
+            report = zero_ext.memory_report(model, opt)
         if system == "ddp":  # zero_grad() cleared them; during a step DDP holds full grads
             report["grads"] = sum(p.numel() * p.element_size() for p in model.parameters())
         results[system] = {"median_ms": 1e3 * statistics.median(times[system]), "loss": losses[system], **report}
@@ -104,7 +128,9 @@ def main():
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=15)
-    parser.add_argument("--systems", nargs="+", default=["ddp", "zero_ext-0", "zero_ext-1", "zero_ext-2"])
+    parser.add_argument("--systems", nargs="+",
+                        default=["ddp", "fsdp2", "fsdp2-keep", "zero_ext-0", "zero_ext-1", "zero_ext-2", "zero_ext-3"],
+                        help="ddp, fsdp2 (reshard after forward), fsdp2-keep (no reshard), zero_ext-N")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
 

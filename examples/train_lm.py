@@ -87,7 +87,7 @@ def ddp_bytes(args, vocab, data, rank, world):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stage", type=int, default=2, choices=[0, 1, 2])
+    parser.add_argument("--stage", type=int, default=2, choices=[0, 1, 2, 3])
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--context", type=int, default=64)

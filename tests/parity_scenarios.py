@@ -306,6 +306,28 @@ def retain_graph_zero_grad_between(ctx: Context) -> None:
     _retain_graph(ctx, zero_between=True)
 
 
+def nonscalar_backward_retained_twice(ctx: Context) -> None:
+    """out.backward(g, retain_graph=True) twice over one forward: the second
+    backward needs no parameter all-gather in stage 3."""
+    model = Blocks()
+    model, opt = ctx.wrap(model, sgd(model))
+    for step in range(2):
+        outs, grads = [], []
+        for r, w in ctx.participants():
+            g = torch.Generator().manual_seed(40 + step)
+            tokens = torch.randint(0, VOCAB, (ctx.world * BATCH, SEQ), generator=g)[r * BATCH:(r + 1) * BATCH]
+            outs.append(model(tokens))
+            grads.append(w * torch.randn(BATCH, SEQ, VOCAB, generator=torch.Generator().manual_seed(r)) / (BATCH * SEQ))
+        out, grad = torch.cat(outs), torch.cat(grads)
+        out.backward(grad, retain_graph=True)
+        ctx.record_grads(f"step {step} first", model)
+        gathers = None if ctx.reference else model._zero_ext.buckets.stats()["param_gathers"]
+        out.backward(grad, retain_graph=True)
+        ctx.record_check(f"step {step}: no parameter all-gather in the second backward",
+                         ctx.reference or model._zero_ext.buckets.stats()["param_gathers"] == gathers)
+        step_and_record(ctx, model, opt, step)
+
+
 def _accumulate(ctx: Context, counts: List[int]) -> None:
     model = Net()
     model, opt = ctx.wrap(model, adamw(model))
@@ -574,6 +596,7 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
         three_models_one_loss,
         retain_graph_two_losses,
         retain_graph_zero_grad_between,
+        nonscalar_backward_retained_twice,
         four_backward_per_step,
         varying_backward_per_step,
         no_sync_accumulation,

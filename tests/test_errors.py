@@ -53,7 +53,7 @@ def test_wrap_submodule_of_wrapped_model():
         zero_ext.wrap(model[0], torch.optim.SGD(model[0].parameters(), lr=0.1), stage=2)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_non_elementwise_optimizer(stage):
     model, _ = make()
     opt = torch.optim.LBFGS(model.parameters())
@@ -84,7 +84,7 @@ def test_optimizer_that_already_stepped():
         zero_ext.wrap(model, opt, stage=1)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_parameter_replaced_by_new_object_after_wrap(stage):
     model, opt = make()
     zero_ext.wrap(model, opt, stage=stage)
@@ -130,7 +130,7 @@ def test_bypassed_hooks_are_caught_at_step(stage):
         opt.step()
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_parameter_storage_swapped_after_wrap(stage):
     model, opt = make()
     zero_ext.wrap(model, opt, stage=stage)
@@ -155,7 +155,7 @@ def test_model_on_several_devices():
         zero_ext.wrap(model, opt)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_step_after_only_no_sync_backward(stage):
     model, opt = make()
     zero_ext.wrap(model, opt, stage=stage)
@@ -165,13 +165,25 @@ def test_step_after_only_no_sync_backward(stage):
         opt.step()
 
 
-def test_step_before_any_backward_is_a_noop():
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_step_before_any_backward_is_a_noop(stage):
     model, opt = make()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    zero_ext.wrap(model, opt, stage=2)
+    zero_ext.wrap(model, opt, stage=stage)
     opt.step()
-    for n, p in model.named_parameters():
-        assert torch.equal(p, before[n])
+    after = zero_ext.full_state_dict(model)
+    for n in before:
+        assert torch.equal(after[n], before[n])
+
+
+def test_units_outside_stage_3_or_matching_nothing():
+    model, opt = make()
+    with pytest.raises(ValueError, match="units only applies to stage 3"):
+        zero_ext.wrap(model, opt, stage=2, units={nn.Linear})
+    with pytest.raises(ValueError, match="matched no submodule"):
+        zero_ext.wrap(model, opt, stage=3, units={nn.Conv2d})
+    with pytest.raises(TypeError, match="set of nn.Module classes or a callable"):
+        zero_ext.wrap(model, opt, stage=3, units="blocks")
 
 
 class FailingBackward(torch.autograd.Function):
@@ -188,7 +200,7 @@ class FailingBackward(torch.autograd.Function):
         return grad
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_training_recovers_after_a_backward_that_raised(stage):
     """No epilogue runs when a node throws; the next forward resets the round."""
     model, opt = make()
@@ -206,5 +218,6 @@ def test_training_recovers_after_a_backward_that_raised(stage):
             m(x).square().mean().backward()
             o.step()
             o.zero_grad()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert torch.allclose(p, q, atol=1e-6), name
+    full = zero_ext.full_state_dict(model)
+    for name, q in reference.named_parameters():
+        assert torch.allclose(full[name], q, atol=1e-6), name

@@ -31,6 +31,32 @@ class ZeroExtModule:
         self._zero_ext.buckets.zero_grad(set_to_none)
         super().zero_grad(set_to_none)  # type: ignore[misc]
 
+    # Stage 3 parameters hold no memory between uses (param_storage.h), so
+    # state_dict() returns gathered copies and load_state_dict() writes the
+    # shards; in stages 0-2 both are PyTorch's own.
+    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        if self._zero_ext.stage != 3:
+            return super().state_dict(*args, **kwargs)  # type: ignore[misc]
+        buckets = self._zero_ext.buckets
+        buckets.gather_all()
+        try:
+            sd = super().state_dict(*args, **kwargs)  # type: ignore[misc]
+            return type(sd)((k, v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in sd.items())
+        finally:
+            buckets.release_all()
+
+    def load_state_dict(self, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._zero_ext.stage != 3:
+            return super().load_state_dict(state_dict, *args, **kwargs)  # type: ignore[misc]
+        buckets = self._zero_ext.buckets
+        buckets.gather_all()
+        try:
+            result = super().load_state_dict(state_dict, *args, **kwargs)  # type: ignore[misc]
+            buckets.write_back_shards()
+            return result
+        finally:
+            buckets.release_all()
+
 
 _wrapped_classes: Dict[type, type] = {}
 

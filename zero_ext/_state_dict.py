@@ -16,30 +16,16 @@ def _state(model: torch.nn.Module):
 @torch.no_grad()
 def full_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """Every entry of ``model.state_dict()``, full shape, on CPU, on every rank."""
-    state = _state(model)
-    if state.stage == 3:
-        state.buckets.gather_all()
-    try:
-        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-    finally:
-        if state.stage == 3:
-            state.buckets.release_all()
+    _state(model)
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
 @torch.no_grad()
 def load_full_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Loads a full state_dict (e.g. from an unwrapped model) into a wrapped
     model, in place, on every rank. Keys must match exactly."""
-    state = _state(model)
-    if state.stage == 3:
-        state.buckets.gather_all()
-    try:
-        model.load_state_dict(state_dict, strict=True)
-        if state.stage == 3:
-            state.buckets.write_back_shards()
-    finally:
-        if state.stage == 3:
-            state.buckets.release_all()
+    _state(model)
+    model.load_state_dict(state_dict, strict=True)  # stage 3: gathers and writes shards
 
 
 @torch.no_grad()
