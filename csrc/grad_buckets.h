@@ -36,6 +36,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/custom_class.h>
 
 #include "communicator.h"
@@ -164,8 +165,10 @@ class GradBuckets : public torch::CustomClassHolder {
   std::vector<at::Tensor> grad_views_;  // stage 0: param-shaped views of staging
 
   // Strong references: a tensor holds its AccumulateGrad node only weakly, and
-  // a hook on a node that was dropped and re-created would never fire.
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
+  // a hook on a node that was dropped and re-created would never fire. (The
+  // pointer type changed across torch releases: take whatever it returns.)
+  using NodeRef = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+  std::vector<NodeRef> accumulators_;
   std::vector<uintptr_t> hook_keys_;
 
   std::vector<at::Tensor> segments_;
