@@ -13,6 +13,21 @@ BackwardInfo current_backward() {
   return info;
 }
 
+bool current_backward_executes_any(const std::vector<const void*>& nodes) {
+  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+  if (exec_info == nullptr || exec_info->empty()) {
+    return true;  // a plain backward runs every node it reaches
+  }
+  for (const void* node : nodes) {
+    auto it = exec_info->find(static_cast<torch::autograd::Node*>(const_cast<void*>(node)));
+    // Captured-only leaves (autograd.grad) are not executed: only needed_ counts.
+    if (it != exec_info->end() && it->second.needed_) {
+      return true;
+    }
+  }
+  return false;
+}
+
 bool Epilogue::arm(const std::function<void()>& fn) {
   if (pending_) {
     return true;

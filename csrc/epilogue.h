@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <vector>
 
 namespace zero_ext {
 
@@ -26,6 +27,11 @@ struct BackwardInfo {
 // Reads the running backward from the engine's thread-local graph task.
 // Outside a backward the engine reports keep_graph=true; we report false there.
 BackwardInfo current_backward();
+
+// Whether the running backward will execute any of these nodes. False for
+// torch.autograd.grad(...) and backward(inputs=...) that leave them out:
+// those accumulate nothing, so they must not start a reduction.
+bool current_backward_executes_any(const std::vector<const void*>& nodes);
 
 class Epilogue {
  public:

@@ -160,6 +160,7 @@ GradBuckets::GradBuckets(std::vector<at::Tensor> params,
     TORCH_CHECK(node, "zero_ext: parameter '", names_[i],
                 "' has no gradient accumulator; is it a leaf that requires grad?");
     hook_keys_[i] = node->add_post_hook(std::make_unique<ParamReadyHook>(this, i));
+    accumulator_nodes_.push_back(node.get());
     accumulators_[i] = std::move(node);
   }
   start_round();
@@ -202,7 +203,9 @@ void GradBuckets::arm_epilogue() {
 
 void GradBuckets::on_output_grad() {
   std::lock_guard<std::mutex> lock(mutex_);
-  arm_epilogue();
+  if (current_backward_executes_any(accumulator_nodes_)) {
+    arm_epilogue();
+  }
 }
 
 void GradBuckets::attach_output_hook(const at::Tensor& output) {
@@ -262,14 +265,8 @@ void GradBuckets::on_grad_ready(int64_t i) {
   ++arrivals_;
   if (--bucket.waiting == 0) {
     launch_ready_buckets();
-    // Stage 3: the unit's backward is over once its gradients are all in, if
-    // they came from the backward that owns the epilogue (a reentrant
-    // checkpoint's inner backward may finish before outer nodes that still
-    // read these parameters) and that backward does not keep its graph.
-    const auto info = current_backward();
-    if (stage_ == 3 && !info.keep_graph && info.graph_task_id == epilogue_.owner_graph_task() &&
-        unit_backward_done(bucket.unit)) {
-      release_unit(bucket.unit);
+    if (stage_ == 3) {
+      maybe_release_after_unit_backward(bucket.unit);
     }
   }
 }
@@ -340,31 +337,44 @@ void GradBuckets::launch(int64_t b) {
     bucket.work = comm_.reduce_scatter_sum(bucket.reduce_out, bucket.staging);
   }
   bucket.launched = true;
+  in_flight_.push_back(b);
+  if (stage_ >= 2) {
+    // Bound the full gradients alive at once: retire the oldest reductions
+    // (stages 2-3 free their staging) rather than holding every bucket
+    // until the epilogue.
+    while (in_flight_.size() > kMaxReductionsInFlight) {
+      retire(in_flight_.front());
+      in_flight_.pop_front();
+    }
+  }
 }
 
 void GradBuckets::wait_all() {
+  while (!in_flight_.empty()) {
+    retire(in_flight_.front());
+    in_flight_.pop_front();
+  }
+}
+
+void GradBuckets::retire(int64_t b) {
   at::NoGradGuard no_grad;
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    Bucket& bucket = buckets_[b];
-    if (!bucket.launched || bucket.trainable == 0) {
-      continue;
+  Bucket& bucket = buckets_[b];
+  comm_.wait(bucket.work, "gradient reduction of " + describe_bucket(b));
+  bucket.work.reset();
+  if (stage_ == 0) {
+    return;  // reduced in place
+  }
+  if (!bucket.reduce_out.is_same(bucket.accum)) {
+    if (bucket.accum_has_value) {
+      bucket.accum.add_(bucket.reduce_out);
+    } else {
+      bucket.accum.copy_(bucket.reduce_out);
     }
-    comm_.wait(bucket.work, "gradient reduction of " + describe_bucket(b));
-    bucket.work.reset();
-    if (stage_ >= 1) {
-      if (!bucket.reduce_out.is_same(bucket.accum)) {
-        if (bucket.accum_has_value) {
-          bucket.accum.add_(bucket.reduce_out);
-        } else {
-          bucket.accum.copy_(bucket.reduce_out);
-        }
-      }
-      bucket.reduce_out.reset();
-      bucket.accum_has_value = true;
-      if (stage_ >= 2) {
-        bucket.staging.reset();  // stages 2-3 keep no full gradient
-      }
-    }
+  }
+  bucket.reduce_out.reset();
+  bucket.accum_has_value = true;
+  if (stage_ >= 2) {
+    bucket.staging.reset();  // stages 2-3 keep no full gradient
   }
 }
 
@@ -443,9 +453,11 @@ void GradBuckets::run_epilogue() {
   last_keep_graph_ = info.keep_graph;
   ++epilogues_run_;
   try {
-    // no_sync(), or a backward that accumulated nothing into this model
-    // (torch.autograd.grad runs no AccumulateGrad): nothing to reduce.
-    if (!sync_ || arrivals_ == 0) {
+    // no_sync(): nothing to reduce. (A backward that accumulates nothing
+    // here, like torch.autograd.grad, never armed the epilogue: see
+    // on_output_grad. Whether to reduce must not depend on what this rank
+    // happened to receive, or ranks would disagree on the collectives.)
+    if (!sync_) {
       verify_hooks(false);
       start_round();
       release_after_backward(info.keep_graph);
@@ -475,6 +487,7 @@ void GradBuckets::run_epilogue() {
       bucket.work.reset();
       bucket.reduce_out.reset();
     }
+    in_flight_.clear();
     std::fill(detached_.begin(), detached_.end(), 0);
     start_round();
     throw;
@@ -493,11 +506,24 @@ void GradBuckets::release_after_backward(bool keep_graph) {
   if (!forward_order_.empty()) {
     finish_forward_order();  // units ran without the root's forward hooks
   }
+  replaying_retained_graph_ = keep_graph;
   if (!keep_graph) {
     for (size_t u = 0; u < units_.size(); ++u) {
       release_unit(static_cast<int64_t>(u));
+      units_[u].pending_uses = 0;
+      units_[u].tracked_use = false;
+      units_[u].untracked_use = false;
     }
   }
+}
+
+bool GradBuckets::unit_has_trainable(int64_t u) const {
+  for (int64_t b : units_[u].buckets) {
+    if (buckets_[b].trainable > 0) {
+      return true;
+    }
+  }
+  return false;
 }
 
 void GradBuckets::set_sync(bool sync) {
@@ -510,13 +536,14 @@ void GradBuckets::zero_grad(bool set_to_none) {
   TORCH_CHECK(!epilogue_.pending() || epilogue_.is_stale(),
               "zero_ext: zero_grad() was called while a backward is running; call it "
               "between steps");
+  reset_if_stale_locked();  // never zero buffers a collective may still write
   at::NoGradGuard no_grad;
   for (auto& bucket : buckets_) {
     if (stage_ == 0) {
       bucket.staging.zero_();
     } else {
       bucket.accum_has_value = false;
-      if (!set_to_none) {
+      if (!set_to_none && bucket.accum.defined()) {
         bucket.accum.zero_();
       }
     }
@@ -542,6 +569,7 @@ void GradBuckets::zero_grad(bool set_to_none) {
 
 void GradBuckets::check_before_step() {
   std::lock_guard<std::mutex> lock(mutex_);
+  reset_if_stale_locked();
   verify_hooks(false);
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& grad = params_[i].grad();
@@ -598,27 +626,38 @@ void GradBuckets::after_step() {
 
 bool GradBuckets::reset_if_stale() {
   std::lock_guard<std::mutex> lock(mutex_);
+  return reset_if_stale_locked();
+}
+
+bool GradBuckets::reset_if_stale_locked() {
   if (!epilogue_.is_stale()) {
     return false;
   }
   // The backward raised before its epilogue: wait out what is in flight so no
-  // buffer is freed under a collective, then forget the round.
+  // buffer is freed or zeroed under a collective, then forget the round. A
+  // failed wait is raised after the cleanup: the group is unusable then.
+  std::exception_ptr failure;
   for (size_t b = 0; b < buckets_.size(); ++b) {
     if (buckets_[b].work) {
       try {
         comm_.wait(buckets_[b].work, "reduction abandoned by a failed backward");
       } catch (...) {
+        failure = failure ? failure : std::current_exception();
       }
     }
     buckets_[b].work.reset();
     buckets_[b].reduce_out.reset();
   }
+  in_flight_.clear();
   if (stage_ == 0) {
     publish_grads();
   }
   epilogue_.reset();
   start_round();
   release_after_backward(false);
+  if (failure) {
+    std::rethrow_exception(failure);
+  }
   return true;
 }
 
@@ -689,6 +728,8 @@ c10::Dict<std::string, int64_t> GradBuckets::stats() const {
   out.insert("grad_bytes", grad_bytes);
   out.insert("units", static_cast<int64_t>(units_.size()));
   out.insert("gathered_units", gathered_units());
+  out.insert("peak_gathered_units_forward", peak_gathered_forward_);
+  out.insert("peak_gathered_units_backward", peak_gathered_backward_);
   return out;
 }
 
@@ -710,6 +751,10 @@ void GradBuckets::start_gather(int64_t u) {
     ++param_gathers_;
   }
   unit.state = Unit::State::kGathering;
+  if (!gathering_all_) {
+    int64_t& peak = current_backward().graph_task_id >= 0 ? peak_gathered_backward_ : peak_gathered_forward_;
+    peak = std::max(peak, gathered_units());
+  }
 }
 
 void GradBuckets::finish_gather(int64_t u) {
@@ -737,16 +782,62 @@ void GradBuckets::release_unit(int64_t u) {
   unit.state = Unit::State::kReleased;
 }
 
+// [Note: when a unit's backward is over]
+// Its parameters are read by the nodes of every use of the unit in the graph.
+// Those nodes are over once (a) every trainable parameter's AccumulateGrad ran
+// (it waits for all its uses) and (b) for each use whose inputs required grad,
+// the gradient of those inputs is complete: a PostBackward function applied
+// to the inputs in the pre-forward hook reports it (post_backward_use). A use
+// whose inputs did not require grad reads frozen parameters only on the way
+// to trainable ones, so (a) covers it, provided the arrivals came from the
+// backward that owns the epilogue (a reentrant checkpoint's inner backward can
+// finish before outer nodes that read the same parameters). A graph replayed
+// after retain_graph=True fires these events again without a new forward, so
+// then releases wait for the epilogue.
 bool GradBuckets::unit_backward_done(int64_t u) const {
-  for (int64_t b : units_[u].buckets) {
+  const Unit& unit = units_[u];
+  if (replaying_retained_graph_ || unit.pending_uses > 0) {
+    return false;
+  }
+  bool any_trainable = false;
+  for (int64_t b : unit.buckets) {
     const Bucket& bucket = buckets_[b];
-    // A frozen parameter may still be read by a node that computes input
-    // gradients after every trainable one arrived: wait for the epilogue.
-    if (bucket.trainable != bucket.count || bucket.waiting != 0) {
+    if (bucket.waiting != 0) {
       return false;
     }
+    any_trainable = any_trainable || bucket.trainable > 0;
   }
-  return true;
+  if (unit.untracked_use) {
+    return any_trainable && current_backward().graph_task_id == epilogue_.owner_graph_task();
+  }
+  return unit.tracked_use;
+}
+
+void GradBuckets::maybe_release_after_unit_backward(int64_t u) {
+  if (!current_backward().keep_graph && unit_backward_done(u)) {
+    release_unit(u);
+  }
+}
+
+void GradBuckets::add_pending_use(int64_t u) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Unit& unit = unit_at(u);
+  ++unit.pending_uses;
+  unit.tracked_use = true;
+}
+
+void GradBuckets::note_untracked_use(int64_t u) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  unit_at(u).untracked_use = true;
+}
+
+void GradBuckets::post_backward_use(int64_t u) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Unit& unit = unit_at(u);
+  if (unit.pending_uses > 0) {
+    --unit.pending_uses;
+  }
+  maybe_release_after_unit_backward(u);
 }
 
 int64_t GradBuckets::gathered_units() const {
@@ -767,6 +858,9 @@ void GradBuckets::prefetch_around(int64_t u, bool forward) {
     forward_cursor_ = k + 1;
     for (int64_t j = k + 1; j < n && j <= k + prefetch_; ++j) start_gather(order[j]);
   } else {
+    if (u == 0) {
+      return;  // the root heads the order but runs its backward throughout
+    }
     int64_t k = std::min(backward_cursor_, n) - 1;
     while (k >= 0 && order[k] != u) --k;
     if (k < 0) return;
@@ -837,6 +931,11 @@ void GradBuckets::post_forward(int64_t u, std::vector<at::Tensor> outputs) {
   if (u == 0 && grad_enabled) {
     return;  // the root is needed first thing in backward
   }
+  if (grad_enabled && outputs.empty() && unit_has_trainable(u)) {
+    // No output tensor to hook (an output type zero_ext cannot look into):
+    // its backward could not gather it again, so it stays until the epilogue.
+    return;
+  }
   release_unit(u);
 }
 
@@ -850,7 +949,9 @@ void GradBuckets::pre_backward(int64_t u) {
 
 void GradBuckets::gather_all() {
   std::lock_guard<std::mutex> lock(mutex_);
+  gathering_all_ = true;  // for inspection: not part of the training peaks
   for (size_t u = 0; u < units_.size(); ++u) start_gather(static_cast<int64_t>(u));
+  gathering_all_ = false;
   for (size_t u = 0; u < units_.size(); ++u) finish_gather(static_cast<int64_t>(u));
 }
 

@@ -31,6 +31,7 @@
 // cut at parameter boundaries, whose .grad views the accumulator.
 
 #include <cstdint>
+#include <deque>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -72,6 +73,12 @@ class GradBuckets : public torch::CustomClassHolder {
   void pre_forward(int64_t unit);
   void post_forward(int64_t unit, std::vector<at::Tensor> outputs);
   void pre_backward(int64_t unit);
+  // Use tracking for releasing a unit inside backward (see the note at
+  // unit_backward_done): a use whose inputs require grad, its completion,
+  // and a use whose inputs do not.
+  void add_pending_use(int64_t unit);
+  void post_backward_use(int64_t unit);
+  void note_untracked_use(int64_t unit);
   void gather_all();
   void release_all();
   // After full parameters were written (load_full_state_dict): keep the shards.
@@ -126,7 +133,11 @@ class GradBuckets : public torch::CustomClassHolder {
   struct Unit {
     std::vector<int64_t> buckets;
     enum class State { kReleased, kGathering, kGathered } state = State::kReleased;
+    int64_t pending_uses = 0;    // uses whose input gradients are not complete yet
+    bool tracked_use = false;    // some use since the last epilogue had such inputs
+    bool untracked_use = false;  // some use had no input requiring grad
   };
+  static constexpr size_t kMaxReductionsInFlight = 2;
 
   at::Tensor staging_region(Bucket& bucket, int64_t param_index);
   void start_gather(int64_t unit);
@@ -142,6 +153,10 @@ class GradBuckets : public torch::CustomClassHolder {
   void launch_ready_buckets();
   void launch(int64_t bucket_index);
   void wait_all();
+  void retire(int64_t bucket_index);  // waits one reduction and folds it in
+  bool reset_if_stale_locked();
+  void maybe_release_after_unit_backward(int64_t unit);
+  bool unit_has_trainable(int64_t unit) const;
   void start_round();
   void exchange_grad_mask_and_late_flag();
   void publish_grads();
@@ -169,6 +184,7 @@ class GradBuckets : public torch::CustomClassHolder {
   // pointer type changed across torch releases: take whatever it returns.)
   using NodeRef = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
   std::vector<NodeRef> accumulators_;
+  std::vector<const void*> accumulator_nodes_;  // the same, for exec_info lookups
   std::vector<uintptr_t> hook_keys_;
 
   std::vector<at::Tensor> segments_;
@@ -179,6 +195,7 @@ class GradBuckets : public torch::CustomClassHolder {
   std::vector<uint8_t> arrived_;
   std::vector<uint8_t> detached_;   // stage 0: grad moved into staging for a reduction
   int64_t next_launch_ = 0;
+  std::deque<int64_t> in_flight_;   // launched, not yet retired, oldest first
   int64_t arrivals_ = 0;
   bool late_ = false;               // a gradient came after its bucket was launched
 
@@ -194,6 +211,10 @@ class GradBuckets : public torch::CustomClassHolder {
   int64_t backward_cursor_ = 0;
   int64_t prefetch_ = 1;
   int64_t param_gathers_ = 0;  // bucket all-gathers of stage 3 parameters
+  bool replaying_retained_graph_ = false;  // the last backward kept its graph
+  int64_t peak_gathered_forward_ = 0;       // most units gathered at once, outside backward
+  int64_t peak_gathered_backward_ = 0;      // and inside
+  bool gathering_all_ = false;             // gather_all() for inspection: not a peak
 
   bool sync_ = true;
   Epilogue epilogue_;

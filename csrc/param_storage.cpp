@@ -1,5 +1,7 @@
 #include "param_storage.h"
 
+#include <c10/core/DeviceGuard.h>
+
 namespace zero_ext {
 
 void release_storage(const at::Tensor& tensor) {
@@ -12,6 +14,8 @@ void grow_storage(const at::Tensor& tensor, size_t nbytes) {
   c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
   TORCH_CHECK(storage->allocator() != nullptr,
               "zero_ext internal: parameter storage has no allocator to grow from");
+  // Allocators take the current device: make it the storage's own.
+  c10::OptionalDeviceGuard guard(storage->device());
   storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
   storage->set_nbytes(nbytes);
 }

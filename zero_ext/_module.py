@@ -6,10 +6,11 @@ its parameter names and its state_dict keys stay the same.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Dict, Iterator, List
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
 class ZeroExtModule:
@@ -69,8 +70,53 @@ def swap_module_class(module: torch.nn.Module) -> None:
 
 
 def _tensors(output: Any) -> List[torch.Tensor]:
-    leaves, _ = tree_flatten(output)
-    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+    """Tensors requiring grad anywhere in a forward's output: pytrees, and
+    dataclasses (e.g. model outputs) that pytree does not look into."""
+    found: List[torch.Tensor] = []
+    stack = [output]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if item.requires_grad:
+                found.append(item)
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            stack.extend(getattr(item, f.name) for f in dataclasses.fields(item))
+        else:
+            leaves, _ = tree_flatten(item)
+            if len(leaves) == 1 and leaves[0] is item:
+                continue  # a leaf that is no tensor
+            stack.extend(leaves)
+    return found
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a stage 3 unit's inputs; its backward runs once the
+    gradients of those inputs are complete, i.e. the unit's backward is over
+    (see the note at GradBuckets::unit_backward_done)."""
+
+    @staticmethod
+    def forward(ctx, buckets, unit: int, *inputs: torch.Tensor):
+        ctx.buckets, ctx.unit = buckets, unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.buckets.post_backward_use(ctx.unit)
+        return (None, None) + grads
+
+
+def _track_unit_inputs(buckets, unit: int, args: tuple, kwargs: dict):
+    """Routes the unit's grad-requiring inputs through _PostBackward."""
+    leaves, spec = tree_flatten((args, kwargs))
+    positions = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not positions:
+        buckets.note_untracked_use(unit)
+        return None
+    buckets.add_pending_use(unit)
+    outs = _PostBackward.apply(buckets, unit, *[leaves[i] for i in positions])
+    for i, t in zip(positions, outs):
+        leaves[i] = t
+    return tree_unflatten(leaves, spec)
 
 
 def install_forward_hooks(module: torch.nn.Module, unit_modules: List[torch.nn.Module]) -> None:
@@ -82,14 +128,14 @@ def install_forward_hooks(module: torch.nn.Module, unit_modules: List[torch.nn.M
     gather it again before its backward.
     """
     sharded = bool(unit_modules)
+    buckets = module._zero_ext.buckets
 
     def before_forward(mod: torch.nn.Module, args: Any) -> None:
-        mod._zero_ext.buckets.reset_if_stale()
+        buckets.reset_if_stale()
         if sharded:
-            mod._zero_ext.buckets.pre_forward(0)
+            buckets.pre_forward(0)
 
     def after_forward(mod: torch.nn.Module, args: Any, output: Any) -> None:
-        buckets = mod._zero_ext.buckets
         outputs = _tensors(output) if torch.is_grad_enabled() else []
         for t in outputs:
             buckets.attach_output_hook(t)
@@ -99,9 +145,16 @@ def install_forward_hooks(module: torch.nn.Module, unit_modules: List[torch.nn.M
     module.register_forward_pre_hook(before_forward)
     module.register_forward_hook(after_forward)
 
-    buckets = module._zero_ext.buckets
     for index, unit in enumerate(unit_modules[1:], start=1):
-        unit.register_forward_pre_hook(lambda mod, args, u=index: buckets.pre_forward(u))
-        unit.register_forward_hook(
-            lambda mod, args, output, u=index: buckets.post_forward(
-                u, _tensors(output) if torch.is_grad_enabled() else []))
+
+        def before_unit(mod: torch.nn.Module, args: tuple, kwargs: dict, u: int = index):
+            buckets.pre_forward(u)
+            if torch.is_grad_enabled():
+                return _track_unit_inputs(buckets, u, args, kwargs)
+            return None
+
+        def after_unit(mod: torch.nn.Module, args: Any, output: Any, u: int = index) -> None:
+            buckets.post_forward(u, _tensors(output) if torch.is_grad_enabled() else [])
+
+        unit.register_forward_pre_hook(before_unit, with_kwargs=True)
+        unit.register_forward_hook(after_unit)

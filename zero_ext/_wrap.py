@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import weakref
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Set, Tuple, Union
 
@@ -11,6 +12,7 @@ import torch.distributed as dist
 from ._api import MixedPrecision
 from ._bucket_plan import plan_buckets
 from ._C_loader import GradBuckets
+from ._groups import acquire_groups
 from ._module import ZeroExtModule, install_forward_hooks, swap_module_class
 from ._optimizer import check_elementwise, shard_optimizer
 from ._units import assign_parameters, resolve_units
@@ -20,10 +22,10 @@ from ._units import assign_parameters, resolve_units
 class ZeroState:
     """Everything zero_ext keeps for one wrapped model (model._zero_ext)."""
 
-    model: torch.nn.Module
+    model_ref: "weakref.ref[torch.nn.Module]"  # weak: the model holds this state
     stage: int
     buckets: object  # torch.classes.zero_ext.GradBuckets
-    process_group: Optional[dist.ProcessGroup]
+    process_group: Optional[dist.ProcessGroup]  # zero_ext's own reduction group
     world_size: int
     rank: int
     device: torch.device
@@ -35,10 +37,11 @@ class ZeroState:
     def check_parameters_unchanged(self) -> None:
         """Once per step: a parameter replaced by a new object after wrap()
         would train on silently missing gradients."""
-        current = [p for p in self.model.parameters() if p.requires_grad]
+        model = self.model_ref()
+        current = [p for p in model.parameters() if p.requires_grad]
         if len(current) == len(self.params) and all(id(p) in self.param_ids for p in current):
             return
-        names = {id(p): n for n, p in self.model.named_parameters()}
+        names = {id(p): n for n, p in model.named_parameters()}
         new = [names[id(p)] for p in current if id(p) not in self.param_ids]
         gone = [n for p, n in zip(self.params, self.names) if id(p) not in names or not p.requires_grad]
         raise RuntimeError(
@@ -49,10 +52,10 @@ class ZeroState:
         )
 
 
-def _resolve_group(process_group: Optional[dist.ProcessGroup]) -> Tuple[Optional[dist.ProcessGroup], int, int, str]:
+def _resolve_group(process_group: Optional[dist.ProcessGroup]) -> Tuple[Optional[dist.ProcessGroup], int, int]:
     if process_group is None:
         if not (dist.is_available() and dist.is_initialized()):
-            return None, 1, 0, ""  # notebooks: a single process, no communication
+            return None, 1, 0  # notebooks: a single process, no communication
         process_group = dist.group.WORLD
     rank = dist.get_rank(process_group)
     if rank < 0:
@@ -61,16 +64,16 @@ def _resolve_group(process_group: Optional[dist.ProcessGroup]) -> Tuple[Optional
             "call wrap() only on ranks of that group, or pass a group that contains this rank."
         )
     world = dist.get_world_size(process_group)
-    return process_group, world, rank, process_group.group_name
+    return process_group, world, rank
 
 
-def _timeout_seconds(timeout: Union[None, float, int, datetime.timedelta]) -> float:
+def _timeout(timeout: Union[None, float, int, datetime.timedelta]) -> Optional[datetime.timedelta]:
     if timeout is None:
-        return 0.0
-    if isinstance(timeout, datetime.timedelta):
-        return timeout.total_seconds()
-    if isinstance(timeout, (int, float)) and timeout > 0:
-        return float(timeout)
+        return None
+    if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
+        return timeout
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
+        return datetime.timedelta(seconds=float(timeout))
     raise ValueError(f"zero_ext.wrap: timeout must be positive seconds or a timedelta, got {timeout!r}")
 
 
@@ -213,8 +216,8 @@ def wrap(
         raise ValueError(f"zero_ext.wrap: bucket_mb must be positive, got {bucket_mb!r}")
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"zero_ext.wrap: prefetch must be a non-negative int, got {prefetch!r}")
-    group, world, rank, group_name = _resolve_group(process_group)
-    timeout_s = _timeout_seconds(timeout)
+    group, world, rank = _resolve_group(process_group)
+    timeout_td = _timeout(timeout)
 
     group_of = {id(p): g for g, group_ in enumerate(optimizer.param_groups) for p in group_["params"]}
     unit_modules: List[torch.nn.Module] = []
@@ -227,23 +230,26 @@ def wrap(
     names_by_id = {id(p): n for n, p in model.named_parameters()}
     names = [names_by_id[id(p)] for p in ordered]
     flags = [int(p.requires_grad) for p in ordered]
-    gather_group_name = ""
-    if stage == 3 and group is not None and world > 1:
-        # A second group for parameter all-gathers (see grad_buckets.h).
-        gather_group = dist.new_group(
-            ranks=dist.get_process_group_ranks(group), use_local_synchronization=True,
-            backend=dist.get_backend(group),
-        )
-        gather_group_name = gather_group.group_name
-    buckets = GradBuckets(ordered, names, flags, counts, unit_of_bucket, stage, group_name,
-                          gather_group_name, timeout_s, prefetch)
+    # Groups of zero_ext's own (see _groups.py), owned by this model; stage 3
+    # gathers parameters on a second one (see grad_buckets.h).
+    own_groups = []
+    if group is not None and world > 1:
+        own_groups = acquire_groups(group, 2 if stage == 3 else 1, timeout_td, ordered[0].device, model)
+    names_of = [g.group_name for g in own_groups]
+    reduce_name = names_of[0] if names_of else ""
+    gather_name = names_of[1] if len(names_of) > 1 else ""
+    # Waits are bounded by the groups' own timeout, which never blocks the
+    # host on NCCL the way an explicit wait timeout would.
+    buckets = GradBuckets(ordered, names, flags, counts, unit_of_bucket, stage, reduce_name,
+                          gather_name, 0.0, prefetch)
     if group is not None and world > 1:
         with torch.no_grad():
             for buffer in model.buffers():  # every rank starts from rank 0's state
                 dist.broadcast(buffer, src=dist.get_global_rank(group, 0), group=group)
 
     state = ZeroState(
-        model=model, stage=stage, buckets=buckets, process_group=group, world_size=world,
+        model_ref=weakref.ref(model), stage=stage, buckets=buckets,
+        process_group=own_groups[0] if own_groups else None, world_size=world,
         rank=rank, device=ordered[0].device, params=[p for p in ordered if p.requires_grad],
         names=[n for n, p in zip(names, ordered) if p.requires_grad],
         param_ids={id(p) for p in ordered if p.requires_grad}, bucketed=ordered,

@@ -1,0 +1,77 @@
+"""Process groups of zero_ext's own.
+
+Each wrapped model reduces gradients on a group of its own over the same
+ranks (and in stage 3 gathers parameters on a second one). Collectives on a
+shared group must be issued in the same order on every rank, and a bucket's
+reduction starts when its last gradient arrives, a moment that can differ
+between ranks relative to another model's collectives or the user's own
+(SyncBatchNorm, a loss all-reduce). Separate groups keep each sequence
+independent. The groups carry the timeout that bounds every wait.
+
+Groups are pooled and reused once the model that held them is gone on every
+rank. They are never destroyed: torch names new groups by how many exist, so
+destroying one on some ranks before others would make later names differ.
+"""
+from __future__ import annotations
+
+import datetime
+import weakref
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+
+def group_timeout(group: dist.ProcessGroup) -> Optional[datetime.timedelta]:
+    """The timeout `group` was created with, where torch exposes it."""
+    for device_type in ("cuda", "cpu"):
+        try:
+            return group._get_backend(torch.device(device_type)).options._timeout
+        except Exception:  # noqa: BLE001 - not every backend or version has it
+            continue
+    return None
+
+
+@dataclass
+class _Entry:
+    group: dist.ProcessGroup
+    owner: Optional["weakref.ref"] = None
+
+    def in_use(self) -> bool:
+        return self.owner is not None and self.owner() is not None
+
+
+@dataclass
+class _Pool:
+    entries: Dict[Tuple[str, Optional[float]], List[_Entry]] = field(default_factory=dict)
+
+
+_pool = _Pool()
+
+
+def acquire_groups(base: dist.ProcessGroup, count: int, timeout: Optional[datetime.timedelta],
+                   device: torch.device, owner: object) -> List[dist.ProcessGroup]:
+    """`count` groups over `base`'s ranks for `owner`; collective over `base`."""
+    timeout = timeout or group_timeout(base)
+    key = (base.group_name, timeout.total_seconds() if timeout else None)
+    entries = _pool.entries.setdefault(key, [])
+    free: List[_Entry] = []
+    if entries:
+        # Free only where free on every rank, so every rank picks the same ones.
+        busy = torch.tensor([float(e.in_use()) for e in entries], device=device)
+        dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=base)
+        free = [e for e, b in zip(entries, busy.tolist()) if b == 0.0]
+    chosen = free[:count]
+    while len(chosen) < count:
+        kwargs = {"timeout": timeout} if timeout is not None else {}
+        group = dist.new_group(
+            ranks=dist.get_process_group_ranks(base), backend=dist.get_backend(base),
+            use_local_synchronization=True, **kwargs,
+        )
+        entry = _Entry(group)
+        entries.append(entry)
+        chosen.append(entry)
+    for entry in chosen:
+        entry.owner = weakref.ref(owner)
+    return [entry.group for entry in chosen]
