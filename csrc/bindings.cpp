@@ -11,7 +11,7 @@ namespace zero_ext {
 TORCH_LIBRARY(zero_ext, m) {
   m.class_<GradBuckets>("GradBuckets")
       .def(torch::init<std::vector<at::Tensor>, std::vector<std::string>, std::vector<int64_t>,
-                       std::vector<int64_t>, std::vector<int64_t>, int64_t, std::string, std::string, double,
+                       std::vector<int64_t>, std::vector<int64_t>, int64_t, std::string, std::string,
                        int64_t>())
       .def("pre_forward", &GradBuckets::pre_forward)
       .def("post_forward", &GradBuckets::post_forward)

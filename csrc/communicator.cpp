@@ -4,10 +4,7 @@
 
 namespace zero_ext {
 
-Communicator::Communicator(const std::string& group_name, double timeout_seconds)
-    : timeout_(timeout_seconds > 0
-                   ? std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000.0))
-                   : std::chrono::milliseconds(0)) {
+Communicator::Communicator(const std::string& group_name) {
   if (group_name.empty()) {
     return;
   }
@@ -75,7 +72,7 @@ void Communicator::wait(const c10::intrusive_ptr<c10d::Work>& work,
     return;
   }
   try {
-    work->wait(timeout_);
+    work->wait();
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "zero_ext: ", what, " failed on rank ", rank_, " of ", size_,
                 " (a peer may have died, raised, or taken a different code path): ",

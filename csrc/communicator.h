@@ -1,12 +1,13 @@
 #pragma once
 // A process group resolved by name, or none for a single process.
 //
-// Every collective zero_ext issues goes through here so that waits are bounded
-// by one timeout and a failure names what was being reduced. World size 1 (no
+// Every collective zero_ext issues goes through here so that a failure names
+// what was being reduced or gathered. Waits are bounded by the group's own
+// timeout (zero_ext creates its groups with the one wrap() was given; an
+// explicit wait timeout would block the host on NCCL). World size 1 (no
 // torch.distributed) is a real mode, not a special case at call sites: the
 // collectives degrade to local copies.
 
-#include <chrono>
 #include <string>
 
 #include <ATen/ATen.h>
@@ -17,7 +18,7 @@ namespace zero_ext {
 class Communicator {
  public:
   // group_name "" means no process group: rank 0 of 1.
-  Communicator(const std::string& group_name, double timeout_seconds);
+  explicit Communicator(const std::string& group_name);
 
   int64_t rank() const { return rank_; }
   int64_t size() const { return size_; }
@@ -30,7 +31,7 @@ class Communicator {
   c10::intrusive_ptr<c10d::Work> all_gather(at::Tensor& full_out, at::Tensor& shard_in);
   c10::intrusive_ptr<c10d::Work> broadcast_from_rank0(at::Tensor& tensor);
 
-  // Waits within the timeout; on failure raises naming `what`.
+  // Waits (within the group's timeout); on failure raises naming `what`.
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) const;
 
   // Counters for tests and benchmarks: collectives issued and bytes sent.
@@ -41,7 +42,6 @@ class Communicator {
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   int64_t rank_ = 0;
   int64_t size_ = 1;
-  std::chrono::milliseconds timeout_;
   int64_t collectives_issued_ = 0;
   int64_t all_gathers_issued_ = 0;
 };

@@ -59,7 +59,6 @@ class GradBuckets : public torch::CustomClassHolder {
               int64_t stage,
               std::string group_name,
               std::string gather_group_name,
-              double timeout_seconds,
               int64_t prefetch);
   ~GradBuckets() override;
 
@@ -196,7 +195,6 @@ class GradBuckets : public torch::CustomClassHolder {
   std::vector<uint8_t> detached_;   // stage 0: grad moved into staging for a reduction
   int64_t next_launch_ = 0;
   std::deque<int64_t> in_flight_;   // launched, not yet retired, oldest first
-  int64_t arrivals_ = 0;
   bool late_ = false;               // a gradient came after its bucket was launched
 
   // Since the last zero_grad: which parameters got a gradient here / anywhere.

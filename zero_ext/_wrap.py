@@ -238,10 +238,8 @@ def wrap(
     names_of = [g.group_name for g in own_groups]
     reduce_name = names_of[0] if names_of else ""
     gather_name = names_of[1] if len(names_of) > 1 else ""
-    # Waits are bounded by the groups' own timeout, which never blocks the
-    # host on NCCL the way an explicit wait timeout would.
     buckets = GradBuckets(ordered, names, flags, counts, unit_of_bucket, stage, reduce_name,
-                          gather_name, 0.0, prefetch)
+                          gather_name, prefetch)
     if group is not None and world > 1:
         with torch.no_grad():
             for buffer in model.buffers():  # every rank starts from rank 0's state
