@@ -11,9 +11,9 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 here = os.path.dirname(os.path.abspath(__file__))
 sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
-extra = ["-O3", "-std=c++17", "-Wno-deprecated-declarations"]
+extra = ["-O3", "-fno-math-errno", "-Wno-deprecated-declarations"]
 if os.environ.get("ZERO_EXT_DEBUG"):
-    extra = ["-O0", "-g", "-std=c++17", "-Wno-deprecated-declarations"]
+    extra = ["-O0", "-g", "-Wno-deprecated-declarations"]
 
 setup(
     ext_modules=[

@@ -4,11 +4,26 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include "cpu_adam.h"
 #include "grad_buckets.h"
 
 namespace zero_ext {
 
+namespace {
+
+// Shape checks only: lets torch.compile and opcheck trace the op.
+void adam_step_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, double,
+                    double, double, double, double, int64_t, bool, bool, bool) {}
+
+} // namespace
+
 TORCH_LIBRARY(zero_ext, m) {
+  m.def(
+      "adam_step_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
+      "Tensor(d!)? max_exp_avg_sq, Tensor(e!)? param_lowp, float lr, float beta1, float beta2, "
+      "float eps, float weight_decay, int step, bool decoupled_weight_decay, bool amsgrad, "
+      "bool maximize) -> ()");
   m.class_<GradBuckets>("GradBuckets")
       .def(torch::init<std::vector<at::Tensor>, std::vector<std::string>, std::vector<int64_t>,
                        std::vector<int64_t>, std::vector<int64_t>, int64_t, std::string, std::string,
@@ -36,6 +51,14 @@ TORCH_LIBRARY(zero_ext, m) {
       .def("stats", &GradBuckets::stats)
       .def("rank", &GradBuckets::rank)
       .def("world_size", &GradBuckets::world_size);
+}
+
+TORCH_LIBRARY_IMPL(zero_ext, CPU, m) {
+  m.impl("adam_step_", &adam_step_);
+}
+
+TORCH_LIBRARY_IMPL(zero_ext, Meta, m) {
+  m.impl("adam_step_", &adam_step_meta);
 }
 
 } // namespace zero_ext
