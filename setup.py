@@ -11,9 +11,11 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 here = os.path.dirname(os.path.abspath(__file__))
 sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
-extra = ["-O3", "-fno-math-errno", "-Wno-deprecated-declarations"]
+# -fopenmp: at::parallel_for is inline and parallelizes with OpenMP pragmas,
+# which without the flag compile to a serial loop.
+extra = ["-O3", "-fno-math-errno", "-fopenmp", "-Wno-deprecated-declarations"]
 if os.environ.get("ZERO_EXT_DEBUG"):
-    extra = ["-O0", "-g", "-Wno-deprecated-declarations"]
+    extra = ["-O0", "-g", "-fopenmp", "-Wno-deprecated-declarations"]
 
 setup(
     ext_modules=[
@@ -22,6 +24,7 @@ setup(
             sources,
             include_dirs=[os.path.join(here, "csrc")],
             extra_compile_args={"cxx": extra},
+            extra_link_args=["-fopenmp"],
         )
     ],
     cmdclass={"build_ext": BuildExtension},
