@@ -12,6 +12,7 @@ namespace {
 
 struct AdamScalars {
   float lr, beta1, beta2, eps, weight_decay;
+  float one_minus_beta1, one_minus_beta2;  // rounded from double, as torch does
   float step_size;             // lr / (1 - beta1^t)
   float bias_correction2_sqrt; // sqrt(1 - beta2^t)
   float decay_factor;          // AdamW: 1 - lr * wd
@@ -43,8 +44,8 @@ ZERO_EXT_ISA_CLONES void adam_kernel(float* __restrict p, const float* __restric
                                      float* __restrict m, float* __restrict v,
                                      float* __restrict vmax, uint16_t* __restrict bf16_out,
                                      int64_t n, AdamScalars s) {
-  const float one_minus_beta1 = 1.0f - s.beta1;
-  const float one_minus_beta2 = 1.0f - s.beta2;
+  const float one_minus_beta1 = s.one_minus_beta1;
+  const float one_minus_beta2 = s.one_minus_beta2;
   const float grad_sign = s.maximize ? -1.0f : 1.0f;
   const float inv_bias_correction2_sqrt = 1.0f / s.bias_correction2_sqrt;
   for (int64_t i = 0; i < n; ++i) {
@@ -133,6 +134,8 @@ void adam_step_(const at::Tensor& param, const at::Tensor& grad, const at::Tenso
   s.beta2 = static_cast<float>(beta2);
   s.eps = static_cast<float>(eps);
   s.weight_decay = static_cast<float>(weight_decay);
+  s.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  s.one_minus_beta2 = static_cast<float>(1.0 - beta2);
   // Bias corrections in double, as torch computes them from Python floats.
   s.step_size = static_cast<float>(lr / (1.0 - std::pow(beta1, static_cast<double>(step))));
   s.bias_correction2_sqrt =

@@ -223,6 +223,7 @@ void GradBuckets::attach_output_hook(const at::Tensor& output) {
 void GradBuckets::on_grad_ready(int64_t i) {
   std::lock_guard<std::mutex> lock(mutex_);
   arm_epilogue();  // fallback when no forward output was hooked
+  retire_completed();
   at::Tensor& grad = params_[i].mutable_grad();
   if (!grad.defined()) {
     return;
@@ -336,14 +337,22 @@ void GradBuckets::launch(int64_t b) {
   }
   bucket.launched = true;
   in_flight_.push_back(b);
-  if (stage_ >= 2) {
-    // Bound the full gradients alive at once: retire the oldest reductions
-    // (stages 2-3 free their staging) rather than holding every bucket
-    // until the epilogue.
-    while (in_flight_.size() > kMaxReductionsInFlight) {
-      retire(in_flight_.front());
-      in_flight_.pop_front();
-    }
+  retire_completed();
+}
+
+void GradBuckets::retire_completed() {
+  // Stages 2-3 free a bucket's full gradients once its reduction is done.
+  // Only reductions already complete are retired during backward: waiting
+  // inside a hook could deadlock with a peer that reaches this bucket only in
+  // its epilogue, after another collective of its backward (a layer used on
+  // some ranks only next to a tensor-parallel all-reduce, say).
+  if (stage_ < 2) {
+    return;
+  }
+  while (!in_flight_.empty() &&
+         (!buckets_[in_flight_.front()].work || buckets_[in_flight_.front()].work->isCompleted())) {
+    retire(in_flight_.front());
+    in_flight_.pop_front();
   }
 }
 

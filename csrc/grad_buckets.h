@@ -136,7 +136,6 @@ class GradBuckets : public torch::CustomClassHolder {
     bool tracked_use = false;    // some use since the last epilogue had such inputs
     bool untracked_use = false;  // some use had no input requiring grad
   };
-  static constexpr size_t kMaxReductionsInFlight = 2;
 
   at::Tensor staging_region(Bucket& bucket, int64_t param_index);
   void start_gather(int64_t unit);
@@ -153,6 +152,7 @@ class GradBuckets : public torch::CustomClassHolder {
   void launch(int64_t bucket_index);
   void wait_all();
   void retire(int64_t bucket_index);  // waits one reduction and folds it in
+  void retire_completed();            // retires finished reductions, oldest first
   bool reset_if_stale_locked();
   void maybe_release_after_unit_backward(int64_t unit);
   bool unit_has_trainable(int64_t unit) const;

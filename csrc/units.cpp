@@ -86,8 +86,9 @@ void GradBuckets::release_unit(int64_t u) {
 // Its parameters are read by the nodes of every use of the unit in the graph.
 // Those nodes are over once (a) every trainable parameter's AccumulateGrad ran
 // (it waits for all its uses) and (b) for each use whose inputs required grad,
-// the gradient of those inputs is complete: a PostBackward function applied
-// to the inputs in the pre-forward hook reports it (post_backward_use). A use
+// the gradient of those inputs is complete: a multi-grad hook on the inputs,
+// registered in the pre-forward hook, reports it (post_backward_use), and so
+// does its finalizer if the graph is dropped without a backward. A use
 // whose inputs did not require grad reads frozen parameters only on the way
 // to trainable ones, so (a) covers it, provided the arrivals came from the
 // backward that owns the epilogue (a reentrant checkpoint's inner backward can

@@ -7,13 +7,13 @@ from zero_ext._cpu_adam import adam_step_
 SIZES = [1, 7, 33, 1000, 70001]  # none a multiple of any vector width but 1000
 
 
-def run_both(n, decoupled, amsgrad, weight_decay, maximize=False, lowp=None, steps=5):
+def run_both(n, decoupled, amsgrad, weight_decay, maximize=False, lowp=None, steps=5, betas=(0.9, 0.99)):
     g = torch.Generator().manual_seed(n)
     p0 = torch.randn(n, generator=g)
-    grads = [torch.randn(n, generator=g) * (10.0 ** (-k)) for k in range(steps)]
+    grads = [torch.randn(n, generator=g) * (10.0 ** (-(k % 5))) for k in range(steps)]
     ref = p0.clone().requires_grad_(True)
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
-    opt = cls([ref], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay,
+    opt = cls([ref], lr=1e-2, betas=betas, eps=1e-8, weight_decay=weight_decay,
               amsgrad=amsgrad, maximize=maximize, foreach=False)
     mine = p0.clone()
     m, v = torch.zeros(n), torch.zeros(n)
@@ -22,7 +22,7 @@ def run_both(n, decoupled, amsgrad, weight_decay, maximize=False, lowp=None, ste
     for step, grad in enumerate(grads, start=1):
         ref.grad = grad.clone()
         opt.step()
-        adam_step_(mine, grad, m, v, step=step, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8,
+        adam_step_(mine, grad, m, v, step=step, lr=1e-2, beta1=betas[0], beta2=betas[1], eps=1e-8,
                    weight_decay=weight_decay, decoupled_weight_decay=decoupled, amsgrad=amsgrad,
                    maximize=maximize, max_exp_avg_sq=vmax, param_lowp=low)
     state = opt.state[ref]
@@ -39,6 +39,17 @@ def test_matches_torch_optim(n, decoupled, amsgrad):
     torch.testing.assert_close(v, state["exp_avg_sq"], rtol=0, atol=1e-6)
     if amsgrad:
         torch.testing.assert_close(vmax, state["max_exp_avg_sq"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.8, 0.9999)])
+def test_usual_betas_over_many_steps(betas):
+    """1 - beta is rounded from double as torch does; with beta2 = 0.9999 a
+    float subtraction would drift past the tolerance within 50 steps."""
+    ref, mine, state, m, v, *_ = run_both(10007, decoupled=True, amsgrad=False, weight_decay=0.1,
+                                           steps=50, betas=betas)
+    # 50 steps of rounding differences (FMA, one division): a few ulps.
+    torch.testing.assert_close(mine, ref, rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(v, state["exp_avg_sq"], rtol=2e-6, atol=0)
 
 
 def test_maximize_and_no_weight_decay():

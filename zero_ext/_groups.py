@@ -11,6 +11,10 @@ independent. The groups carry the timeout that bounds every wait.
 Groups are pooled and reused once the model that held them is gone on every
 rank. They are never destroyed: torch names new groups by how many exist, so
 destroying one on some ranks before others would make later names differ.
+Over the world group they are created by every rank together, named by the
+group counter all ranks share; over a subgroup only its members take part,
+and torch names those by how many groups this rank knows, so every member
+must have created the same number of groups before (a limitation).
 """
 from __future__ import annotations
 
@@ -55,7 +59,10 @@ def acquire_groups(base: dist.ProcessGroup, count: int, timeout: Optional[dateti
     """`count` groups over `base`'s ranks for `owner`; collective over `base`."""
     timeout = timeout or group_timeout(base)
     key = (base.group_name, timeout.total_seconds() if timeout else None)
-    entries = _pool.entries.setdefault(key, [])
+    live = dist.distributed_c10d._world.pg_map
+    # Groups from before a destroy_process_group() are gone: forget them.
+    entries = [e for e in _pool.entries.get(key, []) if e.group in live]
+    _pool.entries[key] = entries
     free: List[_Entry] = []
     if entries:
         # Free only where free on every rank, so every rank picks the same ones.
@@ -67,7 +74,7 @@ def acquire_groups(base: dist.ProcessGroup, count: int, timeout: Optional[dateti
         kwargs = {"timeout": timeout} if timeout is not None else {}
         group = dist.new_group(
             ranks=dist.get_process_group_ranks(base), backend=dist.get_backend(base),
-            use_local_synchronization=True, **kwargs,
+            use_local_synchronization=base is not dist.group.WORLD, **kwargs,
         )
         entry = _Entry(group)
         entries.append(entry)

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from typing import Any, Dict, Iterator, List
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 
 class ZeroExtModule:
@@ -89,34 +90,35 @@ def _tensors(output: Any) -> List[torch.Tensor]:
     return found
 
 
-class _PostBackward(torch.autograd.Function):
-    """Identity on a stage 3 unit's inputs; its backward runs once the
-    gradients of those inputs are complete, i.e. the unit's backward is over
-    (see the note at GradBuckets::unit_backward_done)."""
+class _UnitUse:
+    """One grad-enabled forward of a stage 3 unit whose inputs require grad."""
 
-    @staticmethod
-    def forward(ctx, buckets, unit: int, *inputs: torch.Tensor):
-        ctx.buckets, ctx.unit = buckets, unit
-        return inputs
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        ctx.buckets.post_backward_use(ctx.unit)
-        return (None, None) + grads
+    __slots__ = ("__weakref__",)
 
 
-def _track_unit_inputs(buckets, unit: int, args: tuple, kwargs: dict):
-    """Routes the unit's grad-requiring inputs through _PostBackward."""
-    leaves, spec = tree_flatten((args, kwargs))
-    positions = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not positions:
+def _track_unit_inputs(buckets, unit: int, args: tuple, kwargs: dict) -> None:
+    """Reports when this use's backward is over: a multi-grad hook fires once
+    the gradients of all the unit's inputs are computed (see the note at
+    GradBuckets::unit_backward_done). If the graph is dropped without a
+    backward (a forward for logging, a non-reentrant checkpoint's recompute),
+    the hook dies with it and the use is reported over all the same."""
+    inputs = _tensors((args, kwargs))
+    if not inputs:
         buckets.note_untracked_use(unit)
-        return None
+        return
     buckets.add_pending_use(unit)
-    outs = _PostBackward.apply(buckets, unit, *[leaves[i] for i in positions])
-    for i, t in zip(positions, outs):
-        leaves[i] = t
-    return tree_unflatten(leaves, spec)
+    use, reported = _UnitUse(), [False]
+
+    def report(*_: Any) -> None:
+        if not reported[0]:
+            reported[0] = True
+            buckets.post_backward_use(unit)
+
+    def on_input_grads(grads: Any, use: _UnitUse = use) -> None:  # holds `use` alive with the graph
+        report()
+
+    torch.autograd.graph.register_multi_grad_hook(inputs, on_input_grads, mode="all")
+    weakref.finalize(use, report)
 
 
 def install_forward_hooks(module: torch.nn.Module, unit_modules: List[torch.nn.Module]) -> None:
@@ -147,11 +149,10 @@ def install_forward_hooks(module: torch.nn.Module, unit_modules: List[torch.nn.M
 
     for index, unit in enumerate(unit_modules[1:], start=1):
 
-        def before_unit(mod: torch.nn.Module, args: tuple, kwargs: dict, u: int = index):
+        def before_unit(mod: torch.nn.Module, args: tuple, kwargs: dict, u: int = index) -> None:
             buckets.pre_forward(u)
             if torch.is_grad_enabled():
-                return _track_unit_inputs(buckets, u, args, kwargs)
-            return None
+                _track_unit_inputs(buckets, u, args, kwargs)
 
         def after_unit(mod: torch.nn.Module, args: Any, output: Any, u: int = index) -> None:
             buckets.post_forward(u, _tensors(output) if torch.is_grad_enabled() else [])
