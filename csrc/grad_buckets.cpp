@@ -247,7 +247,15 @@ void GradBuckets::on_grad_ready(int64_t i) {
     }
   } else {
     if (!sync_) {
-      return;  // no_sync(): accumulate locally in param.grad
+      // no_sync(): accumulate locally in param.grad. Stage 3 still counts the
+      // arrival, to release the unit once its backward is over.
+      if (stage_ == 3 && !arrived_[i]) {
+        arrived_[i] = 1;
+        if (--bucket.waiting == 0) {
+          maybe_release_after_unit_backward(bucket.unit);
+        }
+      }
+      return;
     }
     ensure_staging(bucket);
     at::Tensor region = staging_region(bucket, i);

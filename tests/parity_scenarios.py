@@ -619,6 +619,8 @@ def _units_gathered(ctx: Context, build, checkpointing=None) -> None:
         for block in model.blocks:  # sees the state as the block's backward starts
             block.register_full_backward_pre_hook(lambda mod, grad: grad_bytes.append(stats()["grad_bytes"]))
     for step in range(2):
+        with ctx.no_sync(model):  # accumulation steps release units too
+            token_loss(ctx, model, step + 10, checkpointing=checkpointing).backward()
         token_loss(ctx, model, step, checkpointing=checkpointing).backward()
         step_and_record(ctx, model, opt, step)
     peaks = (0, 0) if ctx.reference else (stats()["peak_gathered_units_forward"],
