@@ -1,5 +1,6 @@
 #pragma once
-// GradBuckets: the per-model gradient path of ZeRO stages 0, 1 and 2.
+// GradBuckets: the per-model gradient path of ZeRO stages 0-3 (stage 3
+// units, gathered and released around their use, are in units.cpp).
 //
 // Trainable parameters are laid out at wrap time in flat buckets (one dtype,
 // one optimizer param group each, `bucket_mb` large, in reverse registration

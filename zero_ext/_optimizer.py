@@ -2,7 +2,7 @@
 
 The optimizer object, its class, its param_groups' hyperparameters and any LR
 scheduler already attached to it all stay; what changes:
-  - stages 1-2: each group's "params" become views of this rank's shard of the
+  - stages 1-3: each group's "params" become views of this rank's shard of the
     flat buckets, cut at parameter boundaries ("segments"), so per-parameter
     semantics hold exactly: a parameter with no gradient on any rank has
     grad None and is skipped, with its own step count, as in PyTorch;
