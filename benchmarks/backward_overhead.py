@@ -1,0 +1,112 @@
+"""Per-backward bookkeeping overhead: many small parameters, almost no compute.
+
+    python benchmarks/backward_overhead.py                 # 2 gloo ranks
+    python benchmarks/backward_overhead.py --params 4000 --world 1
+
+The model is a chain of --params parameters of --numel elements each (a scale
+per parameter), so a backward is dominated by what each system does per
+gradient: hooks, bucket copies, the end-of-backward work. Each system runs the
+same forward/backward (no optimizer step) round-robin in one process group;
+the table gives the median time per backward and the extra over plain
+PyTorch without communication (hooks, copies and the reduction of
+params x numel x 4 bytes, 8 MiB by default). Nothing is asserted.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+import zero_ext
+
+
+class Chain(nn.Module):
+    def __init__(self, n: int, numel: int):
+        super().__init__()
+        self.scales = nn.ParameterList(nn.Parameter(torch.ones(numel)) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for s in self.scales:
+            x = x * s
+        return x
+
+
+def build(system: str, args, world: int):
+    model = Chain(args.params, args.numel)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    if system == "plain":
+        return model
+    if system == "ddp":
+        return DistributedDataParallel(model) if world > 1 else model
+    if system == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)), reshard_after_forward=False)
+        return model
+    model, _ = zero_ext.wrap(model, opt, stage=int(system[-1]))
+    return model
+
+
+def rank_main(rank, world, init_file, args, out_file):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    systems = {name: build(name, args, world) for name in args.systems}
+    x = torch.ones(args.numel)
+    times = {name: [] for name in systems}
+    for it in range(args.warmup + args.iters):
+        for name, model in systems.items():
+            dist.barrier()
+            start = time.perf_counter()
+            model(x).sum().backward()
+            elapsed = time.perf_counter() - start
+            if it >= args.warmup:
+                times[name].append(elapsed)
+            for p in model.parameters():
+                p.grad = None
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, medians)
+    if rank == 0:
+        with open(out_file, "w") as f:
+            json.dump(gathered, f)
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--params", type=int, default=2000)
+    parser.add_argument("--numel", type=int, default=1024)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=15)
+    parser.add_argument("--systems", nargs="+",
+                        default=["plain", "ddp", "fsdp2", "zero_ext-0", "zero_ext-2", "zero_ext-3"])
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        out_file = os.path.join(tmp, "out")
+        mp.spawn(rank_main, args=(args.world, os.path.join(tmp, "rdv"), args, out_file), nprocs=args.world)
+        per_rank = json.load(open(out_file))
+    print(f"{args.params} parameters x {args.numel} elements, world size {args.world} (gloo, CPU), "
+          f"median of {args.iters} backward passes")
+    base = statistics.mean(r["plain"] for r in per_rank) if "plain" in args.systems else None
+    print(f"{'system':<12} {'ms/backward':>12} {'extra ms':>9} {'us/param':>9}")
+    for name in args.systems:
+        ms = 1e3 * statistics.mean(r[name] for r in per_rank)
+        extra = ms - 1e3 * base if base is not None else float("nan")
+        print(f"{name:<12} {ms:>12.2f} {extra:>9.2f} {1e3 * extra / args.params:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()
