@@ -27,7 +27,10 @@ TORCH_LIBRARY(zero_ext, m) {
   m.class_<GradBuckets>("GradBuckets")
       .def(torch::init<std::vector<at::Tensor>, std::vector<std::string>, std::vector<int64_t>,
                        std::vector<int64_t>, std::vector<int64_t>, int64_t, std::string, std::string,
-                       int64_t>())
+                       int64_t, int64_t>())
+      .def("has_masters", &GradBuckets::has_masters)
+      .def("full_masters", &GradBuckets::full_masters)
+      .def("load_masters", &GradBuckets::load_masters)
       .def("pre_forward", &GradBuckets::pre_forward)
       .def("post_forward", &GradBuckets::post_forward)
       .def("add_pending_use", &GradBuckets::add_pending_use)

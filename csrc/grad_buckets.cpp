@@ -46,7 +46,8 @@ GradBuckets::GradBuckets(std::vector<at::Tensor> params,
                          int64_t stage,
                          std::string group_name,
                          std::string gather_group_name,
-                         int64_t prefetch)
+                         int64_t prefetch,
+                         int64_t compute_dtype)
     : stage_(stage), comm_(group_name),
       gather_comm_(gather_group_name.empty() ? group_name : gather_group_name),
       params_(std::move(params)),
@@ -107,8 +108,21 @@ GradBuckets::GradBuckets(std::vector<at::Tensor> params,
     comm_.wait(broadcasts[b], "initial broadcast of parameters from rank 0 (" + describe_bucket(b) + ")");
   }
 
+  TORCH_CHECK(compute_dtype < 0 || stage_ >= 1,
+              "zero_ext: mixed precision needs stage 1, 2 or 3 (fp32 master shards)");
   for (size_t b = 0; b < buckets_.size(); ++b) {
     Bucket& bucket = buckets_[b];
+    if (compute_dtype >= 0 && bucket.param_flat.scalar_type() == at::kFloat) {
+      // The master shard keeps the fp32 value; parameters compute in low precision.
+      const auto dtype = static_cast<at::ScalarType>(compute_dtype);
+      bucket.master = bucket.param_flat.narrow(0, comm_.rank() * bucket.shard, bucket.shard).clone();
+      bucket.param_flat = bucket.param_flat.to(dtype);
+      for (int64_t i = bucket.first; i < bucket.first + bucket.count; ++i) {
+        params_[i].set_data(
+            bucket.param_flat.narrow(0, offset_[i], params_[i].numel()).view(params_[i].sizes()));
+      }
+      has_masters_ = true;
+    }
     at::Tensor mine = bucket.param_flat.narrow(0, comm_.rank() * bucket.shard, bucket.shard);
     if (stage_ == 3) {
       bucket.param_shard = mine.clone();
@@ -138,7 +152,8 @@ GradBuckets::GradBuckets(std::vector<at::Tensor> params,
         if (!trainable_[i] || start >= end) {
           continue;
         }
-        segments_.push_back(bucket.param_shard.narrow(0, start - lo, end - start));
+        const at::Tensor& stepped = bucket.master.defined() ? bucket.master : bucket.param_shard;
+        segments_.push_back(stepped.narrow(0, start - lo, end - start));
         segment_grads_.push_back(bucket.accum.narrow(0, start - lo, end - start));
         segment_param_.push_back(i);
       }
@@ -585,6 +600,14 @@ void GradBuckets::after_step() {
   if (stage_ == 0) {
     return;
   }
+  {
+    at::NoGradGuard no_grad;
+    for (auto& bucket : buckets_) {
+      if (bucket.master.defined()) {
+        bucket.param_shard.copy_(bucket.master);  // the compute copy of the updated shard
+      }
+    }
+  }
   if (stage_ == 3) {
     for (size_t u = 0; u < units_.size(); ++u) {
       release_unit(static_cast<int64_t>(u));  // full buffers are stale now
@@ -674,6 +697,48 @@ std::vector<at::Tensor> GradBuckets::full_grads() {
     out[i] = full[bucket_of_[i]].narrow(0, offset_[i], params_[i].numel()).view(params_[i].sizes());
   }
   return out;
+}
+
+std::vector<at::Tensor> GradBuckets::full_masters() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> full(buckets_.size());
+  std::vector<c10::intrusive_ptr<c10d::Work>> works(buckets_.size());
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    Bucket& bucket = buckets_[b];
+    at::Tensor shard = bucket.master.defined() ? bucket.master : bucket.param_shard.to(at::kFloat);
+    full[b] = at::empty({bucket.padded}, shard.options());
+    works[b] = comm_.all_gather(full[b], shard);
+  }
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    comm_.wait(works[b], "all-gather of master weights of " + describe_bucket(b));
+  }
+  std::vector<at::Tensor> out(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    out[i] = full[bucket_of_[i]].narrow(0, offset_[i], params_[i].numel()).view(params_[i].sizes());
+  }
+  return out;
+}
+
+void GradBuckets::load_masters(std::vector<at::Tensor> full_params) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(full_params.size() == params_.size(), "zero_ext internal: one tensor per parameter");
+  at::NoGradGuard no_grad;
+  for (auto& bucket : buckets_) {
+    if (!bucket.master.defined()) {
+      continue;
+    }
+    const int64_t lo = comm_.rank() * bucket.shard;
+    for (int64_t i = bucket.first; i < bucket.first + bucket.count; ++i) {
+      const int64_t start = std::max(lo, offset_[i]);
+      const int64_t end = std::min(lo + bucket.shard, offset_[i] + params_[i].numel());
+      if (start < end) {
+        bucket.master.narrow(0, start - lo, end - start)
+            .copy_(full_params[i].reshape(-1).narrow(0, start - offset_[i], end - start));
+      }
+    }
+    bucket.param_shard.copy_(bucket.master);
+  }
 }
 
 std::vector<bool> GradBuckets::has_grad() const {

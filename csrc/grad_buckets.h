@@ -51,7 +51,10 @@ class GradBuckets : public torch::CustomClassHolder {
   // params: in bucket order; trainable: which get gradients (stage 3 also
   // shards frozen ones); unit_of_bucket: stage 3 unit of each bucket (the
   // root unit is 0), ignored otherwise; gather_group_name: the group stage 3
-  // gathers parameters on ("" = group_name); prefetch: units gathered ahead.
+  // gathers parameters on ("" = group_name); prefetch: units gathered ahead;
+  // compute_dtype: mixed precision (stages 1-3): fp32 parameters are cast to
+  // this c10::ScalarType for compute, and the optimizer steps fp32 master
+  // shards instead (-1: none). Gradients are reduced in fp32.
   GradBuckets(std::vector<at::Tensor> params,
               std::vector<std::string> names,
               std::vector<int64_t> trainable,
@@ -60,7 +63,8 @@ class GradBuckets : public torch::CustomClassHolder {
               int64_t stage,
               std::string group_name,
               std::string gather_group_name,
-              int64_t prefetch);
+              int64_t prefetch,
+              int64_t compute_dtype);
   ~GradBuckets() override;
 
   // --- autograd entry points --------------------------------------------
@@ -103,6 +107,11 @@ class GradBuckets : public torch::CustomClassHolder {
   // Full averaged gradient of each parameter (flat, fp32); has_grad() tells
   // which are real. Collective in stages 1-2: every rank must call it.
   std::vector<at::Tensor> full_grads();
+  // Mixed precision: the fp32 master value of each parameter (collective), and
+  // loading them back from full fp32 tensors (one per parameter).
+  bool has_masters() const { return has_masters_; }
+  std::vector<at::Tensor> full_masters();
+  void load_masters(std::vector<at::Tensor> full_params);
   std::vector<bool> has_grad() const;
   std::vector<int64_t> bucket_layout() const;  // (first param, count, padded numel) triples
   c10::Dict<std::string, int64_t> stats() const;
@@ -120,6 +129,7 @@ class GradBuckets : public torch::CustomClassHolder {
     int64_t unit = -1;        // stage 3
     at::Tensor param_flat;    // the parameters' storage (stage 3: released between uses)
     at::Tensor param_shard;   // this rank's shard of param_flat (stage 3: its own memory)
+    at::Tensor master;        // mixed precision: fp32 shard the optimizer steps
     c10::intrusive_ptr<c10d::Work> gather_work;
     at::Tensor staging;       // gradients being reduced (see header comment)
     at::Tensor accum;         // stages 1-2: fp32 shard of the reduced gradient
@@ -213,7 +223,8 @@ class GradBuckets : public torch::CustomClassHolder {
   bool replaying_retained_graph_ = false;  // the last backward kept its graph
   int64_t peak_gathered_forward_ = 0;       // most units gathered at once, outside backward
   int64_t peak_gathered_backward_ = 0;      // and inside
-  bool gathering_all_ = false;             // gather_all() for inspection: not a peak
+  bool gathering_all_ = false;
+  bool has_masters_ = false;             // gather_all() for inspection: not a peak
 
   bool sync_ = true;
   Epilogue epilogue_;

@@ -754,6 +754,99 @@ def zero_grad_keeping_zeros(ctx: Context) -> None:
         ctx.record_params(f"step {step}", model)
 
 
+class MasterWeightReference:
+    """Plain PyTorch mixed precision, the arithmetic zero_ext's must equal:
+    parameters in bf16 for compute, fp32 masters stepped by the optimizer
+    from the bf16 gradients, parameters re-cast after each step."""
+
+    def __init__(self, model: nn.Module, make_optimizer):
+        self.params = list(model.parameters())
+        self.masters = [p.detach().float().clone() for p in self.params]
+        with torch.no_grad():
+            for p in self.params:
+                p.data = p.data.to(torch.bfloat16)
+        self.opt = make_optimizer(self.masters)
+
+    def step(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            m.grad = None if p.grad is None else p.grad.float()
+        self.opt.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                p.copy_(m)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+BF16 = "[bf16] "  # checkpoint label prefix: compared at bf16 tolerances
+
+
+def _bf16_training(ctx: Context, model: nn.Module, make_optimizer, loss_of_step, steps: int, backwards: int) -> None:
+    names = [n for n, _ in model.named_parameters()]
+    if ctx.reference:
+        ref = MasterWeightReference(model, make_optimizer)
+        opt = ref
+    else:
+        model, opt = zero_ext.wrap(model, make_optimizer(model.parameters()), stage=ctx.stage,
+                                   mixed_precision="bf16", bucket_mb=BUCKET_MB)
+    for step in range(steps):
+        for micro in range(backwards):
+            loss_of_step(model, step, micro).backward()
+            ctx.record_grads(f"{BF16}step {step} backward {micro}", model)
+        opt.step()
+        opt.zero_grad()
+        if ctx.reference:
+            ctx.checkpoints.append((f"{BF16}step {step}: masters", dict(zip(names, [m.clone() for m in ref.masters]))))
+        else:
+            full = zero_ext.full_state_dict(model)
+            ctx.checkpoints.append((f"{BF16}step {step}: masters", {n: full[n] for n in names}))
+        # Exact properties: masters keep fp32 precision, and the parameters
+        # the model computes with are exactly the masters rounded to bf16.
+        if ctx.reference:
+            ok_precision = ok_copy = True
+        else:
+            compute = {n: p for n, p in model.state_dict().items()}
+            ok_precision = any(not torch.equal(full[n], full[n].to(torch.bfloat16).float()) for n in names)
+            ok_copy = all(compute[n].dtype == torch.bfloat16 and torch.equal(compute[n].cpu(), full[n].to(torch.bfloat16))
+                          for n in names)
+        ctx.record_check(f"step {step}: masters hold fp32 values", ok_precision)
+        ctx.record_check(f"step {step}: parameters are the masters rounded to bf16", ok_copy)
+
+
+def mixed_precision_bf16_mlp(ctx: Context) -> None:
+    """bf16 compute, fp32 masters, fp32 reduction; two backward calls per step."""
+    def loss(model, step, micro):
+        total = 0.0
+        for r, w in ctx.participants():
+            x, y = batch(step, r, ctx.world, salt=micro)
+            total = total + w * F.mse_loss(model(x.to(torch.bfloat16)).float(), y)
+        return total
+    # eps well above bf16 gradient noise: Adam maps any nonzero gradient to a
+    # full-size step, so a gradient that rounds to zero on one side only would
+    # differ by lr whatever the precision of the rest.
+    _bf16_training(ctx, Net(), lambda params: torch.optim.AdamW(params, lr=0.01, eps=1e-2, weight_decay=0.1),
+                   loss, steps=3, backwards=2)
+
+
+def mixed_precision_bf16_tied_blocks(ctx: Context) -> None:
+    def loss(model, step, micro):
+        total = 0.0
+        for r, w in ctx.participants():
+            g = torch.Generator().manual_seed(500 + step)
+            tokens = torch.randint(0, VOCAB, (ctx.world * BATCH, SEQ + 1), generator=g)[r * BATCH:(r + 1) * BATCH]
+            logits = model(tokens[:, :-1]).float()
+            total = total + w * F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        return total
+    _bf16_training(ctx, Blocks(), lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+                   loss, steps=3, backwards=1)
+
+
+mixed_precision_bf16_mlp.stages = (1, 2, 3)  # mixed precision keeps fp32 masters as shards
+mixed_precision_bf16_tied_blocks.stages = (1, 2, 3)
+
+
 SCENARIOS: Dict[str, Callable[[Context], None]] = {
     f.__name__: f
     for f in [
@@ -791,12 +884,21 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
         units_gathered_with_nonreentrant_checkpoints,
         dataclass_inputs_with_frozen_weights,
         user_collective_in_backward_with_rank_dependent_layer,
+        mixed_precision_bf16_mlp,
+        mixed_precision_bf16_tied_blocks,
         two_models_rank_dependent_branch,
         zero_grad_keeping_zeros,
     ]
 }
 STAGES = (0, 1, 2, 3)
 RTOL, ATOL = 1e-5, 1e-6
+# bf16 has an 8-bit mantissa; the reference accumulates the ranks' gradients
+# in bf16 where zero_ext reduces them in fp32, so they differ by a few bf16 ulps.
+BF16_RTOL, BF16_ATOL = 2e-2, 2e-3
+
+
+def stages_of(name: str):
+    return getattr(SCENARIOS[name], "stages", STAGES)
 
 
 def compare(ref, got) -> Optional[str]:
@@ -817,7 +919,8 @@ def compare(ref, got) -> Optional[str]:
                 if not bool(b):
                     return f"{label}: check failed"
                 continue
-            if a.shape != b.shape or not torch.allclose(b.float(), a.float(), rtol=RTOL, atol=ATOL):
+            rtol, atol = (BF16_RTOL, BF16_ATOL) if label.startswith(BF16) else (RTOL, ATOL)
+            if a.shape != b.shape or not torch.allclose(b.float(), a.float(), rtol=rtol, atol=atol):
                 diff = (b.float() - a.float()).abs().max().item() if a.shape == b.shape else "shape"
                 return f"{label} [{key}]: max abs diff {diff}"
     return None
@@ -832,7 +935,7 @@ def run_all(rank: int, world: int, names: Optional[List[str]] = None) -> Dict[st
             continue
         ref_ctx = Context(stage=0, rank=rank, world=world, reference=True)
         fn(ref_ctx)
-        for stage in STAGES:
+        for stage in stages_of(name):
             ctx = Context(stage=stage, rank=rank, world=world, reference=False)
             fn(ctx)
             results[f"{name}/stage{stage}"] = compare(ref_ctx.checkpoints, ctx.checkpoints)

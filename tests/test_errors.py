@@ -221,3 +221,17 @@ def test_training_recovers_after_a_backward_that_raised(stage):
     full = zero_ext.full_state_dict(model)
     for name, q in reference.named_parameters():
         assert torch.allclose(full[name], q, atol=1e-6), name
+
+
+def test_mixed_precision_needs_a_sharded_stage():
+    model, opt = make()
+    with pytest.raises(ValueError, match="mixed precision keeps fp32 master weights.*stage=1, 2 or 3"):
+        zero_ext.wrap(model, opt, stage=0, mixed_precision="bf16")
+
+
+def test_fp16_without_loss_scaling_is_refused():
+    model, opt = make()
+    with pytest.raises(NotImplementedError, match="fp16 needs dynamic loss scaling.*'bf16'"):
+        zero_ext.wrap(model, opt, stage=2, mixed_precision="fp16")
+    with pytest.raises(NotImplementedError, match="reduced in float32"):
+        zero_ext.wrap(model, opt, stage=2, mixed_precision=zero_ext.MixedPrecision(torch.bfloat16, torch.bfloat16))

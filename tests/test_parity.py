@@ -9,7 +9,7 @@ import functools
 import pytest
 
 from dist_harness import run_on_ranks
-from parity_scenarios import SCENARIOS, STAGES
+from parity_scenarios import SCENARIOS, stages_of
 
 WORLD_SIZES = (1, 2, 4)
 
@@ -23,8 +23,7 @@ def group_results(world: int):
     return per_rank
 
 
-@pytest.mark.parametrize("stage", STAGES)
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("scenario,stage", [(n, s) for n in SCENARIOS for s in stages_of(n)])
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_parity(world, scenario, stage):
     results = group_results(world)

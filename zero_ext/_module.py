@@ -11,7 +11,7 @@ import weakref
 from typing import Any, Dict, Iterator, List
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 
 class ZeroExtModule:
@@ -49,15 +49,28 @@ class ZeroExtModule:
 
     def load_state_dict(self, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
         if self._zero_ext.stage != 3:
-            return super().load_state_dict(state_dict, *args, **kwargs)  # type: ignore[misc]
+            result = super().load_state_dict(state_dict, *args, **kwargs)  # type: ignore[misc]
+            self._load_masters(state_dict)
+            return result
         buckets = self._zero_ext.buckets
         buckets.gather_all()
         try:
             result = super().load_state_dict(state_dict, *args, **kwargs)  # type: ignore[misc]
             buckets.write_back_shards()
-            return result
         finally:
             buckets.release_all()
+        self._load_masters(state_dict)
+        return result
+
+    def _load_masters(self, state_dict: Any) -> None:
+        """Mixed precision: fp32 values from the state_dict become the master
+        weights (the parameters hold them rounded to the compute dtype)."""
+        state = self._zero_ext
+        if not state.buckets.has_masters():
+            return
+        full = [state_dict[n].detach().to(p.device, torch.float32) if n in state_dict
+                else torch.zeros(p.shape, device=p.device) for n, p in zip(state.bucketed_names, state.bucketed)]
+        state.buckets.load_masters(full)
 
 
 _wrapped_classes: Dict[type, type] = {}
@@ -132,10 +145,16 @@ def install_forward_hooks(module: torch.nn.Module, unit_modules: List[torch.nn.M
     sharded = bool(unit_modules)
     buckets = module._zero_ext.buckets
 
-    def before_forward(mod: torch.nn.Module, args: Any) -> None:
+    compute_dtype = module._zero_ext.compute_dtype
+
+    def before_forward(mod: torch.nn.Module, args: tuple, kwargs: dict):
         buckets.reset_if_stale()
         if sharded:
             buckets.pre_forward(0)
+        if compute_dtype is not None:  # mixed precision: floating inputs compute in it too
+            return tree_map_only(
+                torch.Tensor, lambda t: t.to(compute_dtype) if t.is_floating_point() else t, (args, kwargs))
+        return None
 
     def after_forward(mod: torch.nn.Module, args: Any, output: Any) -> None:
         outputs = _tensors(output) if torch.is_grad_enabled() else []
@@ -144,7 +163,7 @@ def install_forward_hooks(module: torch.nn.Module, unit_modules: List[torch.nn.M
         if sharded:
             buckets.post_forward(0, outputs)
 
-    module.register_forward_pre_hook(before_forward)
+    module.register_forward_pre_hook(before_forward, with_kwargs=True)
     module.register_forward_hook(after_forward)
 
     for index, unit in enumerate(unit_modules[1:], start=1):

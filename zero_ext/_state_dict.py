@@ -16,8 +16,14 @@ def _state(model: torch.nn.Module):
 @torch.no_grad()
 def full_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """Every entry of ``model.state_dict()``, full shape, on CPU, on every rank."""
-    _state(model)
-    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    state = _state(model)
+    full = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    if state.buckets.has_masters():  # mixed precision: the fp32 masters, not the rounded copies
+        masters = {id(p): m for p, m in zip(state.bucketed, state.buckets.full_masters())}
+        for name, p in model.named_parameters(remove_duplicate=False):  # tied names too
+            if name in full and id(p) in masters:
+                full[name] = masters[id(p)].to("cpu", copy=True)
+    return full
 
 
 @torch.no_grad()

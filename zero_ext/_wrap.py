@@ -18,6 +18,10 @@ from ._optimizer import check_elementwise, shard_optimizer
 from ._units import assign_parameters, resolve_units
 
 
+# c10::ScalarType codes of the dtypes mixed precision computes in.
+_SCALAR_TYPE_CODES = {torch.float16: 5, torch.bfloat16: 15}
+
+
 @dataclass
 class ZeroState:
     """Everything zero_ext keeps for one wrapped model (model._zero_ext)."""
@@ -33,6 +37,8 @@ class ZeroState:
     names: List[str]
     bucketed: List[torch.nn.Parameter]  # what GradBuckets indexes (stage 3: frozen too)
     param_ids: Set[int]
+    bucketed_names: List[str]
+    compute_dtype: Optional[torch.dtype]  # mixed precision: what parameters compute in
 
     def check_parameters_unchanged(self) -> None:
         """Once per step: a parameter replaced by a new object after wrap()
@@ -77,6 +83,30 @@ def _timeout(timeout: Union[None, float, int, datetime.timedelta]) -> Optional[d
     raise ValueError(f"zero_ext.wrap: timeout must be positive seconds or a timedelta, got {timeout!r}")
 
 
+def _compute_dtype(mixed_precision: Union[None, str, MixedPrecision]) -> Optional[torch.dtype]:
+    """The dtype parameters compute in, or None for fp32 training."""
+    if mixed_precision is None:
+        return None
+    if isinstance(mixed_precision, MixedPrecision):
+        param_dtype, reduce_dtype = mixed_precision.param_dtype, mixed_precision.reduce_dtype
+    else:
+        param_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float16
+        reduce_dtype = torch.float32
+    if reduce_dtype not in (None, torch.float32):
+        raise NotImplementedError(
+            "zero_ext.wrap: gradients are reduced in float32 in this version; pass "
+            "MixedPrecision(param_dtype, reduce_dtype=torch.float32)"
+        )
+    if param_dtype == torch.float16:
+        raise NotImplementedError(
+            "zero_ext.wrap: fp16 needs dynamic loss scaling, which this version does not have yet; "
+            "use mixed_precision='bf16'"
+        )
+    if param_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"zero_ext.wrap: param_dtype must be torch.bfloat16 or torch.float32, got {param_dtype}")
+    return None if param_dtype == torch.float32 else param_dtype
+
+
 def _validate(model, optimizer, stage, mixed_precision, offload_optimizer) -> List[torch.nn.Parameter]:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"zero_ext.wrap: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -92,7 +122,12 @@ def _validate(model, optimizer, stage, mixed_precision, offload_optimizer) -> Li
                 f"zero_ext.wrap: mixed_precision must be None, 'bf16', 'fp16' or "
                 f"zero_ext.MixedPrecision(...), got {mixed_precision!r}"
             )
-        raise NotImplementedError("zero_ext.wrap: mixed precision is not available in this version; pass mixed_precision=None")
+        compute = _compute_dtype(mixed_precision)
+        if compute is not None and stage == 0:
+            raise ValueError(
+                "zero_ext.wrap: mixed precision keeps fp32 master weights as optimizer shards, "
+                "which stage 0 does not have; use stage=1, 2 or 3"
+            )
     if offload_optimizer is not None:
         if offload_optimizer != "cpu":
             raise ValueError(f"zero_ext.wrap: offload_optimizer must be None or 'cpu', got {offload_optimizer!r}")
@@ -238,8 +273,10 @@ def wrap(
     names_of = [g.group_name for g in own_groups]
     reduce_name = names_of[0] if names_of else ""
     gather_name = names_of[1] if len(names_of) > 1 else ""
+    compute_dtype = _compute_dtype(mixed_precision)
+    dtype_code = -1 if compute_dtype is None else _SCALAR_TYPE_CODES[compute_dtype]
     buckets = GradBuckets(ordered, names, flags, counts, unit_of_bucket, stage, reduce_name,
-                          gather_name, prefetch)
+                          gather_name, prefetch, dtype_code)
     if group is not None and world > 1:
         with torch.no_grad():
             for buffer in model.buffers():  # every rank starts from rank 0's state
@@ -251,6 +288,7 @@ def wrap(
         rank=rank, device=ordered[0].device, params=[p for p in ordered if p.requires_grad],
         names=[n for n, p in zip(names, ordered) if p.requires_grad],
         param_ids={id(p) for p in ordered if p.requires_grad}, bucketed=ordered,
+        bucketed_names=names, compute_dtype=compute_dtype,
     )
     for p in ordered:
         p._zero_ext_owner = True
