@@ -773,7 +773,12 @@ c10::Dict<std::string, int64_t> GradBuckets::stats() const {
     if (bucket.staging.defined()) grad_bytes += bucket.staging.nbytes();
     if (bucket.accum.defined()) grad_bytes += bucket.accum.nbytes();
   }
+  int64_t master_bytes = 0;
+  for (const auto& bucket : buckets_) {
+    if (bucket.master.defined()) master_bytes += bucket.master.nbytes();
+  }
   out.insert("param_bytes", param_bytes);
+  out.insert("master_bytes", master_bytes);
   out.insert("grad_bytes", grad_bytes);
   out.insert("units", static_cast<int64_t>(units_.size()));
   out.insert("gathered_units", gathered_units());

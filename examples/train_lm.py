@@ -89,6 +89,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stage", type=int, default=2, choices=[0, 1, 2, 3])
     parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--mixed-precision", choices=["bf16"], default=None,
+                        help="bf16 compute with fp32 master shards (stages 1-3)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--dim", type=int, default=64)
@@ -110,17 +112,18 @@ def main() -> None:
 
     model, opt = build(args, len(chars))
     n_params = sum(p.numel() for p in model.parameters())
-    model, opt = zero_ext.wrap(model, opt, stage=args.stage)
+    model, opt = zero_ext.wrap(model, opt, stage=args.stage, mixed_precision=args.mixed_precision)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
     if rank == 0:
-        print(f"zero_ext stage {args.stage}: {n_params / 1e3:.1f}K-parameter transformer, "
+        precision = args.mixed_precision or "fp32"
+        print(f"zero_ext stage {args.stage} ({precision}): {n_params / 1e3:.1f}K-parameter transformer, "
               f"{world} rank(s) x {args.batch} sequences of {args.context} characters")
 
     started = time.perf_counter()
     first_loss = None
     for step in range(1, args.steps + 1):
         x, y = batches(data, args.context, args.batch, rank, world, step)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         loss.backward()
         opt.clip_grad_norm_(1.0)
         opt.step()

@@ -19,9 +19,11 @@ def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> D
     """This rank's bytes of parameters, gradients and optimizer state.
 
     For a wrapped model, gradients are zero_ext's buffers (full staging and/or
-    the fp32 shard accumulator, as the stage keeps them); for a plain or DDP
-    model they are the parameters' .grad tensors.
+    the fp32 shard accumulator, as the stage keeps them), and with mixed
+    precision the fp32 master shards count as optimizer state, as in the ZeRO
+    paper's K; for a plain or DDP model gradients are the .grad tensors.
     """
+    masters = 0
     state = getattr(model, "_zero_ext", None)
     if state is not None:
         stats = state.buckets.stats()
@@ -29,7 +31,8 @@ def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> D
             p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad
         )
         grads = stats["grad_bytes"]
+        masters = stats["master_bytes"]
     else:
         params = sum(p.numel() * p.element_size() for p in model.parameters())
         grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
-    return {"params": params, "grads": grads, "optimizer_state": _optimizer_state_bytes(optimizer)}
+    return {"params": params, "grads": grads, "optimizer_state": _optimizer_state_bytes(optimizer) + masters}
