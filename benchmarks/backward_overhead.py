@@ -14,20 +14,16 @@ params x numel x 4 bytes, 8 MiB by default). Nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import statistics
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 import zero_ext
+from _ranks import run_on_ranks
 
 
 class Chain(nn.Module):
@@ -58,10 +54,8 @@ def build(system: str, args, world: int):
     return model
 
 
-def rank_main(rank, world, init_file, args, out_file):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+def time_backwards(args, rank, world):
+    """Median seconds per backward of each system on this rank."""
     systems = {name: build(name, args, world) for name in args.systems}
     x = torch.ones(args.numel)
     times = {name: [] for name in systems}
@@ -75,13 +69,7 @@ def rank_main(rank, world, init_file, args, out_file):
                 times[name].append(elapsed)
             for p in model.parameters():
                 p.grad = None
-    medians = {name: statistics.median(t) for name, t in times.items()}
-    gathered = [None] * world
-    dist.all_gather_object(gathered, medians)
-    if rank == 0:
-        with open(out_file, "w") as f:
-            json.dump(gathered, f)
-    dist.destroy_process_group()
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main():
@@ -94,10 +82,7 @@ def main():
     parser.add_argument("--systems", nargs="+",
                         default=["plain", "ddp", "fsdp2", "zero_ext-0", "zero_ext-2", "zero_ext-3"])
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        out_file = os.path.join(tmp, "out")
-        mp.spawn(rank_main, args=(args.world, os.path.join(tmp, "rdv"), args, out_file), nprocs=args.world)
-        per_rank = json.load(open(out_file))
+    per_rank = run_on_ranks(args.world, time_backwards, args)
     print(f"{args.params} parameters x {args.numel} elements, world size {args.world} (gloo, CPU), "
           f"median of {args.iters} backward passes")
     base = statistics.mean(r["plain"] for r in per_rank) if "plain" in args.systems else None

@@ -12,22 +12,21 @@ it as JSON. Timings are not asserted anywhere.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from train_lm import TinyGPT  # noqa: E402
+
+from _ranks import run_on_ranks  # noqa: E402
 
 import zero_ext  # noqa: E402
 
@@ -102,19 +101,6 @@ def run_systems(args, rank, world):
     return results
 
 
-def rank_main(rank, world, init_file, args, out_file):
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
-    results = run_systems(args, rank, world)
-    gathered = [None] * world
-    dist.all_gather_object(gathered, results)
-    if rank == 0:
-        with open(out_file, "w") as f:
-            json.dump(gathered, f)
-    dist.destroy_process_group()
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, default=2)
@@ -134,10 +120,7 @@ def main():
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out_file = os.path.join(tmp, "results.json")
-        mp.spawn(rank_main, args=(args.world, os.path.join(tmp, "rdv"), args, out_file), nprocs=args.world)
-        per_rank = json.load(open(out_file))
+    per_rank = run_on_ranks(args.world, run_systems, args, threads=args.threads)
 
     n_params = sum(p.numel() for p in TinyGPT(args.vocab, args.dim, args.layers, args.heads, args.context).parameters())
     print(f"{n_params / 1e6:.2f}M parameters, world size {args.world} (gloo, CPU), "

@@ -1,0 +1,35 @@
+"""Runs a benchmark body on N spawned gloo ranks and returns every rank's result."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import tempfile
+from typing import Any, Callable, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _rank_main(rank: int, world: int, init_file: str, body: Callable, args: Any, threads: int, out_file: str) -> None:
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    result = body(args, rank, world)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        with open(out_file, "w") as f:
+            json.dump(gathered, f)
+    dist.destroy_process_group()
+
+
+def run_on_ranks(world: int, body: Callable, args: Any, threads: int = 1) -> List[Any]:
+    """Calls ``body(args, rank, world)`` on `world` ranks; its (JSON-able)
+    results, one per rank."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out_file = os.path.join(tmp, "results.json")
+        mp.spawn(_rank_main, args=(world, os.path.join(tmp, "rdv"), body, args, threads, out_file), nprocs=world)
+        with open(out_file) as f:
+            return json.load(f)
