@@ -240,12 +240,16 @@ def adamw(model: nn.Module) -> torch.optim.Optimizer:
 # Scenarios. Each takes a Context and records checkpoints.
 # ---------------------------------------------------------------------------
 
-def scalar_loss_outside_model(ctx: Context) -> None:
-    model = Net()
-    model, opt = ctx.wrap(model, sgd(model))
-    for step in range(3):
-        mlp_loss(ctx, model, step).backward()
+def _mlp_training(ctx: Context, model: nn.Module, make_optimizer, steps: int, **loss_kwargs) -> None:
+    """The plain loop: one mlp_loss backward per step, recorded."""
+    model, opt = ctx.wrap(model, make_optimizer(model))
+    for step in range(steps):
+        mlp_loss(ctx, model, step, **loss_kwargs).backward()
         step_and_record(ctx, model, opt, step)
+
+
+def scalar_loss_outside_model(ctx: Context) -> None:
+    _mlp_training(ctx, Net(), sgd, steps=3)
 
 
 def loss_inside_model_adamw(ctx: Context) -> None:
@@ -411,20 +415,13 @@ def unused_parameters(ctx: Context) -> None:
 
 
 def branch_on_rank0_only(ctx: Context) -> None:
-    model = Net(branch=True)
-    model, opt = ctx.wrap(model, adamw(model))
-    for step in range(3):
-        mlp_loss(ctx, model, step, branch_on_rank0=True).backward()
-        step_and_record(ctx, model, opt, step)
+    _mlp_training(ctx, Net(branch=True), adamw, steps=3, branch_on_rank0=True)
 
 
 def frozen_parameters(ctx: Context) -> None:
     model = Net()
     model.mid.requires_grad_(False)
-    model, opt = ctx.wrap(model, adamw(model))  # optimizer also holds the frozen ones
-    for step in range(2):
-        mlp_loss(ctx, model, step).backward()
-        step_and_record(ctx, model, opt, step)
+    _mlp_training(ctx, model, adamw, steps=2)  # the optimizer also holds the frozen ones
 
 
 def param_groups_and_scheduler(ctx: Context) -> None:
@@ -703,12 +700,8 @@ class SyncNet(Net):
 
 
 def user_collective_in_backward_with_rank_dependent_layer(ctx: Context) -> None:
-    model = SyncNet(branch=True)
-    model, opt = ctx.wrap(model, sgd(model))
-    for step in range(2):
-        # The reference runs the collective once per rank it plays, on every rank.
-        mlp_loss(ctx, model, step, branch_on_rank0=True).backward()
-        step_and_record(ctx, model, opt, step)
+    # The reference runs the collective once per rank it plays, on every rank.
+    _mlp_training(ctx, SyncNet(branch=True), sgd, steps=2, branch_on_rank0=True)
 
 
 def dataclass_outputs(ctx: Context) -> None:

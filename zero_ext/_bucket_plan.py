@@ -8,23 +8,22 @@ import torch
 
 def plan_buckets(
     params: Sequence[torch.nn.Parameter],
-    group_of: Dict[int, int],
     bucket_bytes: int,
 ) -> Tuple[List[torch.nn.Parameter], List[int]]:
     """Groups parameters into buckets of about `bucket_bytes`.
 
     Parameters are taken in reverse registration order, the order backward
     usually produces their gradients, so early buckets fill first. A bucket
-    holds one dtype, one device and one optimizer param group (its shard is
-    handed to that group). Returns the parameters in bucket order and the
-    number of parameters in each bucket.
+    holds one dtype on one device; param groups need no buckets of their own,
+    since the optimizer steps per-parameter views of the shard. Returns the
+    parameters in bucket order and the number of parameters in each bucket.
     """
     open_buckets: Dict[tuple, List[torch.nn.Parameter]] = {}
     open_bytes: Dict[tuple, int] = {}
     closed: List[Tuple[int, List[torch.nn.Parameter]]] = []
     opened_at: Dict[tuple, int] = {}
     for position, p in enumerate(reversed(list(params))):
-        key = (group_of[id(p)], p.dtype, p.device)
+        key = (p.dtype, p.device)
         if key not in open_buckets:
             open_buckets[key] = []
             open_bytes[key] = 0

@@ -31,7 +31,6 @@ class ZeroState:
     buckets: object  # torch.classes.zero_ext.GradBuckets
     process_group: Optional[dist.ProcessGroup]  # zero_ext's own reduction group
     world_size: int
-    rank: int
     device: torch.device
     params: List[torch.nn.Parameter]  # trainable, in bucket order
     names: List[str]
@@ -58,19 +57,18 @@ class ZeroState:
         )
 
 
-def _resolve_group(process_group: Optional[dist.ProcessGroup]) -> Tuple[Optional[dist.ProcessGroup], int, int]:
+def _resolve_group(process_group: Optional[dist.ProcessGroup]) -> Tuple[Optional[dist.ProcessGroup], int]:
     if process_group is None:
         if not (dist.is_available() and dist.is_initialized()):
-            return None, 1, 0  # notebooks: a single process, no communication
+            return None, 1  # notebooks: a single process, no communication
         process_group = dist.group.WORLD
-    rank = dist.get_rank(process_group)
-    if rank < 0:
+    if dist.get_rank(process_group) < 0:
         raise ValueError(
             "zero_ext.wrap: this rank is not a member of the process_group passed; "
             "call wrap() only on ranks of that group, or pass a group that contains this rank."
         )
     world = dist.get_world_size(process_group)
-    return process_group, world, rank
+    return process_group, world
 
 
 def _timeout(timeout: Union[None, float, int, datetime.timedelta]) -> Optional[datetime.timedelta]:
@@ -251,7 +249,7 @@ def wrap(
         raise ValueError(f"zero_ext.wrap: bucket_mb must be positive, got {bucket_mb!r}")
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"zero_ext.wrap: prefetch must be a non-negative int, got {prefetch!r}")
-    group, world, rank = _resolve_group(process_group)
+    group, world = _resolve_group(process_group)
     timeout_td = _timeout(timeout)
 
     group_of = {id(p): g for g, group_ in enumerate(optimizer.param_groups) for p in group_["params"]}
@@ -260,7 +258,7 @@ def wrap(
         unit_modules = resolve_units(model, units)
         ordered, counts, unit_of_bucket = _plan_units(model, unit_modules)
     else:
-        ordered, counts = plan_buckets(trainable, group_of, int(bucket_mb * 2**20))
+        ordered, counts = plan_buckets(trainable, int(bucket_mb * 2**20))
         unit_of_bucket = []
     names_by_id = {id(p): n for n, p in model.named_parameters()}
     names = [names_by_id[id(p)] for p in ordered]
@@ -285,7 +283,7 @@ def wrap(
     state = ZeroState(
         model_ref=weakref.ref(model), stage=stage, buckets=buckets,
         process_group=own_groups[0] if own_groups else None, world_size=world,
-        rank=rank, device=ordered[0].device, params=[p for p in ordered if p.requires_grad],
+        device=ordered[0].device, params=[p for p in ordered if p.requires_grad],
         names=[n for n, p in zip(names, ordered) if p.requires_grad],
         param_ids={id(p) for p in ordered if p.requires_grad}, bucketed=ordered,
         bucketed_names=names, compute_dtype=compute_dtype,
