@@ -27,7 +27,16 @@ TORCH_LIBRARY(zero_ext, m) {
   m.class_<GradBuckets>("GradBuckets")
       .def(torch::init<std::vector<at::Tensor>, std::vector<std::string>, std::vector<int64_t>,
                        std::vector<int64_t>, std::vector<int64_t>, int64_t, std::string, std::string,
-                       int64_t, int64_t>())
+                       int64_t, int64_t, int64_t, bool>())
+      .def("enable_loss_scaling", &GradBuckets::enable_loss_scaling)
+      .def("disable_loss_scaling", &GradBuckets::disable_loss_scaling)
+      .def("loss_scale", &GradBuckets::loss_scale)
+      .def("found_nonfinite", &GradBuckets::found_nonfinite)
+      .def("begin_step", &GradBuckets::begin_step)
+      .def("note_compute_copy_written", &GradBuckets::note_compute_copy_written)
+      .def("segment_compute_copies", &GradBuckets::segment_compute_copies)
+      .def("offloaded", &GradBuckets::offloaded)
+      .def("replicated", &GradBuckets::replicated)
       .def("has_masters", &GradBuckets::has_masters)
       .def("full_masters", &GradBuckets::full_masters)
       .def("load_masters", &GradBuckets::load_masters)

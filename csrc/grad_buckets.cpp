@@ -2,7 +2,10 @@
 
 #include "param_storage.h"
 
+#include <limits>
 #include <sstream>
+
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -36,6 +39,13 @@ int64_t round_up(int64_t n, int64_t multiple) {
   return (n + multiple - 1) / multiple * multiple;
 }
 
+// fp32 in host memory; pinned when it feeds an accelerator, so transfers can
+// run asynchronously.
+at::TensorOptions host_fp32(const c10::Device& device) {
+  auto options = at::TensorOptions().dtype(at::kFloat).device(at::kCPU);
+  return device.is_cpu() ? options : options.pinned_memory(true);
+}
+
 } // namespace
 
 GradBuckets::GradBuckets(std::vector<at::Tensor> params,
@@ -47,7 +57,9 @@ GradBuckets::GradBuckets(std::vector<at::Tensor> params,
                          std::string group_name,
                          std::string gather_group_name,
                          int64_t prefetch,
-                         int64_t compute_dtype)
+                         int64_t compute_dtype,
+                         int64_t reduce_dtype,
+                         bool offload)
     : stage_(stage), comm_(group_name),
       gather_comm_(gather_group_name.empty() ? group_name : gather_group_name),
       params_(std::move(params)),
@@ -62,6 +74,13 @@ GradBuckets::GradBuckets(std::vector<at::Tensor> params,
   const int64_t n_params = static_cast<int64_t>(params_.size());
   const int64_t world = comm_.size();
   at::NoGradGuard no_grad;
+  const bool masters = compute_dtype >= 0 || offload;
+  ddp_layout_ = stage_ == 0 && !masters;
+  replicated_ = stage_ == 0 && masters;
+  offload_ = offload;
+  reduce_dtype_ = reduce_dtype >= 0 ? static_cast<at::ScalarType>(reduce_dtype) : at::kFloat;
+  TORCH_CHECK(reduce_dtype_ == at::kFloat || reduce_dtype_ == at::kBFloat16 || reduce_dtype_ == at::kHalf,
+              "zero_ext: gradients can be reduced in float32, bfloat16 or float16");
 
   bucket_of_.assign(n_params, -1);
   offset_.assign(n_params, 0);
@@ -85,7 +104,7 @@ GradBuckets::GradBuckets(std::vector<at::Tensor> params,
       bucket.trainable += trainable_[i] ? 1 : 0;
     }
     bucket.padded = round_up(std::max<int64_t>(bucket.numel, 1), world);
-    bucket.shard = bucket.padded / world;
+    bucket.shard = replicated_ ? bucket.padded : bucket.padded / world;
     bucket.param_flat = at::zeros({bucket.padded}, options);
     for (int64_t i = next; i < next + count; ++i) {
       auto view = bucket.param_flat.narrow(0, offset_[i], params_[i].numel()).view(params_[i].sizes());
@@ -94,11 +113,14 @@ GradBuckets::GradBuckets(std::vector<at::Tensor> params,
     }
     // Every rank starts from rank 0's parameters, as DDP does.
     broadcasts.push_back(comm_.broadcast_from_rank0(bucket.param_flat));
-    if (stage_ == 0 || stage_ == 1) {
+    if (ddp_layout_) {
       bucket.staging = at::zeros({bucket.padded}, options);
+    } else if (stage_ <= 1) {
+      bucket.staging = at::zeros({bucket.padded}, options.dtype(reduce_dtype_));
     }
-    if (stage_ >= 1 && bucket.trainable > 0) {
-      bucket.accum = at::zeros({bucket.shard}, options.dtype(at::kFloat));
+    if (!ddp_layout_ && bucket.trainable > 0) {
+      bucket.accum = offload_ ? at::zeros({bucket.shard}, host_fp32(options.device()))
+                              : at::zeros({bucket.shard}, options.dtype(at::kFloat));
     }
     buckets_.push_back(std::move(bucket));
     next += count;
@@ -108,22 +130,25 @@ GradBuckets::GradBuckets(std::vector<at::Tensor> params,
     comm_.wait(broadcasts[b], "initial broadcast of parameters from rank 0 (" + describe_bucket(b) + ")");
   }
 
-  TORCH_CHECK(compute_dtype < 0 || stage_ >= 1,
-              "zero_ext: mixed precision needs stage 1, 2 or 3 (fp32 master shards)");
   for (size_t b = 0; b < buckets_.size(); ++b) {
     Bucket& bucket = buckets_[b];
-    if (compute_dtype >= 0 && bucket.param_flat.scalar_type() == at::kFloat) {
-      // The master shard keeps the fp32 value; parameters compute in low precision.
-      const auto dtype = static_cast<at::ScalarType>(compute_dtype);
-      bucket.master = bucket.param_flat.narrow(0, comm_.rank() * bucket.shard, bucket.shard).clone();
-      bucket.param_flat = bucket.param_flat.to(dtype);
+    const bool fp32 = bucket.param_flat.scalar_type() == at::kFloat;
+    const bool low_precision = compute_dtype >= 0 && fp32;
+    if (low_precision || (offload_ && fp32 && bucket.trainable > 0)) {
+      // The master shard keeps the fp32 value the optimizer steps.
+      at::Tensor mine = bucket.param_flat.narrow(0, shard_start(bucket), bucket.shard);
+      bucket.master = offload_ ? at::empty({bucket.shard}, host_fp32(mine.device())).copy_(mine)
+                               : mine.clone();
+      has_masters_ = true;
+    }
+    if (low_precision) {  // parameters compute in the low-precision copy
+      bucket.param_flat = bucket.param_flat.to(static_cast<at::ScalarType>(compute_dtype));
       for (int64_t i = bucket.first; i < bucket.first + bucket.count; ++i) {
         params_[i].set_data(
             bucket.param_flat.narrow(0, offset_[i], params_[i].numel()).view(params_[i].sizes()));
       }
-      has_masters_ = true;
     }
-    at::Tensor mine = bucket.param_flat.narrow(0, comm_.rank() * bucket.shard, bucket.shard);
+    at::Tensor mine = bucket.param_flat.narrow(0, shard_start(bucket), bucket.shard);
     if (stage_ == 3) {
       bucket.param_shard = mine.clone();
       release_storage(bucket.param_flat);
@@ -136,15 +161,17 @@ GradBuckets::GradBuckets(std::vector<at::Tensor> params,
     }
   }
 
-  if (stage_ == 0) {
+  if (ddp_layout_) {
     for (int64_t i = 0; i < n_params; ++i) {
       grad_views_.push_back(staging_region(buckets_[bucket_of_[i]], i));
     }
   } else {
     // Segments: the local shard of each bucket cut at parameter boundaries.
+    // Replicated (stage 0), a segment is a whole parameter and keeps its shape,
+    // so optimizers that are not elementwise still work.
     for (size_t b = 0; b < buckets_.size(); ++b) {
       Bucket& bucket = buckets_[b];
-      const int64_t lo = comm_.rank() * bucket.shard;
+      const int64_t lo = shard_start(bucket);
       const int64_t hi = lo + bucket.shard;
       for (int64_t i = bucket.first; i < bucket.first + bucket.count; ++i) {
         const int64_t start = std::max(lo, offset_[i]);
@@ -153,9 +180,16 @@ GradBuckets::GradBuckets(std::vector<at::Tensor> params,
           continue;
         }
         const at::Tensor& stepped = bucket.master.defined() ? bucket.master : bucket.param_shard;
-        segments_.push_back(stepped.narrow(0, start - lo, end - start));
-        segment_grads_.push_back(bucket.accum.narrow(0, start - lo, end - start));
+        at::Tensor segment = stepped.narrow(0, start - lo, end - start);
+        at::Tensor grad = bucket.accum.narrow(0, start - lo, end - start);
+        if (replicated_) {
+          segment = segment.view(params_[i].sizes());
+          grad = grad.view(params_[i].sizes());
+        }
+        segments_.push_back(segment);
+        segment_grads_.push_back(grad);
         segment_param_.push_back(i);
+        segment_offset_.push_back(start - lo);
       }
     }
   }
@@ -194,8 +228,12 @@ at::Tensor GradBuckets::staging_region(Bucket& bucket, int64_t i) {
 
 void GradBuckets::ensure_staging(Bucket& bucket) {
   if (!bucket.staging.defined()) {
-    bucket.staging = at::empty({bucket.padded}, bucket.param_flat.options());
+    bucket.staging = at::empty({bucket.padded}, bucket.param_flat.options().dtype(reduce_dtype_));
   }
+}
+
+int64_t GradBuckets::shard_start(const Bucket& bucket) const {
+  return replicated_ ? 0 : comm_.rank() * bucket.shard;
 }
 
 std::string GradBuckets::describe_bucket(int64_t b) const {
@@ -215,11 +253,14 @@ void GradBuckets::arm_epilogue() {
   epilogue_.arm([self]() { self->run_epilogue(); });
 }
 
-void GradBuckets::on_output_grad() {
+double GradBuckets::on_output_grad() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (current_backward_executes_any(accumulator_nodes_)) {
-    arm_epilogue();
+  if (!current_backward_executes_any(accumulator_nodes_)) {
+    return 1.0;  // autograd.grad and the like: the caller gets true gradients
   }
+  arm_epilogue();
+  output_hook_task_ = current_backward().graph_task_id;
+  return scaler_.scale();
 }
 
 void GradBuckets::attach_output_hook(const at::Tensor& output) {
@@ -228,10 +269,14 @@ void GradBuckets::attach_output_hook(const at::Tensor& output) {
   }
   c10::weak_intrusive_ptr<GradBuckets> weak(
       c10::intrusive_ptr<GradBuckets>::unsafe_reclaim_from_nonowning(this));
-  output.register_hook([weak](const at::Tensor& /*grad*/) {
+  output.register_hook([weak](const at::Tensor& grad) -> at::Tensor {
     if (auto self = weak.lock()) {
-      self->on_output_grad();
+      const double scale = self->on_output_grad();
+      if (scale != 1.0) {
+        return grad * scale;  // fp16 loss scaling: every gradient inside carries it
+      }
     }
+    return at::Tensor();  // undefined: the gradient passes unchanged
   });
 }
 
@@ -253,7 +298,7 @@ void GradBuckets::on_grad_ready(int64_t i) {
     return;
   }
   at::NoGradGuard no_grad;
-  if (stage_ == 0) {
+  if (ddp_layout_) {
     const at::Tensor& view = grad_views_[i];
     if (!same_memory(grad, view)) {
       // param.grad was None or replaced: it holds the whole accumulated value.
@@ -307,7 +352,7 @@ void GradBuckets::launch(int64_t b) {
     bucket.launched = true;  // frozen parameters only (stage 3): nothing to reduce
     return;
   }
-  if (stage_ == 0) {
+  if (ddp_layout_) {
     for (int64_t i = bucket.first; i < bucket.first + bucket.count; ++i) {
       at::Tensor& grad = params_[i].mutable_grad();
       const at::Tensor& view = grad_views_[i];
@@ -347,14 +392,24 @@ void GradBuckets::launch(int64_t b) {
       bucket.staging.narrow(0, bucket.numel, bucket.padded - bucket.numel).zero_();
     }
   }
-  const int64_t world = comm_.size();
-  if (world > 1) {
-    bucket.staging.div_(world);  // pre-divide: gloo has no AVG/PREMUL_SUM everywhere
+  // Pre-divide (gloo has no AVG/PREMUL_SUM everywhere), and remove the loss
+  // scale in the same pass unless the reduction runs in fp16, whose range
+  // the scale is there to use.
+  double divisor = static_cast<double>(comm_.size());
+  if (scaler_.enabled() && reduce_dtype_ != at::kHalf) {
+    divisor *= scaler_.scale();
   }
-  if (stage_ == 0) {
+  if (divisor != 1.0) {
+    bucket.staging.div_(divisor);
+  }
+  if (ddp_layout_) {
+    bucket.work = comm_.all_reduce_sum(bucket.staging);
+  } else if (replicated_) {
+    bucket.reduce_out = bucket.staging;
     bucket.work = comm_.all_reduce_sum(bucket.staging);
   } else {
-    const bool direct = !bucket.accum_has_value && bucket.accum.dtype() == bucket.staging.dtype();
+    const bool direct = !bucket.accum_has_value && bucket.accum.dtype() == bucket.staging.dtype() &&
+                        bucket.accum.device() == bucket.staging.device();
     bucket.reduce_out = direct ? bucket.accum : at::empty({bucket.shard}, bucket.staging.options());
     bucket.work = comm_.reduce_scatter_sum(bucket.reduce_out, bucket.staging);
   }
@@ -384,6 +439,7 @@ void GradBuckets::wait_all() {
     retire(in_flight_.front());
     in_flight_.pop_front();
   }
+  finish_host_adds();
 }
 
 void GradBuckets::retire(int64_t b) {
@@ -391,20 +447,88 @@ void GradBuckets::retire(int64_t b) {
   Bucket& bucket = buckets_[b];
   comm_.wait(bucket.work, "gradient reduction of " + describe_bucket(b));
   bucket.work.reset();
-  if (stage_ == 0) {
+  if (ddp_layout_) {
     return;  // reduced in place
   }
-  if (!bucket.reduce_out.is_same(bucket.accum)) {
-    if (bucket.accum_has_value) {
-      bucket.accum.add_(bucket.reduce_out);
-    } else {
-      bucket.accum.copy_(bucket.reduce_out);
-    }
+  if (scaler_.enabled() && reduce_dtype_ == at::kHalf) {
+    bucket.reduce_out.div_(scaler_.scale());  // reduced scaled, in fp16's range
   }
+  fold_into_accum(bucket, bucket.reduce_out);
   bucket.reduce_out.reset();
-  bucket.accum_has_value = true;
   if (stage_ >= 2) {
     bucket.staging.reset();  // stages 2-3 keep no full gradient
+  }
+}
+
+void GradBuckets::fold_into_accum(Bucket& bucket, const at::Tensor& reduced) {
+  if (reduced.is_same(bucket.accum)) {
+    // reduced in place
+  } else if (reduced.device() == bucket.accum.device()) {
+    if (bucket.accum_has_value) {
+      bucket.accum.add_(reduced);
+    } else {
+      bucket.accum.copy_(reduced);
+    }
+  } else if (!bucket.accum_has_value) {
+    // Offload from an accelerator: the first result lands directly in the
+    // pinned accumulator, asynchronously; finish_host_adds() waits for it.
+    bucket.accum.copy_(reduced, /*non_blocking=*/true);
+    host_transfers_pending_ = true;
+  } else {
+    // Later ones land next to it and are added on the host (never copied
+    // over it: every backward of a step counts).
+    if (!bucket.host_landing.defined()) {
+      bucket.host_landing = at::empty({bucket.shard}, bucket.accum.options());
+    }
+    bucket.host_landing.copy_(reduced, /*non_blocking=*/true);
+    bucket.host_add_pending = true;
+    host_transfers_pending_ = true;
+  }
+  bucket.accum_has_value = true;
+}
+
+void GradBuckets::finish_host_adds() {
+  if (!host_transfers_pending_) {
+    return;
+  }
+  const c10::Device device = params_[0].device();
+  c10::impl::VirtualGuardImpl guard(device.type());
+  guard.synchronizeStream(guard.getStream(device));  // the device-to-host copies are done
+  at::NoGradGuard no_grad;
+  for (auto& bucket : buckets_) {
+    if (bucket.host_add_pending) {
+      bucket.accum.add_(bucket.host_landing);
+      bucket.host_add_pending = false;
+    }
+  }
+  host_transfers_pending_ = false;
+}
+
+bool GradBuckets::local_nonfinite() const {
+  // One read of the local shards: a sum is finite iff its terms are (short
+  // of a finite overflow at ~1e38, which is no usable gradient either).
+  std::vector<at::Tensor> sums;
+  for (const auto& bucket : buckets_) {
+    if (bucket.accum.defined() && bucket.accum_has_value) {
+      sums.push_back(bucket.accum.sum());
+    }
+  }
+  if (sums.empty()) {
+    return false;
+  }
+  return !std::isfinite(at::stack(sums).sum().item<double>());
+}
+
+void GradBuckets::mark_nonfinite_everywhere() {
+  // A rank sees only its shard; under DDP the all-reduce spreads an inf to
+  // every rank's gradient. NaN in one element of this rank's shard does the
+  // same, so a local check (torch.amp.GradScaler's unscale_, say) decides
+  // alike on every rank.
+  for (size_t s = 0; s < segment_grads_.size(); ++s) {
+    if (global_has_grad_[segment_param_[s]] && segment_grads_[s].numel() > 0) {
+      segment_grads_[s].reshape(-1).narrow(0, 0, 1).fill_(std::numeric_limits<double>::quiet_NaN());
+      return;
+    }
   }
 }
 
@@ -418,14 +542,15 @@ void GradBuckets::start_round() {
   late_ = false;
 }
 
-void GradBuckets::exchange_grad_mask_and_late_flag() {
+bool GradBuckets::exchange_grad_mask_and_flags(bool nonfinite) {
   const int64_t n = static_cast<int64_t>(params_.size());
-  at::Tensor mask = at::empty({n + 1}, at::TensorOptions().dtype(at::kFloat));
+  at::Tensor mask = at::empty({n + 2}, at::TensorOptions().dtype(at::kFloat));
   float* data = mask.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) {
     data[i] = static_cast<float>(local_has_grad_[i]);
   }
   data[n] = late_ ? 1.0f : 0.0f;
+  data[n + 1] = nonfinite ? 1.0f : 0.0f;
   if (comm_.distributed()) {
     // The collective runs on the parameters' device (NCCL cannot reduce CPU tensors).
     at::Tensor on_device = mask.to(params_[0].device());
@@ -437,10 +562,11 @@ void GradBuckets::exchange_grad_mask_and_late_flag() {
     global_has_grad_[i] = data[i] > 0.0f;
   }
   late_ = data[n] > 0.0f;
+  return data[n + 1] > 0.0f;
 }
 
 void GradBuckets::publish_grads() {
-  if (stage_ == 0) {
+  if (ddp_layout_) {
     for (size_t i = 0; i < params_.size(); ++i) {
       params_[i].mutable_grad() = global_has_grad_[i] ? grad_views_[i] : at::Tensor();
       detached_[i] = 0;
@@ -466,7 +592,7 @@ void GradBuckets::verify_hooks(bool after_sync) const {
                 "another dtype or device, or it was re-registered). Its gradient would "
                 "silently miss the reduction. Change parameters in place "
                 "(param.data.copy_(...)) or wrap the model after changing them.");
-    TORCH_CHECK(!(after_sync && stage_ >= 1 && params_[i].grad().defined()),
+    TORCH_CHECK(!(after_sync && !ddp_layout_ && params_[i].grad().defined()),
                 "zero_ext: parameter '", names_[i],
                 "' holds a gradient in .grad that did not pass zero_ext's reduction "
                 "(was .grad assigned by hand during backward?). In stages 1-2 gradients "
@@ -482,6 +608,13 @@ void GradBuckets::run_epilogue() {
   last_keep_graph_ = info.keep_graph;
   ++epilogues_run_;
   try {
+    TORCH_CHECK(!scaler_.enabled() || output_hook_task_ == info.graph_task_id,
+                "zero_ext: fp16 loss scaling scales the gradient where it enters the model, at "
+                "its forward outputs, and this backward reached the model's parameters without "
+                "passing through any of them (a loss built from parameters directly?). Its "
+                "gradients would be unscaled wrongly. Compute the loss from the model's outputs, "
+                "or pass mixed_precision=zero_ext.MixedPrecision(torch.float16, loss_scale=1.0) "
+                "and scale the loss yourself (torch.amp.GradScaler).");
     // no_sync(): nothing to reduce. (A backward that accumulates nothing
     // here, like torch.autograd.grad, never armed the epilogue: see
     // on_output_grad. Whether to reduce must not depend on what this rank
@@ -500,7 +633,8 @@ void GradBuckets::run_epilogue() {
     }
     next_launch_ = static_cast<int64_t>(buckets_.size());
     wait_all();
-    exchange_grad_mask_and_late_flag();
+    bool nonfinite = !ddp_layout_ && local_nonfinite();
+    bool any_nonfinite = exchange_grad_mask_and_flags(nonfinite);
     if (late_) {
       ++late_rounds_;
       start_round();  // every parameter counts as not arrived: pending grads are flushed
@@ -508,6 +642,21 @@ void GradBuckets::run_epilogue() {
         launch(b);
       }
       wait_all();
+      if (!ddp_layout_) {
+        nonfinite = local_nonfinite();
+        at::Tensor flag = at::full({1}, nonfinite ? 1.0f : 0.0f, params_[0].options().dtype(at::kFloat));
+        if (comm_.distributed()) {
+          comm_.wait(comm_.all_reduce_sum(flag), "exchange of the non-finite gradient flag");
+        }
+        any_nonfinite = flag.item<float>() > 0.0f;
+      }
+    }
+    if (any_nonfinite) {
+      found_nonfinite_ = true;
+      ++nonfinite_backwards_;
+      if (!nonfinite) {
+        mark_nonfinite_everywhere();
+      }
     }
     publish_grads();
     verify_hooks(true);
@@ -537,8 +686,9 @@ void GradBuckets::zero_grad(bool set_to_none) {
               "between steps");
   reset_if_stale_locked();  // never zero buffers a collective may still write
   at::NoGradGuard no_grad;
+  found_nonfinite_ = false;
   for (auto& bucket : buckets_) {
-    if (stage_ == 0) {
+    if (ddp_layout_) {
       bucket.staging.zero_();
     } else {
       bucket.accum_has_value = false;
@@ -551,7 +701,7 @@ void GradBuckets::zero_grad(bool set_to_none) {
     at::Tensor& grad = params_[i].mutable_grad();
     if (set_to_none) {
       grad = at::Tensor();
-    } else if (stage_ == 0 && global_has_grad_[i]) {
+    } else if (ddp_layout_ && global_has_grad_[i]) {
       grad = grad_views_[i];
     } else if (grad.defined()) {
       grad.zero_();
@@ -575,7 +725,7 @@ void GradBuckets::check_before_step() {
     if (!trainable_[i]) {
       continue;
     }
-    const bool stray = stage_ == 0 ? grad.defined() && !same_memory(grad, grad_views_[i])
+    const bool stray = ddp_layout_ ? grad.defined() && !same_memory(grad, grad_views_[i])
                                    : grad.defined();
     TORCH_CHECK(!stray, "zero_ext: parameter '", names_[i],
                 "' holds a gradient in .grad that zero_ext did not reduce: either the last "
@@ -597,16 +747,20 @@ void GradBuckets::check_before_step() {
 
 void GradBuckets::after_step() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (stage_ == 0) {
+  if (ddp_layout_) {
     return;
   }
-  {
+  if (!compute_copy_written_) {
     at::NoGradGuard no_grad;
     for (auto& bucket : buckets_) {
       if (bucket.master.defined()) {
         bucket.param_shard.copy_(bucket.master);  // the compute copy of the updated shard
       }
     }
+  }
+  compute_copy_written_ = false;
+  if (replicated_) {
+    return;  // param_shard is the whole bucket
   }
   if (stage_ == 3) {
     for (size_t u = 0; u < units_.size(); ++u) {
@@ -656,7 +810,11 @@ bool GradBuckets::reset_if_stale_locked() {
     buckets_[b].reduce_out.reset();
   }
   in_flight_.clear();
-  if (stage_ == 0) {
+  for (auto& bucket : buckets_) {
+    bucket.host_add_pending = false;
+  }
+  host_transfers_pending_ = false;
+  if (ddp_layout_) {
     publish_grads();
   }
   epilogue_.reset();
@@ -672,7 +830,7 @@ std::vector<at::Tensor> GradBuckets::full_grads() {
   std::lock_guard<std::mutex> lock(mutex_);
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> out(params_.size());
-  if (stage_ == 0) {
+  if (ddp_layout_) {
     for (size_t i = 0; i < params_.size(); ++i) {
       out[i] = grad_views_[i].to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
     }
@@ -687,6 +845,11 @@ std::vector<at::Tensor> GradBuckets::full_grads() {
       continue;
     }
     at::Tensor shard = bucket.accum_has_value ? bucket.accum : at::zeros_like(bucket.accum);
+    if (replicated_) {
+      full[b] = shard.clone();  // a snapshot, not the live buffer
+      continue;
+    }
+    shard = shard.to(bucket.param_flat.device());  // offloaded: collectives run on the device
     full[b] = at::empty({bucket.padded}, shard.options());
     works[b] = comm_.all_gather(full[b], shard);
   }
@@ -707,6 +870,11 @@ std::vector<at::Tensor> GradBuckets::full_masters() {
   for (size_t b = 0; b < buckets_.size(); ++b) {
     Bucket& bucket = buckets_[b];
     at::Tensor shard = bucket.master.defined() ? bucket.master : bucket.param_shard.to(at::kFloat);
+    if (replicated_) {
+      full[b] = shard.clone();  // a snapshot, not the live buffer
+      continue;
+    }
+    shard = shard.to(bucket.param_shard.device());
     full[b] = at::empty({bucket.padded}, shard.options());
     works[b] = comm_.all_gather(full[b], shard);
   }
@@ -728,7 +896,7 @@ void GradBuckets::load_masters(std::vector<at::Tensor> full_params) {
     if (!bucket.master.defined()) {
       continue;
     }
-    const int64_t lo = comm_.rank() * bucket.shard;
+    const int64_t lo = shard_start(bucket);
     for (int64_t i = bucket.first; i < bucket.first + bucket.count; ++i) {
       const int64_t start = std::max(lo, offset_[i]);
       const int64_t end = std::min(lo + bucket.shard, offset_[i] + params_[i].numel());
@@ -773,10 +941,21 @@ c10::Dict<std::string, int64_t> GradBuckets::stats() const {
     if (bucket.staging.defined()) grad_bytes += bucket.staging.nbytes();
     if (bucket.accum.defined()) grad_bytes += bucket.accum.nbytes();
   }
-  int64_t master_bytes = 0;
+  int64_t master_bytes = 0, host_bytes = 0;
   for (const auto& bucket : buckets_) {
     if (bucket.master.defined()) master_bytes += bucket.master.nbytes();
+    if (offload_ && bucket.master.defined()) host_bytes += bucket.master.nbytes();
+    if (offload_ && bucket.accum.defined()) host_bytes += bucket.accum.nbytes();
+    if (bucket.host_landing.defined()) host_bytes += bucket.host_landing.nbytes();
   }
+  out.insert("host_bytes", host_bytes);  // offload: of the above, in host memory
+  out.insert("host_landing_buffers", [this] {
+    int64_t n = 0;
+    for (const auto& bucket : buckets_) n += bucket.host_landing.defined() ? 1 : 0;
+    return n;
+  }());
+  out.insert("nonfinite_backwards", nonfinite_backwards_);
+  out.insert("skipped_steps", scaler_.skipped_steps());
   out.insert("param_bytes", param_bytes);
   out.insert("master_bytes", master_bytes);
   out.insert("grad_bytes", grad_bytes);
@@ -784,6 +963,57 @@ c10::Dict<std::string, int64_t> GradBuckets::stats() const {
   out.insert("gathered_units", gathered_units());
   out.insert("peak_gathered_units_forward", peak_gathered_forward_);
   out.insert("peak_gathered_units_backward", peak_gathered_backward_);
+  return out;
+}
+
+} // namespace zero_ext
+
+namespace zero_ext {
+
+void GradBuckets::enable_loss_scaling(double initial_scale, double growth_factor,
+                                      double backoff_factor, int64_t growth_interval,
+                                      double min_scale, int64_t hysteresis, bool dynamic) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(!ddp_layout_, "zero_ext internal: loss scaling needs fp32 masters");
+  TORCH_CHECK(initial_scale > 0 && growth_factor >= 1 && backoff_factor > 0 && backoff_factor < 1 &&
+                  growth_interval > 0 && min_scale > 0 && hysteresis > 0,
+              "zero_ext: loss scaling needs initial_scale > 0, growth_factor >= 1, "
+              "0 < backoff_factor < 1, growth_interval > 0, min_scale > 0 and hysteresis > 0");
+  LossScalerOptions options;
+  options.initial_scale = initial_scale;
+  options.growth_factor = growth_factor;
+  options.backoff_factor = backoff_factor;
+  options.growth_interval = growth_interval;
+  options.min_scale = min_scale;
+  options.hysteresis = hysteresis;
+  options.dynamic = dynamic;
+  scaler_.enable(options);
+}
+
+void GradBuckets::disable_loss_scaling() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  scaler_.disable();
+}
+
+bool GradBuckets::begin_step() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const bool skip = scaler_.enabled() && found_nonfinite_;
+  scaler_.update(found_nonfinite_);
+  return skip;
+}
+
+std::vector<at::Tensor> GradBuckets::segment_compute_copies() const {
+  std::vector<at::Tensor> out(segments_.size());
+  for (size_t s = 0; s < segments_.size(); ++s) {
+    const Bucket& bucket = buckets_[bucket_of_[segment_param_[s]]];
+    const auto dtype = bucket.param_shard.scalar_type();
+    if (!bucket.master.defined() || !bucket.param_shard.device().is_cpu() ||
+        (dtype != at::kBFloat16 && dtype != at::kHalf)) {
+      continue;
+    }
+    out[s] = bucket.param_shard.narrow(0, segment_offset_[s], segments_[s].numel())
+                 .view(segments_[s].sizes());
+  }
   return out;
 }
 

@@ -30,6 +30,15 @@
 //            and backward and released after (see param_storage.h).
 // In stages 1-3 the optimizer works on "segments": views of the local shard
 // cut at parameter boundaries, whose .grad views the accumulator.
+//
+// Mixed precision and offload keep an fp32 "master" copy of each shard that
+// the optimizer steps instead; parameters compute in the low-precision copy,
+// refreshed after each step. Stage 0 with masters is "replicated": the shard
+// is the whole bucket, reduced by all-reduce, and the gradient path is that of
+// stage 1 (staging in the reduction dtype, fp32 accumulator). With
+// offload_optimizer the masters and accumulators live in host memory (pinned
+// when the parameters are on an accelerator): each backward's reduced shard is
+// added into the host accumulator, never copied over it.
 
 #include <cstdint>
 #include <deque>
@@ -43,6 +52,7 @@
 
 #include "communicator.h"
 #include "epilogue.h"
+#include "loss_scaler.h"
 
 namespace zero_ext {
 
@@ -54,7 +64,8 @@ class GradBuckets : public torch::CustomClassHolder {
   // gathers parameters on ("" = group_name); prefetch: units gathered ahead;
   // compute_dtype: mixed precision (stages 1-3): fp32 parameters are cast to
   // this c10::ScalarType for compute, and the optimizer steps fp32 master
-  // shards instead (-1: none). Gradients are reduced in fp32.
+  // shards instead (-1: none). reduce_dtype: the dtype gradients are reduced
+  // in (-1: fp32). offload: masters and accumulators in host memory.
   GradBuckets(std::vector<at::Tensor> params,
               std::vector<std::string> names,
               std::vector<int64_t> trainable,
@@ -64,12 +75,15 @@ class GradBuckets : public torch::CustomClassHolder {
               std::string group_name,
               std::string gather_group_name,
               int64_t prefetch,
-              int64_t compute_dtype);
+              int64_t compute_dtype,
+              int64_t reduce_dtype,
+              bool offload);
   ~GradBuckets() override;
 
   // --- autograd entry points --------------------------------------------
   void on_grad_ready(int64_t param_index);
-  void on_output_grad();
+  // Returns the factor for the gradient entering the model (the loss scale).
+  double on_output_grad();
   void attach_output_hook(const at::Tensor& output);
   void run_epilogue();
 
@@ -88,6 +102,19 @@ class GradBuckets : public torch::CustomClassHolder {
   // After full parameters were written (load_full_state_dict): keep the shards.
   void write_back_shards();
 
+  // --- loss scaling and non-finite gradients ---------------------------
+  // fp16: scale the gradient entering the model at its outputs (see loss_scaler.h).
+  void enable_loss_scaling(double initial_scale, double growth_factor, double backoff_factor,
+                           int64_t growth_interval, double min_scale, int64_t hysteresis,
+                           bool dynamic);
+  void disable_loss_scaling();
+  double loss_scale() const { return scaler_.scale(); }
+  // Whether any rank's reduced gradient held inf/nan since the last zero_grad().
+  bool found_nonfinite() const { return found_nonfinite_; }
+  // Once per optimizer.step(): returns whether to skip it (loss scaling on and
+  // a gradient overflowed on some rank), and updates the scale.
+  bool begin_step();
+
   // --- training-loop controls ------------------------------------------
   void set_sync(bool sync);
   bool sync() const { return sync_; }
@@ -95,6 +122,12 @@ class GradBuckets : public torch::CustomClassHolder {
   // After optimizer.step(): stages 1-2 all-gather every bucket whose shard
   // changed; stage 3 drops full buffers, now stale (the next forward gathers).
   void after_step();
+  // Offload: the optimizer wrote the compute copy itself (the fused CPU Adam),
+  // so the next after_step() skips copying masters into parameters.
+  void note_compute_copy_written() { compute_copy_written_ = true; }
+  // Per segment: where a fused optimizer may write the updated parameter in
+  // the compute dtype (undefined where it cannot: another device or fp32).
+  std::vector<at::Tensor> segment_compute_copies() const;
   // Before a step: raises if a gradient bypassed zero_ext's hook, or a
   // parameter's storage is no longer the bucket's.
   void check_before_step();
@@ -113,6 +146,8 @@ class GradBuckets : public torch::CustomClassHolder {
   std::vector<at::Tensor> full_masters();
   void load_masters(std::vector<at::Tensor> full_params);
   std::vector<bool> has_grad() const;
+  bool offloaded() const { return offload_; }
+  bool replicated() const { return replicated_; }
   std::vector<int64_t> bucket_layout() const;  // (first param, count, padded numel) triples
   c10::Dict<std::string, int64_t> stats() const;
   int64_t rank() const { return comm_.rank(); }
@@ -135,6 +170,8 @@ class GradBuckets : public torch::CustomClassHolder {
     at::Tensor accum;         // stages 1-2: fp32 shard of the reduced gradient
     bool accum_has_value = false;
     at::Tensor reduce_out;    // temporary output when accum already holds a sum
+    at::Tensor host_landing;  // offload from an accelerator: pinned copy of reduce_out
+    bool host_add_pending = false;
     int64_t waiting = 0;      // parameters not yet arrived in this round
     bool launched = false;
     c10::intrusive_ptr<c10d::Work> work;
@@ -168,13 +205,29 @@ class GradBuckets : public torch::CustomClassHolder {
   void maybe_release_after_unit_backward(int64_t unit);
   bool unit_has_trainable(int64_t unit) const;
   void start_round();
-  void exchange_grad_mask_and_late_flag();
+  int64_t shard_start(const Bucket& bucket) const;  // first element of this rank's shard
+  void fold_into_accum(Bucket& bucket, const at::Tensor& reduced);
+  void finish_host_adds();
+  bool local_nonfinite() const;
+  void mark_nonfinite_everywhere();
+  // Returns whether any rank's reduced shard is non-finite.
+  bool exchange_grad_mask_and_flags(bool nonfinite);
   void publish_grads();
   void verify_hooks(bool after_sync) const;
   void release_after_backward(bool keep_graph);
   std::string describe_bucket(int64_t bucket_index) const;
 
   const int64_t stage_;
+  // Stage 0 without masters: param.grad views the all-reduced staging (DDP).
+  bool ddp_layout_ = true;
+  bool replicated_ = false;  // stage 0 with masters (see the header comment)
+  bool offload_ = false;
+  at::ScalarType reduce_dtype_ = at::kFloat;  // staging dtype outside the DDP layout
+  LossScaler scaler_;
+  bool found_nonfinite_ = false;
+  bool compute_copy_written_ = false;
+  int64_t nonfinite_backwards_ = 0;
+  int64_t output_hook_task_ = -1;  // last graph task whose gradient passed an output hook
   Communicator comm_;
   // Stage 3 gathers parameters on a group of their own: gathers are issued
   // from forward/backward hooks, reductions as buckets fill, and the engine
@@ -200,6 +253,8 @@ class GradBuckets : public torch::CustomClassHolder {
   std::vector<at::Tensor> segments_;
   std::vector<at::Tensor> segment_grads_;
   std::vector<int64_t> segment_param_;
+  std::vector<int64_t> segment_offset_;  // in its bucket's shard
+  bool host_transfers_pending_ = false;   // offload: device-to-host copies in flight
 
   // Round state: one round is one synchronized reduction of every bucket.
   std::vector<uint8_t> arrived_;
@@ -223,8 +278,8 @@ class GradBuckets : public torch::CustomClassHolder {
   bool replaying_retained_graph_ = false;  // the last backward kept its graph
   int64_t peak_gathered_forward_ = 0;       // most units gathered at once, outside backward
   int64_t peak_gathered_backward_ = 0;      // and inside
-  bool gathering_all_ = false;
-  bool has_masters_ = false;             // gather_all() for inspection: not a peak
+  bool gathering_all_ = false;  // gather_all() for inspection: not a peak
+  bool has_masters_ = false;
 
   bool sync_ = true;
   Epilogue epilogue_;

@@ -749,20 +749,23 @@ def zero_grad_keeping_zeros(ctx: Context) -> None:
 
 class MasterWeightReference:
     """Plain PyTorch mixed precision, the arithmetic zero_ext's must equal:
-    parameters in bf16 for compute, fp32 masters stepped by the optimizer
-    from the bf16 gradients, parameters re-cast after each step."""
+    parameters in the compute dtype, fp32 masters stepped by the optimizer
+    from the low-precision gradients (divided by the loss scale the loss was
+    multiplied by), parameters re-cast after each step."""
 
-    def __init__(self, model: nn.Module, make_optimizer):
+    def __init__(self, model: nn.Module, make_optimizer, dtype: torch.dtype = torch.bfloat16,
+                 loss_scale: float = 1.0):
         self.params = list(model.parameters())
         self.masters = [p.detach().float().clone() for p in self.params]
+        self.loss_scale = loss_scale
         with torch.no_grad():
             for p in self.params:
-                p.data = p.data.to(torch.bfloat16)
+                p.data = p.data.to(dtype)
         self.opt = make_optimizer(self.masters)
 
     def step(self) -> None:
         for p, m in zip(self.params, self.masters):
-            m.grad = None if p.grad is None else p.grad.float()
+            m.grad = None if p.grad is None else p.grad.float() / self.loss_scale
         self.opt.step()
         with torch.no_grad():
             for p, m in zip(self.params, self.masters):
@@ -773,57 +776,72 @@ class MasterWeightReference:
             p.grad = None
 
 
-BF16 = "[bf16] "  # checkpoint label prefix: compared at bf16 tolerances
+# Checkpoint label prefixes compared at low-precision tolerances (see compare()).
+BF16, FP16 = "[bf16] ", "[fp16] "
+LOW_PRECISION_LABEL = {torch.bfloat16: BF16, torch.float16: FP16}
+FP16_SCALE = 2.0 ** 10  # no overflow in these models: parity runs see no skipped step
 
 
-def _bf16_training(ctx: Context, model: nn.Module, make_optimizer, loss_of_step, steps: int, backwards: int) -> None:
+def _mixed_training(ctx: Context, model: nn.Module, make_optimizer, loss_of_step, steps: int,
+                    backwards: int, mixed_precision, offload: bool = False) -> None:
+    precision = mixed_precision if isinstance(mixed_precision, zero_ext.MixedPrecision) else \
+        zero_ext.MixedPrecision({"bf16": torch.bfloat16, "fp16": torch.float16}[mixed_precision])
+    dtype = precision.param_dtype
+    label = LOW_PRECISION_LABEL[dtype]
+    scale = FP16_SCALE if dtype == torch.float16 else 1.0
+    if dtype == torch.float16:
+        precision = dataclasses.replace(precision, loss_scale=zero_ext.DynamicLossScale(initial_scale=FP16_SCALE))
     names = [n for n, _ in model.named_parameters()]
     if ctx.reference:
-        ref = MasterWeightReference(model, make_optimizer)
+        ref = MasterWeightReference(model, make_optimizer, dtype, loss_scale=scale)
         opt = ref
     else:
         model, opt = zero_ext.wrap(model, make_optimizer(model.parameters()), stage=ctx.stage,
-                                   mixed_precision="bf16", bucket_mb=BUCKET_MB)
+                                   mixed_precision=precision, bucket_mb=BUCKET_MB,
+                                   offload_optimizer="cpu" if offload else None)
     for step in range(steps):
         for micro in range(backwards):
-            loss_of_step(model, step, micro).backward()
-            ctx.record_grads(f"{BF16}step {step} backward {micro}", model)
+            loss = loss_of_step(model, step, micro)
+            (loss * scale if ctx.reference else loss).backward()
+            if ctx.reference:
+                grads = {n: None if p.grad is None else p.grad.float() / scale
+                         for n, p in model.named_parameters()}
+                ctx.checkpoints.append((f"{label}step {step} backward {micro}: grads", grads))
+            else:
+                ctx.record_grads(f"{label}step {step} backward {micro}", model)
         opt.step()
         opt.zero_grad()
         if ctx.reference:
-            ctx.checkpoints.append((f"{BF16}step {step}: masters", dict(zip(names, [m.clone() for m in ref.masters]))))
+            ctx.checkpoints.append((f"{label}step {step}: masters", dict(zip(names, [m.clone() for m in ref.masters]))))
         else:
             full = zero_ext.full_state_dict(model)
-            ctx.checkpoints.append((f"{BF16}step {step}: masters", {n: full[n] for n in names}))
+            ctx.checkpoints.append((f"{label}step {step}: masters", {n: full[n] for n in names}))
         # Exact properties: masters keep fp32 precision, and the parameters
-        # the model computes with are exactly the masters rounded to bf16.
+        # the model computes with are exactly the masters rounded to the dtype.
         if ctx.reference:
-            ok_precision = ok_copy = True
+            ok_precision = ok_copy = ok_scale = True
         else:
             compute = {n: p for n, p in model.state_dict().items()}
-            ok_precision = any(not torch.equal(full[n], full[n].to(torch.bfloat16).float()) for n in names)
-            ok_copy = all(compute[n].dtype == torch.bfloat16 and torch.equal(compute[n].cpu(), full[n].to(torch.bfloat16))
+            ok_precision = any(not torch.equal(full[n], full[n].to(dtype).float()) for n in names)
+            ok_copy = all(compute[n].dtype == dtype and torch.equal(compute[n].cpu(), full[n].to(dtype))
                           for n in names)
+            ok_scale = model._zero_ext.buckets.loss_scale() == scale  # no step was skipped
         ctx.record_check(f"step {step}: masters hold fp32 values", ok_precision)
-        ctx.record_check(f"step {step}: parameters are the masters rounded to bf16", ok_copy)
+        ctx.record_check(f"step {step}: parameters are the masters rounded to the compute dtype", ok_copy)
+        ctx.record_check(f"step {step}: loss scale unchanged", ok_scale)
 
 
-def mixed_precision_bf16_mlp(ctx: Context) -> None:
-    """bf16 compute, fp32 masters, fp32 reduction; two backward calls per step."""
+def _mlp_mixed_loss(ctx: Context, dtype: torch.dtype):
     def loss(model, step, micro):
         total = 0.0
         for r, w in ctx.participants():
             x, y = batch(step, r, ctx.world, salt=micro)
-            total = total + w * F.mse_loss(model(x.to(torch.bfloat16)).float(), y)
+            total = total + w * F.mse_loss(model(x.to(dtype)).float(), y)
         return total
-    # eps well above bf16 gradient noise: Adam maps any nonzero gradient to a
-    # full-size step, so a gradient that rounds to zero on one side only would
-    # differ by lr whatever the precision of the rest.
-    _bf16_training(ctx, Net(), lambda params: torch.optim.AdamW(params, lr=0.01, eps=1e-2, weight_decay=0.1),
-                   loss, steps=3, backwards=2)
+    return loss
 
 
-def mixed_precision_bf16_tied_blocks(ctx: Context) -> None:
+def _token_mixed_loss(ctx: Context):
     def loss(model, step, micro):
         total = 0.0
         for r, w in ctx.participants():
@@ -832,12 +850,62 @@ def mixed_precision_bf16_tied_blocks(ctx: Context) -> None:
             logits = model(tokens[:, :-1]).float()
             total = total + w * F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         return total
-    _bf16_training(ctx, Blocks(), lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
-                   loss, steps=3, backwards=1)
+    return loss
 
 
-mixed_precision_bf16_mlp.stages = (1, 2, 3)  # mixed precision keeps fp32 masters as shards
-mixed_precision_bf16_tied_blocks.stages = (1, 2, 3)
+# eps well above low-precision gradient noise: Adam maps any nonzero gradient
+# to a full-size step, so a gradient that rounds to zero on one side only
+# would differ by lr whatever the precision of the rest.
+def _mixed_adamw(params):
+    return torch.optim.AdamW(params, lr=0.01, eps=1e-2, weight_decay=0.1)
+
+
+def _mixed_sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def mixed_precision_bf16_mlp(ctx: Context) -> None:
+    """bf16 compute, fp32 masters, fp32 reduction; two backward calls per step."""
+    _mixed_training(ctx, Net(), _mixed_adamw, _mlp_mixed_loss(ctx, torch.bfloat16), steps=3, backwards=2,
+                    mixed_precision="bf16")
+
+
+def mixed_precision_bf16_tied_blocks(ctx: Context) -> None:
+    _mixed_training(ctx, Blocks(), _mixed_sgd, _token_mixed_loss(ctx), steps=3, backwards=1,
+                    mixed_precision="bf16")
+
+
+def mixed_precision_bf16_reduced_in_bf16(ctx: Context) -> None:
+    _mixed_training(ctx, Net(), _mixed_adamw, _mlp_mixed_loss(ctx, torch.bfloat16), steps=3, backwards=2,
+                    mixed_precision=zero_ext.MixedPrecision(torch.bfloat16, torch.bfloat16))
+
+
+def mixed_precision_fp16_mlp(ctx: Context) -> None:
+    """fp16 with dynamic loss scaling under plain loss.backward()."""
+    _mixed_training(ctx, Net(), _mixed_adamw, _mlp_mixed_loss(ctx, torch.float16), steps=3, backwards=2,
+                    mixed_precision="fp16")
+
+
+def mixed_precision_fp16_tied_blocks(ctx: Context) -> None:
+    _mixed_training(ctx, Blocks(), _mixed_sgd, _token_mixed_loss(ctx), steps=3, backwards=1,
+                    mixed_precision="fp16")
+
+
+def mixed_precision_fp16_reduced_in_fp16(ctx: Context) -> None:
+    """The reduction runs scaled, in fp16's range; unscaled after it."""
+    _mixed_training(ctx, Net(), _mixed_sgd, _mlp_mixed_loss(ctx, torch.float16), steps=3, backwards=2,
+                    mixed_precision=zero_ext.MixedPrecision(torch.float16, torch.float16))
+
+
+def offload_bf16_mlp(ctx: Context) -> None:
+    """Offloaded AdamW (the C++ kernel writes the bf16 copy in its pass)."""
+    _mixed_training(ctx, Net(), _mixed_adamw, _mlp_mixed_loss(ctx, torch.bfloat16), steps=3, backwards=2,
+                    mixed_precision="bf16", offload=True)
+
+
+def offload_fp16_tied_blocks(ctx: Context) -> None:
+    _mixed_training(ctx, Blocks(), _mixed_adamw, _token_mixed_loss(ctx), steps=3, backwards=2,
+                    mixed_precision="fp16", offload=True)
 
 
 SCENARIOS: Dict[str, Callable[[Context], None]] = {
@@ -879,6 +947,12 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
         user_collective_in_backward_with_rank_dependent_layer,
         mixed_precision_bf16_mlp,
         mixed_precision_bf16_tied_blocks,
+        mixed_precision_bf16_reduced_in_bf16,
+        mixed_precision_fp16_mlp,
+        mixed_precision_fp16_tied_blocks,
+        mixed_precision_fp16_reduced_in_fp16,
+        offload_bf16_mlp,
+        offload_fp16_tied_blocks,
         two_models_rank_dependent_branch,
         zero_grad_keeping_zeros,
     ]
@@ -888,6 +962,9 @@ RTOL, ATOL = 1e-5, 1e-6
 # bf16 has an 8-bit mantissa; the reference accumulates the ranks' gradients
 # in bf16 where zero_ext reduces them in fp32, so they differ by a few bf16 ulps.
 BF16_RTOL, BF16_ATOL = 2e-2, 2e-3
+# fp16 has a 10-bit mantissa, but the reference accumulates scaled fp16
+# gradients over backward calls where zero_ext adds unscaled fp32 shards.
+FP16_RTOL, FP16_ATOL = 1e-2, 1e-3
 
 
 def stages_of(name: str):
@@ -912,7 +989,8 @@ def compare(ref, got) -> Optional[str]:
                 if not bool(b):
                     return f"{label}: check failed"
                 continue
-            rtol, atol = (BF16_RTOL, BF16_ATOL) if label.startswith(BF16) else (RTOL, ATOL)
+            rtol, atol = ((BF16_RTOL, BF16_ATOL) if label.startswith(BF16) else
+                          (FP16_RTOL, FP16_ATOL) if label.startswith(FP16) else (RTOL, ATOL))
             if a.shape != b.shape or not torch.allclose(b.float(), a.float(), rtol=rtol, atol=atol):
                 diff = (b.float() - a.float()).abs().max().item() if a.shape == b.shape else "shape"
                 return f"{label} [{key}]: max abs diff {diff}"

@@ -223,15 +223,38 @@ def test_training_recovers_after_a_backward_that_raised(stage):
         assert torch.allclose(full[name], q, atol=1e-6), name
 
 
-def test_mixed_precision_needs_a_sharded_stage():
+@pytest.mark.parametrize("bad,match", [
+    ("fp8", "mixed_precision must be None, 'bf16', 'fp16'"),
+    (torch.float16, "mixed_precision must be None"),
+    (zero_ext.MixedPrecision(torch.int8), "param_dtype must be one of"),
+    (zero_ext.MixedPrecision(torch.bfloat16, torch.float64), "reduce_dtype must be one of"),
+    (zero_ext.MixedPrecision(torch.bfloat16, loss_scale=128.0), "loss_scale applies to float16 compute only"),
+    (zero_ext.MixedPrecision(torch.float16, loss_scale=-1.0), "loss_scale must be None"),
+    (zero_ext.MixedPrecision(torch.float16, loss_scale="auto"), "loss_scale must be None"),
+])
+def test_bad_mixed_precision(bad, match):
     model, opt = make()
-    with pytest.raises(ValueError, match="mixed precision keeps fp32 master weights.*stage=1, 2 or 3"):
-        zero_ext.wrap(model, opt, stage=0, mixed_precision="bf16")
+    with pytest.raises(ValueError, match=match):
+        zero_ext.wrap(model, opt, stage=2, mixed_precision=bad)
 
 
-def test_fp16_without_loss_scaling_is_refused():
+def test_bad_loss_scaling_options():
     model, opt = make()
-    with pytest.raises(NotImplementedError, match="fp16 needs dynamic loss scaling.*'bf16'"):
-        zero_ext.wrap(model, opt, stage=2, mixed_precision="fp16")
-    with pytest.raises(NotImplementedError, match="reduced in float32"):
-        zero_ext.wrap(model, opt, stage=2, mixed_precision=zero_ext.MixedPrecision(torch.bfloat16, torch.bfloat16))
+    with pytest.raises(RuntimeError, match="0 < backoff_factor < 1"):
+        zero_ext.wrap(model, opt, stage=2, mixed_precision=zero_ext.MixedPrecision(
+            torch.float16, loss_scale=zero_ext.DynamicLossScale(backoff_factor=2.0)))
+
+
+def test_bad_offload_value():
+    model, opt = make()
+    with pytest.raises(ValueError, match="offload_optimizer must be None or 'cpu'"):
+        zero_ext.wrap(model, opt, stage=2, offload_optimizer="nvme")
+
+
+def test_fp16_loss_from_parameters_directly_is_an_error():
+    """Loss scaling happens at the model's outputs; a loss that bypasses them
+    would be unscaled wrongly, so it is refused rather than trained on."""
+    model, opt = make()
+    zero_ext.wrap(model, opt, stage=2, mixed_precision="fp16")
+    with pytest.raises(RuntimeError, match="without passing through any of them"):
+        model[0].weight.float().square().sum().backward()

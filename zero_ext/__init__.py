@@ -6,12 +6,13 @@
 The gradient path (hooks, buckets, reductions, the once-per-backward epilogue)
 runs in C++ inside the autograd engine; this package is the wiring.
 """
-from ._api import MixedPrecision
+from ._api import DynamicLossScale, MixedPrecision
 from ._report import memory_report
 from ._state_dict import full_grads, full_state_dict, load_full_state_dict
 from ._wrap import wrap
 
 __all__ = [
+    "DynamicLossScale",
     "MixedPrecision",
     "full_grads",
     "full_state_dict",

@@ -103,6 +103,19 @@ def _tensors(output: Any) -> List[torch.Tensor]:
     return found
 
 
+def _to_float32(output: Any) -> Any:
+    """`output` with its fp16 tensors cast to fp32, dataclasses included."""
+    if isinstance(output, torch.Tensor):
+        return output.float() if output.dtype == torch.float16 else output
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+        changes = {f.name: _to_float32(getattr(output, f.name)) for f in dataclasses.fields(output) if f.init}
+        return dataclasses.replace(output, **changes)
+    leaves, _ = tree_flatten(output)
+    if len(leaves) == 1 and leaves[0] is output:
+        return output
+    return tree_map_only(torch.Tensor, _to_float32, output)
+
+
 class _UnitUse:
     """One grad-enabled forward of a stage 3 unit whose inputs require grad."""
 
@@ -156,12 +169,19 @@ def install_forward_hooks(module: torch.nn.Module, unit_modules: List[torch.nn.M
                 torch.Tensor, lambda t: t.to(compute_dtype) if t.is_floating_point() else t, (args, kwargs))
         return None
 
-    def after_forward(mod: torch.nn.Module, args: Any, output: Any) -> None:
+    def after_forward(mod: torch.nn.Module, args: Any, output: Any) -> Any:
+        replaced = None
+        if torch.is_grad_enabled() and buckets.loss_scale() != 1.0:
+            # fp16 loss scaling: outputs leave the model in fp32, so the scale
+            # multiplies the gradient before its cast back to fp16 (a gradient
+            # arriving in fp16 would already have underflowed).
+            output = replaced = _to_float32(output)
         outputs = _tensors(output) if torch.is_grad_enabled() else []
         for t in outputs:
             buckets.attach_output_hook(t)
         if sharded:
             buckets.post_forward(0, outputs)
+        return replaced
 
     module.register_forward_pre_hook(before_forward, with_kwargs=True)
     module.register_forward_hook(after_forward)

@@ -8,15 +8,24 @@ scheduler already attached to it all stay; what changes:
     grad None and is skipped, with its own step count, as in PyTorch;
   - step() is followed by an all-gather of the updated shards (a post hook,
     so a scheduler that wrapped step() before wrap() still triggers it);
-  - zero_grad() and clip_grad_norm_() act on zero_ext's gradients.
+  - zero_grad() and clip_grad_norm_() act on zero_ext's gradients;
+  - step() is skipped when fp16 gradients overflowed on any rank, and takes
+    torch.amp.GradScaler's scale and overflow flag directly (its check then
+    sees every rank's shards, see GradBuckets::mark_nonfinite_everywhere);
+  - with offload_optimizer="cpu", Adam and AdamW step with zero_ext's C++
+    kernel, which also writes the low-precision compute copy in the same pass.
 """
 from __future__ import annotations
 
 import math
+import warnings
+import weakref
 from typing import Dict, List
 
 import torch
 import torch.distributed as dist
+
+from ._cpu_adam import adam_step_
 
 # torch.optim optimizers whose update of an element depends only on that
 # element's gradient and state: they can run on any slice of a parameter.
@@ -28,7 +37,7 @@ ELEMENTWISE_OPTIMIZERS = {
 
 def check_elementwise(optimizer: torch.optim.Optimizer, stage: int) -> None:
     if stage == 0:
-        return
+        return  # replicated: segments are whole parameters
     cls = type(optimizer)
     if getattr(cls, "zero_ext_elementwise", False):
         return
@@ -42,8 +51,85 @@ def check_elementwise(optimizer: torch.optim.Optimizer, stage: int) -> None:
     )
 
 
+def _uses_cpu_adam(optimizer: torch.optim.Optimizer) -> bool:
+    """Offload: torch's Adam and AdamW run as zero_ext's fused C++ kernel
+    (same arithmetic); anything else, or options the kernel does not have,
+    runs the torch optimizer on the host tensors."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return False
+    return not any(g.get("differentiable") or g.get("capturable") or g.get("fused")
+                   for g in optimizer.param_groups)
+
+
+@torch.no_grad()
+def _cpu_adam_step(self, closure=None):
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    copies = self._zero_ext_compute_copies
+    adamw = isinstance(self, torch.optim.AdamW)
+    for group in self.param_groups:
+        beta1, beta2 = group["betas"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:  # the layout of torch.optim.Adam's state, so checkpoints match
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group["amsgrad"]:
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            adam_step_(
+                p, p.grad, state["exp_avg"], state["exp_avg_sq"], step=int(state["step"].item()),
+                lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]),
+                decoupled_weight_decay=bool(group.get("decoupled_weight_decay", adamw)),
+                amsgrad=bool(group["amsgrad"]), maximize=bool(group.get("maximize", False)),
+                max_exp_avg_sq=state.get("max_exp_avg_sq"), param_lowp=copies.get(id(p)),
+            )
+    if copies and len(copies) == sum(len(g["params"]) for g in self.param_groups):
+        self._zero_ext.buckets.note_compute_copy_written()
+    return loss
+
+
 class ZeroExtOptimizer:
     """Mixin placed in front of the user's optimizer class by wrap()."""
+
+    # torch.amp.GradScaler then passes its scale and overflow flag to step()
+    # instead of stepping on its own judgement (see step()).
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None):
+        buckets = self._zero_ext.buckets
+        skip = buckets.begin_step()  # fp16: overflow on some rank (updates the scale)
+        found_inf = getattr(self, "found_inf", None)  # set by torch.amp.GradScaler.step()
+        if found_inf is not None:
+            grad_scale = getattr(self, "grad_scale", None)
+            self.found_inf = self.grad_scale = None  # handled here, not by a fused step
+            if buckets.loss_scale() != 1.0:
+                warnings.warn(
+                    "zero_ext: torch.amp.GradScaler drives this optimizer, so zero_ext's own fp16 "
+                    "loss scaling is now off (both would scale the gradient). To silence this, pass "
+                    "mixed_precision=zero_ext.MixedPrecision(torch.float16, loss_scale=1.0).")
+                buckets.disable_loss_scaling()
+            # GradScaler's overflow check read this rank's shards, which
+            # zero_ext marks non-finite whenever any rank's are.
+            skip = skip or bool(found_inf.item())
+            if not skip and grad_scale is not None:
+                grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+                if grads:
+                    torch._foreach_mul_(grads, grad_scale.double().reciprocal().float().item())
+        if skip:
+            return None
+        if self._zero_ext_cpu_adam:
+            return self._zero_ext_cpu_adam_step(closure)
+        return super().step(closure)
+
+    # The same pre/post hooks as the torch optimizer's own step.
+    _zero_ext_cpu_adam_step = torch.optim.Optimizer.profile_hook_step(_cpu_adam_step)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._zero_ext.buckets.zero_grad(set_to_none)
@@ -79,7 +165,7 @@ _wrapped_classes: Dict[type, type] = {}
 def shard_optimizer(optimizer: torch.optim.Optimizer, state, ordered_params: List[torch.Tensor],
                     group_of: Dict[int, int]) -> None:
     """Re-points `optimizer` at this rank's segments and installs the hooks."""
-    if state.stage >= 1:
+    if state.sharded_optimizer:
         segments = state.buckets.segments()
         owners = state.buckets.segment_param_indices()
         per_group: List[List[torch.Tensor]] = [[] for _ in optimizer.param_groups]
@@ -94,6 +180,13 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, state, ordered_params: Lis
         _wrapped_classes[cls] = type(f"ZeroExt{cls.__name__}", (ZeroExtOptimizer, cls), {})
     optimizer.__class__ = _wrapped_classes[cls]
     optimizer._zero_ext = state
+    optimizer._zero_ext_cpu_adam = state.offload and _uses_cpu_adam(optimizer)
+    optimizer._zero_ext_compute_copies = {}
+    if optimizer._zero_ext_cpu_adam:
+        copies = state.buckets.segment_compute_copies()
+        optimizer._zero_ext_compute_copies = {
+            id(seg): copy for seg, copy in zip(state.buckets.segments(), copies) if copy is not None}
+    _route_scheduler_wrapper(optimizer)
 
     def before_step(opt, args, kwargs) -> None:
         state.check_parameters_unchanged()
@@ -104,3 +197,28 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, state, ordered_params: Lis
 
     optimizer.register_step_pre_hook(before_step)
     optimizer.register_step_post_hook(after_step)
+
+
+def _route_scheduler_wrapper(optimizer: torch.optim.Optimizer) -> None:
+    """An LR scheduler built before wrap() replaced `optimizer.step` on the
+    instance with a wrapper around the original class's step, which would
+    bypass zero_ext's; re-point it at the new class, keeping its bookkeeping."""
+    inner = optimizer.__dict__.get("step")
+    if inner is None:
+        return
+    if not getattr(inner, "_wrapped_by_lr_sched", False):
+        raise ValueError(
+            "zero_ext.wrap: optimizer.step was replaced on this optimizer object before wrap(); "
+            "zero_ext's step must run (it skips overflowed fp16 steps and runs offloaded "
+            "updates). Patch step after wrap(), or use optimizer.register_step_pre_hook/"
+            "register_step_post_hook."
+        )
+    ref = weakref.ref(optimizer)
+
+    def step(*args, **kwargs):
+        opt = ref()
+        opt._opt_called = True  # what the scheduler's wrapper records
+        return type(opt).step(opt, *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True
+    optimizer.step = step

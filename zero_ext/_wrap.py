@@ -9,7 +9,7 @@ from typing import Callable, List, Optional, Set, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from ._api import MixedPrecision
+from ._api import DynamicLossScale, MixedPrecision
 from ._bucket_plan import plan_buckets
 from ._C_loader import GradBuckets
 from ._groups import acquire_groups
@@ -19,7 +19,7 @@ from ._units import assign_parameters, resolve_units
 
 
 # c10::ScalarType codes of the dtypes mixed precision computes in.
-_SCALAR_TYPE_CODES = {torch.float16: 5, torch.bfloat16: 15}
+_SCALAR_TYPE_CODES = {torch.float16: 5, torch.float32: 6, torch.bfloat16: 15}
 
 
 @dataclass
@@ -38,6 +38,8 @@ class ZeroState:
     param_ids: Set[int]
     bucketed_names: List[str]
     compute_dtype: Optional[torch.dtype]  # mixed precision: what parameters compute in
+    sharded_optimizer: bool  # the optimizer steps zero_ext's segments (not the parameters)
+    offload: bool  # masters, gradient accumulators and optimizer state in host memory
 
     def check_parameters_unchanged(self) -> None:
         """Once per step: a parameter replaced by a new object after wrap()
@@ -81,28 +83,61 @@ def _timeout(timeout: Union[None, float, int, datetime.timedelta]) -> Optional[d
     raise ValueError(f"zero_ext.wrap: timeout must be positive seconds or a timedelta, got {timeout!r}")
 
 
-def _compute_dtype(mixed_precision: Union[None, str, MixedPrecision]) -> Optional[torch.dtype]:
-    """The dtype parameters compute in, or None for fp32 training."""
+@dataclass(frozen=True)
+class Precision:
+    """What wrap() resolved mixed_precision to."""
+
+    compute_dtype: Optional[torch.dtype]  # None: parameters compute in fp32
+    reduce_dtype: torch.dtype
+    loss_scale: Union[None, float, DynamicLossScale]  # fp16 only
+
+
+_FLOATS = {torch.float32: "torch.float32", torch.bfloat16: "torch.bfloat16", torch.float16: "torch.float16"}
+
+
+def _precision(mixed_precision: Union[None, str, MixedPrecision]) -> Precision:
     if mixed_precision is None:
-        return None
-    if isinstance(mixed_precision, MixedPrecision):
-        param_dtype, reduce_dtype = mixed_precision.param_dtype, mixed_precision.reduce_dtype
+        return Precision(None, torch.float32, None)
+    if isinstance(mixed_precision, str):
+        if mixed_precision not in ("bf16", "fp16"):
+            raise ValueError(
+                f"zero_ext.wrap: mixed_precision must be None, 'bf16', 'fp16' or "
+                f"zero_ext.MixedPrecision(...), got {mixed_precision!r}"
+            )
+        mixed_precision = MixedPrecision(torch.bfloat16 if mixed_precision == "bf16" else torch.float16)
+    elif not isinstance(mixed_precision, MixedPrecision):
+        raise ValueError(
+            f"zero_ext.wrap: mixed_precision must be None, 'bf16', 'fp16' or "
+            f"zero_ext.MixedPrecision(...), got {mixed_precision!r}"
+        )
+    param_dtype = mixed_precision.param_dtype
+    reduce_dtype = mixed_precision.reduce_dtype or torch.float32
+    for what, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if dtype not in _FLOATS:
+            raise ValueError(
+                f"zero_ext.wrap: MixedPrecision.{what} must be one of {sorted(_FLOATS.values())}, got {dtype!r}"
+            )
+    loss_scale = mixed_precision.loss_scale
+    if param_dtype != torch.float16:
+        if loss_scale is not None:
+            raise ValueError(
+                "zero_ext.wrap: loss_scale applies to float16 compute only (bf16 and fp32 have "
+                "fp32's exponent range); drop it"
+            )
     else:
-        param_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float16
-        reduce_dtype = torch.float32
-    if reduce_dtype not in (None, torch.float32):
-        raise NotImplementedError(
-            "zero_ext.wrap: gradients are reduced in float32 in this version; pass "
-            "MixedPrecision(param_dtype, reduce_dtype=torch.float32)"
-        )
-    if param_dtype == torch.float16:
-        raise NotImplementedError(
-            "zero_ext.wrap: fp16 needs dynamic loss scaling, which this version does not have yet; "
-            "use mixed_precision='bf16'"
-        )
-    if param_dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"zero_ext.wrap: param_dtype must be torch.bfloat16 or torch.float32, got {param_dtype}")
-    return None if param_dtype == torch.float32 else param_dtype
+        if loss_scale is None:
+            loss_scale = DynamicLossScale()
+        ok = isinstance(loss_scale, DynamicLossScale) or (
+            isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool) and loss_scale > 0)
+        if not ok:
+            raise ValueError(
+                f"zero_ext.wrap: loss_scale must be None (dynamic), a zero_ext.DynamicLossScale or a "
+                f"positive number (static; 1.0 turns scaling off), got {loss_scale!r}"
+            )
+        if not isinstance(loss_scale, DynamicLossScale) and float(loss_scale) == 1.0:
+            loss_scale = None
+    compute = None if param_dtype == torch.float32 else param_dtype
+    return Precision(compute, reduce_dtype, loss_scale)
 
 
 def _validate(model, optimizer, stage, mixed_precision, offload_optimizer) -> List[torch.nn.Parameter]:
@@ -114,22 +149,9 @@ def _validate(model, optimizer, stage, mixed_precision, offload_optimizer) -> Li
         )
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_ext.wrap: stage must be 0, 1, 2 or 3, got {stage!r}")
-    if mixed_precision is not None:
-        if mixed_precision not in ("bf16", "fp16") and not isinstance(mixed_precision, MixedPrecision):
-            raise ValueError(
-                f"zero_ext.wrap: mixed_precision must be None, 'bf16', 'fp16' or "
-                f"zero_ext.MixedPrecision(...), got {mixed_precision!r}"
-            )
-        compute = _compute_dtype(mixed_precision)
-        if compute is not None and stage == 0:
-            raise ValueError(
-                "zero_ext.wrap: mixed precision keeps fp32 master weights as optimizer shards, "
-                "which stage 0 does not have; use stage=1, 2 or 3"
-            )
-    if offload_optimizer is not None:
-        if offload_optimizer != "cpu":
-            raise ValueError(f"zero_ext.wrap: offload_optimizer must be None or 'cpu', got {offload_optimizer!r}")
-        raise NotImplementedError("zero_ext.wrap: optimizer offload is not available in this version; pass offload_optimizer=None")
+    precision = _precision(mixed_precision)
+    if offload_optimizer is not None and offload_optimizer != "cpu":
+        raise ValueError(f"zero_ext.wrap: offload_optimizer must be None or 'cpu', got {offload_optimizer!r}")
 
     for module in model.modules():
         if isinstance(module, ZeroExtModule):
@@ -185,7 +207,7 @@ def _validate(model, optimizer, stage, mixed_precision, offload_optimizer) -> Li
             "first step. To resume training, load a checkpoint after wrap()"
         )
     check_elementwise(optimizer, stage)
-    return trainable
+    return trainable, precision
 
 
 def _plan_units(model: torch.nn.Module, unit_modules: List[torch.nn.Module]):
@@ -242,7 +264,7 @@ def wrap(
     Raises:
         TypeError, ValueError: bad input, before any communication.
     """
-    trainable = _validate(model, optimizer, stage, mixed_precision, offload_optimizer)
+    trainable, precision = _validate(model, optimizer, stage, mixed_precision, offload_optimizer)
     if units is not None and stage != 3:
         raise ValueError("zero_ext.wrap: units only applies to stage 3")
     if not bucket_mb > 0:
@@ -271,10 +293,19 @@ def wrap(
     names_of = [g.group_name for g in own_groups]
     reduce_name = names_of[0] if names_of else ""
     gather_name = names_of[1] if len(names_of) > 1 else ""
-    compute_dtype = _compute_dtype(mixed_precision)
+    compute_dtype = precision.compute_dtype
     dtype_code = -1 if compute_dtype is None else _SCALAR_TYPE_CODES[compute_dtype]
+    offload = offload_optimizer == "cpu"
     buckets = GradBuckets(ordered, names, flags, counts, unit_of_bucket, stage, reduce_name,
-                          gather_name, prefetch, dtype_code)
+                          gather_name, prefetch, dtype_code, _SCALAR_TYPE_CODES[precision.reduce_dtype],
+                          offload)
+    scale = precision.loss_scale
+    if isinstance(scale, DynamicLossScale):
+        buckets.enable_loss_scaling(float(scale.initial_scale), float(scale.growth_factor),
+                                    float(scale.backoff_factor), int(scale.growth_interval),
+                                    float(scale.min_scale), int(scale.hysteresis), True)
+    elif scale is not None:
+        buckets.enable_loss_scaling(float(scale), 2.0, 0.5, 1, 1.0, 1, False)
     if group is not None and world > 1:
         with torch.no_grad():
             for buffer in model.buffers():  # every rank starts from rank 0's state
@@ -287,6 +318,7 @@ def wrap(
         names=[n for n, p in zip(names, ordered) if p.requires_grad],
         param_ids={id(p) for p in ordered if p.requires_grad}, bucketed=ordered,
         bucketed_names=names, compute_dtype=compute_dtype,
+        sharded_optimizer=stage >= 1 or buckets.has_masters(), offload=offload,
     )
     for p in ordered:
         p._zero_ext_owner = True
