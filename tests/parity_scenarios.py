@@ -170,13 +170,13 @@ class Context:
             return [(r, 1.0 / self.world) for r in range(self.world)]
         return [(self.rank, 1.0)]
 
-    def wrap(self, model: nn.Module, opt: torch.optim.Optimizer):
+    def wrap(self, model: nn.Module, opt: torch.optim.Optimizer, **options):
         if self.reference:
             return model, opt
         units = None
         if self.stage == 3 and isinstance(model, Net):
             units = net_units  # each Linear its own unit; Blocks use the default policy
-        return zero_ext.wrap(model, opt, stage=self.stage, bucket_mb=BUCKET_MB, units=units)
+        return zero_ext.wrap(model, opt, stage=self.stage, bucket_mb=BUCKET_MB, units=units, **options)
 
     def no_sync(self, model: nn.Module):
         return contextlib.nullcontext() if self.reference else model.no_sync()
@@ -370,9 +370,9 @@ def nonscalar_backward_retained_twice(ctx: Context) -> None:
         step_and_record(ctx, model, opt, step)
 
 
-def _accumulate(ctx: Context, counts: List[int]) -> None:
+def _accumulate(ctx: Context, counts: List[int], make_optimizer=adamw, **options) -> None:
     model = Net()
-    model, opt = ctx.wrap(model, adamw(model))
+    model, opt = ctx.wrap(model, make_optimizer(model), **options)
     for step, count in enumerate(counts):
         for micro in range(count):
             mlp_loss(ctx, model, step, salt=micro).backward()
@@ -390,15 +390,48 @@ def varying_backward_per_step(ctx: Context) -> None:
     _accumulate(ctx, [2, 5, 3])
 
 
-def no_sync_accumulation(ctx: Context) -> None:
+def no_sync_accumulation(ctx: Context, **options) -> None:
     model = Net()
-    model, opt = ctx.wrap(model, sgd(model))
+    model, opt = ctx.wrap(model, sgd(model), **options)
     for step in range(2):
         with ctx.no_sync(model):
             for micro in range(3):
                 mlp_loss(ctx, model, step, salt=micro).backward()
         mlp_loss(ctx, model, step, salt=3).backward()
         step_and_record(ctx, model, opt, step)
+
+
+# Optimizer offload (fp32): the same results as without it. Adam/AdamW run
+# zero_ext's C++ kernel on the host shards, others the torch optimizer.
+OFFLOAD = {"offload_optimizer": "cpu"}
+
+
+def offload_four_backward_per_step_adamw(ctx: Context) -> None:
+    _accumulate(ctx, [4, 4], **OFFLOAD)
+
+
+def offload_varying_backward_per_step_sgd(ctx: Context) -> None:
+    _accumulate(ctx, [2, 5, 3], make_optimizer=sgd, **OFFLOAD)
+
+
+def offload_no_sync_accumulation(ctx: Context) -> None:
+    no_sync_accumulation(ctx, **OFFLOAD)
+
+
+def offload_adam_param_groups_amsgrad_scheduler(ctx: Context) -> None:
+    """L2-decay Adam with amsgrad in one group, another lr in the other, and
+    a scheduler built before wrap(): every option of the kernel."""
+    model = Net()
+    opt = torch.optim.Adam([
+        {"params": [*model.inp.parameters(), *model.mid.parameters()], "amsgrad": True, "weight_decay": 0.1},
+        {"params": list(model.out.parameters()), "lr": 0.02},
+    ], lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model, opt = ctx.wrap(model, opt, **OFFLOAD)
+    for step in range(3):
+        mlp_loss(ctx, model, step).backward()
+        step_and_record(ctx, model, opt, step)
+        sched.step()
 
 
 def unused_parameters(ctx: Context) -> None:
@@ -562,6 +595,36 @@ def state_bytes_match_the_stage(ctx: Context) -> None:
         stats["grad_bytes"] == expected_grad,
         state_elems == 2 * opt_elems,
         int(total) == n_elems,
+    ]
+    for label, ok in zip(labels, checks):
+        ctx.record_check(label, ok)
+
+
+def offload_state_bytes(ctx: Context) -> None:
+    """Offload holds the fp32 master and gradient shards in host memory, one
+    of each, and a step with one backward lands the reduced shard directly in
+    the accumulator (no host landing buffer)."""
+    model = Net()
+    model, opt = ctx.wrap(model, adamw(model), **OFFLOAD)
+    mlp_loss(ctx, model, 0).backward()
+    opt.step()
+    ctx.record_params("after step", model)
+    labels = ["host bytes: one fp32 master and one fp32 gradient shard", "no landing buffer",
+              "optimizer state on the host shard only", "AdamW runs zero_ext's C++ kernel"]
+    if ctx.reference:
+        for label in labels:
+            ctx.record_check(label, True)
+        return
+    stats = model._zero_ext.buckets.stats()
+    padded = sum(model._zero_ext.buckets.bucket_layout()[2::3])
+    shard = padded if ctx.stage == 0 else padded // ctx.world  # stage 0: replicated
+    state_elems = sum(t.numel() for st in opt.state.values() for k, t in st.items() if k != "step")
+    opt_elems = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    checks = [
+        stats["host_bytes"] == 2 * 4 * shard and stats["master_bytes"] == 4 * shard,
+        stats["host_landing_buffers"] == 0,
+        state_elems == 2 * opt_elems and all(t.device.type == "cpu" for st in opt.state.values() for t in st.values()),
+        opt._zero_ext_cpu_adam,
     ]
     for label, ok in zip(labels, checks):
         ctx.record_check(label, ok)
@@ -908,6 +971,108 @@ def offload_fp16_tied_blocks(ctx: Context) -> None:
                     mixed_precision="fp16", offload=True)
 
 
+def _inf_on_rank0(ctx: Context, param: torch.Tensor, armed: Dict[str, bool]) -> None:
+    """While armed, rank 0's gradient of `param` gets an inf in element 0:
+    only the rank whose shard holds that element can see it locally."""
+    def hook(grad: torch.Tensor):
+        if armed["on"] and (ctx.reference or ctx.rank == 0):
+            grad = grad.clone()
+            grad.view(-1)[0] = float("inf")
+            return grad
+        return None
+    param.register_hook(hook)
+
+
+def fp16_overflow_skips_the_step_on_every_rank(ctx: Context) -> None:
+    """An overflow on one rank: every rank skips the step, the scale halves,
+    and it doubles again after growth_interval clean steps."""
+    model = Net()
+    policy = zero_ext.DynamicLossScale(initial_scale=2.0 ** 10, growth_interval=2)
+    labels = ["step 1 skipped: parameters unchanged", "step 1: scale halved", "step 1: found on this rank",
+              "step 1: this rank's own shard marked non-finite", "steps 2-3 stepped: parameters changed",
+              "step 3: scale grown back after 2 clean steps", "one skipped step counted"]
+    if ctx.reference:
+        for label in labels:
+            ctx.record_check(label, True)
+        return
+    model, opt = zero_ext.wrap(model, _mixed_adamw(model.parameters()), stage=ctx.stage, bucket_mb=BUCKET_MB,
+                               mixed_precision=zero_ext.MixedPrecision(torch.float16, loss_scale=policy))
+    buckets = model._zero_ext.buckets
+    armed = {"on": False}
+    _inf_on_rank0(ctx, model.out.bias, armed)
+    loss = _mlp_mixed_loss(ctx, torch.float16)
+    results = {}
+    for step in range(4):
+        armed["on"] = step == 1
+        loss(model, step, 0).backward()
+        before = zero_ext.full_state_dict(model)
+        if step == 1:
+            results["found"] = buckets.found_nonfinite()
+            results["local"] = any(not torch.isfinite(p.grad).all()
+                                   for g in opt.param_groups for p in g["params"] if p.grad is not None)
+        opt.step()
+        opt.zero_grad()
+        after = zero_ext.full_state_dict(model)
+        same = all(torch.equal(before[k], after[k]) for k in before)
+        results[step] = (same, buckets.loss_scale())
+    checks = [results[1][0], results[1][1] == 2.0 ** 9, results["found"], results["local"],
+              not results[2][0] and not results[3][0], results[2][1] == 2.0 ** 9 and results[3][1] == 2.0 ** 10,
+              buckets.stats()["skipped_steps"] == 1]
+    for label, ok in zip(labels, checks):
+        ctx.record_check(label, ok)
+
+
+def grad_scaler_sees_overflow_on_every_rank(ctx: Context) -> None:
+    """torch.amp.GradScaler over sharded gradients: an inf in one element on
+    rank 0 makes every rank skip the step and lower the scale, like one
+    process does; the other steps match it exactly."""
+    model = Net()
+    model, opt = ctx.wrap(model, adamw(model))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2)
+    armed = {"on": False}
+    _inf_on_rank0(ctx, model.out.bias, armed)
+    for step in range(4):
+        armed["on"] = step == 1
+        scaler.scale(mlp_loss(ctx, model, step)).backward()
+        if step == 2:  # unscale explicitly first, as a loop that clips does
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        ctx.record_params(f"step {step}", model)
+        ctx.record_value(f"step {step}: scale", torch.tensor(scaler.get_scale()))
+
+
+def fp16_hands_scaling_to_a_grad_scaler(ctx: Context) -> None:
+    """fp16 driven by torch.amp.GradScaler: zero_ext's own scaling steps
+    aside (with a warning) instead of scaling twice; training proceeds."""
+    labels = ["zero_ext's scaling is off", "a warning said so", "parameters finite and trained"]
+    if ctx.reference:
+        for label in labels:
+            ctx.record_check(label, True)
+        return
+    import warnings
+    model = Net()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model, opt = zero_ext.wrap(model, _mixed_adamw(model.parameters()), stage=ctx.stage, bucket_mb=BUCKET_MB,
+                               mixed_precision="fp16")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    loss = _mlp_mixed_loss(ctx, torch.float16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):
+            scaler.scale(loss(model, step, 0)).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    full = zero_ext.full_state_dict(model)
+    checks = [model._zero_ext.buckets.loss_scale() == 1.0,
+              any("GradScaler drives this optimizer" in str(w.message) for w in caught),
+              all(torch.isfinite(full[n]).all() and not torch.equal(full[n], initial[n]) for n in initial)]
+    for label, ok in zip(labels, checks):
+        ctx.record_check(label, ok)
+
+
 SCENARIOS: Dict[str, Callable[[Context], None]] = {
     f.__name__: f
     for f in [
@@ -953,6 +1118,14 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
         mixed_precision_fp16_reduced_in_fp16,
         offload_bf16_mlp,
         offload_fp16_tied_blocks,
+        offload_four_backward_per_step_adamw,
+        offload_varying_backward_per_step_sgd,
+        offload_no_sync_accumulation,
+        offload_adam_param_groups_amsgrad_scheduler,
+        offload_state_bytes,
+        fp16_overflow_skips_the_step_on_every_rank,
+        grad_scaler_sees_overflow_on_every_rank,
+        fp16_hands_scaling_to_a_grad_scaler,
         two_models_rank_dependent_branch,
         zero_grad_keeping_zeros,
     ]

@@ -175,12 +175,13 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, state, ordered_params: Lis
             group["params"] = params
         optimizer.state.clear()
 
+    cpu_adam = state.offload and _uses_cpu_adam(optimizer)
     cls = type(optimizer)
     if cls not in _wrapped_classes:
         _wrapped_classes[cls] = type(f"ZeroExt{cls.__name__}", (ZeroExtOptimizer, cls), {})
     optimizer.__class__ = _wrapped_classes[cls]
     optimizer._zero_ext = state
-    optimizer._zero_ext_cpu_adam = state.offload and _uses_cpu_adam(optimizer)
+    optimizer._zero_ext_cpu_adam = cpu_adam
     optimizer._zero_ext_compute_copies = {}
     if optimizer._zero_ext_cpu_adam:
         copies = state.buckets.segment_compute_copies()
