@@ -5,7 +5,9 @@
 
 For each size it times one AdamW step (median of --reps after a warm-up) of:
 zero_ext's kernel (fp32, and fp32 + a bf16 parameter copy written in the same
-pass), torch.optim.AdamW with foreach=True, and with fused=True. Beside them it
+pass), torch.optim.AdamW with foreach=True, and with fused=True, and
+DeepSpeed's DeepSpeedCPUAdam when deepspeed is installed
+(`pip install --no-deps deepspeed hjson msgpack einops` keeps the installed torch). Beside them it
 prints the bound that memory bandwidth sets: a STREAM-like copy measured in
 the same run (in-place scale and add, the best of them), divided by the bytes an AdamW step must move per parameter
 (read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq in place:
@@ -70,7 +72,23 @@ def bench_size(n: int, reps: int) -> dict:
             results[name] = f"unavailable: {error}"
         del param, opt
         gc.collect()
+    results["DeepSpeedCPUAdam"] = deepspeed_step_time(p, grad, reps)
     return results
+
+
+def deepspeed_step_time(p: torch.Tensor, grad: torch.Tensor, reps: int):
+    """DeepSpeed's CPU Adam (AdamW mode, its AVX kernel), when installed."""
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except Exception as error:  # not installed, or its op cannot build here
+        return f"unavailable: {type(error).__name__}: {error}"
+    param = torch.nn.Parameter(p.clone())
+    param.grad = grad.clone()
+    opt = DeepSpeedCPUAdam([param], lr=1e-3, weight_decay=0.01, adamw_mode=True)
+    seconds = timed(opt.step, reps)
+    del param, opt
+    gc.collect()
+    return seconds
 
 
 def main() -> None:

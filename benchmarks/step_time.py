@@ -1,7 +1,11 @@
-"""Step time of zero_ext stages 0-2 against torch DDP, measured in one run.
+"""Step time of zero_ext stages 0-3 against torch DDP and FSDP2, measured in one run.
 
     python benchmarks/step_time.py                 # 2 CPU ranks (gloo)
     python benchmarks/step_time.py --world 4 --dim 384 --layers 6
+    python benchmarks/step_time.py --systems zero_ext-2 zero_ext-2-bf16 zero_ext-2-offload
+
+A zero_ext system is zero_ext-STAGE, optionally followed by -bf16 or -fp16
+(mixed precision) and -offload (offload_optimizer="cpu").
 
 Every system trains the same transformer on the same token batches in the same
 group of processes; the systems take their steps in turn (round-robin), each
@@ -56,7 +60,11 @@ def build_system(args, system, world):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
         trained = model
     else:
-        trained, opt = zero_ext.wrap(model, opt, stage=int(system[-1]), bucket_mb=args.bucket_mb)
+        parts = system.split("-")
+        precision = next((p for p in parts if p in ("bf16", "fp16")), None)
+        trained, opt = zero_ext.wrap(model, opt, stage=int(parts[1]), bucket_mb=args.bucket_mb,
+                                     mixed_precision=precision,
+                                     offload_optimizer="cpu" if "offload" in parts else None)
     return model, trained, opt
 
 
@@ -81,7 +89,7 @@ def run_systems(args, rank, world):
             if world > 1:
                 dist.barrier()
             start = time.perf_counter()
-            loss = F.cross_entropy(trained(x).flatten(0, 1), y.flatten())
+            loss = F.cross_entropy(trained(x).float().flatten(0, 1), y.flatten())
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -126,7 +134,7 @@ def main():
     print(f"{n_params / 1e6:.2f}M parameters, world size {args.world} (gloo, CPU), "
           f"{args.batch}x{args.context} tokens per rank, median of {args.steps} steps")
     base = statistics.mean(r["ddp"]["median_ms"] for r in per_rank) if "ddp" in args.systems else None
-    header = f"{'system':<12} {'ms/step':>9} {'vs DDP':>7} {'params MiB':>11} {'grads MiB':>10} {'optim MiB':>10} {'loss':>7}"
+    header = f"{'system':<20} {'ms/step':>9} {'vs DDP':>7} {'params MiB':>11} {'grads MiB':>10} {'optim MiB':>10} {'loss':>7}"
     print(header)
     print("-" * len(header))
     table = {}
@@ -134,7 +142,7 @@ def main():
         ms = statistics.mean(r[system]["median_ms"] for r in per_rank)
         r0 = per_rank[0][system]
         ratio = f"{ms / base:.2f}x" if base else "-"
-        print(f"{system:<12} {ms:>9.1f} {ratio:>7} {r0['params'] / 2**20:>11.2f} {r0['grads'] / 2**20:>10.2f} "
+        print(f"{system:<20} {ms:>9.1f} {ratio:>7} {r0['params'] / 2**20:>11.2f} {r0['grads'] / 2**20:>10.2f} "
               f"{r0['optimizer_state'] / 2**20:>10.2f} {r0['loss']:>7.4f}")
         table[system] = {"ms_per_step": ms, "ratio_vs_ddp": ms / base if base else None, **r0}
     if args.json:

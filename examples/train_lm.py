@@ -89,8 +89,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stage", type=int, default=2, choices=[0, 1, 2, 3])
     parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--mixed-precision", choices=["bf16"], default=None,
-                        help="bf16 compute with fp32 master shards (stages 1-3)")
+    parser.add_argument("--mixed-precision", choices=["bf16", "fp16"], default=None,
+                        help="compute in bf16 or fp16 (with dynamic loss scaling) over fp32 master weights")
+    parser.add_argument("--offload", action="store_true",
+                        help="offload_optimizer='cpu': fp32 masters, gradient shards and Adam state in host memory")
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--dim", type=int, default=64)
@@ -112,10 +114,11 @@ def main() -> None:
 
     model, opt = build(args, len(chars))
     n_params = sum(p.numel() for p in model.parameters())
-    model, opt = zero_ext.wrap(model, opt, stage=args.stage, mixed_precision=args.mixed_precision)
+    model, opt = zero_ext.wrap(model, opt, stage=args.stage, mixed_precision=args.mixed_precision,
+                               offload_optimizer="cpu" if args.offload else None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
     if rank == 0:
-        precision = args.mixed_precision or "fp32"
+        precision = (args.mixed_precision or "fp32") + (", optimizer offloaded" if args.offload else "")
         print(f"zero_ext stage {args.stage} ({precision}): {n_params / 1e3:.1f}K-parameter transformer, "
               f"{world} rank(s) x {args.batch} sequences of {args.context} characters")
 
@@ -138,6 +141,10 @@ def main() -> None:
             progress(step, args.steps, value.item(), started)
     if rank == 0:
         print(f"\nloss {first_loss:.3f} -> {value.item():.3f} (uniform guess: {math.log(len(chars)):.3f})")
+        if args.mixed_precision == "fp16":
+            stats = model._zero_ext.buckets.stats()
+            print(f"fp16 loss scale {model._zero_ext.buckets.loss_scale():g}, "
+                  f"{stats['skipped_steps']} step(s) skipped on overflow")
 
     mine = zero_ext.memory_report(model, opt)
     theirs = ddp_bytes(args, len(chars), data, rank, world)

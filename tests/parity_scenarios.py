@@ -927,48 +927,36 @@ def _mixed_sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def mixed_precision_bf16_mlp(ctx: Context) -> None:
-    """bf16 compute, fp32 masters, fp32 reduction; two backward calls per step."""
-    _mixed_training(ctx, Net(), _mixed_adamw, _mlp_mixed_loss(ctx, torch.bfloat16), steps=3, backwards=2,
-                    mixed_precision="bf16")
+def _mixed_scenario(name: str, doc: str, build, make_optimizer, dtype: torch.dtype, backwards: int,
+                    mixed_precision, offload: bool = False) -> Callable[[Context], None]:
+    def scenario(ctx: Context) -> None:
+        loss = _token_mixed_loss(ctx) if build is Blocks else _mlp_mixed_loss(ctx, dtype)
+        _mixed_training(ctx, build(), make_optimizer, loss, steps=3, backwards=backwards,
+                        mixed_precision=mixed_precision, offload=offload)
+    scenario.__name__, scenario.__doc__ = name, doc
+    return scenario
 
 
-def mixed_precision_bf16_tied_blocks(ctx: Context) -> None:
-    _mixed_training(ctx, Blocks(), _mixed_sgd, _token_mixed_loss(ctx), steps=3, backwards=1,
-                    mixed_precision="bf16")
-
-
-def mixed_precision_bf16_reduced_in_bf16(ctx: Context) -> None:
-    _mixed_training(ctx, Net(), _mixed_adamw, _mlp_mixed_loss(ctx, torch.bfloat16), steps=3, backwards=2,
-                    mixed_precision=zero_ext.MixedPrecision(torch.bfloat16, torch.bfloat16))
-
-
-def mixed_precision_fp16_mlp(ctx: Context) -> None:
-    """fp16 with dynamic loss scaling under plain loss.backward()."""
-    _mixed_training(ctx, Net(), _mixed_adamw, _mlp_mixed_loss(ctx, torch.float16), steps=3, backwards=2,
-                    mixed_precision="fp16")
-
-
-def mixed_precision_fp16_tied_blocks(ctx: Context) -> None:
-    _mixed_training(ctx, Blocks(), _mixed_sgd, _token_mixed_loss(ctx), steps=3, backwards=1,
-                    mixed_precision="fp16")
-
-
-def mixed_precision_fp16_reduced_in_fp16(ctx: Context) -> None:
-    """The reduction runs scaled, in fp16's range; unscaled after it."""
-    _mixed_training(ctx, Net(), _mixed_sgd, _mlp_mixed_loss(ctx, torch.float16), steps=3, backwards=2,
-                    mixed_precision=zero_ext.MixedPrecision(torch.float16, torch.float16))
-
-
-def offload_bf16_mlp(ctx: Context) -> None:
-    """Offloaded AdamW (the C++ kernel writes the bf16 copy in its pass)."""
-    _mixed_training(ctx, Net(), _mixed_adamw, _mlp_mixed_loss(ctx, torch.bfloat16), steps=3, backwards=2,
-                    mixed_precision="bf16", offload=True)
-
-
-def offload_fp16_tied_blocks(ctx: Context) -> None:
-    _mixed_training(ctx, Blocks(), _mixed_adamw, _token_mixed_loss(ctx), steps=3, backwards=2,
-                    mixed_precision="fp16", offload=True)
+BF16_BF16 = zero_ext.MixedPrecision(torch.bfloat16, torch.bfloat16)
+FP16_FP16 = zero_ext.MixedPrecision(torch.float16, torch.float16)
+MIXED_PRECISION_SCENARIOS = [
+    _mixed_scenario(*row) for row in [
+        # name, what it shows, model, optimizer, compute dtype, backward calls per step, precision, offload
+        ("mixed_precision_bf16_mlp", "bf16 compute, fp32 masters and reduction", Net, _mixed_adamw,
+         torch.bfloat16, 2, "bf16"),
+        ("mixed_precision_bf16_tied_blocks", "bf16 with tied weights", Blocks, _mixed_sgd, torch.bfloat16, 1, "bf16"),
+        ("mixed_precision_bf16_reduced_in_bf16", "bf16 reduction", Net, _mixed_adamw, torch.bfloat16, 2, BF16_BF16),
+        ("mixed_precision_fp16_mlp", "fp16, dynamic loss scaling under plain backward", Net, _mixed_adamw,
+         torch.float16, 2, "fp16"),
+        ("mixed_precision_fp16_tied_blocks", "fp16 with tied weights", Blocks, _mixed_sgd, torch.float16, 1, "fp16"),
+        ("mixed_precision_fp16_reduced_in_fp16", "reduced scaled, in fp16's range; unscaled after", Net, _mixed_sgd,
+         torch.float16, 2, FP16_FP16),
+        ("offload_bf16_mlp", "offloaded AdamW: the C++ kernel writes the bf16 copy in its pass", Net, _mixed_adamw,
+         torch.bfloat16, 2, "bf16", True),
+        ("offload_fp16_tied_blocks", "offloaded fp16 with loss scaling", Blocks, _mixed_adamw, torch.float16, 2,
+         "fp16", True),
+    ]
+]
 
 
 def _inf_on_rank0(ctx: Context, param: torch.Tensor, armed: Dict[str, bool]) -> None:
@@ -1110,14 +1098,7 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
         units_gathered_with_nonreentrant_checkpoints,
         dataclass_inputs_with_frozen_weights,
         user_collective_in_backward_with_rank_dependent_layer,
-        mixed_precision_bf16_mlp,
-        mixed_precision_bf16_tied_blocks,
-        mixed_precision_bf16_reduced_in_bf16,
-        mixed_precision_fp16_mlp,
-        mixed_precision_fp16_tied_blocks,
-        mixed_precision_fp16_reduced_in_fp16,
-        offload_bf16_mlp,
-        offload_fp16_tied_blocks,
+        *MIXED_PRECISION_SCENARIOS,
         offload_four_backward_per_step_adamw,
         offload_varying_backward_per_step_sgd,
         offload_no_sync_accumulation,

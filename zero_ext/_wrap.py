@@ -253,6 +253,10 @@ def wrap(
         optimizer: a torch.optim.Optimizer over ``model.parameters()``.
         stage: 0 replicated (DDP-like), 1 sharded optimizer state,
             2 also sharded gradients, 3 also sharded parameters.
+        mixed_precision: None (fp32), "bf16", "fp16" (with dynamic loss
+            scaling) or a MixedPrecision; the optimizer steps fp32 masters.
+        offload_optimizer: "cpu" keeps fp32 masters, gradient shards and
+            optimizer state in host memory (Adam/AdamW step in C++).
         units: stage 3: submodules gathered as one (a set of module classes
             or a callable module -> bool); default: each repeated block.
         bucket_mb: gradient bucket size in MiB (stages 0-2; stage 3 reduces
