@@ -1018,3 +1018,58 @@ std::vector<at::Tensor> GradBuckets::segment_compute_copies() const {
 }
 
 } // namespace zero_ext
+
+namespace zero_ext {
+
+std::vector<at::Tensor> GradBuckets::local_value_shards() const {
+  std::vector<at::Tensor> out;
+  for (const auto& bucket : buckets_) {
+    out.push_back(bucket.master.defined() ? bucket.master : bucket.param_shard);
+  }
+  return out;
+}
+
+std::vector<int64_t> GradBuckets::local_value_starts() const {
+  std::vector<int64_t> out;
+  for (const auto& bucket : buckets_) {
+    out.push_back(shard_start(bucket));
+  }
+  return out;
+}
+
+std::vector<int64_t> GradBuckets::segment_param_starts() const {
+  std::vector<int64_t> out;
+  for (size_t s = 0; s < segments_.size(); ++s) {
+    const int64_t i = segment_param_[s];
+    out.push_back(shard_start(buckets_[bucket_of_[i]]) + segment_offset_[s] - offset_[i]);
+  }
+  return out;
+}
+
+std::vector<double> GradBuckets::loss_scaler_state() const {
+  return {scaler_.scale(), static_cast<double>(scaler_.clean_steps()),
+          static_cast<double>(scaler_.skipped_steps())};
+}
+
+void GradBuckets::restore_loss_scaler(double scale, int64_t clean_steps, int64_t skipped_steps) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (scaler_.enabled()) {
+    scaler_.restore(scale, clean_steps, skipped_steps);
+  }
+}
+
+void GradBuckets::refresh_params_from_shards() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& bucket : buckets_) {
+      bucket.accum_has_value = false;  // a loaded model starts with no gradient
+    }
+    std::fill(global_has_grad_.begin(), global_has_grad_.end(), 1);  // every bucket is all-gathered
+    compute_copy_written_ = false;
+  }
+  after_step();
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::fill(global_has_grad_.begin(), global_has_grad_.end(), 0);
+}
+
+} // namespace zero_ext

@@ -147,6 +147,19 @@ class GradBuckets : public torch::CustomClassHolder {
   void load_masters(std::vector<at::Tensor> full_params);
   std::vector<bool> has_grad() const;
   bool offloaded() const { return offload_; }
+  // Checkpoints: per bucket, the tensor holding this rank's values (the fp32
+  // master where there is one, else the parameters' own shard) and the
+  // element of the bucket it starts at; each segment's first element within
+  // its parameter; the loss scaler's (scale, clean steps, skipped steps).
+  std::vector<at::Tensor> local_value_shards() const;
+  std::vector<int64_t> local_value_starts() const;
+  std::vector<int64_t> segment_param_starts() const;
+  std::vector<double> loss_scaler_state() const;
+  void restore_loss_scaler(double scale, int64_t clean_steps, int64_t skipped_steps);
+  // After shards were written (checkpoint load): refresh the compute copies
+  // and the full parameters everywhere (stages 1-2 all-gather, stage 3 drops
+  // gathered units). Collective.
+  void refresh_params_from_shards();
   bool replicated() const { return replicated_; }
   std::vector<int64_t> bucket_layout() const;  // (first param, count, padded numel) triples
   c10::Dict<std::string, int64_t> stats() const;

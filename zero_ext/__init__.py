@@ -7,6 +7,7 @@ The gradient path (hooks, buckets, reductions, the once-per-backward epilogue)
 runs in C++ inside the autograd engine; this package is the wiring.
 """
 from ._api import DynamicLossScale, MixedPrecision
+from ._checkpoint import load, save
 from ._report import memory_report
 from ._state_dict import full_grads, full_state_dict, load_full_state_dict
 from ._wrap import wrap
@@ -16,8 +17,10 @@ __all__ = [
     "MixedPrecision",
     "full_grads",
     "full_state_dict",
+    "load",
     "load_full_state_dict",
     "memory_report",
+    "save",
     "wrap",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,150 @@
+"""zero_ext.save / load / convert: resume equivalence, resharding across
+world sizes and stages, conversion to a plain state_dict, crashes during a
+save, and damaged or mismatched checkpoints."""
+import functools
+import glob
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import zero_ext
+from checkpoint_scenarios import CONFIGS, K, RESHARD_SAVES, global_batch, make, train
+from dist_harness import run_on_ranks
+from parity_scenarios import Net
+from zero_ext.convert import convert
+
+
+@functools.lru_cache(maxsize=None)
+def resume_results(world: int, root: str):
+    return run_on_ranks(world, "checkpoint_scenarios:resume_equivalence", (root,), deadline_s=600)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"stage{c[0]}-{c[1] or 'fp32'}{'-offload' if c[2] else ''}")
+@pytest.mark.parametrize("world", [1, 2])
+def test_resume_is_bit_identical(world, config, tmp_path_factory):
+    root = str(tmp_path_factory.getbasetemp() / f"resume-{world}")
+    results = resume_results(world, root)
+    stage, precision, offload = config
+    label = f"stage{stage}-{precision or 'fp32'}{'-offload' if offload else ''}"
+    for rank, per_rank in enumerate(results):
+        assert per_rank[label] is None, f"rank {rank}: {per_rank[label]}"
+
+
+@pytest.fixture(scope="module")
+def saved_at_world_4(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("reshard"))
+    run_on_ranks(4, "checkpoint_scenarios:save_for_resharding", (root,), deadline_s=300)
+    return root
+
+
+def _reference(precision, steps):
+    """One process over the global batch, trained without interruption."""
+    model, opt = make(None)
+    if precision:
+        zero_ext.wrap(model, opt, stage=1, mixed_precision=precision)  # world 1: plain master weights
+        dtype = torch.bfloat16
+    else:
+        dtype = torch.float32
+    train(model, opt, range(steps), 0, 1, dtype)
+    return zero_ext.full_state_dict(model) if precision else {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_resharded_load_continues_like_one_process(world, saved_at_world_4):
+    per_rank = [torch.load(io.BytesIO(raw), weights_only=True) for raw in
+                run_on_ranks(world, "checkpoint_scenarios:load_resharded", (saved_at_world_4,), deadline_s=600)]
+    for stage, precision in RESHARD_SAVES:
+        want = _reference(precision, 2 * K)
+        rtol, atol = (2e-2, 2e-3) if precision else (1e-5, 1e-6)
+        for new_stage in (0, 1, 2, 3):
+            label = f"stage{stage}-{precision or 'fp32'}->stage{new_stage}"
+            for rank, got in enumerate(per_rank):
+                for name, value in want.items():
+                    assert torch.allclose(got[label][name], value, rtol=rtol, atol=atol), (rank, label, name)
+
+
+def test_convert_gives_a_plain_state_dict(saved_at_world_4, tmp_path):
+    out = str(tmp_path / "plain.pt")
+    ckpt = os.path.join(saved_at_world_4, "saved-stage3-fp32")
+    # No zero_ext at load time: a fresh interpreter that cannot import it.
+    subprocess.run([sys.executable, "-m", "zero_ext.convert", ckpt, out], check=True, capture_output=True)
+    code = (
+        "import sys; sys.modules['zero_ext'] = None\n"
+        "import torch; sd = torch.load(sys.argv[1], weights_only=True)\n"
+        "print(sorted((k, tuple(v.shape), str(v.dtype)) for k, v in sd.items()))\n"
+    )
+    listed = subprocess.run([sys.executable, "-c", code, out], check=True, capture_output=True, text=True).stdout
+    assert "'out.weight', (3, 12), 'torch.float32'" in listed
+    fresh = Net(seed=11)
+    fresh.load_state_dict(torch.load(out, weights_only=True))
+    reference = Net()
+    reference.load_state_dict(_reference(None, K))
+    x, _ = global_batch(99)
+    assert torch.allclose(fresh(x), reference(x), rtol=1e-5, atol=1e-6)
+
+    half = str(tmp_path / "half.pt")
+    convert(ckpt, half, torch.bfloat16)
+    sd = torch.load(half, weights_only=True)
+    assert all(v.dtype == torch.bfloat16 for v in sd.values())
+    assert torch.equal(sd["out.weight"], fresh.out.weight.detach().to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("fault", ["after_shards:1", "before_publish:0", "between_renames:0"])
+def test_a_crash_during_save_leaves_the_previous_checkpoint(fault, tmp_path):
+    root = str(tmp_path)
+    with pytest.raises(RuntimeError):
+        run_on_ranks(2, "checkpoint_scenarios:save_twice_and_die", (root, fault), deadline_s=120)
+    path = os.path.join(root, "ckpt")
+    model, opt = make(3)
+    assert zero_ext.load(path, model, opt) == "first"
+    assert glob.glob(path + ".tmp-*"), "the unfinished save should still be there, unused"
+    # A later save succeeds and replaces it.
+    zero_ext.save(path, model, opt, extra="third")
+    assert zero_ext.load(path, model, opt) == "third"
+
+
+def _saved(tmp_path):
+    model, opt = make(2)
+    train(model, opt, range(1), 0, 1)
+    path = str(tmp_path / "ckpt")
+    zero_ext.save(path, model, opt)
+    return path
+
+
+def test_wrong_model_is_named(tmp_path):
+    path = _saved(tmp_path)
+    other = torch.nn.Sequential(torch.nn.Linear(6, 5))
+    opt = torch.optim.AdamW(other.parameters())
+    zero_ext.wrap(other, opt, stage=2)
+    with pytest.raises(RuntimeError, match="saved from a different model.*missing from the checkpoint"):
+        zero_ext.load(path, other, opt)
+
+
+def test_missing_truncated_and_incomplete_files_are_named(tmp_path):
+    path = _saved(tmp_path)
+    model, opt = make(1)
+    shard = os.path.join(path, "rank0.bin")
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) - 4)
+    with pytest.raises(RuntimeError, match="rank0.bin has .* bytes, the metadata says"):
+        zero_ext.load(path, model, opt)
+    os.remove(shard)
+    with pytest.raises(RuntimeError, match="rank0.bin is missing"):
+        zero_ext.load(path, model, opt)
+    os.remove(os.path.join(path, "metadata.json"))
+    with pytest.raises(RuntimeError, match="metadata.json is missing.*not a complete"):
+        zero_ext.load(path, model, opt)
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        zero_ext.load(str(tmp_path / "nothing"), model, opt)
+
+
+def test_a_plain_state_dict_loads_into_a_wrapped_model():
+    plain = Net(seed=3)
+    model, opt = make(3)
+    zero_ext.load_full_state_dict(model, plain.state_dict())
+    full = zero_ext.full_state_dict(model)
+    assert all(torch.equal(full[n], p) for n, p in plain.state_dict().items())
