@@ -31,6 +31,8 @@ TORCH_LIBRARY(zero_ext, m) {
       .def("enable_loss_scaling", &GradBuckets::enable_loss_scaling)
       .def("disable_loss_scaling", &GradBuckets::disable_loss_scaling)
       .def("loss_scale", &GradBuckets::loss_scale)
+      .def("loss_scaling", &GradBuckets::loss_scaling)
+      .def("on_output_grad", &GradBuckets::on_output_grad)
       .def("found_nonfinite", &GradBuckets::found_nonfinite)
       .def("begin_step", &GradBuckets::begin_step)
       .def("note_compute_copy_written", &GradBuckets::note_compute_copy_written)

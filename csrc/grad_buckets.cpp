@@ -74,11 +74,12 @@ GradBuckets::GradBuckets(std::vector<at::Tensor> params,
   const int64_t n_params = static_cast<int64_t>(params_.size());
   const int64_t world = comm_.size();
   at::NoGradGuard no_grad;
-  const bool masters = compute_dtype >= 0 || offload;
-  ddp_layout_ = stage_ == 0 && !masters;
-  replicated_ = stage_ == 0 && masters;
   offload_ = offload;
   reduce_dtype_ = reduce_dtype >= 0 ? static_cast<at::ScalarType>(reduce_dtype) : at::kFloat;
+  // Stage 0 keeps DDP's layout (param.grad is the reduced buffer) only when
+  // gradients are reduced in the parameters' own fp32.
+  ddp_layout_ = stage_ == 0 && compute_dtype < 0 && !offload && reduce_dtype_ == at::kFloat;
+  replicated_ = stage_ == 0 && !ddp_layout_;
   TORCH_CHECK(reduce_dtype_ == at::kFloat || reduce_dtype_ == at::kBFloat16 || reduce_dtype_ == at::kHalf,
               "zero_ext: gradients can be reduced in float32, bfloat16 or float16");
 
@@ -269,14 +270,10 @@ void GradBuckets::attach_output_hook(const at::Tensor& output) {
   }
   c10::weak_intrusive_ptr<GradBuckets> weak(
       c10::intrusive_ptr<GradBuckets>::unsafe_reclaim_from_nonowning(this));
-  output.register_hook([weak](const at::Tensor& grad) -> at::Tensor {
+  output.register_hook([weak](const at::Tensor& /*grad*/) {
     if (auto self = weak.lock()) {
-      const double scale = self->on_output_grad();
-      if (scale != 1.0) {
-        return grad * scale;  // fp16 loss scaling: every gradient inside carries it
-      }
+      self->on_output_grad();
     }
-    return at::Tensor();  // undefined: the gradient passes unchanged
   });
 }
 
@@ -450,38 +447,41 @@ void GradBuckets::retire(int64_t b) {
   if (ddp_layout_) {
     return;  // reduced in place
   }
-  if (scaler_.enabled() && reduce_dtype_ == at::kHalf) {
-    bucket.reduce_out.div_(scaler_.scale());  // reduced scaled, in fp16's range
-  }
-  fold_into_accum(bucket, bucket.reduce_out);
+  // Reduced in fp16 while still scaled (to use fp16's range); the scale is
+  // divided out in fp32, as the result is added into the accumulator.
+  const double unscale = scaler_.enabled() && reduce_dtype_ == at::kHalf ? 1.0 / scaler_.scale() : 1.0;
+  fold_into_accum(bucket, bucket.reduce_out, unscale);
   bucket.reduce_out.reset();
   if (stage_ >= 2) {
     bucket.staging.reset();  // stages 2-3 keep no full gradient
   }
 }
 
-void GradBuckets::fold_into_accum(Bucket& bucket, const at::Tensor& reduced) {
+void GradBuckets::fold_into_accum(Bucket& bucket, const at::Tensor& reduced, double factor) {
   if (reduced.is_same(bucket.accum)) {
-    // reduced in place
+    TORCH_INTERNAL_ASSERT(factor == 1.0, "an fp32 reduction is unscaled before it runs");
   } else if (reduced.device() == bucket.accum.device()) {
     if (bucket.accum_has_value) {
-      bucket.accum.add_(reduced);
+      bucket.accum.add_(reduced, factor);
     } else {
       bucket.accum.copy_(reduced);
+      if (factor != 1.0) bucket.accum.mul_(factor);
     }
   } else if (!bucket.accum_has_value) {
     // Offload from an accelerator: the first result lands directly in the
     // pinned accumulator, asynchronously; finish_host_adds() waits for it.
     bucket.accum.copy_(reduced, /*non_blocking=*/true);
+    bucket.host_factor = factor;
     host_transfers_pending_ = true;
   } else {
     // Later ones land next to it and are added on the host (never copied
     // over it: every backward of a step counts).
     if (!bucket.host_landing.defined()) {
-      bucket.host_landing = at::empty({bucket.shard}, bucket.accum.options());
+      bucket.host_landing = at::empty({bucket.shard}, host_fp32(reduced.device()));
     }
     bucket.host_landing.copy_(reduced, /*non_blocking=*/true);
     bucket.host_add_pending = true;
+    bucket.host_factor = factor;
     host_transfers_pending_ = true;
   }
   bucket.accum_has_value = true;
@@ -497,16 +497,20 @@ void GradBuckets::finish_host_adds() {
   at::NoGradGuard no_grad;
   for (auto& bucket : buckets_) {
     if (bucket.host_add_pending) {
-      bucket.accum.add_(bucket.host_landing);
-      bucket.host_add_pending = false;
+      bucket.accum.add_(bucket.host_landing, bucket.host_factor);
+    } else if (bucket.host_factor != 1.0) {
+      bucket.accum.mul_(bucket.host_factor);  // a first result, landed scaled
     }
+    bucket.host_add_pending = false;
+    bucket.host_factor = 1.0;
   }
   host_transfers_pending_ = false;
 }
 
-bool GradBuckets::local_nonfinite() const {
+at::Tensor GradBuckets::local_nonfinite() const {
   // One read of the local shards: a sum is finite iff its terms are (short
-  // of a finite overflow at ~1e38, which is no usable gradient either).
+  // of a finite overflow at ~1e38, which is no usable gradient either). The
+  // flag stays on the accumulators' device: no host sync of its own.
   std::vector<at::Tensor> sums;
   for (const auto& bucket : buckets_) {
     if (bucket.accum.defined() && bucket.accum_has_value) {
@@ -514,9 +518,9 @@ bool GradBuckets::local_nonfinite() const {
     }
   }
   if (sums.empty()) {
-    return false;
+    return at::zeros({}, at::TensorOptions().dtype(at::kFloat));
   }
-  return !std::isfinite(at::stack(sums).sum().item<double>());
+  return at::logical_not(at::isfinite(at::stack(sums).sum())).to(at::kFloat);
 }
 
 void GradBuckets::mark_nonfinite_everywhere() {
@@ -542,7 +546,7 @@ void GradBuckets::start_round() {
   late_ = false;
 }
 
-bool GradBuckets::exchange_grad_mask_and_flags(bool nonfinite) {
+bool GradBuckets::exchange_grad_mask_and_flags(const at::Tensor& nonfinite) {
   const int64_t n = static_cast<int64_t>(params_.size());
   at::Tensor mask = at::empty({n + 2}, at::TensorOptions().dtype(at::kFloat));
   float* data = mask.data_ptr<float>();
@@ -550,14 +554,18 @@ bool GradBuckets::exchange_grad_mask_and_flags(bool nonfinite) {
     data[i] = static_cast<float>(local_has_grad_[i]);
   }
   data[n] = late_ ? 1.0f : 0.0f;
-  data[n + 1] = nonfinite ? 1.0f : 0.0f;
-  if (comm_.distributed()) {
-    // The collective runs on the parameters' device (NCCL cannot reduce CPU tensors).
-    at::Tensor on_device = mask.to(params_[0].device());
-    comm_.wait(comm_.all_reduce_sum(on_device), "exchange of which parameters got gradients");
-    mask = on_device.cpu();
-    data = mask.data_ptr<float>();
+  data[n + 1] = 0.0f;
+  // The collective runs on the parameters' device (NCCL cannot reduce CPU
+  // tensors); the non-finite flag joins it there, read back with the rest.
+  at::Tensor on_device = mask.to(params_[0].device());
+  if (nonfinite.defined()) {
+    on_device.narrow(0, n + 1, 1).copy_(nonfinite.reshape({1}));
   }
+  if (comm_.distributed()) {
+    comm_.wait(comm_.all_reduce_sum(on_device), "exchange of which parameters got gradients");
+  }
+  mask = on_device.cpu();
+  data = mask.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) {
     global_has_grad_[i] = data[i] > 0.0f;
   }
@@ -633,8 +641,7 @@ void GradBuckets::run_epilogue() {
     }
     next_launch_ = static_cast<int64_t>(buckets_.size());
     wait_all();
-    bool nonfinite = !ddp_layout_ && local_nonfinite();
-    bool any_nonfinite = exchange_grad_mask_and_flags(nonfinite);
+    bool any_nonfinite = exchange_grad_mask_and_flags(ddp_layout_ ? at::Tensor() : local_nonfinite());
     if (late_) {
       ++late_rounds_;
       start_round();  // every parameter counts as not arrived: pending grads are flushed
@@ -643,8 +650,7 @@ void GradBuckets::run_epilogue() {
       }
       wait_all();
       if (!ddp_layout_) {
-        nonfinite = local_nonfinite();
-        at::Tensor flag = at::full({1}, nonfinite ? 1.0f : 0.0f, params_[0].options().dtype(at::kFloat));
+        at::Tensor flag = local_nonfinite().reshape({1}).to(params_[0].device());
         if (comm_.distributed()) {
           comm_.wait(comm_.all_reduce_sum(flag), "exchange of the non-finite gradient flag");
         }
@@ -654,9 +660,7 @@ void GradBuckets::run_epilogue() {
     if (any_nonfinite) {
       found_nonfinite_ = true;
       ++nonfinite_backwards_;
-      if (!nonfinite) {
-        mark_nonfinite_everywhere();
-      }
+      mark_nonfinite_everywhere();
     }
     publish_grads();
     verify_hooks(true);
@@ -664,7 +668,10 @@ void GradBuckets::run_epilogue() {
     for (auto& bucket : buckets_) {
       bucket.work.reset();
       bucket.reduce_out.reset();
+      bucket.host_add_pending = false;
+      bucket.host_factor = 1.0;
     }
+    host_transfers_pending_ = false;
     in_flight_.clear();
     std::fill(detached_.begin(), detached_.end(), 0);
     start_round();
@@ -812,6 +819,7 @@ bool GradBuckets::reset_if_stale_locked() {
   in_flight_.clear();
   for (auto& bucket : buckets_) {
     bucket.host_add_pending = false;
+    bucket.host_factor = 1.0;
   }
   host_transfers_pending_ = false;
   if (ddp_layout_) {

@@ -82,7 +82,9 @@ class GradBuckets : public torch::CustomClassHolder {
 
   // --- autograd entry points --------------------------------------------
   void on_grad_ready(int64_t param_index);
-  // Returns the factor for the gradient entering the model (the loss scale).
+  // A gradient reached a forward output: arms the epilogue and returns the
+  // factor the gradient entering the model takes (the loss scale, or 1 for
+  // backward passes that accumulate nothing, like torch.autograd.grad).
   double on_output_grad();
   void attach_output_hook(const at::Tensor& output);
   void run_epilogue();
@@ -109,6 +111,7 @@ class GradBuckets : public torch::CustomClassHolder {
                            bool dynamic);
   void disable_loss_scaling();
   double loss_scale() const { return scaler_.scale(); }
+  bool loss_scaling() const { return scaler_.enabled(); }
   // Whether any rank's reduced gradient held inf/nan since the last zero_grad().
   bool found_nonfinite() const { return found_nonfinite_; }
   // Once per optimizer.step(): returns whether to skip it (loss scaling on and
@@ -185,6 +188,7 @@ class GradBuckets : public torch::CustomClassHolder {
     at::Tensor reduce_out;    // temporary output when accum already holds a sum
     at::Tensor host_landing;  // offload from an accelerator: pinned copy of reduce_out
     bool host_add_pending = false;
+    double host_factor = 1.0;  // applied once the landed result is on the host
     int64_t waiting = 0;      // parameters not yet arrived in this round
     bool launched = false;
     c10::intrusive_ptr<c10d::Work> work;
@@ -219,12 +223,12 @@ class GradBuckets : public torch::CustomClassHolder {
   bool unit_has_trainable(int64_t unit) const;
   void start_round();
   int64_t shard_start(const Bucket& bucket) const;  // first element of this rank's shard
-  void fold_into_accum(Bucket& bucket, const at::Tensor& reduced);
+  void fold_into_accum(Bucket& bucket, const at::Tensor& reduced, double factor);
   void finish_host_adds();
-  bool local_nonfinite() const;
+  at::Tensor local_nonfinite() const;  // 0-dim float flag on the accumulators' device
   void mark_nonfinite_everywhere();
   // Returns whether any rank's reduced shard is non-finite.
-  bool exchange_grad_mask_and_flags(bool nonfinite);
+  bool exchange_grad_mask_and_flags(const at::Tensor& nonfinite);
   void publish_grads();
   void verify_hooks(bool after_sync) const;
   void release_after_backward(bool keep_graph);

@@ -959,6 +959,53 @@ MIXED_PRECISION_SCENARIOS = [
 ]
 
 
+class LogitsAndLoss(Net):
+    """Returns its output and a loss computed from it: two outputs, one on
+    the other's gradient path."""
+
+    def forward(self, x, y):  # type: ignore[override]
+        out = super().forward(x)
+        return out, F.mse_loss(out.float(), y)
+
+
+class Square(nn.Module):
+    """Input and output of one size, so the model can be applied to its own output."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(4)
+        self.a, self.b = nn.Linear(IN, IN), nn.Linear(IN, IN)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def fp16_output_on_another_outputs_path(ctx: Context) -> None:
+    """The loss uses both returned tensors; the scale applies once."""
+    def loss(model, step, micro):
+        total = 0.0
+        for r, w in ctx.participants():
+            x, y = batch(step, r, ctx.world, salt=micro)
+            out, inner = model(x.to(torch.float16), y)
+            total = total + w * (F.mse_loss(out.float(), y) + inner)
+        return total
+    _mixed_training(ctx, LogitsAndLoss(), _mixed_sgd, loss, steps=2, backwards=2, mixed_precision="fp16")
+
+
+def fp16_model_applied_to_its_own_output(ctx: Context) -> None:
+    def loss(model, step, micro):
+        total = 0.0
+        for r, w in ctx.participants():
+            x, y = batch(step, r, ctx.world, salt=micro)
+            h = model(x.to(torch.float16))
+            total = total + w * (model(h).float().square().mean() + h.float().mean())
+        return total
+    _mixed_training(ctx, Square(), _mixed_sgd, loss, steps=2, backwards=2, mixed_precision="fp16")
+
+
 def _inf_on_rank0(ctx: Context, param: torch.Tensor, armed: Dict[str, bool]) -> None:
     """While armed, rank 0's gradient of `param` gets an inf in element 0:
     only the rank whose shard holds that element can see it locally."""
@@ -1099,6 +1146,8 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
         dataclass_inputs_with_frozen_weights,
         user_collective_in_backward_with_rank_dependent_layer,
         *MIXED_PRECISION_SCENARIOS,
+        fp16_output_on_another_outputs_path,
+        fp16_model_applied_to_its_own_output,
         offload_four_backward_per_step_adamw,
         offload_varying_backward_per_step_sgd,
         offload_no_sync_accumulation,

@@ -240,9 +240,18 @@ def test_bad_mixed_precision(bad, match):
 
 def test_bad_loss_scaling_options():
     model, opt = make()
-    with pytest.raises(RuntimeError, match="0 < backoff_factor < 1"):
+    with pytest.raises(ValueError, match="0 < backoff_factor < 1"):
         zero_ext.wrap(model, opt, stage=2, mixed_precision=zero_ext.MixedPrecision(
             torch.float16, loss_scale=zero_ext.DynamicLossScale(backoff_factor=2.0)))
+    assert model[0].weight.dtype == torch.float32 and type(model) is torch.nn.Sequential  # untouched
+
+
+def test_patched_step_is_refused_before_anything_changes():
+    model, opt = make()
+    opt.step = lambda *a, **k: None
+    with pytest.raises(ValueError, match="optimizer.step was replaced"):
+        zero_ext.wrap(model, opt, stage=2)
+    assert type(model) is torch.nn.Sequential and opt.param_groups[0]["params"][0] is model[0].weight
 
 
 def test_bad_offload_value():

@@ -103,17 +103,40 @@ def _tensors(output: Any) -> List[torch.Tensor]:
     return found
 
 
-def _to_float32(output: Any) -> Any:
-    """`output` with its fp16 tensors cast to fp32, dataclasses included."""
+class _LossScaleBoundary(torch.autograd.Function):
+    """fp16 loss scaling: a node between the model and what it returns. Its
+    backward multiplies the gradient entering the model by the loss scale
+    (in fp32, before the cast back to fp16, where small gradients would
+    already have underflowed), so every gradient inside carries it once.
+    Being a node of its own, it scales only what comes from outside: a
+    returned tensor that other returned tensors were computed from (logits
+    and a loss of them) is not scaled twice."""
+
+    @staticmethod
+    def forward(ctx, buckets, tensor):  # type: ignore[override]
+        ctx.buckets, ctx.dtype = buckets, tensor.dtype
+        return tensor.to(torch.float32, copy=True) if tensor.dtype == torch.float16 else tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        scale = ctx.buckets.on_output_grad()
+        if scale != 1.0:
+            grad = grad.float() * scale
+        return None, grad.to(ctx.dtype)
+
+
+def _map_outputs(output: Any, fn) -> Any:
+    """`output` with `fn` applied to its floating tensors that require grad,
+    dataclasses included."""
     if isinstance(output, torch.Tensor):
-        return output.float() if output.dtype == torch.float16 else output
+        return fn(output) if output.requires_grad and output.is_floating_point() else output
     if dataclasses.is_dataclass(output) and not isinstance(output, type):
-        changes = {f.name: _to_float32(getattr(output, f.name)) for f in dataclasses.fields(output) if f.init}
+        changes = {f.name: _map_outputs(getattr(output, f.name), fn) for f in dataclasses.fields(output) if f.init}
         return dataclasses.replace(output, **changes)
     leaves, _ = tree_flatten(output)
     if len(leaves) == 1 and leaves[0] is output:
         return output
-    return tree_map_only(torch.Tensor, _to_float32, output)
+    return tree_map_only(torch.Tensor, lambda t: _map_outputs(t, fn), output)
 
 
 class _UnitUse:
@@ -160,22 +183,34 @@ def install_forward_hooks(module: torch.nn.Module, unit_modules: List[torch.nn.M
 
     compute_dtype = module._zero_ext.compute_dtype
 
+    def inner(t: torch.Tensor) -> torch.Tensor:
+        # The model's own output fed back in (model(model(x))): use the
+        # tensor from before its scaling boundary, or the gradient would be
+        # scaled once per pass through it.
+        unscaled = getattr(t, "_zero_ext_unscaled", None)
+        if unscaled is not None and unscaled[0] is buckets:
+            t = unscaled[1]
+        if compute_dtype is not None and t.is_floating_point():
+            t = t.to(compute_dtype)  # mixed precision: floating inputs compute in it too
+        return t
+
     def before_forward(mod: torch.nn.Module, args: tuple, kwargs: dict):
         buckets.reset_if_stale()
         if sharded:
             buckets.pre_forward(0)
-        if compute_dtype is not None:  # mixed precision: floating inputs compute in it too
-            return tree_map_only(
-                torch.Tensor, lambda t: t.to(compute_dtype) if t.is_floating_point() else t, (args, kwargs))
+        if compute_dtype is not None or buckets.loss_scaling():
+            return tree_map_only(torch.Tensor, inner, (args, kwargs))
         return None
+
+    def scale_boundary(t: torch.Tensor) -> torch.Tensor:
+        out = _LossScaleBoundary.apply(buckets, t)
+        out._zero_ext_unscaled = (buckets, t)
+        return out
 
     def after_forward(mod: torch.nn.Module, args: Any, output: Any) -> Any:
         replaced = None
-        if torch.is_grad_enabled() and buckets.loss_scale() != 1.0:
-            # fp16 loss scaling: outputs leave the model in fp32, so the scale
-            # multiplies the gradient before its cast back to fp16 (a gradient
-            # arriving in fp16 would already have underflowed).
-            output = replaced = _to_float32(output)
+        if torch.is_grad_enabled() and buckets.loss_scaling():
+            output = replaced = _map_outputs(output, scale_boundary)
         outputs = _tensors(output) if torch.is_grad_enabled() else []
         for t in outputs:
             buckets.attach_output_hook(t)

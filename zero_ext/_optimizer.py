@@ -109,7 +109,7 @@ class ZeroExtOptimizer:
         if found_inf is not None:
             grad_scale = getattr(self, "grad_scale", None)
             self.found_inf = self.grad_scale = None  # handled here, not by a fused step
-            if buckets.loss_scale() != 1.0:
+            if buckets.loss_scaling():
                 warnings.warn(
                     "zero_ext: torch.amp.GradScaler drives this optimizer, so zero_ext's own fp16 "
                     "loss scaling is now off (both would scale the gradient). To silence this, pass "
@@ -117,7 +117,8 @@ class ZeroExtOptimizer:
                 buckets.disable_loss_scaling()
             # GradScaler's overflow check read this rank's shards, which
             # zero_ext marks non-finite whenever any rank's are.
-            skip = skip or bool(found_inf.item())
+            # (A plain 0 when this rank's optimizer holds no gradient at all.)
+            skip = skip or bool(found_inf.item() if isinstance(found_inf, torch.Tensor) else found_inf)
             if not skip and grad_scale is not None:
                 grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
                 if grads:
@@ -151,7 +152,9 @@ class ZeroExtOptimizer:
             local = torch.stack(norms).float().pow(norm_type).sum()
         if state.stage >= 1 and state.process_group is not None and state.world_size > 1:
             op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-            dist.all_reduce(local, op=op, group=state.process_group)
+            on_device = local.to(device)  # offloaded gradients are on the host; NCCL reduces device tensors
+            dist.all_reduce(on_device, op=op, group=state.process_group)
+            local = on_device.to(local.device)
         total = local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
         clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         if grads:
@@ -200,20 +203,25 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, state, ordered_params: Lis
     optimizer.register_step_post_hook(after_step)
 
 
-def _route_scheduler_wrapper(optimizer: torch.optim.Optimizer) -> None:
-    """An LR scheduler built before wrap() replaced `optimizer.step` on the
-    instance with a wrapper around the original class's step, which would
-    bypass zero_ext's; re-point it at the new class, keeping its bookkeeping."""
+def check_step_not_patched(optimizer: torch.optim.Optimizer) -> None:
+    """Before wrap() changes anything: a step replaced on the instance by
+    anything but an LR scheduler would bypass zero_ext's step."""
     inner = optimizer.__dict__.get("step")
-    if inner is None:
-        return
-    if not getattr(inner, "_wrapped_by_lr_sched", False):
+    if inner is not None and not getattr(inner, "_wrapped_by_lr_sched", False):
         raise ValueError(
             "zero_ext.wrap: optimizer.step was replaced on this optimizer object before wrap(); "
             "zero_ext's step must run (it skips overflowed fp16 steps and runs offloaded "
             "updates). Patch step after wrap(), or use optimizer.register_step_pre_hook/"
             "register_step_post_hook."
         )
+
+
+def _route_scheduler_wrapper(optimizer: torch.optim.Optimizer) -> None:
+    """An LR scheduler built before wrap() replaced `optimizer.step` on the
+    instance with a wrapper around the original class's step, which would
+    bypass zero_ext's; re-point it at the new class, keeping its bookkeeping."""
+    if optimizer.__dict__.get("step") is None:
+        return
     ref = weakref.ref(optimizer)
 
     def step(*args, **kwargs):

@@ -14,7 +14,7 @@ from ._bucket_plan import plan_buckets
 from ._C_loader import GradBuckets
 from ._groups import acquire_groups
 from ._module import ZeroExtModule, install_forward_hooks, swap_module_class
-from ._optimizer import check_elementwise, shard_optimizer
+from ._optimizer import check_elementwise, check_step_not_patched, shard_optimizer
 from ._units import assign_parameters, resolve_units
 
 
@@ -134,7 +134,15 @@ def _precision(mixed_precision: Union[None, str, MixedPrecision]) -> Precision:
                 f"zero_ext.wrap: loss_scale must be None (dynamic), a zero_ext.DynamicLossScale or a "
                 f"positive number (static; 1.0 turns scaling off), got {loss_scale!r}"
             )
-        if not isinstance(loss_scale, DynamicLossScale) and float(loss_scale) == 1.0:
+        if isinstance(loss_scale, DynamicLossScale):
+            d = loss_scale
+            if not (d.initial_scale > 0 and d.growth_factor >= 1 and 0 < d.backoff_factor < 1
+                    and d.growth_interval >= 1 and d.min_scale > 0 and d.hysteresis >= 1):
+                raise ValueError(
+                    f"zero_ext.wrap: DynamicLossScale needs initial_scale > 0, growth_factor >= 1, "
+                    f"0 < backoff_factor < 1, growth_interval >= 1, min_scale > 0 and hysteresis >= 1; "
+                    f"got {d}")
+        elif float(loss_scale) == 1.0:
             loss_scale = None
     compute = None if param_dtype == torch.float32 else param_dtype
     return Precision(compute, reduce_dtype, loss_scale)
@@ -207,6 +215,7 @@ def _validate(model, optimizer, stage, mixed_precision, offload_optimizer) -> Li
             "first step. To resume training, load a checkpoint after wrap()"
         )
     check_elementwise(optimizer, stage)
+    check_step_not_patched(optimizer)
     return trainable, precision
 
 
