@@ -148,3 +148,27 @@ def test_a_plain_state_dict_loads_into_a_wrapped_model():
     zero_ext.load_full_state_dict(model, plain.state_dict())
     full = zero_ext.full_state_dict(model)
     assert all(torch.equal(full[n], p) for n, p in plain.state_dict().items())
+
+
+@pytest.mark.parametrize("saved_stage,loaded_stage", [(1, 3), (3, 0), (0, 2)])
+def test_frozen_parameters_round_trip(saved_stage, loaded_stage, tmp_path):
+    """Frozen parameters are bucketed in stage 3 only; either way they are
+    saved once and land where the loading layout keeps them."""
+    def frozen_net(seed):
+        model = Net(seed=seed)
+        model.inp.requires_grad_(False)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
+        return model, opt
+    model, opt = frozen_net(0)
+    zero_ext.wrap(model, opt, stage=saved_stage, bucket_mb=0.0005)
+    train(model, opt, range(K), 0, 1)
+    zero_ext.save(str(tmp_path / "ckpt"), model, opt)
+    train(model, opt, range(K, 2 * K), 0, 1)
+    want = zero_ext.full_state_dict(model)
+    other, other_opt = frozen_net(5)
+    zero_ext.wrap(other, other_opt, stage=loaded_stage, bucket_mb=0.0007)
+    zero_ext.load(str(tmp_path / "ckpt"), other, other_opt)
+    train(other, other_opt, range(K, 2 * K), 0, 1)
+    got = zero_ext.full_state_dict(other)
+    for name in want:
+        assert torch.allclose(got[name], want[name], rtol=1e-6, atol=1e-7), name

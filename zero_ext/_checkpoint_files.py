@@ -161,7 +161,8 @@ class PieceReader:
             if lo >= hi:
                 continue
             stored = dtype_of(piece["dtype"])
-            chunk = torch.empty(hi - lo, dtype=stored)
+            # Straight into the result when the dtype matches: no second copy.
+            chunk = out[lo - start:hi - start] if stored == out.dtype else torch.empty(hi - lo, dtype=stored)
             f = self._file(piece["file"])
             f.seek(piece["offset"] + (lo - piece["start"]) * chunk.element_size())
             want = chunk.numel() * chunk.element_size()
@@ -169,7 +170,8 @@ class PieceReader:
             if got != want:
                 raise RuntimeError(f"zero_ext: checkpoint file {os.path.join(self.path, piece['file'])} "
                                    f"ended early reading '{name}' (truncated?)")
-            out[lo - start:hi - start].copy_(chunk)
+            if chunk.data_ptr() != out[lo - start:hi - start].data_ptr():
+                out[lo - start:hi - start].copy_(chunk)
             covered += hi - lo
         if covered != length:
             raise RuntimeError(
