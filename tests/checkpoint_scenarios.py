@@ -25,7 +25,7 @@ def global_batch(step: int):
     return torch.randn(GLOBAL, IN, generator=g), torch.randn(GLOBAL, OUT, generator=g)
 
 
-def make(stage: int, precision: Optional[str] = None, offload: bool = False, world: int = 1, seed: int = 0):
+def make(stage: Optional[int], precision: Optional[str] = None, offload: bool = False, seed: int = 0):
     model = Net(seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, eps=1e-3)
     if stage is None:
@@ -117,7 +117,7 @@ def load_resharded(rank: int, world: int, root: str) -> bytes:
 
 def save_twice_and_die(rank: int, world: int, root: str, fault: str) -> None:
     """A good checkpoint, then a save during which one rank exits at `fault`."""
-    model, opt = make(2, world=world)
+    model, opt = make(2)
     train(model, opt, range(K), rank, world)
     path = os.path.join(root, "ckpt")
     zero_ext.save(path, model, opt, extra="first")

@@ -144,7 +144,7 @@ def _scalar(value: Any) -> Optional[dict]:
     return None
 
 
-def _unscalar(spec: dict, like: torch.Tensor) -> Any:
+def _unscalar(spec: dict) -> Any:
     if spec["tensor"]:
         return torch.tensor(spec["value"], dtype=files.dtype_of(spec["dtype"]))
     return spec["value"]
@@ -210,7 +210,7 @@ def _write_rank_files(tmp: str, model, optimizer, state, ranks: _Ranks, extra) -
     return pieces, writer.offset
 
 
-def _metadata(model, optimizer, state, ranks: _Ranks, gathered) -> dict:
+def _metadata(model, optimizer, state, gathered) -> dict:
     group_of = {}
     index = {id(p): i for i, p in enumerate(state.bucketed)}
     for g_index, pieces in enumerate(_optimizer_pieces_by_group(state, optimizer)):
@@ -272,7 +272,7 @@ def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ex
         raise RuntimeError(f"zero_ext.save: writing {path} failed on rank(s) {failed}; the previous "
                            "checkpoint, if any, is untouched")
     if ranks.rank == 0:
-        meta = _metadata(model, optimizer, state, ranks, gathered)
+        meta = _metadata(model, optimizer, state, gathered)
         staging = os.path.join(tmp, files.METADATA + ".partial")
         with open(staging, "w") as f:
             json.dump(meta, f)
@@ -364,7 +364,7 @@ def _load_optimizer(where: str, meta: dict, reader, state, optimizer) -> None:
             continue  # never stepped
         st = {}
         for key, spec in scalars.items():
-            st[key] = _unscalar(spec, tensor)
+            st[key] = _unscalar(spec)
         for key in keys:
             st[key] = reader.read("state", name, start, length, key=key).view(tensor.shape).to(tensor.device)
         for key in reader.keys("whole", name):
