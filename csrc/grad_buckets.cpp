@@ -754,6 +754,10 @@ void GradBuckets::check_before_step() {
 
 void GradBuckets::after_step() {
   std::lock_guard<std::mutex> lock(mutex_);
+  refresh_params(/*every_bucket=*/false);
+}
+
+void GradBuckets::refresh_params(bool every_bucket) {
   if (ddp_layout_) {
     return;
   }
@@ -778,7 +782,7 @@ void GradBuckets::after_step() {
   std::vector<c10::intrusive_ptr<c10d::Work>> works(buckets_.size());
   for (size_t b = 0; b < buckets_.size(); ++b) {
     Bucket& bucket = buckets_[b];
-    bool touched = false;
+    bool touched = every_bucket;
     for (int64_t i = bucket.first; i < bucket.first + bucket.count && !touched; ++i) {
       touched = global_has_grad_[i];
     }
@@ -1067,17 +1071,12 @@ void GradBuckets::restore_loss_scaler(double scale, int64_t clean_steps, int64_t
 }
 
 void GradBuckets::refresh_params_from_shards() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (auto& bucket : buckets_) {
-      bucket.accum_has_value = false;  // a loaded model starts with no gradient
-    }
-    std::fill(global_has_grad_.begin(), global_has_grad_.end(), 1);  // every bucket is all-gathered
-    compute_copy_written_ = false;
-  }
-  after_step();
   std::lock_guard<std::mutex> lock(mutex_);
-  std::fill(global_has_grad_.begin(), global_has_grad_.end(), 0);
+  for (auto& bucket : buckets_) {
+    bucket.accum_has_value = false;  // a loaded model starts with no gradient
+  }
+  compute_copy_written_ = false;
+  refresh_params(/*every_bucket=*/true);
 }
 
 } // namespace zero_ext

@@ -222,6 +222,9 @@ class GradBuckets : public torch::CustomClassHolder {
   void maybe_release_after_unit_backward(int64_t unit);
   bool unit_has_trainable(int64_t unit) const;
   void start_round();
+  // Masters -> compute copies, then full parameters where the stage keeps
+  // them: every bucket, or only those with a gradient on some rank.
+  void refresh_params(bool every_bucket);
   int64_t shard_start(const Bucket& bucket) const;  // first element of this rank's shard
   void fold_into_accum(Bucket& bucket, const at::Tensor& reduced, double factor);
   void finish_host_adds();

@@ -210,6 +210,12 @@ class Context:
         """A property only the zero_ext run can check (the reference records True)."""
         self.checkpoints.append((label, {"ok": torch.tensor(bool(ok) or self.reference)}))
 
+    def record_checks(self, labels: List[str], checks: Optional[List[bool]] = None) -> None:
+        """Several such properties; the reference passes no `checks`."""
+        assert checks is not None or self.reference
+        for label, ok in zip(labels, checks if checks is not None else [True] * len(labels)):
+            self.record_check(label, ok)
+
 
 def mlp_loss(ctx: Context, model: nn.Module, step: int, salt: int = 0, branch_on_rank0: bool = False) -> torch.Tensor:
     total = 0.0
@@ -576,8 +582,7 @@ def state_bytes_match_the_stage(ctx: Context) -> None:
               "gradient bytes match the stage", "optimizer state covers exactly its elements",
               "optimizer shards tile the model exactly once"]
     if ctx.reference:
-        for label in labels:
-            ctx.record_check(label, True)
+        ctx.record_checks(labels)
         return
     stats = model._zero_ext.buckets.stats()
     padded = sum(model._zero_ext.buckets.bucket_layout()[2::3])
@@ -596,8 +601,7 @@ def state_bytes_match_the_stage(ctx: Context) -> None:
         state_elems == 2 * opt_elems,
         int(total) == n_elems,
     ]
-    for label, ok in zip(labels, checks):
-        ctx.record_check(label, ok)
+    ctx.record_checks(labels, checks)
 
 
 def offload_state_bytes(ctx: Context) -> None:
@@ -612,8 +616,7 @@ def offload_state_bytes(ctx: Context) -> None:
     labels = ["host bytes: one fp32 master and one fp32 gradient shard", "no landing buffer",
               "optimizer state on the host shard only", "AdamW runs zero_ext's C++ kernel"]
     if ctx.reference:
-        for label in labels:
-            ctx.record_check(label, True)
+        ctx.record_checks(labels)
         return
     stats = model._zero_ext.buckets.stats()
     padded = sum(model._zero_ext.buckets.bucket_layout()[2::3])
@@ -626,8 +629,7 @@ def offload_state_bytes(ctx: Context) -> None:
         state_elems == 2 * opt_elems and all(t.device.type == "cpu" for st in opt.state.values() for t in st.values()),
         opt._zero_ext_cpu_adam,
     ]
-    for label, ok in zip(labels, checks):
-        ctx.record_check(label, ok)
+    ctx.record_checks(labels, checks)
 
 
 def _blocks(ctx: Context, steps: int = 3, build=None, **forward_kwargs_by_step) -> None:
@@ -1027,8 +1029,7 @@ def fp16_overflow_skips_the_step_on_every_rank(ctx: Context) -> None:
               "step 1: this rank's own shard marked non-finite", "steps 2-3 stepped: parameters changed",
               "step 3: scale grown back after 2 clean steps", "one skipped step counted"]
     if ctx.reference:
-        for label in labels:
-            ctx.record_check(label, True)
+        ctx.record_checks(labels)
         return
     model, opt = zero_ext.wrap(model, _mixed_adamw(model.parameters()), stage=ctx.stage, bucket_mb=BUCKET_MB,
                                mixed_precision=zero_ext.MixedPrecision(torch.float16, loss_scale=policy))
@@ -1053,8 +1054,7 @@ def fp16_overflow_skips_the_step_on_every_rank(ctx: Context) -> None:
     checks = [results[1][0], results[1][1] == 2.0 ** 9, results["found"], results["local"],
               not results[2][0] and not results[3][0], results[2][1] == 2.0 ** 9 and results[3][1] == 2.0 ** 10,
               buckets.stats()["skipped_steps"] == 1]
-    for label, ok in zip(labels, checks):
-        ctx.record_check(label, ok)
+    ctx.record_checks(labels, checks)
 
 
 def grad_scaler_sees_overflow_on_every_rank(ctx: Context) -> None:
@@ -1083,8 +1083,7 @@ def fp16_hands_scaling_to_a_grad_scaler(ctx: Context) -> None:
     aside (with a warning) instead of scaling twice; training proceeds."""
     labels = ["zero_ext's scaling is off", "a warning said so", "parameters finite and trained"]
     if ctx.reference:
-        for label in labels:
-            ctx.record_check(label, True)
+        ctx.record_checks(labels)
         return
     import warnings
     model = Net()
@@ -1104,8 +1103,7 @@ def fp16_hands_scaling_to_a_grad_scaler(ctx: Context) -> None:
     checks = [model._zero_ext.buckets.loss_scale() == 1.0,
               any("GradScaler drives this optimizer" in str(w.message) for w in caught),
               all(torch.isfinite(full[n]).all() and not torch.equal(full[n], initial[n]) for n in initial)]
-    for label, ok in zip(labels, checks):
-        ctx.record_check(label, ok)
+    ctx.record_checks(labels, checks)
 
 
 SCENARIOS: Dict[str, Callable[[Context], None]] = {

@@ -181,10 +181,10 @@ def _write_rank_files(tmp: str, model, optimizer, state, ranks: _Ranks, extra) -
         if not st:
             continue
         length = tensor.numel()
-        # Stage 0 and replicated masters: every rank has the whole state;
-        # each writes its owned ranges only.
-        ranges = owned.get(i, []) if not (state.sharded_optimizer and not state.buckets.replicated()) \
-            else [(start, start + length)]
+        # Sharded, a rank's state is its own; replicated (stage 0), every
+        # rank has all of it and writes its owned ranges only.
+        sharded = state.sharded_optimizer and not state.buckets.replicated()
+        ranges = [(start, start + length)] if sharded else owned.get(i, [])
         scalars = {k: _scalar(v) for k, v in st.items()}
         scalars = {k: v for k, v in scalars.items() if v is not None}
         flat = {k: v.detach().reshape(-1) for k, v in st.items()

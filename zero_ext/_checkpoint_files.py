@@ -129,9 +129,6 @@ class PieceReader:
             found.sort(key=lambda p: p["start"])
         self.files: Dict[str, object] = {}
 
-    def has(self, kind: str, name: str, key: str = "") -> bool:
-        return (kind, name, key) in self.pieces
-
     def keys(self, kind: str, name: str) -> List[str]:
         return sorted({k for (kd, n, k) in self.pieces if kd == kind and n == name})
 
