@@ -64,6 +64,62 @@ def progress(step: int, total: int, loss: float, started: float) -> None:
     sys.stdout.flush()
 
 
+def train(args, model, opt, sched, clip, data, rank, world, show):
+    """Trains for args.steps; the global batch's loss at each step."""
+    started = time.perf_counter()
+    losses = []
+    for step in range(1, args.steps + 1):
+        x, y = batches(data, args.context, args.batch, rank, world, step)
+        loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+        loss.backward()
+        clip(1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        value = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(value)
+            value /= world
+        losses.append(value.item())
+        if show and (step % 5 == 0 or step == args.steps):
+            progress(step, args.steps, losses[-1], started)
+    return losses
+
+
+def ddp_losses(args, vocab, data, rank, world):
+    """The same run under torch DDP in fp32: the reference curve for --plot."""
+    model, opt = build(args, vocab)
+    ddp = DistributedDataParallel(model) if world > 1 else model
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+    clip = lambda max_norm: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # noqa: E731
+    return train(args, ddp, opt, sched, clip, data, rank, world, show=False)
+
+
+def plot_losses(path, args, world, ours, reference):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib (pip install matplotlib)")
+        return
+    steps = range(1, len(ours) + 1)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    precision = args.mixed_precision or "fp32"
+    top.plot(steps, reference, label="torch DDP (fp32)", linewidth=3, alpha=0.5)
+    top.plot(steps, ours, label=f"zero_ext stage {args.stage} ({precision})", linestyle="--")
+    top.set_ylabel("training loss")
+    top.set_title(f"examples/train_lm.py, {world} rank(s)")
+    top.legend()
+    bottom.plot(steps, [a - b for a, b in zip(ours, reference)])
+    bottom.set_ylabel("zero_ext - DDP")
+    bottom.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 def fmt(n: int) -> str:
     return f"{n / 1024:.1f} KiB" if n < 2**20 else f"{n / 2**20:.2f} MiB"
 
@@ -100,6 +156,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--corpus", default=os.path.join(HERE, "data", "corpus.txt"))
+    parser.add_argument("--plot", metavar="PNG",
+                        help="also train the same model under torch DDP and plot both loss curves here")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -122,29 +180,21 @@ def main() -> None:
         print(f"zero_ext stage {args.stage} ({precision}): {n_params / 1e3:.1f}K-parameter transformer, "
               f"{world} rank(s) x {args.batch} sequences of {args.context} characters")
 
-    started = time.perf_counter()
-    first_loss = None
-    for step in range(1, args.steps + 1):
-        x, y = batches(data, args.context, args.batch, rank, world, step)
-        loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
-        loss.backward()
-        opt.clip_grad_norm_(1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        value = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(value)
-            value /= world
-        first_loss = value.item() if first_loss is None else first_loss
-        if rank == 0 and (step % 5 == 0 or step == args.steps):
-            progress(step, args.steps, value.item(), started)
+    losses = train(args, model, opt, sched, opt.clip_grad_norm_, data, rank, world, show=rank == 0)
+    first_loss, value = losses[0], losses[-1]
     if rank == 0:
-        print(f"\nloss {first_loss:.3f} -> {value.item():.3f} (uniform guess: {math.log(len(chars)):.3f})")
+        print(f"\nloss {first_loss:.3f} -> {value:.3f} (uniform guess: {math.log(len(chars)):.3f})")
         if args.mixed_precision == "fp16":
             stats = model._zero_ext.buckets.stats()
             print(f"fp16 loss scale {model._zero_ext.buckets.loss_scale():g}, "
                   f"{stats['skipped_steps']} step(s) skipped on overflow")
+
+    if args.plot:
+        reference = ddp_losses(args, len(chars), data, rank, world)
+        if rank == 0:
+            plot_losses(args.plot, args, world, losses, reference)
+            gap = max(abs(a - b) for a, b in zip(losses, reference))
+            print(f"largest loss difference against DDP over {args.steps} steps: {gap:.2e}")
 
     mine = zero_ext.memory_report(model, opt)
     theirs = ddp_bytes(args, len(chars), data, rank, world)

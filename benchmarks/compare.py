@@ -1,0 +1,528 @@
+"""zero_ext side by side with torch DDP, FSDP2 and DeepSpeed ZeRO on one GPT model.
+
+    bash benchmarks/setup.sh && python benchmarks/compare.py     # the CPU table (gpt2-10m, 2 gloo ranks)
+    python benchmarks/compare.py --model gpt2-124m --steps 5 --systems ddp zero_ext-3 deepspeed-3
+    python benchmarks/compare.py --model llama-200m --batch 1 --seq 64
+
+Every system trains the same model (transformers GPT-2 or Llama config with
+random weights, seed 0; see benchmarks/_models.py) on the same synthetic token
+batches with the same AdamW, each in its own group of freshly started ranks so
+that peak memory is the system's own. Systems:
+
+  ddp                    torch DistributedDataParallel (25 MiB buckets)
+  fsdp2, fsdp2-keep      torch fully_shard on each block and the root,
+                         reshard_after_forward True / False
+  deepspeed-1/2/3        DeepSpeed ZeRO stage 1/2/3 (fp32, 25 MiB buckets), if
+                         installed; it steps with engine.backward / engine.step
+  zero_ext-0/1/2/3       zero_ext.wrap(stage=N), plain loss.backward() / step()
+
+Reported per system (mean over ranks unless said):
+  ms/step      median wall time of a training step after --warmup steps
+  tok/s        tokens per second over all ranks
+  peak RSS     the rank's peak resident memory (VmHWM), whole process
+  state MiB    bytes of parameters + gradients + optimizer state the rank
+               holds after a step (before zero_grad), from each system's own
+               tensors; "ZeRO" is the paper's formula for that stage with
+               fp32 Adam: 16P (stage 0), 8P + 8P/N (1), 4P + 12P/N (2), 16P/N (3)
+  sent MiB     bytes this rank sends per step, counted from the collectives
+               the process-group backend ran during one profiled step
+               (torch.profiler records each gloo/nccl collective with its
+               tensor size) under bandwidth-optimal algorithms: all-reduce
+               2(N-1)/N x S, reduce-scatter and reduce (N-1)/N x S,
+               all-gather (N-1) x the shard, broadcast (N-1)/N x S. Gloo runs
+               a reduce-scatter as a full all-reduce (it shows up as one), so
+               on gloo stages 1-2 send 3(N-1)/N x 4P and stage 3 4(N-1)/N x 4P,
+               where NCCL would send 2 and 3; "theory" is that gloo figure
+  loss         the global batch's loss at the last step
+
+Peak RSS depends on the allocator as much as on the system: glibc raises its
+mmap threshold each time a large block is freed, so buffers that a sharded
+system frees and allocates again every step (gathered parameters, FSDP2's and
+zero_ext stage 3's alike) end up in the heap, and the heap fragments over
+the first steps. --mmap-threshold 131072 fixes glibc's threshold
+(MALLOC_MMAP_THRESHOLD_) in the ranks, so freed buffers go back to the OS at
+once and the peak shows what the system holds (steps get somewhat slower).
+
+Writes a JSON (all numbers, per-step losses) and a PNG (bars plus loss curves).
+Timings are measured, never asserted.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import multiprocessing
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from typing import Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's start/stop lines
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from _models import blocks_of, build_model, describe, transformers_available, PRESETS  # noqa: E402
+
+ALL_SYSTEMS = ["ddp", "fsdp2", "fsdp2-keep", "deepspeed-1", "deepspeed-2", "deepspeed-3",
+               "zero_ext-0", "zero_ext-1", "zero_ext-2", "zero_ext-3"]
+BUCKET_MB = 25.0
+
+
+def stage_of(system: str) -> int:
+    if system == "ddp":
+        return 0
+    if system.startswith("fsdp2"):
+        return 3
+    return int(system.split("-")[1])
+
+
+def zero_formula_bytes(stage: int, numel: int, world: int) -> float:
+    """ZeRO paper's model-state bytes per rank for fp32 params and Adam."""
+    p = 4.0 * numel
+    return {0: 4 * p, 1: 2 * p + 2 * p / world, 2: p + 3 * p / world, 3: 4 * p / world}[stage]
+
+
+def theory_sent_bytes(system: str, numel: int, world: int) -> float:
+    """Bytes a rank sends per step on gloo for fp32 gradients and params."""
+    s = 4.0 * numel * (world - 1) / world
+    if system == "ddp" or system == "zero_ext-0":
+        return 2 * s  # one all-reduce
+    if system == "fsdp2-keep":
+        return 3 * s  # one all-gather, reduce-scatter as all-reduce
+    stage = stage_of(system)
+    return {1: 3 * s, 2: 3 * s, 3: 4 * s}[stage]
+
+
+# --- data --------------------------------------------------------------------
+
+def make_batch(args, rank: int, world: int, step: int):
+    """This rank's slice of step's global batch: arithmetic progressions mod a
+    small alphabet with a random start and stride per sequence, so the loss has
+    something to learn and falls visibly within a few steps."""
+    g = torch.Generator().manual_seed(1000 + step)
+    n = world * args.batch
+    alphabet = min(args.alphabet, PRESETS[args.model].vocab)
+    start = torch.randint(0, alphabet, (n, 1), generator=g)
+    stride = torch.randint(1, 8, (n, 1), generator=g)
+    tokens = (start + stride * torch.arange(args.seq + 1)) % alphabet
+    mine = tokens[rank * args.batch:(rank + 1) * args.batch]
+    return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
+
+
+# --- memory and traffic ---------------------------------------------------------
+
+def proc_status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def reset_peak_rss() -> None:
+    """Writing 5 to clear_refs resets VmHWM to the current RSS (Linux)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+def plain_state_bytes(model, opt) -> Dict[str, int]:
+    """DDP and FSDP2: parameters, .grad and optimizer state (local shards)."""
+    params = sum(local_bytes(p) for p in model.parameters())
+    grads = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+    state = sum(local_bytes(v) for st in opt.state.values() for v in st.values()
+                if isinstance(v, torch.Tensor))
+    return {"params": params, "grads": grads, "optimizer_state": state}
+
+
+def deepspeed_state_bytes(engine) -> Dict[str, int]:
+    """DeepSpeed keeps its flat fp32 partitions, gradient partitions and
+    buckets as attributes of its ZeRO optimizer object: count every distinct
+    storage reachable from there and from the module's parameters (partitions
+    of stage 3 hang off each parameter as ds_tensor)."""
+    seen = set()
+
+    def storage_bytes(t: torch.Tensor) -> int:
+        s = t.untyped_storage()
+        key = s.data_ptr()
+        if key in seen or s.nbytes() == 0:
+            return 0
+        seen.add(key)
+        return s.nbytes()
+
+    params = 0
+    for p in engine.module.parameters():
+        params += storage_bytes(p.data)
+        if hasattr(p, "ds_tensor"):
+            params += storage_bytes(p.ds_tensor)
+    grads = sum(storage_bytes(p.grad) for p in engine.module.parameters() if p.grad is not None)
+    state = 0
+    basic = engine.optimizer
+    inner = getattr(basic, "optimizer", None)
+    if inner is not None:
+        state += sum(storage_bytes(v) for st in inner.state.values() for v in st.values()
+                     if isinstance(v, torch.Tensor))
+    other = 0
+    stack, visited = [basic], set()
+    while stack:
+        obj = stack.pop()
+        if id(obj) in visited:
+            continue
+        visited.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            other += storage_bytes(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            stack.extend(obj)
+        elif type(obj).__module__.startswith("deepspeed") and hasattr(obj, "__dict__"):
+            stack.extend(v for k, v in vars(obj).items() if k not in ("module", "model"))
+    # What is neither a parameter nor optimizer state (fp32 partitions, gradient
+    # partitions, bucket buffers) is counted with the gradients.
+    return {"params": params, "grads": grads + other, "optimizer_state": state}
+
+
+def sent_bytes(events, world: int) -> Dict[str, float]:
+    """Bytes sent by this rank for the backend collectives among `events`."""
+    sent, count, by_kind = 0.0, 0, {}
+    for e in events:
+        name = e.name
+        if not (name.startswith("gloo:") or name.startswith("nccl:")):
+            continue
+        kind = name.split(":", 1)[1]
+        if "barrier" in kind or not e.input_shapes:
+            continue
+        numel = sum(math.prod(s) for s in e.input_shapes if s)
+        dtype = (e.input_dtypes or ["float"])[0]
+        size = numel * {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8,
+                        "int": 4}.get(dtype, 4)
+        if "all_reduce" in kind or "allreduce" in kind:
+            b = 2 * (world - 1) / world * size
+        elif "all_gather" in kind or "allgather" in kind:
+            b = (world - 1) * size
+        else:  # reduce_scatter, reduce, broadcast
+            b = (world - 1) / world * size
+        sent += b
+        count += 1
+        by_kind[kind] = by_kind.get(kind, 0) + b
+    return {"sent_bytes": sent, "collectives": count, "sent_by_kind": by_kind}
+
+
+# --- one system on one rank -------------------------------------------------------
+
+def build_system(args, system: str, world: int):
+    """(model for forward, step function, state-bytes function)."""
+    model = build_model(args.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+
+    def loss_of(forward, x, y):
+        return F.cross_entropy(forward(x).float().flatten(0, 1), y.flatten())
+
+    if system.startswith("deepspeed"):
+        import deepspeed
+
+        config = {
+            "train_micro_batch_size_per_gpu": args.batch,
+            "gradient_accumulation_steps": 1,
+            "steps_per_print": 10 ** 9,
+            "zero_optimization": {
+                "stage": stage_of(system),
+                "reduce_bucket_size": int(BUCKET_MB * 2 ** 20 / 4),
+                "allgather_bucket_size": int(BUCKET_MB * 2 ** 20 / 4),
+                "stage3_prefetch_bucket_size": int(BUCKET_MB * 2 ** 20 / 4),
+            },
+        }
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+
+        def ds_step(x, y):
+            loss = loss_of(engine, x, y)
+            engine.backward(loss)
+            engine.step()
+            return loss
+
+        return ds_step, lambda: deepspeed_state_bytes(engine)
+
+    if system == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        forward = DistributedDataParallel(model, bucket_cap_mb=BUCKET_MB) if world > 1 else model
+        report = lambda: plain_state_bytes(model, opt)  # noqa: E731
+    elif system.startswith("fsdp2"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        reshard = system == "fsdp2"
+        for block in blocks_of(model):
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+        forward = model
+        report = lambda: plain_state_bytes(model, opt)  # noqa: E731
+    else:
+        import zero_ext
+
+        forward, opt = zero_ext.wrap(model, opt, stage=stage_of(system), bucket_mb=BUCKET_MB)
+        report = lambda: zero_ext.memory_report(model, opt)  # noqa: E731
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_of(forward, x, y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step, report
+
+
+def run_rank(rank: int, world: int, system: str, args, init_file: str, out_dir: str) -> None:
+    result: Dict = {"rank": rank}
+    # The ranks' own output (DeepSpeed's and the profiler's logs) goes to a
+    # file, shown only when the system fails.
+    log = os.open(os.path.join(out_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    try:
+        torch.set_num_threads(args.threads)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK=str(rank),
+                          WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=args.system_timeout))
+        if system.startswith("deepspeed"):
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend="gloo")
+        baseline_kib = proc_status_kib("VmRSS")
+        reset_peak_rss()
+        step, report = build_system(args, system, world)
+        times, losses = [], []
+        for i in range(args.warmup + args.steps):
+            x, y = make_batch(args, rank, world, i)
+            dist.barrier()
+            start = time.perf_counter()
+            loss = step(x, y)
+            elapsed = time.perf_counter() - start
+            losses.append(loss.item())
+            if i >= args.warmup:
+                times.append(elapsed)
+        # One more step under the profiler, only to count the collectives.
+        x, y = make_batch(args, rank, world, args.warmup + args.steps)
+        dist.barrier()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+            loss = step(x, y)
+        losses.append(loss.item())
+        result.update(sent_bytes(prof.events(), world))
+        result.update(report())
+        result.update(ms_per_step=1e3 * statistics.median(times), losses=losses,
+                      baseline_rss_kib=baseline_kib, peak_rss_kib=proc_status_kib("VmHWM"))
+        dist.barrier()
+    except Exception as e:  # recorded, so one failing system does not end the comparison
+        result["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        result["traceback"] = traceback.format_exc()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    # DeepSpeed's ranks sometimes abort while tearing down; the result is
+    # written, so leave without running any teardown.
+    os._exit(0)
+
+
+def run_system(args, system: str) -> Dict:
+    """Runs one system on fresh ranks; its per-rank results or an error."""
+    if system.startswith("deepspeed"):
+        try:
+            import deepspeed  # noqa: F401
+        except Exception as e:
+            return {"error": f"deepspeed not importable here ({type(e).__name__}: {e})"}
+    if args.mmap_threshold:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)  # read by the ranks' glibc at start
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=run_rank, args=(r, args.world, system, args, os.path.join(tmp, "rdv"), tmp))
+                 for r in range(args.world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + args.system_timeout + 60
+        for p in procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        ranks = []
+        for r in range(args.world):
+            path = os.path.join(tmp, f"rank{r}.json")
+            if not os.path.exists(path):
+                if args.verbose:
+                    with open(os.path.join(tmp, f"rank{r}.log")) as f:
+                        print(f.read()[-5000:], file=sys.stderr)
+                return {"error": f"rank {r} " + ("timed out" if r in hung else f"died (exit {procs[r].exitcode})")}
+            with open(path) as f:
+                ranks.append(json.load(f))
+        errors = [r for r in ranks if "error" in r]
+        if errors:
+            if args.verbose:
+                with open(os.path.join(tmp, f"rank{errors[0]['rank']}.log")) as f:
+                    print(f.read()[-5000:], file=sys.stderr)
+            return {"error": errors[0]["error"]}
+    return summarize(args, system, ranks)
+
+
+def summarize(args, system: str, ranks: List[Dict]) -> Dict:
+    numel = sum(p.numel() for p in build_model(args.model).parameters())
+    ms = statistics.mean(r["ms_per_step"] for r in ranks)
+    state = [r["params"] + r["grads"] + r["optimizer_state"] for r in ranks]
+    formula = zero_formula_bytes(stage_of(system), numel, args.world)
+    return {
+        "ms_per_step": ms,
+        "tokens_per_s": args.world * args.batch * args.seq / (ms / 1e3),
+        "peak_rss_mib": max(r["peak_rss_kib"] for r in ranks) / 1024,
+        "baseline_rss_mib": statistics.mean(r["baseline_rss_kib"] for r in ranks) / 1024,
+        "state_bytes": statistics.mean(state),
+        "state_bytes_by_rank": state,
+        "state_breakdown_rank0": {k: ranks[0][k] for k in ("params", "grads", "optimizer_state")},
+        "zero_formula_bytes": formula,
+        "state_vs_formula": statistics.mean(state) / formula,
+        "sent_bytes": statistics.mean(r["sent_bytes"] for r in ranks),
+        "theory_sent_bytes": theory_sent_bytes(system, numel, args.world),
+        "sent_by_kind_rank0": ranks[0]["sent_by_kind"],
+        "collectives_per_step": statistics.mean(r["collectives"] for r in ranks),
+        # The global batch's loss: every rank's local loss is over equal slices.
+        "losses": [statistics.mean(r["losses"][i] for r in ranks) for i in range(len(ranks[0]["losses"]))],
+    }
+
+
+# --- report --------------------------------------------------------------------------
+
+def print_table(args, results: Dict[str, Dict], numel: int) -> None:
+    mib = 2 ** 20
+    malloc = f"glibc mmap threshold {args.mmap_threshold}" if args.mmap_threshold else "default glibc malloc"
+    print(f"{describe(args.model)}: {numel / 1e6:.1f}M parameters; world size {args.world} (gloo, CPU, "
+          f"{args.threads} thread(s) per rank, {malloc}); {args.batch}x{args.seq} tokens per rank; "
+          f"median of {args.steps} steps after {args.warmup}")
+    header = (f"{'system':<12} {'ms/step':>8} {'vs DDP':>7} {'vs FSDP2':>8} {'tok/s':>7} {'peak RSS':>9} "
+              f"{'state MiB':>10} {'ZeRO MiB':>9} {'ratio':>6} {'sent MiB':>9} {'theory':>7} {'loss':>7}")
+    print(header)
+    print("-" * len(header))
+
+    def ms_of(name):
+        r = results.get(name)
+        return r["ms_per_step"] if r and "error" not in r else None
+
+    ddp = ms_of("ddp")
+    for system, r in results.items():
+        if "error" in r:
+            print(f"{system:<12} not run: {r['error']}")
+            continue
+        fsdp = ms_of("fsdp2-keep" if system == "fsdp2-keep" or stage_of(system) < 3 else "fsdp2")
+        vs = lambda base: f"{r['ms_per_step'] / base:.2f}x" if base else "-"  # noqa: E731
+        print(f"{system:<12} {r['ms_per_step']:>8.1f} {vs(ddp):>7} {vs(fsdp):>8} {r['tokens_per_s']:>7.0f} "
+              f"{r['peak_rss_mib']:>8.0f}M {r['state_bytes'] / mib:>10.1f} {r['zero_formula_bytes'] / mib:>9.1f} "
+              f"{r['state_vs_formula']:>6.3f} {r['sent_bytes'] / mib:>9.1f} {r['theory_sent_bytes'] / mib:>7.1f} "
+              f"{r['losses'][-1]:>7.4f}")
+    print("vs FSDP2: against fsdp2-keep for stages 0-2 and fsdp2-keep, against fsdp2 for stage 3.")
+
+
+def plot(args, results: Dict[str, Dict], path: str) -> Optional[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    ok = {s: r for s, r in results.items() if "error" not in r}
+    if not ok:
+        return None
+    names = list(ok)
+    colors = ["#4c72b0" if s == "ddp" else "#55a868" if s.startswith("fsdp2") else
+              "#c44e52" if s.startswith("deepspeed") else "#8172b2" for s in names]
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    panels = [
+        (axes[0][0], [ok[s]["ms_per_step"] for s in names], "ms per step (lower is better)"),
+        (axes[0][1], [ok[s]["state_bytes"] / 2 ** 20 for s in names], "model-state MiB per rank"),
+        (axes[1][0], [ok[s]["sent_bytes"] / 2 ** 20 for s in names], "MiB sent per rank per step"),
+    ]
+    for ax, values, title in panels:
+        ax.bar(names, values, color=colors)
+        ax.set_title(title)
+        ax.tick_params(axis="x", rotation=45)
+    axes[0][1].scatter(names, [ok[s]["zero_formula_bytes"] / 2 ** 20 for s in names], color="black",
+                       marker="_", s=400, label="ZeRO formula", zorder=3)
+    axes[0][1].legend()
+    axes[1][0].scatter(names, [ok[s]["theory_sent_bytes"] / 2 ** 20 for s in names], color="black",
+                       marker="_", s=400, label="theory (gloo)", zorder=3)
+    axes[1][0].legend()
+    ax = axes[1][1]
+    for s in names:
+        ax.plot(range(1, len(ok[s]["losses"]) + 1), ok[s]["losses"], label=s,
+                linestyle="--" if s.startswith("zero_ext") else "-")
+    ax.set_title("training loss (global batch)")
+    ax.set_xlabel("step")
+    ax.legend(fontsize=8)
+    fig.suptitle(f"{describe(args.model)}, world size {args.world} (gloo, CPU)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gpt2-10m", choices=sorted(PRESETS))
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--alphabet", type=int, default=512, help="token ids the synthetic data uses")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--systems", nargs="+", default=ALL_SYSTEMS, choices=ALL_SYSTEMS, metavar="SYSTEM")
+    parser.add_argument("--system-timeout", type=float, default=900.0, help="seconds before a system's ranks are killed")
+    parser.add_argument("--mmap-threshold", type=int, default=0,
+                        help="fix glibc's mmap threshold in the ranks to this many bytes (see above)")
+    parser.add_argument("--port", type=int, default=29617, help="DeepSpeed's MASTER_PORT")
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "compare"),
+                        help="writes OUT.json and OUT.png")
+    parser.add_argument("--verbose", action="store_true", help="print the output of a failing system's rank")
+    args = parser.parse_args()
+    if not transformers_available():
+        print("note: transformers is not installed; using the built-in GPT-2 (pip install transformers)")
+
+    results = {}
+    for system in args.systems:
+        started = time.monotonic()
+        results[system] = run_system(args, system)
+        status = results[system].get("error", "ok")
+        print(f"  {system}: {status} ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
+
+    numel = sum(p.numel() for p in build_model(args.model).parameters())
+    print_table(args, results, numel)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump({"args": vars(args), "parameters": numel, "torch": torch.__version__,
+                   "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+                   "results": results}, f, indent=2)
+    png = plot(args, results, args.out + ".png")
+    print(f"wrote {args.out}.json" + (f" and {png}" if png else " (no PNG: pip install matplotlib)"))
+
+
+if __name__ == "__main__":
+    main()
