@@ -12,8 +12,10 @@ that peak memory is the system's own. Systems:
   ddp                    torch DistributedDataParallel (25 MiB buckets)
   fsdp2, fsdp2-keep      torch fully_shard on each block and the root,
                          reshard_after_forward True / False
-  deepspeed-1/2/3        DeepSpeed ZeRO stage 1/2/3 (fp32, 25 MiB buckets), if
-                         installed; it steps with engine.backward / engine.step
+  deepspeed-1/2/3        DeepSpeed ZeRO stage 1/2/3 (fp32, 25 MiB buckets, its
+                         default clipping to norm 1.0 turned off, as no other
+                         system clips), if installed; it steps with
+                         engine.backward / engine.step
   zero_ext-0/1/2/3       zero_ext.wrap(stage=N), plain loss.backward() / step()
 
 Reported per system (mean over ranks unless said):
@@ -241,6 +243,7 @@ def build_system(args, system: str, world: int):
             "train_micro_batch_size_per_gpu": args.batch,
             "gradient_accumulation_steps": 1,
             "steps_per_print": 10 ** 9,
+            "gradient_clipping": 0.0,  # DeepSpeed clips to norm 1.0 unless told not to
             "zero_optimization": {
                 "stage": stage_of(system),
                 "reduce_bucket_size": int(BUCKET_MB * 2 ** 20 / 4),

@@ -182,6 +182,7 @@ def deepspeed_trainer(job: Job, model: torch.nn.Module, stage: int) -> Trainer:
         "train_micro_batch_size_per_gpu": job.batch,
         "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": stage},
+        "gradient_clipping": 0.0,  # DeepSpeed clips to norm 1.0 unless told not to; no other system clips
         "bf16": {"enabled": not job.deepspeed_fp32},
         "zero_allow_untested_optimizer": True,  # torch's AdamW, like every other system here
         "steps_per_print": 10**9,
