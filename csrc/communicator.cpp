@@ -1,6 +1,11 @@
 #include "communicator.h"
 
+#include <sstream>
+
+#include <thread>
+
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 namespace zero_ext {
 
@@ -66,17 +71,90 @@ c10::intrusive_ptr<c10d::Work> Communicator::broadcast_from_rank0(at::Tensor& te
   return group_->broadcast(tensors, opts);
 }
 
+void Communicator::enable_stall_diagnosis(double seconds, const std::string& key_space) {
+  if (!group_ || seconds <= 0) {
+    return;
+  }
+  store_ = group_->getStore();
+  // A model's groups each prefix their store; the base store lets a rank
+  // stalled on the gather group see one stalled on the reduction group.
+  if (auto prefixed = c10::dynamic_intrusive_pointer_cast<c10d::PrefixStore>(store_)) {
+    store_ = prefixed->getUnderlyingNonPrefixStore();
+  }
+  stall_interval_ = std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+  stall_keys_ = "zero_ext_stall/" + key_space + "/rank";
+}
+
+void Communicator::diagnose_stall(const std::string& what) const {
+  const std::string mine = stall_keys_ + std::to_string(rank_);
+  store_->set(mine, std::vector<uint8_t>(what.begin(), what.end()));
+  // Give the others one more interval to post theirs.
+  std::vector<std::string> posts(size_);
+  const auto until = std::chrono::steady_clock::now() + stall_interval_;
+  bool all_posted = false;
+  while (!all_posted && std::chrono::steady_clock::now() < until) {
+    all_posted = true;
+    for (int64_t r = 0; r < size_; ++r) {
+      const std::string key = stall_keys_ + std::to_string(r);
+      if (posts[r].empty() && store_->check({key})) {
+        auto bytes = store_->get(key);
+        posts[r].assign(bytes.begin(), bytes.end());
+      }
+      all_posted = all_posted && !posts[r].empty();
+    }
+    if (!all_posted) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  bool differ = false;
+  for (const auto& post : posts) {
+    differ = differ || (!post.empty() && post != what);
+  }
+  if (!differ) {
+    return;  // everyone waits on the same collective, or some rank is busy elsewhere
+  }
+  std::ostringstream out;
+  for (int64_t r = 0; r < size_; ++r) {
+    out << "\n  rank " << r << ": "
+        << (posts[r].empty() ? std::string("not waiting in a zero_ext collective (busy, in another "
+                                           "collective, or gone)")
+                             : "waiting in " + posts[r]);
+  }
+  TORCH_CHECK(false, "zero_ext: the ranks are stalled in different collectives, so they took "
+              "different paths through the training loop (a different number of backward passes "
+              "or steps, or modules run on some ranks only):", out.str(),
+              "\nEvery rank must issue the same collectives in the same order; this rank stops "
+              "here instead of waiting out the timeout.");
+}
+
 void Communicator::wait(const c10::intrusive_ptr<c10d::Work>& work,
                         const std::string& what) const {
   if (!work) {
     return;
   }
+  bool stalled = false;
+  if (store_ && stall_interval_.count() > 0 && !work->isCompleted()) {
+    try {
+      work->wait(stall_interval_);
+    } catch (const std::exception&) {
+      stalled = !work->isCompleted();  // still running; a real failure is raised below
+    }
+  }
+  if (stalled) {
+    diagnose_stall(what);  // raises if the ranks are stalled in different collectives
+  }
   try {
     work->wait();
-  } catch (const std::exception& e) {
+  } catch (const c10::Error& e) {
     TORCH_CHECK(false, "zero_ext: ", what, " failed on rank ", rank_, " of ", size_,
                 " (a peer may have died, raised, or taken a different code path): ",
-                e.what());
+                e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "zero_ext: ", what, " failed on rank ", rank_, " of ", size_,
+                " (a peer may have died, raised, or taken a different code path): ", e.what());
+  }
+  if (stalled) {
+    store_->deleteKey(stall_keys_ + std::to_string(rank_));  // a stale post would mislead later
   }
 }
 

@@ -8,6 +8,7 @@
 // torch.distributed) is a real mode, not a special case at call sites: the
 // collectives degrade to local copies.
 
+#include <chrono>
 #include <string>
 
 #include <ATen/ATen.h>
@@ -32,7 +33,15 @@ class Communicator {
   c10::intrusive_ptr<c10d::Work> broadcast_from_rank0(at::Tensor& tensor);
 
   // Waits (within the group's timeout); on failure raises naming `what`.
+  // [Note: stall diagnosis] A host wait still blocked after the stall
+  // interval posts `what` (which collective, at which step and backward) to
+  // the group's store and reads what the other ranks posted: ranks stalled in
+  // different collectives took different paths, and every rank raises at
+  // once with each rank's position instead of sitting out the timeout.
+  // Nothing touches the store unless a wait stalls.
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) const;
+  // Stall interval (0: off) and the key space shared by a model's groups.
+  void enable_stall_diagnosis(double seconds, const std::string& key_space);
 
   // Counters for tests and benchmarks: collectives issued and bytes sent.
   int64_t collectives_issued() const { return collectives_issued_; }
@@ -44,6 +53,12 @@ class Communicator {
   int64_t size_ = 1;
   int64_t collectives_issued_ = 0;
   int64_t all_gathers_issued_ = 0;
+  std::chrono::milliseconds stall_interval_{0};
+  std::string stall_keys_;
+  c10::intrusive_ptr<c10d::Store> store_;
+
+  // Posts `what`, collects the other ranks' posts; raises if they differ.
+  void diagnose_stall(const std::string& what) const;
 };
 
 } // namespace zero_ext

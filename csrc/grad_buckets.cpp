@@ -2,6 +2,7 @@
 
 #include "param_storage.h"
 
+#include <cstdlib>
 #include <limits>
 #include <sstream>
 
@@ -66,6 +67,17 @@ GradBuckets::GradBuckets(std::vector<at::Tensor> params,
       names_(std::move(names)), trainable_(trainable.begin(), trainable.end()),
       prefetch_(prefetch) {
   TORCH_CHECK(stage_ >= 0 && stage_ <= 3, "zero_ext: stage must be 0, 1, 2 or 3");
+  if (const char* fault = std::getenv("ZERO_EXT_TEST_FAULT")) {  // point:rank:step
+    std::istringstream spec(fault);
+    std::string point, rank, step;
+    std::getline(spec, point, ':');
+    std::getline(spec, rank, ':');
+    std::getline(spec, step, ':');
+    if (!rank.empty() && std::stoll(rank) == comm_.rank()) {
+      fault_point_ = point;
+      fault_step_ = step.empty() ? -1 : std::stoll(step);
+    }
+  }
   TORCH_CHECK(params_.size() == names_.size() && params_.size() == trainable_.size(),
               "zero_ext internal: one name and trainable flag per parameter");
   TORCH_CHECK(stage_ == 3 || unit_of_bucket.empty() ||
@@ -73,6 +85,9 @@ GradBuckets::GradBuckets(std::vector<at::Tensor> params,
               "zero_ext internal: one unit per bucket");
   const int64_t n_params = static_cast<int64_t>(params_.size());
   const int64_t world = comm_.size();
+  for (const auto& p : params_) {
+    shapes_.push_back(p.sizes().vec());
+  }
   at::NoGradGuard no_grad;
   offload_ = offload;
   reduce_dtype_ = reduce_dtype >= 0 ? static_cast<at::ScalarType>(reduce_dtype) : at::kFloat;
@@ -242,8 +257,30 @@ std::string GradBuckets::describe_bucket(int64_t b) const {
   std::ostringstream out;
   out << "bucket " << b << " of " << buckets_.size() << " (stage " << stage_ << ", "
       << bucket.count << " parameters from '" << names_[bucket.first] << "', "
-      << bucket.padded << " elements)";
+      << bucket.padded << " elements; " << where() << ")";
   return out.str();
+}
+
+std::string GradBuckets::describe_unit(int64_t u) const {
+  const int64_t first = buckets_[units_[u].buckets.front()].first;
+  std::ostringstream out;
+  out << "unit " << u << " (parameters from '" << names_[first] << "')";
+  return out.str();
+}
+
+std::string GradBuckets::where() const {
+  std::ostringstream out;
+  out << "step " << step_index_ << ", synced backward " << synced_in_step_ << " of the step";
+  return out.str();
+}
+
+void GradBuckets::maybe_inject_fault(const char* point) {
+  if (fault_point_ != point || (fault_step_ >= 0 && fault_step_ != step_index_)) {
+    return;
+  }
+  fault_point_.clear();  // once
+  TORCH_CHECK(false, "zero_ext test fault: raised in ", point, " on rank ", comm_.rank(), " at step ",
+              step_index_, " (ZERO_EXT_TEST_FAULT)");
 }
 
 void GradBuckets::arm_epilogue() {
@@ -279,7 +316,39 @@ void GradBuckets::attach_output_hook(const at::Tensor& output) {
 
 void GradBuckets::on_grad_ready(int64_t i) {
   std::lock_guard<std::mutex> lock(mutex_);
+  check_usable();
+  try {
+    on_grad_ready_locked(i);
+  } catch (...) {
+    mark_broken();
+    throw;
+  }
+}
+
+void GradBuckets::mark_broken() {
+  try {
+    throw;
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    broken_ = what.substr(0, what.find('\n'));
+  } catch (...) {
+    broken_ = "an unknown error";
+  }
+}
+
+void GradBuckets::check_usable() const {
+  TORCH_CHECK(broken_.empty(), "zero_ext: rank ", comm_.rank(), " cannot go on training: an earlier "
+              "error inside zero_ext's gradient hooks or reduction (", broken_, ") left this rank's "
+              "collectives out of step with the other ranks', which wait for the ones it skipped "
+              "and fail within the process group's timeout. Restart every rank from the last "
+              "checkpoint.");
+}
+
+void GradBuckets::on_grad_ready_locked(int64_t i) {
   arm_epilogue();  // fallback when no forward output was hooked
+  if (!fault_point_.empty()) {
+    maybe_inject_fault("grad_hook");
+  }
   retire_completed();
   at::Tensor& grad = params_[i].mutable_grad();
   if (!grad.defined()) {
@@ -404,6 +473,12 @@ void GradBuckets::launch(int64_t b) {
   } else if (replicated_) {
     bucket.reduce_out = bucket.staging;
     bucket.work = comm_.all_reduce_sum(bucket.staging);
+  } else if (comm_.distributed() && bucket.staging.device().is_cpu()) {
+    // Gloo runs a reduce-scatter as an all-reduce plus a copy made inside
+    // wait(), where no bounded wait (see communicator.h) can see it finish.
+    // The same all-reduce issued here, in place, then read at this rank's shard.
+    bucket.reduce_out = bucket.staging.narrow(0, shard_start(bucket), bucket.shard);
+    bucket.work = comm_.all_reduce_sum(bucket.staging);
   } else {
     const bool direct = !bucket.accum_has_value && bucket.accum.dtype() == bucket.staging.dtype() &&
                         bucket.accum.device() == bucket.staging.device();
@@ -513,7 +588,9 @@ at::Tensor GradBuckets::local_nonfinite() const {
   // flag stays on the accumulators' device: no host sync of its own.
   std::vector<at::Tensor> sums;
   for (const auto& bucket : buckets_) {
-    if (bucket.accum.defined() && bucket.accum_has_value) {
+    if (ddp_layout_ && bucket.staging.defined()) {
+      sums.push_back(bucket.staging.sum());  // already all-reduced: the same on every rank
+    } else if (bucket.accum.defined() && bucket.accum_has_value) {
       sums.push_back(bucket.accum.sum());
     }
   }
@@ -524,6 +601,9 @@ at::Tensor GradBuckets::local_nonfinite() const {
 }
 
 void GradBuckets::mark_nonfinite_everywhere() {
+  if (ddp_layout_) {
+    return;  // the all-reduce already spread it
+  }
   // A rank sees only its shard; under DDP the all-reduce spreads an inf to
   // every rank's gradient. NaN in one element of this rank's shard does the
   // same, so a local check (torch.amp.GradScaler's unscale_, say) decides
@@ -548,13 +628,26 @@ void GradBuckets::start_round() {
 
 bool GradBuckets::exchange_grad_mask_and_flags(const at::Tensor& nonfinite) {
   const int64_t n = static_cast<int64_t>(params_.size());
-  at::Tensor mask = at::empty({n + 2}, at::TensorOptions().dtype(at::kFloat));
+  // Besides the mask and the flags, each rank fills a row of its own with
+  // where it is (step, synced backward, gathers per unit): the sum hands every
+  // rank every row, so all of them see the same divergence and raise alike.
+  const int64_t width = 2 + static_cast<int64_t>(units_.size());
+  const int64_t world = comm_.size();
+  at::Tensor mask = at::zeros({n + 2 + world * width}, at::TensorOptions().dtype(at::kFloat));
   float* data = mask.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) {
     data[i] = static_cast<float>(local_has_grad_[i]);
   }
   data[n] = late_ ? 1.0f : 0.0f;
   data[n + 1] = 0.0f;
+  float* row = data + n + 2 + comm_.rank() * width;
+  row[0] = static_cast<float>(step_index_ % (int64_t{1} << 23));  // exact in a float
+  row[1] = static_cast<float>(synced_in_step_);
+  unit_gathers_.resize(units_.size(), 0);
+  for (size_t u = 0; u < units_.size(); ++u) {
+    row[2 + u] = static_cast<float>(unit_gathers_[u]);
+    unit_gathers_[u] = 0;
+  }
   // The collective runs on the parameters' device (NCCL cannot reduce CPU
   // tensors); the non-finite flag joins it there, read back with the rest.
   at::Tensor on_device = mask.to(params_[0].device());
@@ -562,15 +655,64 @@ bool GradBuckets::exchange_grad_mask_and_flags(const at::Tensor& nonfinite) {
     on_device.narrow(0, n + 1, 1).copy_(nonfinite.reshape({1}));
   }
   if (comm_.distributed()) {
-    comm_.wait(comm_.all_reduce_sum(on_device), "exchange of which parameters got gradients");
+    comm_.wait(comm_.all_reduce_sum(on_device),
+               "exchange of which parameters got gradients (stage " + std::to_string(stage_) + ", " +
+                   where() + ")");
   }
   mask = on_device.cpu();
   data = mask.data_ptr<float>();
+  check_ranks_agree(data + n + 2, width);
   for (int64_t i = 0; i < n; ++i) {
     global_has_grad_[i] = data[i] > 0.0f;
   }
   late_ = data[n] > 0.0f;
   return data[n + 1] > 0.0f;
+}
+
+void GradBuckets::check_ranks_agree(const float* rows, int64_t width) const {
+  const int64_t world = comm_.size();
+  auto ranks_where = [&](int64_t column, float value) {
+    std::ostringstream out;
+    const char* sep = "";
+    for (int64_t r = 0; r < world; ++r) {
+      if (rows[r * width + column] == value) {
+        out << sep << r;
+        sep = ", ";
+      }
+    }
+    return out.str();
+  };
+  for (int64_t r = 1; r < world; ++r) {
+    const float* mine = rows + r * width;
+    if (mine[0] != rows[0] || mine[1] != rows[1]) {
+      std::ostringstream out;
+      for (int64_t q = 0; q < world; ++q) {
+        out << (q ? "; " : "") << "rank " << q << " at step " << rows[q * width] << " after "
+            << rows[q * width + 1] << " synced backward(s) in the step";
+      }
+      TORCH_CHECK(false, "zero_ext: the ranks have diverged (stage ", stage_, "): ", out.str(),
+                  ". Every rank must run the same number of backward passes between optimizer "
+                  "steps and the same number of steps (a loop whose length depends on the rank's "
+                  "data, or an exception caught on some ranks only, breaks this); their "
+                  "gradient reductions were paired with each other's and are discarded.");
+    }
+  }
+  for (int64_t u = 0; u < width - 2; ++u) {
+    for (int64_t r = 1; r < world; ++r) {
+      const float mine = rows[r * width + 2 + u];
+      const float first = rows[2 + u];
+      if (mine != first) {
+        TORCH_CHECK(false, "zero_ext: stage 3 ", describe_unit(u), " was gathered ", first,
+                    " time(s) on rank(s) ", ranks_where(2 + u, first), " but ", mine,
+                    " time(s) on rank(s) ", ranks_where(2 + u, mine), " since the last gradient "
+                    "exchange (", where(), "): the ranks ran different modules, so their parameter "
+                    "gathers were paired with each other's. In stage 3 every rank must run the "
+                    "same units in each forward and backward: run a module that is skipped on "
+                    "some ranks (rank-dependent control flow, an expert no token was routed to) "
+                    "on every rank, or leave it out of units= so it stays gathered with its parent.");
+      }
+    }
+  }
 }
 
 void GradBuckets::publish_grads() {
@@ -634,6 +776,10 @@ void GradBuckets::run_epilogue() {
       return;
     }
     ++synced_epilogues_;
+    ++synced_in_step_;
+    if (!fault_point_.empty()) {
+      maybe_inject_fault("epilogue");
+    }
     // Flush in bucket order: unused parameters contribute zeros, so the
     // sequence of collectives is the same on every rank.
     for (int64_t b = next_launch_; b < static_cast<int64_t>(buckets_.size()); ++b) {
@@ -641,7 +787,8 @@ void GradBuckets::run_epilogue() {
     }
     next_launch_ = static_cast<int64_t>(buckets_.size());
     wait_all();
-    bool any_nonfinite = exchange_grad_mask_and_flags(ddp_layout_ ? at::Tensor() : local_nonfinite());
+    bool any_nonfinite =
+        exchange_grad_mask_and_flags(ddp_layout_ && !skip_nonfinite_ ? at::Tensor() : local_nonfinite());
     if (late_) {
       ++late_rounds_;
       start_round();  // every parameter counts as not arrived: pending grads are flushed
@@ -649,7 +796,7 @@ void GradBuckets::run_epilogue() {
         launch(b);
       }
       wait_all();
-      if (!ddp_layout_) {
+      if (!ddp_layout_ || skip_nonfinite_) {
         at::Tensor flag = local_nonfinite().reshape({1}).to(params_[0].device());
         if (comm_.distributed()) {
           comm_.wait(comm_.all_reduce_sum(flag), "exchange of the non-finite gradient flag");
@@ -665,6 +812,9 @@ void GradBuckets::run_epilogue() {
     publish_grads();
     verify_hooks(true);
   } catch (...) {
+    // Collectives of this backward may be in flight or skipped here while the
+    // other ranks go on: this rank's sequence no longer matches theirs.
+    mark_broken();
     for (auto& bucket : buckets_) {
       bucket.work.reset();
       bucket.reduce_out.reset();
@@ -720,6 +870,16 @@ void GradBuckets::zero_grad(bool set_to_none) {
     for (auto& segment : segments_) {
       segment.mutable_grad() = at::Tensor();
     }
+  }
+}
+
+void GradBuckets::check_param_shapes() const {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    TORCH_CHECK(params_[i].sizes() == c10::IntArrayRef(shapes_[i]), "zero_ext: parameter '", names_[i],
+                "' changed shape after zero_ext.wrap() (from ", c10::IntArrayRef(shapes_[i]), " to ",
+                params_[i].sizes(), "); its buckets, shards and optimizer state were laid out for "
+                "the old shape. Resize parameters (a grown embedding, say) before calling wrap(), "
+                "or wrap the resized model anew.");
   }
 }
 
@@ -967,7 +1127,8 @@ c10::Dict<std::string, int64_t> GradBuckets::stats() const {
     return n;
   }());
   out.insert("nonfinite_backwards", nonfinite_backwards_);
-  out.insert("skipped_steps", scaler_.skipped_steps());
+  out.insert("skipped_steps", scaler_.skipped_steps() + nonfinite_skips_);
+  out.insert("step_index", step_index_);
   out.insert("param_bytes", param_bytes);
   out.insert("master_bytes", master_bytes);
   out.insert("grad_bytes", grad_bytes);
@@ -1009,8 +1170,14 @@ void GradBuckets::disable_loss_scaling() {
 
 bool GradBuckets::begin_step() {
   std::lock_guard<std::mutex> lock(mutex_);
-  const bool skip = scaler_.enabled() && found_nonfinite_;
+  check_usable();
+  const bool skip = (scaler_.enabled() || skip_nonfinite_) && found_nonfinite_;
+  if (skip && !scaler_.enabled()) {
+    ++nonfinite_skips_;
+  }
   scaler_.update(found_nonfinite_);
+  ++step_index_;
+  synced_in_step_ = 0;
   return skip;
 }
 

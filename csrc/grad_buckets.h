@@ -114,9 +114,18 @@ class GradBuckets : public torch::CustomClassHolder {
   bool loss_scaling() const { return scaler_.enabled(); }
   // Whether any rank's reduced gradient held inf/nan since the last zero_grad().
   bool found_nonfinite() const { return found_nonfinite_; }
-  // Once per optimizer.step(): returns whether to skip it (loss scaling on and
-  // a gradient overflowed on some rank), and updates the scale.
+  // Once per optimizer.step(): returns whether to skip it (a gradient was
+  // non-finite on some rank, and fp16 loss scaling or skip_nonfinite is on),
+  // and updates the scale.
   bool begin_step();
+  // Every forward: a parameter resized after wrap() is refused by name.
+  void check_param_shapes() const;
+  void set_skip_nonfinite(bool skip) { skip_nonfinite_ = skip; }
+  // See [Note: stall diagnosis] in communicator.h.
+  void enable_stall_diagnosis(double seconds, const std::string& key_space) {
+    comm_.enable_stall_diagnosis(seconds, key_space);
+    gather_comm_.enable_stall_diagnosis(seconds, key_space);
+  }
 
   // --- training-loop controls ------------------------------------------
   void set_sync(bool sync);
@@ -236,6 +245,15 @@ class GradBuckets : public torch::CustomClassHolder {
   void verify_hooks(bool after_sync) const;
   void release_after_backward(bool keep_graph);
   std::string describe_bucket(int64_t bucket_index) const;
+  std::string describe_unit(int64_t unit) const;
+  std::string where() const;  // "step N, backward K"
+  void check_ranks_agree(const float* rows, int64_t width) const;
+  void maybe_inject_fault(const char* point);
+  void on_grad_ready_locked(int64_t param_index);
+  // Called inside a catch block: remembers the error that left this rank's
+  // collectives out of step; check_usable() then refuses to go on.
+  void mark_broken();
+  void check_usable() const;
 
   const int64_t stage_;
   // Stage 0 without masters: param.grad views the all-reduced staging (DDP).
@@ -247,6 +265,21 @@ class GradBuckets : public torch::CustomClassHolder {
   bool found_nonfinite_ = false;
   bool compute_copy_written_ = false;
   int64_t nonfinite_backwards_ = 0;
+  // skip_nonfinite=True: fp32/bf16 steps with a non-finite gradient on any
+  // rank are skipped (fp16 loss scaling skips them regardless).
+  bool skip_nonfinite_ = false;
+  int64_t nonfinite_skips_ = 0;
+  // Where this rank is, for error messages and the divergence check that
+  // rides the mask exchange: optimizer steps taken, synced backwards since
+  // the last step, and stage 3 gathers of each unit since the last exchange.
+  int64_t step_index_ = 0;
+  int64_t synced_in_step_ = 0;
+  std::vector<int64_t> unit_gathers_;
+  // Test-only fault injection (ZERO_EXT_TEST_FAULT=point:rank[:step]): raise
+  // inside the gradient hook or the epilogue on one rank.
+  std::string fault_point_;
+  std::string broken_;  // non-empty: first line of the error that broke this rank
+  int64_t fault_step_ = -1;
   int64_t output_hook_task_ = -1;  // last graph task whose gradient passed an output hook
   Communicator comm_;
   // Stage 3 gathers parameters on a group of their own: gathers are issued
@@ -256,6 +289,7 @@ class GradBuckets : public torch::CustomClassHolder {
   Communicator gather_comm_;
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
+  std::vector<std::vector<int64_t>> shapes_;  // at wrap(): a later change is refused
   std::vector<uint8_t> trainable_;
   std::vector<int64_t> bucket_of_;
   std::vector<int64_t> offset_;  // element offset of each param in its bucket

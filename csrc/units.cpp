@@ -44,12 +44,15 @@ void GradBuckets::start_gather(int64_t u) {
   if (unit.state != Unit::State::kReleased) {
     return;
   }
+  check_usable();
   for (int64_t b : unit.buckets) {
     Bucket& bucket = buckets_[b];
     grow_storage(bucket.param_flat, bucket.padded * bucket.param_flat.element_size());
     bucket.gather_work = gather_comm_.all_gather(bucket.param_flat, bucket.param_shard);
     ++param_gathers_;
   }
+  unit_gathers_.resize(units_.size(), 0);
+  ++unit_gathers_[u];
   unit.state = Unit::State::kGathering;
   if (!gathering_all_) {
     int64_t& peak = current_backward().graph_task_id >= 0 ? peak_gathered_backward_ : peak_gathered_forward_;
@@ -64,7 +67,7 @@ void GradBuckets::finish_gather(int64_t u) {
   }
   for (int64_t b : unit.buckets) {
     gather_comm_.wait(buckets_[b].gather_work,
-               "all-gather of unit " + std::to_string(u) + "'s parameters (" + describe_bucket(b) + ")");
+                      "all-gather of the parameters of " + describe_unit(u) + " (" + describe_bucket(b) + ")");
     buckets_[b].gather_work.reset();
   }
   unit.state = Unit::State::kGathered;

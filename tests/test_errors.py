@@ -267,3 +267,105 @@ def test_fp16_loss_from_parameters_directly_is_an_error():
     zero_ext.wrap(model, opt, stage=2, mixed_precision="fp16")
     with pytest.raises(RuntimeError, match="without passing through any of them"):
         model[0].weight.float().square().sum().backward()
+
+
+def test_meta_model_is_refused():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    with pytest.raises(ValueError, match="meta device.*materialize them first"):
+        zero_ext.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_nccl_group_with_a_cpu_model_is_refused(monkeypatch, tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+        model, opt = make()
+        with pytest.raises(ValueError, match="NCCL, which reduces GPU tensors only.*model.to"):
+            zero_ext.wrap(model, opt)
+        assert not hasattr(model, "_zero_ext")
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_parameter_resized_after_wrap(stage):
+    model, opt = make()
+    zero_ext.wrap(model, opt, stage=stage)
+    model[2].weight.data = torch.zeros(3, 8)  # a grown output layer, say
+    with pytest.raises(RuntimeError, match=r"'2.weight' changed shape after zero_ext.wrap\(\) "
+                                           r"\(from \[2, 8\] to \[3, 8\]\).*before calling wrap"):
+        model(torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_load_state_dict_of_another_model(stage):
+    model, opt = make()
+    zero_ext.wrap(model, opt, stage=stage)
+    other = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    with pytest.raises(RuntimeError, match=r"size mismatch for 0.weight"):
+        model.load_state_dict(other.state_dict())
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "encoder.weight"'):
+        model.load_state_dict({**model.state_dict(), "encoder.weight": torch.zeros(1)})
+
+
+def test_nested_units_are_supported_not_refused():
+    """A unit inside a unit (FSDP allows it too): each parameter belongs to
+    its innermost unit; training matches the plain model exactly."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 8), nn.Tanh()), nn.Sequential(nn.Linear(8, 8), nn.Tanh()),
+                          nn.Linear(8, 2))
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    zero_ext.wrap(model, opt, stage=3, units=lambda m: isinstance(m, (nn.Sequential, nn.Linear)))
+    for _ in range(3):
+        x = torch.randn(3, 4)
+        for m, o in ((model, opt), (reference, ref_opt)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    full = zero_ext.full_state_dict(model)
+    for name, p in reference.state_dict().items():
+        assert torch.equal(full[name], p), name
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_skip_nonfinite_is_off_by_default_and_skips_when_on(stage):
+    for skip in (False, True):
+        model, opt = make()
+        zero_ext.wrap(model, opt, stage=stage, skip_nonfinite=skip)
+        (model(torch.randn(3, 4)).sum() * float("inf")).backward()
+        before = {k: v.clone() for k, v in zero_ext.full_state_dict(model).items()}
+        if skip:
+            with pytest.warns(UserWarning, match="step skipped on every rank.*1 step"):
+                opt.step()
+        else:
+            opt.step()
+        after = zero_ext.full_state_dict(model)
+        assert opt.skipped_steps == int(skip)
+        assert all(torch.equal(before[k], after[k]) for k in before) == skip
+
+
+def test_bad_skip_nonfinite_value():
+    model, opt = make()
+    with pytest.raises(TypeError, match="skip_nonfinite must be True or False"):
+        zero_ext.wrap(model, opt, skip_nonfinite="yes")
+
+
+def test_checks_that_need_several_ranks():
+    """wrap() over a group this rank is not in; skip_nonfinite when only the
+    last rank's gradient is inf (every rank skips, and trains on after)."""
+    from dist_harness import run_on_ranks
+
+    results = run_on_ranks(2, "fault_scenarios:foreign_group_and_one_sided_nonfinite", deadline_s=300)
+    assert "not a member of the process_group" in results[1]["foreign_group"]
+    for rank, per_stage in enumerate(results):
+        for stage in range(4):
+            assert per_stage[f"stage{stage}"] == {"skipped": 1, "unchanged": True, "warned": True,
+                                                 "then_trained": True}, (rank, stage)

@@ -11,7 +11,7 @@ import weakref
 from typing import Any, Dict, Iterator, List
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_iter, tree_map_only
 
 
 class ZeroExtModule:
@@ -96,7 +96,7 @@ def _tensors(output: Any) -> List[torch.Tensor]:
         elif dataclasses.is_dataclass(item) and not isinstance(item, type):
             stack.extend(getattr(item, f.name) for f in dataclasses.fields(item))
         else:
-            leaves, _ = tree_flatten(item)
+            leaves = list(tree_iter(item))  # tree_flatten's recursive closure is garbage per call
             if len(leaves) == 1 and leaves[0] is item:
                 continue  # a leaf that is no tensor
             stack.extend(leaves)
@@ -133,7 +133,7 @@ def _map_outputs(output: Any, fn) -> Any:
     if dataclasses.is_dataclass(output) and not isinstance(output, type):
         changes = {f.name: _map_outputs(getattr(output, f.name), fn) for f in dataclasses.fields(output) if f.init}
         return dataclasses.replace(output, **changes)
-    leaves, _ = tree_flatten(output)
+    leaves = list(tree_iter(output))
     if len(leaves) == 1 and leaves[0] is output:
         return output
     return tree_map_only(torch.Tensor, lambda t: _map_outputs(t, fn), output)
@@ -145,29 +145,44 @@ class _UnitUse:
     __slots__ = ("__weakref__",)
 
 
-def _track_unit_inputs(buckets, unit: int, args: tuple, kwargs: dict) -> None:
+def _track_unit_inputs(buckets, unit: int, args: tuple, kwargs: dict, spent: List[Any]) -> None:
     """Reports when this use's backward is over: a multi-grad hook fires once
     the gradients of all the unit's inputs are computed (see the note at
     GradBuckets::unit_backward_done). If the graph is dropped without a
     backward (a forward for logging, a non-reentrant checkpoint's recompute),
-    the hook dies with it and the use is reported over all the same."""
+    the hook dies with it and the use is reported over all the same.
+
+    torch's multi-grad hook keeps the graph's nodes in its closures while the
+    nodes hold the hook: a reference cycle that only the cyclic garbage
+    collector frees, ~70 objects per stage 3 step. Once reported, the hook is
+    of no further use: it is removed when the backward ends (a callback queued
+    on the engine: not from inside the hook, while the engine runs it), or
+    else at the next forward."""
     inputs = _tensors((args, kwargs))
     if not inputs:
         buckets.note_untracked_use(unit)
         return
     buckets.add_pending_use(unit)
-    use, reported = _UnitUse(), [False]
+    use, reported, handle = _UnitUse(), [False], []
 
     def report(*_: Any) -> None:
         if not reported[0]:
             reported[0] = True
             buckets.post_backward_use(unit)
+            spent.extend(handle)
+            if torch._C._current_graph_task_id() != -1:
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: _remove_spent(spent))
 
     def on_input_grads(grads: Any, use: _UnitUse = use) -> None:  # holds `use` alive with the graph
         report()
 
-    torch.autograd.graph.register_multi_grad_hook(inputs, on_input_grads, mode="all")
+    handle.append(torch.autograd.graph.register_multi_grad_hook(inputs, on_input_grads, mode="all"))
     weakref.finalize(use, report)
+
+
+def _remove_spent(spent: List[Any]) -> None:
+    while spent:
+        spent.pop().remove()
 
 
 def install_forward_hooks(module: torch.nn.Module, unit_modules: List[torch.nn.Module]) -> None:
@@ -194,8 +209,12 @@ def install_forward_hooks(module: torch.nn.Module, unit_modules: List[torch.nn.M
             t = t.to(compute_dtype)  # mixed precision: floating inputs compute in it too
         return t
 
+    spent: List[Any] = []  # multi-grad hook handles whose use was reported
+
     def before_forward(mod: torch.nn.Module, args: tuple, kwargs: dict):
         buckets.reset_if_stale()
+        buckets.check_param_shapes()
+        _remove_spent(spent)
         if sharded:
             buckets.pre_forward(0)
         if compute_dtype is not None or buckets.loss_scaling():
@@ -225,8 +244,9 @@ def install_forward_hooks(module: torch.nn.Module, unit_modules: List[torch.nn.M
 
         def before_unit(mod: torch.nn.Module, args: tuple, kwargs: dict, u: int = index) -> None:
             buckets.pre_forward(u)
+            _remove_spent(spent)  # units may run without the root (called directly)
             if torch.is_grad_enabled():
-                _track_unit_inputs(buckets, u, args, kwargs)
+                _track_unit_inputs(buckets, u, args, kwargs, spent)
 
         def after_unit(mod: torch.nn.Module, args: Any, output: Any, u: int = index) -> None:
             buckets.post_forward(u, _tensors(output) if torch.is_grad_enabled() else [])

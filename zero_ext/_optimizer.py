@@ -124,6 +124,11 @@ class ZeroExtOptimizer:
                 if grads:
                     torch._foreach_mul_(grads, grad_scale.double().reciprocal().float().item())
         if skip:
+            if not buckets.loss_scaling():
+                warnings.warn(
+                    f"zero_ext: optimizer step skipped on every rank: a gradient held inf/nan on some rank "
+                    f"(skip_nonfinite=True); {self.skipped_steps} step(s) skipped so far. Lower the "
+                    f"learning rate, clip gradients, or look for a bad batch.")
             return None
         if self._zero_ext_cpu_adam:
             return self._zero_ext_cpu_adam_step(closure)
@@ -131,6 +136,12 @@ class ZeroExtOptimizer:
 
     # The same pre/post hooks as the torch optimizer's own step.
     _zero_ext_cpu_adam_step = torch.optim.Optimizer.profile_hook_step(_cpu_adam_step)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for non-finite gradients (skip_nonfinite=True or fp16
+        loss scaling), the same count on every rank."""
+        return int(self._zero_ext.buckets.stats()["skipped_steps"])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._zero_ext.buckets.zero_grad(set_to_none)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from ._api import DynamicLossScale, MixedPrecision
 from ._bucket_plan import plan_buckets
 from ._C_loader import GradBuckets
-from ._groups import acquire_groups
+from ._groups import acquire_groups, group_timeout
 from ._module import ZeroExtModule, install_forward_hooks, swap_module_class
 from ._optimizer import check_elementwise, check_step_not_patched, shard_optimizer
 from ._units import assign_parameters, resolve_units
@@ -187,6 +187,12 @@ def _validate(model, optimizer, stage, mixed_precision, offload_optimizer) -> Li
             f"zero_ext.wrap: the model's tensors are on several devices {sorted(map(str, devices))}; "
             "move the whole model to one device (model.to(device)) before wrap()"
         )
+    if devices == {torch.device("meta")}:
+        raise ValueError(
+            "zero_ext.wrap: the model's parameters are on the meta device (not materialized); "
+            "materialize them first (model.to_empty(device=...) and initialize them, or load "
+            "weights) and then call wrap()"
+        )
     bad = [n for n, p in model.named_parameters() if p.requires_grad and p.dtype != torch.float32]
     if bad:
         raise ValueError(
@@ -250,6 +256,7 @@ def wrap(
     bucket_mb: float = 25.0,
     timeout: Union[None, float, datetime.timedelta] = None,
     prefetch: int = 1,
+    skip_nonfinite: bool = False,
 ) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
     """Makes `model` and `optimizer` ZeRO data parallel, in place.
 
@@ -272,6 +279,10 @@ def wrap(
             one bucket per unit).
         timeout: bound in seconds on every collective wait.
         prefetch: stage 3: units whose all-gather runs ahead of use.
+        skip_nonfinite: skip (on every rank, with a warning) an optimizer
+            step whose gradients hold inf/nan on any rank; off by default,
+            as in PyTorch. fp16 loss scaling skips such steps regardless.
+            ``optimizer.skipped_steps`` counts the skipped steps.
     Returns:
         ``(model, optimizer)``, the same objects.
     Raises:
@@ -284,8 +295,17 @@ def wrap(
         raise ValueError(f"zero_ext.wrap: bucket_mb must be positive, got {bucket_mb!r}")
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"zero_ext.wrap: prefetch must be a non-negative int, got {prefetch!r}")
+    if not isinstance(skip_nonfinite, bool):
+        raise TypeError(f"zero_ext.wrap: skip_nonfinite must be True or False, got {skip_nonfinite!r}")
     group, world = _resolve_group(process_group)
     timeout_td = _timeout(timeout)
+    device = trainable[0].device
+    if group is not None and dist.get_backend(group) == "nccl" and device.type == "cpu":
+        raise ValueError(
+            "zero_ext.wrap: the process group uses NCCL, which reduces GPU tensors only, but the model "
+            "is on the CPU; move it to this rank's GPU first (model.to(f'cuda:{local_rank}')), then "
+            "call wrap() (or use a gloo group for CPU training)"
+        )
 
     group_of = {id(p): g for g, group_ in enumerate(optimizer.param_groups) for p in group_["params"]}
     unit_modules: List[torch.nn.Module] = []
@@ -319,6 +339,13 @@ def wrap(
                                     float(scale.min_scale), int(scale.hysteresis), True)
     elif scale is not None:
         buckets.enable_loss_scaling(float(scale), 2.0, 0.5, 1, 1.0, 1, False)
+    buckets.set_skip_nonfinite(skip_nonfinite)
+    if reduce_name:
+        # A wait stalled this long compares notes with the other ranks (see
+        # communicator.h): a quarter of the timeout, between 1 s and 30 s.
+        limit = timeout_td or group_timeout(group)
+        seconds = limit.total_seconds() if limit is not None else 1800.0
+        buckets.enable_stall_diagnosis(min(max(seconds / 4, 1.0), 30.0), reduce_name)
     if group is not None and world > 1:
         with torch.no_grad():
             for buffer in model.buffers():  # every rank starts from rank 0's state

@@ -1,0 +1,109 @@
+"""Runs a function on N gloo ranks where some rank is expected to fail, and
+reports how every rank ended: its error (if any), when it exited, and whether
+it had to be killed because it hung.
+
+Unlike dist_harness, a failing rank does not end the group: the point is to
+see whether the other ranks end by themselves, and how long they take. A rank
+that raises writes its error and leaves with os._exit (tearing down the
+process group could block on a dead peer). A victim rank calls
+``record_fault()`` just before it kills itself or raises, so the parent can
+time every other rank's exit from the fault.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+_fault_file: Optional[str] = None
+
+
+def record_fault() -> None:
+    """Called by the victim rank at the moment of the fault."""
+    with open(_fault_file, "w") as f:
+        json.dump({"time": time.time()}, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _rank_main(rank: int, world: int, tmp: str, target: str, args: tuple) -> None:
+    global _fault_file
+    _fault_file = os.path.join(tmp, "fault.json")
+    out_file = os.path.join(tmp, f"rank{rank}.json")
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'rdv')}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=120))
+        module_name, fn_name = target.split(":")
+        result = getattr(importlib.import_module(module_name), fn_name)(rank, world, *args)
+        outcome = {"result": result, "error": None}
+    except BaseException as e:  # noqa: BLE001 - every way out is reported
+        outcome = {"result": None, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    outcome["time"] = time.time()
+    with open(out_file, "w") as f:
+        json.dump(outcome, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if outcome["error"] is None else 1)
+
+
+@dataclass
+class RankEnd:
+    rank: int
+    exitcode: Optional[int]  # None: hung, killed by the parent; negative: killed by a signal
+    error: Optional[str]
+    result: Any
+    seconds_after_fault: Optional[float]
+
+
+def run_with_fault(world: int, target: str, args: tuple = (), deadline_s: float = 120.0) -> List[RankEnd]:
+    """Calls ``module:function(rank, world, *args)`` on `world` ranks and
+    waits (at most deadline_s) for every rank to exit by itself."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_rank_main, args=(r, world, tmp, target, args), daemon=True)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        end = time.monotonic() + deadline_s
+        exit_times = [None] * world
+        while time.monotonic() < end and any(t is None for t in exit_times):
+            for r, p in enumerate(procs):
+                if exit_times[r] is None and p.exitcode is not None:
+                    exit_times[r] = time.time()
+            time.sleep(0.05)
+        hung = [r for r, p in enumerate(procs) if p.exitcode is None]
+        for r in hung:
+            procs[r].kill()
+        for p in procs:
+            p.join(timeout=10)
+        fault_time = None
+        if os.path.exists(os.path.join(tmp, "fault.json")):
+            with open(os.path.join(tmp, "fault.json")) as f:
+                fault_time = json.load(f)["time"]
+        ends = []
+        for r, p in enumerate(procs):
+            path = os.path.join(tmp, f"rank{r}.json")
+            outcome = {"result": None, "error": None}
+            if os.path.exists(path):
+                with open(path) as f:
+                    outcome = json.load(f)
+            if outcome.get("traceback"):
+                print(f"[rank {r}] {outcome['traceback']}", file=sys.stderr)
+            ended = exit_times[r]
+            ends.append(RankEnd(
+                rank=r, exitcode=None if r in hung else p.exitcode, error=outcome.get("error"),
+                result=outcome.get("result"),
+                seconds_after_fault=None if ended is None or fault_time is None else ended - fault_time))
+        return ends

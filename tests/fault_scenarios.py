@@ -1,0 +1,210 @@
+"""Training loops that break on one rank, run by fault_harness.run_with_fault.
+
+The model is four identical blocks (stage 3 makes each a unit) trained with
+AdamW; at step `fault_step` the victim rank kills itself (SIGKILL) or raises
+at a chosen point, or the ranks take different paths. Every rank returns
+"finished" if its loop ends; what the tests check is how each rank ended.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import zero_ext
+from fault_harness import record_fault
+
+VICTIM = 1
+FAULT_STEP = 2
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(h))
+
+
+class Blocks(nn.Module):
+    def __init__(self, dim: int = 16, count: int = 4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(count))
+        self.out = nn.Linear(dim, 4)
+
+    def forward(self, x: torch.Tensor, skip=()) -> torch.Tensor:
+        h = self.inp(x)
+        for i, block in enumerate(self.blocks):
+            if i not in skip:
+                h = block(h)
+        return self.out(h)
+
+
+def batch(step: int, rank: int):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+
+
+def _die() -> None:
+    record_fault()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_or_raise(rank: int, world: int, stage: int, point: str, timeout: float, steps: int = 6) -> str:
+    """point: kill_forward, kill_backward, kill_step (SIGKILL on the victim in
+    the middle of that phase) or raise_forward (an exception escapes the
+    victim's forward and ends its process)."""
+    model = Blocks()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = zero_ext.wrap(model, opt, stage=stage, timeout=timeout)
+    current = {"step": 0}
+    victim = rank == VICTIM
+
+    def at_fault() -> bool:
+        return victim and current["step"] == FAULT_STEP
+
+    def forward_fault(module, args):
+        if at_fault():
+            if point == "kill_forward":
+                _die()
+            if point == "raise_forward":
+                record_fault()
+                raise RuntimeError("injected failure in the victim's forward")
+
+    def hook_output(module, args, output):
+        if at_fault() and point == "kill_backward" and output.requires_grad:
+            output.register_hook(lambda grad: _die())
+
+    model.blocks[2].register_forward_pre_hook(forward_fault)
+    model.blocks[1].register_forward_hook(hook_output)
+    if point == "kill_step":
+        opt.register_step_pre_hook(lambda *a: _die() if at_fault() else None)
+    for step in range(steps):
+        current["step"] = step
+        x, y = batch(step, rank)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return "finished"
+
+
+def raise_inside_zero_ext(rank: int, world: int, stage: int, point: str, timeout: float, linger: bool,
+                          steps: int = 6) -> str:
+    """zero_ext's own gradient hook or epilogue raises on the victim at
+    FAULT_STEP (test-only ZERO_EXT_TEST_FAULT). The victim sees the error from
+    backward(), then goes on training as a user skipping a bad batch would;
+    the others must not wait forever for the collectives it skipped. With
+    `linger`, the victim stays alive past the timeout after its last error, so
+    the others can only end by their bounded waits."""
+    os.environ["ZERO_EXT_TEST_FAULT"] = f"{point}:{VICTIM}:{FAULT_STEP}"
+    model = Blocks()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = zero_ext.wrap(model, opt, stage=stage, timeout=timeout)
+    raised = None
+    for step in range(steps):
+        x, y = batch(step, rank)
+        try:
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+        except RuntimeError as e:
+            if raised is None and str(e).startswith("zero_ext test fault"):
+                record_fault()
+                raised = str(e).splitlines()[0]
+                opt.zero_grad()
+                continue
+            if raised is None:
+                raise  # not the victim: its own error, as zero_ext raised it
+            if linger:
+                time.sleep(timeout + 5)
+            raise RuntimeError(f"after the injected fault ({raised}): {e}") from e
+        opt.zero_grad()
+    return "finished"
+
+
+def extra_backward_on_rank0(rank: int, world: int, stage: int, timeout: float, steps: int = 4) -> str:
+    """Rank 0 runs two backward passes before step 1's optimizer step, the
+    others one: a divergence zero_ext must report, not hang on."""
+    model = Blocks()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = zero_ext.wrap(model, opt, stage=stage, timeout=timeout)
+    for step in range(steps):
+        x, y = batch(step, rank)
+        passes = 2 if (rank == 0 and step == 1) else 1
+        if step == 1 and rank == 0:
+            record_fault()
+        for _ in range(passes):
+            F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return "finished"
+
+
+def unit_skipped_on_rank0(rank: int, world: int, timeout: float, steps: int = 4) -> str:
+    """Stage 3: at step 1 rank 0 skips block 2 (rank-dependent control flow),
+    so its units are gathered differently from the other ranks'."""
+    model = Blocks()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = zero_ext.wrap(model, opt, stage=3, timeout=timeout)
+    for step in range(steps):
+        x, y = batch(step, rank)
+        skip = (2,) if (rank == 0 and step == 1) else ()
+        if skip:
+            record_fault()
+        F.mse_loss(model(x, skip=skip), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return "finished"
+
+
+def foreign_group_and_one_sided_nonfinite(rank: int, world: int) -> dict:
+    """Two checks that need several ranks: wrap() over a group this rank is
+    not in, and skip_nonfinite when only the last rank's gradient is inf."""
+    import torch.distributed as dist
+
+    out = {}
+    group = dist.new_group(ranks=[0])  # every rank calls new_group; only rank 0 is in it
+    model = Blocks()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if rank != 0:
+        try:
+            zero_ext.wrap(model, opt, process_group=group)
+            out["foreign_group"] = "no error"
+        except ValueError as e:
+            out["foreign_group"] = str(e)
+    for stage in (0, 1, 2, 3):
+        model = Blocks()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, opt = zero_ext.wrap(model, opt, stage=stage, skip_nonfinite=True)
+        before = {k: v.clone() for k, v in zero_ext.full_state_dict(model).items()}
+        x, y = batch(0, rank)
+        loss = F.mse_loss(model(x), y)
+        if rank == world - 1:
+            loss = loss * float("inf")
+        loss.backward()
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        opt.zero_grad()
+        after = zero_ext.full_state_dict(model)
+        out[f"stage{stage}"] = {
+            "skipped": opt.skipped_steps,
+            "unchanged": all(torch.equal(before[k], after[k]) for k in before),
+            "warned": any("skipped on every rank" in str(w.message) for w in caught),
+        }
+        # The next clean step trains normally.
+        x, y = batch(1, rank)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        out[f"stage{stage}"]["then_trained"] = not all(
+            torch.equal(after[k], v) for k, v in zero_ext.full_state_dict(model).items())
+    return out

@@ -1,0 +1,104 @@
+"""Faults on one rank end every rank with an error, within the timeout.
+
+Each case runs in a fresh group of spawned gloo ranks (a broken group cannot
+be reused) and checks how every rank ended: no rank may hang (the harness
+would have to kill it), every rank other than the victim must fail with
+zero_ext's error naming the collective, and the last exit must come within
+the timeout zero_ext was given plus 30 s of the fault. The seconds from the
+fault to each rank's exit are printed (pytest -s shows them).
+"""
+import pytest
+
+from fault_harness import run_with_fault
+
+TIMEOUT = 8.0  # zero_ext's own groups; the stall diagnosis starts after TIMEOUT / 4
+BOUND = TIMEOUT + 30.0
+
+
+def report(case, ends):
+    times = ", ".join(f"rank {e.rank}: {e.seconds_after_fault:.2f} s" for e in ends
+                      if e.seconds_after_fault is not None)
+    print(f"\n{case}: exit after the fault: {times}")
+
+
+def assert_everyone_ended_in_time(ends):
+    hung = [e.rank for e in ends if e.exitcode is None]
+    assert not hung, f"ranks {hung} hung and were killed"
+    late = [(e.rank, e.seconds_after_fault) for e in ends
+            if e.seconds_after_fault is None or e.seconds_after_fault > BOUND]
+    assert not late, f"ranks exited too late (or no fault was recorded): {late}"
+
+
+@pytest.mark.parametrize("point", ["kill_forward", "kill_backward", "kill_step", "raise_forward"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_rank_that_dies_or_raises_ends_every_rank(world, stage, point):
+    ends = run_with_fault(world, "fault_scenarios:kill_or_raise", (stage, point, TIMEOUT), deadline_s=BOUND + 30)
+    report(f"world {world}, stage {stage}, {point}", ends)
+    assert_everyone_ended_in_time(ends)
+    victim = ends[1]
+    if point.startswith("kill"):
+        assert victim.exitcode == -9
+    else:
+        assert victim.exitcode == 1 and "injected failure in the victim's forward" in victim.error
+    for e in ends:
+        if e.rank != 1:
+            assert e.exitcode == 1, (e.rank, e.exitcode, e.result)
+            assert e.error.startswith("RuntimeError: zero_ext: ") and "failed on rank" in e.error, e.error
+
+
+@pytest.mark.parametrize("point", ["grad_hook", "epilogue"])
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_an_error_inside_zero_ext_on_one_rank_ends_every_rank(stage, point):
+    # The victim lingers past the timeout, so the others cannot learn of it
+    # from a closed connection: only bounded waits end them.
+    ends = run_with_fault(2, "fault_scenarios:raise_inside_zero_ext", (stage, point, TIMEOUT, True),
+                          deadline_s=BOUND + 30)
+    report(f"stage {stage}, raise in {point}", ends)
+    assert_everyone_ended_in_time(ends)
+    victim, other = ends[1], ends[0]
+    assert victim.exitcode == 1 and f"zero_ext test fault: raised in {point}" in victim.error
+    # Its later training refuses to go on rather than issue mismatched collectives.
+    assert "cannot go on training" in victim.error
+    assert other.exitcode == 1 and other.error.startswith("RuntimeError: zero_ext: ")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_different_number_of_backward_passes_is_reported(stage):
+    ends = run_with_fault(2, "fault_scenarios:extra_backward_on_rank0", (stage, TIMEOUT), deadline_s=BOUND + 30)
+    report(f"stage {stage}, extra backward on rank 0", ends)
+    assert_everyone_ended_in_time(ends)
+    for e in ends:
+        assert e.exitcode == 1, (e.rank, e.result)
+        # Either the gradient exchange saw the rows differ, or the stalled
+        # waits compared notes: both name every rank's step and backward.
+        assert ("the ranks have diverged" in e.error or "stalled in different collectives" in e.error), e.error
+        assert "rank 0" in e.error and "rank 1" in e.error
+        assert "synced backward 2 of the step" in e.error or "after 2 synced backward(s)" in e.error
+        assert e.seconds_after_fault < TIMEOUT, "reported by the check, not by the timeout"
+
+
+def test_a_unit_run_on_some_ranks_only_is_reported():
+    ends = run_with_fault(2, "fault_scenarios:unit_skipped_on_rank0", (TIMEOUT,), deadline_s=BOUND + 30)
+    report("stage 3, block 2 skipped on rank 0", ends)
+    assert_everyone_ended_in_time(ends)
+    for e in ends:
+        assert e.exitcode == 1, (e.rank, e.result)
+        assert ("stalled in different collectives" in e.error or "was gathered" in e.error), e.error
+        assert "unit" in e.error and "rank 0" in e.error and "rank 1" in e.error
+        assert e.seconds_after_fault < TIMEOUT
+
+
+@pytest.mark.slow
+def test_soak_1000_steps_stage3_nothing_accumulates(tmp_path):
+    """1000 stage 3 steps at world size 2 with retain_graph every 10th step,
+    no_sync every 3rd and a checkpoint every 200th: resident memory and the
+    count of live tensors at step 1000 are within 1% of step 100's."""
+    from dist_harness import run_on_ranks
+
+    per_rank = run_on_ranks(2, "soak_scenario:soak", args=(str(tmp_path),), deadline_s=900)
+    for rank, marks in enumerate(per_rank):
+        early, late = marks["100"] if "100" in marks else marks[100], marks["1000"] if "1000" in marks else marks[1000]
+        print(f"\nsoak rank {rank}: step 100 {early}, step 1000 {late}")
+        assert late["tensors"] == pytest.approx(early["tensors"], rel=0.01), (early, late)
+        assert late["rss_kib"] == pytest.approx(early["rss_kib"], rel=0.01), (early, late)
