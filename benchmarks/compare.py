@@ -466,12 +466,13 @@ def plot(args, results: Dict[str, Dict], path: str) -> Optional[str]:
         ax.bar(names, values, color=colors)
         ax.set_title(title)
         ax.tick_params(axis="x", rotation=45)
-    axes[0][1].scatter(names, [ok[s]["zero_formula_bytes"] / 2 ** 20 for s in names], color="black",
-                       marker="_", s=400, label="ZeRO formula", zorder=3)
-    axes[0][1].legend()
-    axes[1][0].scatter(names, [ok[s]["theory_sent_bytes"] / 2 ** 20 for s in names], color="black",
-                       marker="_", s=400, label="theory (gloo)", zorder=3)
-    axes[1][0].legend()
+    for ax, key, label in ((axes[0][1], "zero_formula_bytes", "ZeRO formula"),
+                           (axes[1][0], "theory_sent_bytes", "theory (gloo)")):
+        marks = [ok[s][key] / 2 ** 20 for s in names]
+        ax.scatter(names, marks, color="black", marker="_", s=400, label=label, zorder=3)
+        top = max(marks + [p.get_height() for p in ax.patches])
+        ax.set_ylim(0, 1.3 * top)  # room for the legend above the marks
+        ax.legend(loc="upper right")
     ax = axes[1][1]
     for s in names:
         ax.plot(range(1, len(ok[s]["losses"]) + 1), ok[s]["losses"], label=s,

@@ -85,34 +85,41 @@ void Communicator::enable_stall_diagnosis(double seconds, const std::string& key
   stall_keys_ = "zero_ext_stall/" + key_space + "/rank";
 }
 
-void Communicator::diagnose_stall(const std::string& what) const {
+void Communicator::diagnose_stall(const c10::intrusive_ptr<c10d::Work>& work,
+                                  const std::string& what) const {
   const std::string mine = stall_keys_ + std::to_string(rank_);
   store_->set(mine, std::vector<uint8_t>(what.begin(), what.end()));
-  // Give the others one more interval to post theirs.
+  // Posts are overwritten with "" once a wait completes (never deleted, so a
+  // get() cannot block on a key that just vanished), and re-read each round:
+  // only ranks stalled right now count.
   std::vector<std::string> posts(size_);
+  bool differ = false;
   const auto until = std::chrono::steady_clock::now() + stall_interval_;
-  bool all_posted = false;
-  while (!all_posted && std::chrono::steady_clock::now() < until) {
-    all_posted = true;
+  while (true) {
+    // Completion is read before the posts: a peer that found the difference
+    // first may already have failed this collective by leaving, and its post
+    // (kept on failure) still says where it was.
+    const bool completed = work->isCompleted();
     for (int64_t r = 0; r < size_; ++r) {
       const std::string key = stall_keys_ + std::to_string(r);
-      if (posts[r].empty() && store_->check({key})) {
+      posts[r].clear();
+      if (r == rank_) {
+        posts[r] = what;
+      } else if (store_->check({key})) {
         auto bytes = store_->get(key);
         posts[r].assign(bytes.begin(), bytes.end());
       }
-      all_posted = all_posted && !posts[r].empty();
+      differ = differ || (!posts[r].empty() && posts[r] != what);
     }
-    if (!all_posted) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (differ || completed || std::chrono::steady_clock::now() >= until) {
+      break;
     }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  bool differ = false;
-  for (const auto& post : posts) {
-    differ = differ || (!post.empty() && post != what);
+  if (!differ || (work->isCompleted() && !work->exception())) {
+    return;  // everyone stalls on this collective, some rank is busy elsewhere, or it matched
   }
-  if (!differ) {
-    return;  // everyone waits on the same collective, or some rank is busy elsewhere
-  }
+  failed_ = true;
   std::ostringstream out;
   for (int64_t r = 0; r < size_; ++r) {
     out << "\n  rank " << r << ": "
@@ -141,20 +148,22 @@ void Communicator::wait(const c10::intrusive_ptr<c10d::Work>& work,
     }
   }
   if (stalled) {
-    diagnose_stall(what);  // raises if the ranks are stalled in different collectives
+    diagnose_stall(work, what);  // raises if the ranks are stalled in different collectives
   }
   try {
     work->wait();
   } catch (const c10::Error& e) {
+    failed_ = true;
     TORCH_CHECK(false, "zero_ext: ", what, " failed on rank ", rank_, " of ", size_,
                 " (a peer may have died, raised, or taken a different code path): ",
                 e.what_without_backtrace());
   } catch (const std::exception& e) {
+    failed_ = true;
     TORCH_CHECK(false, "zero_ext: ", what, " failed on rank ", rank_, " of ", size_,
                 " (a peer may have died, raised, or taken a different code path): ", e.what());
   }
   if (stalled) {
-    store_->deleteKey(stall_keys_ + std::to_string(rank_));  // a stale post would mislead later
+    store_->set(stall_keys_ + std::to_string(rank_), std::vector<uint8_t>());  // no longer stalled
   }
 }
 

@@ -38,10 +38,14 @@ class Communicator {
   // the group's store and reads what the other ranks posted: ranks stalled in
   // different collectives took different paths, and every rank raises at
   // once with each rank's position instead of sitting out the timeout.
-  // Nothing touches the store unless a wait stalls.
+  // Nothing touches the store unless a wait stalls. Host (gloo) waits only:
+  // a timed wait on an NCCL work would block the host on the GPU.
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) const;
   // Stall interval (0: off) and the key space shared by a model's groups.
   void enable_stall_diagnosis(double seconds, const std::string& key_space);
+
+  // Whether a wait on this group failed: its collectives are out of step.
+  bool failed() const { return failed_; }
 
   // Counters for tests and benchmarks: collectives issued and bytes sent.
   int64_t collectives_issued() const { return collectives_issued_; }
@@ -57,8 +61,11 @@ class Communicator {
   std::string stall_keys_;
   c10::intrusive_ptr<c10d::Store> store_;
 
-  // Posts `what`, collects the other ranks' posts; raises if they differ.
-  void diagnose_stall(const std::string& what) const;
+  mutable bool failed_ = false;
+
+  // Posts `what` and reads the other ranks' posts until `work` completes or
+  // another interval passes; raises if a rank is stalled elsewhere.
+  void diagnose_stall(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) const;
 };
 
 } // namespace zero_ext

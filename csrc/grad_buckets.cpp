@@ -73,9 +73,13 @@ GradBuckets::GradBuckets(std::vector<at::Tensor> params,
     std::getline(spec, point, ':');
     std::getline(spec, rank, ':');
     std::getline(spec, step, ':');
-    if (!rank.empty() && std::stoll(rank) == comm_.rank()) {
-      fault_point_ = point;
-      fault_step_ = step.empty() ? -1 : std::stoll(step);
+    try {
+      if (!rank.empty() && std::stoll(rank) == comm_.rank()) {
+        fault_point_ = point;
+        fault_step_ = step.empty() ? -1 : std::stoll(step);
+      }
+    } catch (const std::exception&) {
+      fault_point_.clear();  // malformed: no fault
     }
   }
   TORCH_CHECK(params_.size() == names_.size() && params_.size() == trainable_.size(),
@@ -176,6 +180,7 @@ GradBuckets::GradBuckets(std::vector<at::Tensor> params,
       bucket.param_shard = mine;
     }
   }
+  unit_gathers_.assign(units_.size(), 0);  // the units with parameters, the same on every rank
 
   if (ddp_layout_) {
     for (int64_t i = 0; i < n_params; ++i) {
@@ -262,9 +267,11 @@ std::string GradBuckets::describe_bucket(int64_t b) const {
 }
 
 std::string GradBuckets::describe_unit(int64_t u) const {
-  const int64_t first = buckets_[units_[u].buckets.front()].first;
   std::ostringstream out;
-  out << "unit " << u << " (parameters from '" << names_[first] << "')";
+  out << "unit " << u;
+  if (!units_[u].buckets.empty()) {
+    out << " (parameters from '" << names_[buckets_[units_[u].buckets.front()].first] << "')";
+  }
   return out.str();
 }
 
@@ -337,6 +344,10 @@ void GradBuckets::mark_broken() {
 }
 
 void GradBuckets::check_usable() const {
+  TORCH_CHECK(!comm_.failed() && !gather_comm_.failed(), "zero_ext: rank ", comm_.rank(),
+              " cannot go on training: an earlier collective of this model failed (see the first "
+              "error), so this rank's collectives are out of step with the other ranks'. Restart "
+              "every rank from the last checkpoint.");
   TORCH_CHECK(broken_.empty(), "zero_ext: rank ", comm_.rank(), " cannot go on training: an earlier "
               "error inside zero_ext's gradient hooks or reduction (", broken_, ") left this rank's "
               "collectives out of step with the other ranks', which wait for the ones it skipped "
@@ -631,7 +642,7 @@ bool GradBuckets::exchange_grad_mask_and_flags(const at::Tensor& nonfinite) {
   // Besides the mask and the flags, each rank fills a row of its own with
   // where it is (step, synced backward, gathers per unit): the sum hands every
   // rank every row, so all of them see the same divergence and raise alike.
-  const int64_t width = 2 + static_cast<int64_t>(units_.size());
+  const int64_t width = 2 + static_cast<int64_t>(unit_gathers_.size());
   const int64_t world = comm_.size();
   at::Tensor mask = at::zeros({n + 2 + world * width}, at::TensorOptions().dtype(at::kFloat));
   float* data = mask.data_ptr<float>();
@@ -643,8 +654,7 @@ bool GradBuckets::exchange_grad_mask_and_flags(const at::Tensor& nonfinite) {
   float* row = data + n + 2 + comm_.rank() * width;
   row[0] = static_cast<float>(step_index_ % (int64_t{1} << 23));  // exact in a float
   row[1] = static_cast<float>(synced_in_step_);
-  unit_gathers_.resize(units_.size(), 0);
-  for (size_t u = 0; u < units_.size(); ++u) {
+  for (size_t u = 0; u < unit_gathers_.size(); ++u) {
     row[2 + u] = static_cast<float>(unit_gathers_[u]);
     unit_gathers_[u] = 0;
   }

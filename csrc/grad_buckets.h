@@ -123,6 +123,9 @@ class GradBuckets : public torch::CustomClassHolder {
   void set_skip_nonfinite(bool skip) { skip_nonfinite_ = skip; }
   // See [Note: stall diagnosis] in communicator.h.
   void enable_stall_diagnosis(double seconds, const std::string& key_space) {
+    if (!params_[0].device().is_cpu()) {
+      return;  // NCCL: the watchdog bounds waits; a timed wait would block the host
+    }
     comm_.enable_stall_diagnosis(seconds, key_space);
     gather_comm_.enable_stall_diagnosis(seconds, key_space);
   }
@@ -274,7 +277,7 @@ class GradBuckets : public torch::CustomClassHolder {
   // the last step, and stage 3 gathers of each unit since the last exchange.
   int64_t step_index_ = 0;
   int64_t synced_in_step_ = 0;
-  std::vector<int64_t> unit_gathers_;
+  std::vector<int64_t> unit_gathers_;  // one per unit with parameters, fixed at wrap()
   // Test-only fault injection (ZERO_EXT_TEST_FAULT=point:rank[:step]): raise
   // inside the gradient hook or the epilogue on one rank.
   std::string fault_point_;

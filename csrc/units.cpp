@@ -51,8 +51,9 @@ void GradBuckets::start_gather(int64_t u) {
     bucket.gather_work = gather_comm_.all_gather(bucket.param_flat, bucket.param_shard);
     ++param_gathers_;
   }
-  unit_gathers_.resize(units_.size(), 0);
-  ++unit_gathers_[u];
+  if (u < static_cast<int64_t>(unit_gathers_.size()) && !unit.buckets.empty()) {
+    ++unit_gathers_[u];
+  }
   unit.state = Unit::State::kGathering;
   if (!gathering_all_) {
     int64_t& peak = current_backward().graph_task_id >= 0 ? peak_gathered_backward_ : peak_gathered_forward_;

@@ -104,7 +104,8 @@ class ZeroExtOptimizer:
 
     def step(self, closure=None):
         buckets = self._zero_ext.buckets
-        skip = buckets.begin_step()  # fp16: overflow on some rank (updates the scale)
+        skip = buckets.begin_step()  # fp16 overflow or skip_nonfinite, on some rank (updates the scale)
+        nonfinite_skip = skip and not buckets.loss_scaling()
         found_inf = getattr(self, "found_inf", None)  # set by torch.amp.GradScaler.step()
         if found_inf is not None:
             grad_scale = getattr(self, "grad_scale", None)
@@ -124,7 +125,7 @@ class ZeroExtOptimizer:
                 if grads:
                     torch._foreach_mul_(grads, grad_scale.double().reciprocal().float().item())
         if skip:
-            if not buckets.loss_scaling():
+            if nonfinite_skip:
                 warnings.warn(
                     f"zero_ext: optimizer step skipped on every rank: a gradient held inf/nan on some rank "
                     f"(skip_nonfinite=True); {self.skipped_steps} step(s) skipped so far. Lower the "

@@ -4,7 +4,7 @@ from __future__ import annotations
 import datetime
 import weakref
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Set, Tuple, Union
+from typing import Callable, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,9 @@ class ZeroState:
             "Their gradients would not be reduced or stepped. Update parameters in place "
             "(param.data.copy_(...)) or freeze/replace them before calling wrap()."
         )
+
+
+_stall_generation: Dict[str, int] = {}
 
 
 def _resolve_group(process_group: Optional[dist.ProcessGroup]) -> Tuple[Optional[dist.ProcessGroup], int]:
@@ -345,7 +348,11 @@ def wrap(
         # communicator.h): a quarter of the timeout, between 1 s and 30 s.
         limit = timeout_td or group_timeout(group)
         seconds = limit.total_seconds() if limit is not None else 1800.0
-        buckets.enable_stall_diagnosis(min(max(seconds / 4, 1.0), 30.0), reduce_name)
+        # Per use of the (pooled) group, so a later model never reads an
+        # earlier one's posts; pools are chosen alike on every rank.
+        _stall_generation[reduce_name] = _stall_generation.get(reduce_name, 0) + 1
+        key_space = f"{reduce_name}/{_stall_generation[reduce_name]}"
+        buckets.enable_stall_diagnosis(min(max(seconds / 4, 1.0), 30.0), key_space)
     if group is not None and world > 1:
         with torch.no_grad():
             for buffer in model.buffers():  # every rank starts from rank 0's state
