@@ -135,7 +135,7 @@ void Communicator::diagnose_stall(const c10::intrusive_ptr<c10d::Work>& work,
 }
 
 void Communicator::wait(const c10::intrusive_ptr<c10d::Work>& work,
-                        const std::string& what) const {
+                        const std::function<std::string()>& what) const {
   if (!work) {
     return;
   }
@@ -148,18 +148,18 @@ void Communicator::wait(const c10::intrusive_ptr<c10d::Work>& work,
     }
   }
   if (stalled) {
-    diagnose_stall(work, what);  // raises if the ranks are stalled in different collectives
+    diagnose_stall(work, what());  // raises if the ranks are stalled in different collectives
   }
   try {
     work->wait();
   } catch (const c10::Error& e) {
     failed_ = true;
-    TORCH_CHECK(false, "zero_ext: ", what, " failed on rank ", rank_, " of ", size_,
+    TORCH_CHECK(false, "zero_ext: ", what(), " failed on rank ", rank_, " of ", size_,
                 " (a peer may have died, raised, or taken a different code path): ",
                 e.what_without_backtrace());
   } catch (const std::exception& e) {
     failed_ = true;
-    TORCH_CHECK(false, "zero_ext: ", what, " failed on rank ", rank_, " of ", size_,
+    TORCH_CHECK(false, "zero_ext: ", what(), " failed on rank ", rank_, " of ", size_,
                 " (a peer may have died, raised, or taken a different code path): ", e.what());
   }
   if (stalled) {

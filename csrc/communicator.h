@@ -9,6 +9,7 @@
 // collectives degrade to local copies.
 
 #include <chrono>
+#include <functional>
 #include <string>
 
 #include <ATen/ATen.h>
@@ -40,7 +41,8 @@ class Communicator {
   // once with each rank's position instead of sitting out the timeout.
   // Nothing touches the store unless a wait stalls. Host (gloo) waits only:
   // a timed wait on an NCCL work would block the host on the GPU.
-  void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) const;
+  // `what` is only called on a stall or a failure: waits sit on the hot path.
+  void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::function<std::string()>& what) const;
   // Stall interval (0: off) and the key space shared by a model's groups.
   void enable_stall_diagnosis(double seconds, const std::string& key_space);
 

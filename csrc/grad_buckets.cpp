@@ -147,7 +147,7 @@ GradBuckets::GradBuckets(std::vector<at::Tensor> params,
   }
   TORCH_CHECK(next == n_params, "zero_ext internal: bucket plan does not cover every parameter");
   for (size_t b = 0; b < broadcasts.size(); ++b) {
-    comm_.wait(broadcasts[b], "initial broadcast of parameters from rank 0 (" + describe_bucket(b) + ")");
+    comm_.wait(broadcasts[b], [&] { return "initial broadcast of parameters from rank 0 (" + describe_bucket(b) + ")"; });
   }
 
   for (size_t b = 0; b < buckets_.size(); ++b) {
@@ -528,7 +528,7 @@ void GradBuckets::wait_all() {
 void GradBuckets::retire(int64_t b) {
   at::NoGradGuard no_grad;
   Bucket& bucket = buckets_[b];
-  comm_.wait(bucket.work, "gradient reduction of " + describe_bucket(b));
+  comm_.wait(bucket.work, [&] { return "gradient reduction of " + describe_bucket(b); });
   bucket.work.reset();
   if (ddp_layout_) {
     return;  // reduced in place
@@ -665,9 +665,9 @@ bool GradBuckets::exchange_grad_mask_and_flags(const at::Tensor& nonfinite) {
     on_device.narrow(0, n + 1, 1).copy_(nonfinite.reshape({1}));
   }
   if (comm_.distributed()) {
-    comm_.wait(comm_.all_reduce_sum(on_device),
-               "exchange of which parameters got gradients (stage " + std::to_string(stage_) + ", " +
-                   where() + ")");
+    comm_.wait(comm_.all_reduce_sum(on_device), [&] {
+      return "exchange of which parameters got gradients (stage " + std::to_string(stage_) + ", " + where() + ")";
+    });
   }
   mask = on_device.cpu();
   data = mask.data_ptr<float>();
@@ -809,7 +809,7 @@ void GradBuckets::run_epilogue() {
       if (!ddp_layout_ || skip_nonfinite_) {
         at::Tensor flag = local_nonfinite().reshape({1}).to(params_[0].device());
         if (comm_.distributed()) {
-          comm_.wait(comm_.all_reduce_sum(flag), "exchange of the non-finite gradient flag");
+          comm_.wait(comm_.all_reduce_sum(flag), [] { return std::string("exchange of the non-finite gradient flag"); });
         }
         any_nonfinite = flag.item<float>() > 0.0f;
       }
@@ -962,7 +962,7 @@ void GradBuckets::refresh_params(bool every_bucket) {
     works[b] = comm_.all_gather(bucket.param_flat, bucket.param_shard);
   }
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    comm_.wait(works[b], "all-gather of updated parameters of " + describe_bucket(b));
+    comm_.wait(works[b], [&] { return "all-gather of updated parameters of " + describe_bucket(b); });
   }
 }
 
@@ -982,7 +982,7 @@ bool GradBuckets::reset_if_stale_locked() {
   for (size_t b = 0; b < buckets_.size(); ++b) {
     if (buckets_[b].work) {
       try {
-        comm_.wait(buckets_[b].work, "reduction abandoned by a failed backward");
+        comm_.wait(buckets_[b].work, [] { return std::string("reduction abandoned by a failed backward"); });
       } catch (...) {
         failure = failure ? failure : std::current_exception();
       }
@@ -1036,7 +1036,7 @@ std::vector<at::Tensor> GradBuckets::full_grads() {
     works[b] = comm_.all_gather(full[b], shard);
   }
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    comm_.wait(works[b], "all-gather of gradients for full_grads() of " + describe_bucket(b));
+    comm_.wait(works[b], [&] { return "all-gather of gradients for full_grads() of " + describe_bucket(b); });
   }
   for (size_t i = 0; i < params_.size(); ++i) {
     out[i] = full[bucket_of_[i]].narrow(0, offset_[i], params_[i].numel()).view(params_[i].sizes());
@@ -1061,7 +1061,7 @@ std::vector<at::Tensor> GradBuckets::full_masters() {
     works[b] = comm_.all_gather(full[b], shard);
   }
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    comm_.wait(works[b], "all-gather of master weights of " + describe_bucket(b));
+    comm_.wait(works[b], [&] { return "all-gather of master weights of " + describe_bucket(b); });
   }
   std::vector<at::Tensor> out(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {

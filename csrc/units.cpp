@@ -67,8 +67,9 @@ void GradBuckets::finish_gather(int64_t u) {
     return;
   }
   for (int64_t b : unit.buckets) {
-    gather_comm_.wait(buckets_[b].gather_work,
-                      "all-gather of the parameters of " + describe_unit(u) + " (" + describe_bucket(b) + ")");
+    gather_comm_.wait(buckets_[b].gather_work, [&] {
+      return "all-gather of the parameters of " + describe_unit(u) + " (" + describe_bucket(b) + ")";
+    });
     buckets_[b].gather_work.reset();
   }
   unit.state = Unit::State::kGathered;
