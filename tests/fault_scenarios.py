@@ -1,6 +1,7 @@
 """Training loops that break on one rank, run by fault_harness.run_with_fault.
 
-The model is four identical blocks (stage 3 makes each a unit) trained with
+The model is the parity suite's Blocks with four blocks (stage 3 makes each a
+unit; embedding and tied output are the root) trained with
 AdamW; at step `fault_step` the victim rank kills itself (SIGKILL) or raises
 at a chosen point, or the ranks take different paths. Every rank returns
 "finished" if its loop ends; what the tests check is how each rank ended.
@@ -17,39 +18,22 @@ import torch.nn.functional as F
 
 import zero_ext
 from fault_harness import record_fault
+from parity_scenarios import SEQ, VOCAB, Blocks
 
 VICTIM = 1
 FAULT_STEP = 2
 
 
-class Block(nn.Module):
-    def __init__(self, dim: int):
-        super().__init__()
-        self.lin = nn.Linear(dim, dim)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.lin(h))
-
-
-class Blocks(nn.Module):
-    def __init__(self, dim: int = 16, count: int = 4):
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp = nn.Linear(8, dim)
-        self.blocks = nn.ModuleList(Block(dim) for _ in range(count))
-        self.out = nn.Linear(dim, 4)
-
-    def forward(self, x: torch.Tensor, skip=()) -> torch.Tensor:
-        h = self.inp(x)
-        for i, block in enumerate(self.blocks):
-            if i not in skip:
-                h = block(h)
-        return self.out(h)
-
-
-def batch(step: int, rank: int):
+def loss_of(model: nn.Module, step: int, rank: int, **forward_kwargs) -> torch.Tensor:
+    """Next-token loss of the parity suite's Blocks on this rank's tokens."""
     g = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+    tokens = torch.randint(0, VOCAB, (4, SEQ + 1), generator=g)
+    logits = model(tokens[:, :-1], **forward_kwargs)
+    return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def make_model() -> nn.Module:
+    return Blocks(n_blocks=4)
 
 
 def _die() -> None:
@@ -61,7 +45,7 @@ def kill_or_raise(rank: int, world: int, stage: int, point: str, timeout: float,
     """point: kill_forward, kill_backward, kill_step (SIGKILL on the victim in
     the middle of that phase) or raise_forward (an exception escapes the
     victim's forward and ends its process)."""
-    model = Blocks()
+    model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = zero_ext.wrap(model, opt, stage=stage, timeout=timeout)
     current = {"step": 0}
@@ -88,8 +72,7 @@ def kill_or_raise(rank: int, world: int, stage: int, point: str, timeout: float,
         opt.register_step_pre_hook(lambda *a: _die() if at_fault() else None)
     for step in range(steps):
         current["step"] = step
-        x, y = batch(step, rank)
-        F.mse_loss(model(x), y).backward()
+        loss_of(model, step, rank).backward()
         opt.step()
         opt.zero_grad()
     return "finished"
@@ -104,14 +87,13 @@ def raise_inside_zero_ext(rank: int, world: int, stage: int, point: str, timeout
     `linger`, the victim stays alive past the timeout after its last error, so
     the others can only end by their bounded waits."""
     os.environ["ZERO_EXT_TEST_FAULT"] = f"{point}:{VICTIM}:{FAULT_STEP}"
-    model = Blocks()
+    model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = zero_ext.wrap(model, opt, stage=stage, timeout=timeout)
     raised = None
     for step in range(steps):
-        x, y = batch(step, rank)
         try:
-            F.mse_loss(model(x), y).backward()
+            loss_of(model, step, rank).backward()
             opt.step()
         except RuntimeError as e:
             if raised is None and str(e).startswith("zero_ext test fault"):
@@ -131,16 +113,15 @@ def raise_inside_zero_ext(rank: int, world: int, stage: int, point: str, timeout
 def extra_backward_on_rank0(rank: int, world: int, stage: int, timeout: float, steps: int = 4) -> str:
     """Rank 0 runs two backward passes before step 1's optimizer step, the
     others one: a divergence zero_ext must report, not hang on."""
-    model = Blocks()
+    model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = zero_ext.wrap(model, opt, stage=stage, timeout=timeout)
     for step in range(steps):
-        x, y = batch(step, rank)
         passes = 2 if (rank == 0 and step == 1) else 1
         if step == 1 and rank == 0:
             record_fault()
         for _ in range(passes):
-            F.mse_loss(model(x), y).backward()
+            loss_of(model, step, rank).backward()
         opt.step()
         opt.zero_grad()
     return "finished"
@@ -149,15 +130,14 @@ def extra_backward_on_rank0(rank: int, world: int, stage: int, timeout: float, s
 def unit_skipped_on_rank0(rank: int, world: int, timeout: float, steps: int = 4) -> str:
     """Stage 3: at step 1 rank 0 skips block 2 (rank-dependent control flow),
     so its units are gathered differently from the other ranks'."""
-    model = Blocks()
+    model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = zero_ext.wrap(model, opt, stage=3, timeout=timeout)
     for step in range(steps):
-        x, y = batch(step, rank)
-        skip = (2,) if (rank == 0 and step == 1) else ()
-        if skip:
+        plan = [0, 1, 3] if (rank == 0 and step == 1) else None
+        if plan:
             record_fault()
-        F.mse_loss(model(x, skip=skip), y).backward()
+        loss_of(model, step, rank, plan=plan).backward()
         opt.step()
         opt.zero_grad()
     return "finished"
@@ -170,7 +150,7 @@ def foreign_group_and_one_sided_nonfinite(rank: int, world: int) -> dict:
 
     out = {}
     group = dist.new_group(ranks=[0])  # every rank calls new_group; only rank 0 is in it
-    model = Blocks()
+    model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if rank != 0:
         try:
@@ -179,12 +159,11 @@ def foreign_group_and_one_sided_nonfinite(rank: int, world: int) -> dict:
         except ValueError as e:
             out["foreign_group"] = str(e)
     for stage in (0, 1, 2, 3):
-        model = Blocks()
+        model = make_model()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         model, opt = zero_ext.wrap(model, opt, stage=stage, skip_nonfinite=True)
         before = {k: v.clone() for k, v in zero_ext.full_state_dict(model).items()}
-        x, y = batch(0, rank)
-        loss = F.mse_loss(model(x), y)
+        loss = loss_of(model, 0, rank)
         if rank == world - 1:
             loss = loss * float("inf")
         loss.backward()
@@ -201,8 +180,7 @@ def foreign_group_and_one_sided_nonfinite(rank: int, world: int) -> dict:
             "warned": any("skipped on every rank" in str(w.message) for w in caught),
         }
         # The next clean step trains normally.
-        x, y = batch(1, rank)
-        F.mse_loss(model(x), y).backward()
+        loss_of(model, 1, rank).backward()
         opt.step()
         opt.zero_grad()
         out[f"stage{stage}"]["then_trained"] = not all(

@@ -6,10 +6,9 @@ import gc
 import os
 
 import torch
-import torch.nn.functional as F
 
 import zero_ext
-from fault_scenarios import Blocks, batch
+from fault_scenarios import loss_of, make_model
 
 
 def resident_kib() -> int:
@@ -29,16 +28,15 @@ def soak(rank: int, world: int, checkpoint_dir: str, steps: int = 1000) -> dict:
     """retain_graph=True (a second backward over the same forward) every 10th
     step, a no_sync() micro-batch before the synced one every 3rd, and a
     checkpoint (save, then load back) every 200th, from step 0."""
-    model = Blocks(dim=32)
+    model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = zero_ext.wrap(model, opt, stage=3)
     marks = {}
     for step in range(steps + 1):
-        x, y = batch(step % 50, rank)
         if step % 3 == 0:
             with model.no_sync():
-                F.mse_loss(model(x * 0.5), y).backward()
-        loss = F.mse_loss(model(x), y)
+                loss_of(model, step % 50 + 50, rank).backward()
+        loss = loss_of(model, step % 50, rank)
         if step % 10 == 0:
             loss.backward(retain_graph=True)
         loss.backward()
