@@ -2,10 +2,17 @@
 
 The extension is pure C++: CUDA streams are reached through c10's device-generic
 interfaces at run time, so no nvcc is needed and one build serves CPU and GPU.
+The compiler and torch it was built with are recorded in
+zero_ext/_build_info.json, for the build's self-check (zero_ext/selfcheck.py)
+and the error messages that name them.
 """
 import glob
+import json
 import os
+import shutil
+import subprocess
 
+import torch
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
@@ -17,6 +24,23 @@ extra = ["-O3", "-fno-math-errno", "-fopenmp", "-Wno-deprecated-declarations"]
 if os.environ.get("ZERO_EXT_DEBUG"):
     extra = ["-O0", "-g", "-fopenmp", "-Wno-deprecated-declarations"]
 
+
+def compiler_info() -> dict:
+    # torch.utils.cpp_extension compiles with $CXX, else `c++`.
+    cxx = os.environ.get("CXX", "c++")
+    path = shutil.which(cxx.split()[0]) or cxx
+    try:
+        version = subprocess.run([path, "--version"], capture_output=True, text=True,
+                                 timeout=60).stdout.splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        version = "version unknown"
+    return {"cxx": path, "cxx_realpath": os.path.realpath(path), "cxx_version": version,
+            "torch": torch.__version__}
+
+
+with open(os.path.join(here, "zero_ext", "_build_info.json"), "w") as f:
+    json.dump(compiler_info(), f, indent=1)
+
 setup(
     ext_modules=[
         CppExtension(
@@ -27,5 +51,6 @@ setup(
             extra_link_args=["-fopenmp"],
         )
     ],
+    package_data={"zero_ext": ["_build_info.json"]},
     cmdclass={"build_ext": BuildExtension},
 )

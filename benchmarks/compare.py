@@ -73,6 +73,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from _models import blocks_of, build_model, describe, transformers_available, PRESETS  # noqa: E402
+from zero_ext._torch_compat import profiled_ops  # noqa: E402  (torch-version differences live there)
 
 ALL_SYSTEMS = ["ddp", "fsdp2", "fsdp2-keep", "deepspeed-1", "deepspeed-2", "deepspeed-3",
                "zero_ext-0", "zero_ext-1", "zero_ext-2", "zero_ext-3"]
@@ -200,18 +201,18 @@ def deepspeed_state_bytes(engine) -> Dict[str, int]:
     return {"params": params, "grads": grads + other, "optimizer_state": state}
 
 
-def sent_bytes(events, world: int) -> Dict[str, float]:
-    """Bytes sent by this rank for the backend collectives among `events`."""
+def sent_bytes(ops, world: int) -> Dict[str, float]:
+    """Bytes sent by this rank for the backend collectives among `ops`
+    ((name, input shapes, input dtypes), from zero_ext's profiled_ops)."""
     sent, count, by_kind = 0.0, 0, {}
-    for e in events:
-        name = e.name
+    for name, shapes, dtypes in ops:
         if not (name.startswith("gloo:") or name.startswith("nccl:")):
             continue
         kind = name.split(":", 1)[1]
-        if "barrier" in kind or not e.input_shapes:
+        if "barrier" in kind or not shapes:
             continue
-        numel = sum(math.prod(s) for s in e.input_shapes if s)
-        dtype = (e.input_dtypes or ["float"])[0]
+        numel = sum(math.prod(s) for s in shapes if s)
+        dtype = (dtypes or ["float"])[0]
         size = numel * {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8,
                         "int": 4}.get(dtype, 4)
         if "all_reduce" in kind or "allreduce" in kind:
@@ -330,7 +331,7 @@ def run_rank(rank: int, world: int, system: str, args, init_file: str, out_dir: 
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
             loss = step(x, y)
         losses.append(loss.item())
-        result.update(sent_bytes(prof.events(), world))
+        result.update(sent_bytes(profiled_ops(prof), world))
         result.update(report())
         result.update(ms_per_step=1e3 * statistics.median(times), losses=losses,
                       baseline_rss_kib=baseline_kib, peak_rss_kib=proc_status_kib("VmHWM"))

@@ -1,6 +1,12 @@
 // The one place that exposes the C++ core to Python, as torch custom classes
 // (torch.classes.zero_ext.*) so it needs no pybind and shows in the profiler.
 #include <Python.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 

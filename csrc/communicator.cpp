@@ -1,11 +1,16 @@
 #include "communicator.h"
 
+#include <chrono>
+#include <exception>
+#include <functional>
 #include <sstream>
-
+#include <string>
 #include <thread>
+#include <vector>
 
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
 
 namespace zero_ext {
 

@@ -13,7 +13,10 @@
 #include <string>
 
 #include <ATen/ATen.h>
+#include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 
 namespace zero_ext {
 

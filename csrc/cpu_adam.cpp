@@ -1,7 +1,9 @@
 #include "cpu_adam.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>

@@ -1,6 +1,10 @@
 #include "epilogue.h"
 
+#include <functional>
+#include <vector>
+
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/graph_task.h>
 
 namespace zero_ext {

@@ -2,14 +2,28 @@
 
 #include "param_storage.h"
 
+#include <algorithm>
 #include <cstdlib>
+#include <exception>
 #include <limits>
+#include <memory>
+#include <mutex>
 #include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
 
+#include <ATen/ATen.h>
+#include <c10/core/Device.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/intrusive_ptr.h>
 
+// Include what you use: Node's hook methods need function.h, which some
+// torch releases pull in through other headers and others (2.11) do not.
+#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 
 namespace zero_ext {
 namespace {

@@ -46,8 +46,13 @@
 #include <string>
 #include <vector>
 
+#include <utility>
+
 #include <ATen/ATen.h>
+#include <ATen/core/Dict.h>
+#include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/custom_class.h>
 
 #include "communicator.h"

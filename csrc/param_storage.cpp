@@ -1,6 +1,8 @@
 #include "param_storage.h"
 
+#include <c10/core/Allocator.h>
 #include <c10/core/DeviceGuard.h>
+#include <c10/core/StorageImpl.h>
 
 namespace zero_ext {
 

@@ -3,6 +3,14 @@
 // next unit's all-gather while the current one computes.
 #include "grad_buckets.h"
 
+#include <algorithm>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/util/intrusive_ptr.h>
+
 #include "param_storage.h"
 
 namespace zero_ext {

@@ -1,4 +1,5 @@
-"""Runs a function on N gloo ranks (spawned processes) and returns each rank's result.
+"""Runs a function on N gloo ranks (spawned processes) and returns each rank's result;
+or many scenarios in one group, where a failing one fails alone (run_items_on_ranks).
 
 A rank that raises reports its traceback and exits at once; the parent then
 ends the whole group, so one failing scenario can never leave ranks hanging in
@@ -15,32 +16,43 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, List
+from typing import Any, Dict, List, Optional, Tuple
 
 
-def _rank_main(rank: int, world: int, init_file: str, target: str, args: tuple, results) -> None:
+def _join(rank: int, world: int, init_file: str, target: str):
+    """Joins the gloo group of this run; returns the function `target` names."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    module_name, fn_name = target.split(":")
+    return getattr(importlib.import_module(module_name), fn_name)
+
+
+def _report_and_exit(rank: int, results, message: tuple) -> None:
+    report = traceback.format_exc()
+    print(f"[rank {rank}] {report}", file=sys.stderr, flush=True)
+    results.put(message + (report,))
+    results.close()
+    results.join_thread()  # os._exit would drop a report still in the feeder thread
+    os._exit(1)
+
+
+def _rank_main(rank: int, world: int, init_file: str, target: str, args: tuple, results) -> None:
+    import torch.distributed as dist
+
     try:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-            timeout=datetime.timedelta(seconds=60),
-        )
-        module_name, fn_name = target.split(":")
-        fn = getattr(importlib.import_module(module_name), fn_name)
+        fn = _join(rank, world, init_file, target)
         out = fn(rank, world, *args)
         results.put((rank, "ok", out))
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - report anything, then leave the group
-        report = traceback.format_exc()
-        print(f"[rank {rank}] {report}", file=sys.stderr, flush=True)
-        results.put((rank, "error", report))
-        results.close()
-        results.join_thread()  # os._exit would drop a report still in the feeder thread
-        os._exit(1)
+        _report_and_exit(rank, results, (rank, "error"))
 
 
 def run_on_ranks(world: int, target: str, args: tuple = (), deadline_s: float = 600.0) -> List[Any]:
@@ -90,3 +102,96 @@ def run_on_ranks(world: int, target: str, args: tuple = (), deadline_s: float = 
         if errors:
             raise RuntimeError("\n".join(errors))
         return out
+
+
+# --- many scenarios in one group, each failing on its own -------------------
+
+def _items_rank_main(rank: int, world: int, init_file: str, target: str, items: list, results) -> None:
+    """Runs items in order; reports ('done', i, out) after each. An item that
+    raises is reported and ends this rank: its peers may be inside a collective
+    it will never join, so the group cannot be trusted to go on."""
+    import torch.distributed as dist
+
+    index = -1
+    try:
+        fn = _join(rank, world, init_file, target)
+        for index, item in enumerate(items):
+            results.put((rank, "done", index, fn(rank, world, item)))
+        results.put((rank, "finished", len(items), None))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - report anything, then leave the group
+        _report_and_exit(rank, results, (rank, "error", index))
+
+
+def run_items_on_ranks(world: int, target: str, items: List[Any], item_deadline_s: float = 180.0,
+                       deadline_s: float = 1800.0) -> Dict[Any, Any]:
+    """Calls ``module:function(rank, world, item)`` for every item on `world`
+    gloo ranks, in order, and returns {item: [result of rank 0, ...]} or
+    {item: "error text"} for an item that raised, killed a rank or made no
+    progress within `item_deadline_s`. After a failure the group is ended and
+    a fresh one goes on with the items not yet run, so one defect is one failure."""
+    ctx = mp.get_context("spawn")
+    outcome: Dict[Any, Any] = {}
+    remaining = list(items)
+    end = time.monotonic() + deadline_s
+    while remaining:
+        per_item: List[List[Any]] = [[None] * world for _ in remaining]
+        done_count = [0] * len(remaining)
+        failure: Optional[Tuple[int, str]] = None
+        finished = 0
+        results = ctx.Queue()
+        with tempfile.TemporaryDirectory() as tmp:
+            init_file = os.path.join(tmp, "rendezvous")
+            procs = [ctx.Process(target=_items_rank_main, args=(r, world, init_file, target, remaining, results),
+                                 daemon=True) for r in range(world)]
+            for p in procs:
+                p.start()
+            progress_at = time.monotonic()
+            try:
+                while finished < world and failure is None:
+                    try:
+                        rank, status, index, payload = results.get(timeout=0.5)
+                    except queue.Empty:
+                        first_open = next((i for i, c in enumerate(done_count) if c < world), 0)
+                        dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                        if dead:
+                            failure = (first_open, f"rank(s) {dead} died without a report (exit codes "
+                                                   f"{[procs[r].exitcode for r in dead]})")
+                        elif time.monotonic() - progress_at > item_deadline_s or time.monotonic() > end:
+                            failure = (first_open, f"no progress within {item_deadline_s:.0f} s (a hang?)")
+                        continue
+                    progress_at = time.monotonic()
+                    if status == "error":
+                        time.sleep(0.2)  # a peer's death often causes the error: name it too
+                        dead = [r for r, p in enumerate(procs) if r != rank and p.exitcode not in (None, 0)]
+                        died = (f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]}); "
+                                if dead else "")
+                        failure = (max(index, 0), f"{died}rank {rank} raised:\n{payload}")
+                    elif status == "finished":
+                        finished += 1
+                    else:
+                        per_item[index][rank] = payload
+                        done_count[index] += 1
+            finally:
+                for p in procs:
+                    if failure is not None and p.is_alive():
+                        p.kill()
+                for p in procs:
+                    p.join(timeout=30)
+                    if p.is_alive():
+                        p.kill()
+        left = []
+        for i, item in enumerate(remaining):
+            if done_count[i] == world:
+                outcome[item] = per_item[i]
+            elif failure is not None and i == failure[0]:
+                outcome[item] = failure[1]
+            else:
+                left.append(item)  # not reached by every rank before the failure: run again
+        remaining = left
+        if remaining and time.monotonic() > end:
+            for item in remaining:
+                outcome[item] = f"not run: the {deadline_s:.0f} s deadline passed"
+            break
+    return outcome

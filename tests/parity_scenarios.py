@@ -986,7 +986,13 @@ class Square(nn.Module):
 
 
 def fp16_output_on_another_outputs_path(ctx: Context) -> None:
-    """The loss uses both returned tensors; the scale applies once."""
+    """The loss uses both returned tensors; the scale applies once.
+
+    The model gets the fp32 target too and computes a loss of its fp32 output
+    against it inside forward. The batch is cast by the caller, as in the
+    reference, and cast_forward_inputs=False leaves the target fp32: with it
+    cast to fp16, mse_loss mixes fp32 and fp16, whose backward torch 2.11
+    refuses ("Found dtype Half but expected Float"; 2.13 promotes)."""
     def loss(model, step, micro):
         total = 0.0
         for r, w in ctx.participants():
@@ -994,7 +1000,8 @@ def fp16_output_on_another_outputs_path(ctx: Context) -> None:
             out, inner = model(x.to(torch.float16), y)
             total = total + w * (F.mse_loss(out.float(), y) + inner)
         return total
-    _mixed_training(ctx, LogitsAndLoss(), _mixed_sgd, loss, steps=2, backwards=2, mixed_precision="fp16")
+    _mixed_training(ctx, LogitsAndLoss(), _mixed_sgd, loss, steps=2, backwards=2,
+                    mixed_precision=zero_ext.MixedPrecision(torch.float16, cast_forward_inputs=False))
 
 
 def fp16_model_applied_to_its_own_output(ctx: Context) -> None:
@@ -1198,17 +1205,22 @@ def compare(ref, got) -> Optional[str]:
     return None
 
 
-def run_all(rank: int, world: int, names: Optional[List[str]] = None) -> Dict[str, Optional[str]]:
-    """Entry point on each rank: every scenario at every stage; returns
-    {"scenario/stage": None or mismatch}. An exception ends the group."""
-    results: Dict[str, Optional[str]] = {}
-    for name, fn in SCENARIOS.items():
-        if names and name not in names:
-            continue
+_REFERENCES: Dict[Tuple[str, int], list] = {}
+
+
+def run_one(rank: int, world: int, item: str) -> Optional[str]:
+    """Entry point on each rank for one "scenario/stageN": None, or the first
+    mismatch against the single-process reference (computed once per scenario)."""
+    name, stage = item.rsplit("/stage", 1)
+    if (name, world) not in _REFERENCES:
         ref_ctx = Context(stage=0, rank=rank, world=world, reference=True)
-        fn(ref_ctx)
-        for stage in stages_of(name):
-            ctx = Context(stage=stage, rank=rank, world=world, reference=False)
-            fn(ctx)
-            results[f"{name}/stage{stage}"] = compare(ref_ctx.checkpoints, ctx.checkpoints)
-    return results
+        SCENARIOS[name](ref_ctx)
+        _REFERENCES[(name, world)] = ref_ctx.checkpoints
+    ctx = Context(stage=int(stage), rank=rank, world=world, reference=False)
+    SCENARIOS[name](ctx)
+    return compare(_REFERENCES[(name, world)], ctx.checkpoints)
+
+
+def all_items(names: Optional[List[str]] = None) -> List[str]:
+    return [f"{name}/stage{stage}" for name in SCENARIOS if not names or name in names
+            for stage in stages_of(name)]

@@ -63,3 +63,36 @@ def test_loss_scaler_state_survives_a_checkpoint(tmp_path):
     zero_ext.wrap(other, other_opt, stage=3, mixed_precision="fp16")
     zero_ext.load(str(tmp_path / "ckpt"), other, other_opt)
     assert other._zero_ext.buckets.loss_scaler_state() == state
+
+
+class _SeesInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seen = []
+
+    def forward(self, x, target):
+        self.seen.append((x.dtype, target.dtype))
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("cast", [True, False])
+def test_cast_forward_inputs_decides_what_the_model_receives(stage, cast):
+    """Default (as FSDP2, DeepSpeed): every floating argument, a target
+    included, arrives in the compute dtype. cast_forward_inputs=False hands
+    them over untouched."""
+    model = _SeesInputs()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    zero_ext.wrap(model, opt, stage=stage,
+                  mixed_precision=zero_ext.MixedPrecision(torch.bfloat16, cast_forward_inputs=cast))
+    x = torch.randn(2, 4, dtype=torch.bfloat16 if not cast else torch.float32)
+    model(x, torch.randn(2, 4)).float().sum().backward()
+    want = (torch.bfloat16, torch.bfloat16) if cast else (torch.bfloat16, torch.float32)
+    assert model.seen == [want]
+
+
+def test_cast_forward_inputs_must_be_a_bool():
+    model, opt = _model()
+    with pytest.raises(TypeError, match="cast_forward_inputs must be True or False"):
+        zero_ext.wrap(model, opt, stage=1, mixed_precision=zero_ext.MixedPrecision(cast_forward_inputs="no"))

@@ -35,8 +35,18 @@ class MixedPrecision:
     DynamicLossScale(); a DynamicLossScale to tune it; a number for a static
     scale (overflowing steps are still skipped). 1.0 turns zero_ext's own
     scaling off, for loops that drive torch.amp.GradScaler themselves.
+
+    cast_forward_inputs: floating tensors passed to the model are cast to
+    `param_dtype` on the way in (as FSDP2 and DeepSpeed do), so an fp32 batch
+    meets low-precision weights. That casts every floating argument, targets
+    included: a loss computed inside forward() from an fp32 output and a cast
+    target mixes dtypes, which torch releases before 2.13 cannot
+    differentiate for some losses (mse_loss: "Found dtype Half but expected
+    Float"). Pass False to hand the model its inputs untouched (cast the
+    batch yourself).
     """
 
     param_dtype: torch.dtype = torch.bfloat16
     reduce_dtype: Optional[torch.dtype] = torch.float32
     loss_scale: Union[None, float, DynamicLossScale] = None
+    cast_forward_inputs: bool = True

@@ -146,7 +146,7 @@ def _scalar(value: Any) -> Optional[dict]:
 
 def _unscalar(spec: dict) -> Any:
     if spec["tensor"]:
-        return torch.tensor(spec["value"], dtype=files.dtype_of(spec["dtype"]))
+        return torch.tensor(spec["value"], dtype=files.dtype_of(spec["dtype"]), device="cpu")
     return spec["value"]
 
 
@@ -320,7 +320,7 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
         scaler = meta["loss_scaler"]
         state.buckets.restore_loss_scaler(float(scaler["scale"]), int(scaler["clean_steps"]),
                                           int(scaler["skipped_steps"]))
-        buffers = torch.load(os.path.join(where, "buffers.pt"), weights_only=True)
+        buffers = torch.load(os.path.join(where, "buffers.pt"), map_location="cpu", weights_only=True)
         for n, buf in _persistent_buffers(model).items():
             if n in buffers:
                 buf.copy_(buffers[n])
@@ -346,7 +346,7 @@ def _check_same_model(where: str, meta: dict, model: torch.nn.Module) -> None:
 
 
 def _load_optimizer(where: str, meta: dict, reader, state, optimizer) -> None:
-    saved = torch.load(os.path.join(where, "optimizer.pt"), weights_only=True)
+    saved = torch.load(os.path.join(where, "optimizer.pt"), map_location="cpu", weights_only=True)
     groups = saved["param_groups"]
     if len(groups) != len(optimizer.param_groups):
         raise RuntimeError(

@@ -42,7 +42,11 @@ def dtype_of(name: str) -> torch.dtype:
 
 
 def _bytes_view(t: torch.Tensor):
-    """The tensor's memory as a ctypes buffer, without a copy."""
+    """The tensor's memory as a ctypes buffer, without a copy. Only host
+    memory: a device pointer handed to file I/O would crash the process."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise RuntimeError(f"zero_ext internal: file I/O needs a contiguous CPU tensor, got one on "
+                           f"{t.device} (contiguous: {t.is_contiguous()})")
     return (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
 
 
@@ -150,7 +154,7 @@ class PieceReader:
         found = self.pieces.get((kind, name, key))
         if not found:
             raise RuntimeError(f"zero_ext: checkpoint {self.path} holds no {kind} {key} for '{name}'")
-        out = torch.empty(length, dtype=dtype or dtype_of(found[0]["dtype"]))
+        out = torch.empty(length, dtype=dtype or dtype_of(found[0]["dtype"]), device="cpu")
         covered = 0
         for piece in found:
             lo = max(start, piece["start"])
@@ -159,7 +163,7 @@ class PieceReader:
                 continue
             stored = dtype_of(piece["dtype"])
             # Straight into the result when the dtype matches: no second copy.
-            chunk = out[lo - start:hi - start] if stored == out.dtype else torch.empty(hi - lo, dtype=stored)
+            chunk = out[lo - start:hi - start] if stored == out.dtype else torch.empty(hi - lo, dtype=stored, device="cpu")
             f = self._file(piece["file"])
             f.seek(piece["offset"] + (lo - piece["start"]) * chunk.element_size())
             want = chunk.numel() * chunk.element_size()

@@ -66,7 +66,7 @@ def acquire_groups(base: dist.ProcessGroup, count: int, timeout: Optional[dateti
     free: List[_Entry] = []
     if entries:
         # Free only where free on every rank, so every rank picks the same ones.
-        busy = torch.tensor([float(e.in_use()) for e in entries], device=device)
+        busy = torch.tensor([float(e.in_use()) for e in entries], dtype=torch.float32, device=device)
         dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=base)
         free = [e for e, b in zip(entries, busy.tolist()) if b == 0.0]
     chosen = free[:count]

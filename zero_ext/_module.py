@@ -69,7 +69,7 @@ class ZeroExtModule:
         if not state.buckets.has_masters():
             return
         full = [state_dict[n].detach().to(p.device, torch.float32) if n in state_dict
-                else torch.zeros(p.shape, device=p.device) for n, p in zip(state.bucketed_names, state.bucketed)]
+                else torch.zeros(p.shape, dtype=torch.float32, device=p.device) for n, p in zip(state.bucketed_names, state.bucketed)]
         state.buckets.load_masters(full)
 
 
@@ -196,7 +196,7 @@ def install_forward_hooks(module: torch.nn.Module, unit_modules: List[torch.nn.M
     sharded = bool(unit_modules)
     buckets = module._zero_ext.buckets
 
-    compute_dtype = module._zero_ext.compute_dtype
+    cast_to = module._zero_ext.compute_dtype if module._zero_ext.cast_inputs else None
 
     def inner(t: torch.Tensor) -> torch.Tensor:
         # The model's own output fed back in (model(model(x))): use the
@@ -205,8 +205,8 @@ def install_forward_hooks(module: torch.nn.Module, unit_modules: List[torch.nn.M
         unscaled = getattr(t, "_zero_ext_unscaled", None)
         if unscaled is not None and unscaled[0] is buckets:
             t = unscaled[1]
-        if compute_dtype is not None and t.is_floating_point():
-            t = t.to(compute_dtype)  # mixed precision: floating inputs compute in it too
+        if cast_to is not None and t.is_floating_point():
+            t = t.to(cast_to)  # mixed precision: floating inputs compute in it too
         return t
 
     spent: List[Any] = []  # multi-grad hook handles whose use was reported
@@ -217,7 +217,7 @@ def install_forward_hooks(module: torch.nn.Module, unit_modules: List[torch.nn.M
         _remove_spent(spent)
         if sharded:
             buckets.pre_forward(0)
-        if compute_dtype is not None or buckets.loss_scaling():
+        if cast_to is not None or buckets.loss_scaling():
             return tree_map_only(torch.Tensor, inner, (args, kwargs))
         return None
 

@@ -76,7 +76,7 @@ def _cpu_adam_step(self, closure=None):
                 continue
             state = self.state[p]
             if not state:  # the layout of torch.optim.Adam's state, so checkpoints match
-                state["step"] = torch.tensor(0.0)
+                state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 if group["amsgrad"]:
@@ -156,7 +156,7 @@ class ZeroExtOptimizer:
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         device = state.device
         if not grads:
-            local = torch.zeros((), device=device)
+            local = torch.zeros((), dtype=torch.float32, device=device)
         elif math.isinf(norm_type):
             local = torch.stack([g.abs().max() for g in grads]).max().float()
         else:

@@ -38,6 +38,7 @@ class ZeroState:
     param_ids: Set[int]
     bucketed_names: List[str]
     compute_dtype: Optional[torch.dtype]  # mixed precision: what parameters compute in
+    cast_inputs: bool  # floating forward inputs are cast to compute_dtype
     sharded_optimizer: bool  # the optimizer steps zero_ext's segments (not the parameters)
     offload: bool  # masters, gradient accumulators and optimizer state in host memory
 
@@ -93,6 +94,7 @@ class Precision:
     compute_dtype: Optional[torch.dtype]  # None: parameters compute in fp32
     reduce_dtype: torch.dtype
     loss_scale: Union[None, float, DynamicLossScale]  # fp16 only
+    cast_inputs: bool = False  # floating forward inputs cast to compute_dtype
 
 
 _FLOATS = {torch.float32: "torch.float32", torch.bfloat16: "torch.bfloat16", torch.float16: "torch.float16"}
@@ -147,8 +149,12 @@ def _precision(mixed_precision: Union[None, str, MixedPrecision]) -> Precision:
                     f"got {d}")
         elif float(loss_scale) == 1.0:
             loss_scale = None
+    if not isinstance(mixed_precision.cast_forward_inputs, bool):
+        raise TypeError(f"zero_ext.wrap: MixedPrecision.cast_forward_inputs must be True or False, "
+                        f"got {mixed_precision.cast_forward_inputs!r}")
     compute = None if param_dtype == torch.float32 else param_dtype
-    return Precision(compute, reduce_dtype, loss_scale)
+    return Precision(compute, reduce_dtype, loss_scale,
+                     cast_inputs=compute is not None and mixed_precision.cast_forward_inputs)
 
 
 def _validate(model, optimizer, stage, mixed_precision, offload_optimizer) -> List[torch.nn.Parameter]:
@@ -364,7 +370,7 @@ def wrap(
         device=ordered[0].device, params=[p for p in ordered if p.requires_grad],
         names=[n for n, p in zip(names, ordered) if p.requires_grad],
         param_ids={id(p) for p in ordered if p.requires_grad}, bucketed=ordered,
-        bucketed_names=names, compute_dtype=compute_dtype,
+        bucketed_names=names, compute_dtype=compute_dtype, cast_inputs=precision.cast_inputs,
         sharded_optimizer=stage >= 1 or buckets.has_masters(), offload=offload,
     )
     for p in ordered:

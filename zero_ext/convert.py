@@ -47,7 +47,7 @@ def convert(checkpoint: str, out: str, dtype: Optional[torch.dtype] = None) -> N
     where = files.resolve(os.path.abspath(checkpoint))
     meta = files.read_metadata(where)
     reader = files.PieceReader(where, meta)
-    buffers = torch.load(os.path.join(where, "buffers.pt"), weights_only=True)
+    buffers = torch.load(os.path.join(where, "buffers.pt"), map_location="cpu", weights_only=True)
 
     # Skeleton: uninitialized tensors (never touched, so never resident);
     # tied names share one tensor, as in the model's own state_dict.
@@ -56,7 +56,7 @@ def convert(checkpoint: str, out: str, dtype: Optional[torch.dtype] = None) -> N
     for param in meta["params"]:
         stored = reader.pieces[("param", param["name"], "")][0]["dtype"]
         target = dtype if dtype is not None and files.dtype_of(stored).is_floating_point else files.dtype_of(stored)
-        tensor = torch.empty(param["shape"], dtype=target)
+        tensor = torch.empty(param["shape"], dtype=target, device="cpu")
         for alias in param["aliases"]:
             skeleton[alias] = tensor
         fill.append((tensor, param))

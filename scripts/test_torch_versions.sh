@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Builds zero_ext against each torch of the supported matrix and runs the
+# compatibility subset of the test suite on it.
+#
+#   bash scripts/test_torch_versions.sh                # the whole matrix
+#   bash scripts/test_torch_versions.sh 2.11.0         # one version
+#   ZERO_EXT_TORCH_ENVS=/big/disk bash scripts/test_torch_versions.sh 2.14.1
+#
+# Each version gets a virtual environment under $ZERO_EXT_TORCH_ENVS
+# (default ~/.cache/zero_ext/torch-envs/torch-VERSION), reused while its torch
+# is the right one. torch is always installed pinned (torch==VERSION): pip
+# never resolves it on its own. The extension is built out of tree in that
+# environment's src/ (incrementally, with ninja), so the checkout's own build
+# (against the default torch) is left alone, and the tests import that copy.
+#
+# The subset: parity at world sizes 1 and 2, errors, checkpoints, CPU Adam,
+# mixed precision, the build self-check and the benchmarks' smoke test. Prints
+# one table row per version: build time, tests passed/failed, wall time.
+set -uo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+# The matrix: the declared lower bound (zero_ext/_torch_compat.py), the GPU
+# machine's torch, the default one and the newest the registry serves.
+MATRIX=(2.11.0 2.12.1 2.13.0 2.14.1)
+VERSIONS=("$@")
+[ ${#VERSIONS[@]} -eq 0 ] && VERSIONS=("${MATRIX[@]}")
+ENVS=${ZERO_EXT_TORCH_ENVS:-$HOME/.cache/zero_ext/torch-envs}
+BASE_PY=${PYTHON:-python3}
+SUBSET=(tests/test_parity.py tests/test_errors.py tests/test_checkpoint.py tests/test_cpu_adam.py
+        tests/test_mixed_precision.py tests/test_selfcheck.py tests/test_default_settings.py
+        tests/test_benchmarks.py)
+mkdir -p "$ENVS"
+
+env_torch_version() {  # the torch version a venv has, or nothing
+  "$1/bin/python" -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null
+}
+
+prepare_env() {  # $1 version, $2 env dir: a venv whose torch is $1
+  local version=$1 env=$2
+  if [ "$(env_torch_version "$env")" = "$version" ]; then
+    echo "[torch $version] reusing $env"
+    return 0
+  fi
+  echo "[torch $version] creating $env"
+  rm -rf "$env"
+  "$BASE_PY" -m venv "$env" || return 1
+  "$env/bin/python" -m pip install --quiet --upgrade pip >/dev/null 2>&1
+  # Pinned: the CPU build where the registry has one (2.13.0 here), else the
+  # standard wheel, which imports and runs on CPU.
+  "$env/bin/python" -m pip install --quiet "torch==$version" >"$env.pip.log" 2>&1 || { tail "$env.pip.log"; return 1; }
+  "$env/bin/python" -m pip install --quiet pytest ninja setuptools wheel numpy >>"$env.pip.log" 2>&1 \
+    || { tail "$env.pip.log"; return 1; }
+  [ "$(env_torch_version "$env")" = "$version" ]
+}
+
+sources_hash() {
+  (cd "$REPO" && cat setup.py pyproject.toml csrc/* | sha256sum | cut -c1-16)
+}
+
+build_in_env() {  # $1 env dir: builds the checkout's sources against its torch
+  local env=$1 src=$1/src
+  mkdir -p "$src"
+  # Copy only what the build and the package need; keep src/build for ninja.
+  rm -rf "$src/zero_ext" "$src/csrc"
+  cp -r "$REPO/zero_ext" "$REPO/csrc" "$REPO/setup.py" "$REPO/pyproject.toml" "$src/"
+  find "$src/zero_ext" -name '*.so' -delete
+  [ -f "$env/built.so" ] && [ "$(cat "$env/built.hash" 2>/dev/null)" = "$(sources_hash)" ] \
+    && cp "$env/built.so" "$src/zero_ext/" && return 0
+  if ! (cd "$src" && MAX_JOBS=${MAX_JOBS:-2} "$env/bin/python" setup.py -q build_ext --inplace) \
+      >"$env/build.log" 2>&1; then
+    grep -E "error|Error" "$env/build.log" | head -n 30
+    echo "[build failed: $env/build.log]"
+    return 1
+  fi
+  cp "$src"/zero_ext/_C*.so "$env/built.so" && sources_hash > "$env/built.hash"
+  # The build checks itself: a C++ error must reach Python as RuntimeError.
+  "$env/bin/python" "$src/zero_ext/selfcheck.py"
+}
+
+ROWS=()
+STATUS=0
+for version in "${VERSIONS[@]}"; do
+  env=$ENVS/torch-$version
+  started=$(date +%s)
+  if ! prepare_env "$version" "$env"; then
+    ROWS+=("| $version | - | setup failed | - |"); STATUS=1; continue
+  fi
+  built_at=$(date +%s)
+  if ! build_in_env "$env"; then
+    ROWS+=("| $version | failed | - | - |"); STATUS=1; continue
+  fi
+  build_s=$(( $(date +%s) - built_at ))
+  log=$env/pytest.log
+  # Run from the env, not the checkout: `import zero_ext` must find the copy
+  # built against this torch, never the checkout's own build.
+  (cd "$env" && PYTHONPATH="$env/src" ZERO_EXT_PARITY_WORLDS=1,2 "$env/bin/python" -m pytest -q \
+      -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml" \
+      "${SUBSET[@]/#/$REPO/}" 2>&1 | tee "$log" | tail -n 40)
+  [ "${PIPESTATUS[0]}" -eq 0 ] || STATUS=1
+  summary=$(grep -E '^=+ .*(passed|failed|error).* =+$' "$log" | tail -1 | sed -E 's/=+ //; s/ =+$//')
+  ROWS+=("| $version | ${build_s}s | ${summary:-no summary (see $log)} | $(( $(date +%s) - started ))s |")
+done
+
+echo
+echo "| torch | build | tests | wall |"
+echo "|---|---|---|---|"
+printf '%s\n' "${ROWS[@]}"
+exit $STATUS

@@ -1,0 +1,57 @@
+"""The torch versions zero_ext supports, and every version difference it
+handles, in one place.
+
+Supported: torch 2.11 up to the newest release tested (2.14). 2.11 is the
+oldest because it is what the GPU machines this project is measured on run,
+and the oldest release the whole suite has passed on
+(scripts/test_torch_versions.sh); older releases lack nothing known, but are
+not tested, so they are refused rather than trusted. Newer releases are
+allowed with a warning: the C++ core uses autograd and c10d internals that
+can change between releases, and the import-time build check
+(selfcheck.py) catches a build that no longer matches.
+"""
+from __future__ import annotations
+
+import re
+import warnings
+from typing import List, Tuple
+
+import torch
+
+MIN_SUPPORTED: Tuple[int, int] = (2, 11)
+NEWEST_TESTED: Tuple[int, int] = (2, 14)
+
+
+def torch_version(version: str = torch.__version__) -> Tuple[int, int]:
+    """(major, minor) of a torch version string such as '2.11.0+cu130'."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if not found:
+        raise ImportError(f"zero_ext: cannot read torch's version {version!r}")
+    return int(found.group(1)), int(found.group(2))
+
+
+def check_supported(version: str = torch.__version__) -> None:
+    """Raises ImportError below the supported range; warns above the tested one."""
+    have = torch_version(version)
+    low = ".".join(map(str, MIN_SUPPORTED))
+    high = ".".join(map(str, NEWEST_TESTED))
+    if have < MIN_SUPPORTED:
+        raise ImportError(
+            f"zero_ext supports torch {low} to {high}; this is torch {version}. Upgrade torch "
+            f"(pip install 'torch>={low}'), then rebuild zero_ext against it "
+            f"(pip install --no-build-isolation --force-reinstall --no-deps zero_ext's source).")
+    if have > NEWEST_TESTED:
+        warnings.warn(
+            f"zero_ext is tested with torch {low} to {high}; torch {version} is newer. It built "
+            f"and passed its self-check, but report anything that behaves differently.", stacklevel=3)
+
+
+def profiled_ops(prof) -> List[Tuple[str, List[List[int]], List[str]]]:
+    """(name, input shapes, input dtypes) of every op a finished
+    torch.profiler.profile(record_shapes=True) recorded. FunctionEvent has
+    `input_dtypes` from torch 2.13 on; before that the dtypes are only on
+    the profiler's underlying kineto events."""
+    events = prof.events()
+    if events and hasattr(events[0], "input_dtypes"):
+        return [(e.name, list(e.input_shapes or []), list(e.input_dtypes or [])) for e in events]
+    return [(k.name(), list(k.shapes()), list(k.dtypes())) for k in prof.profiler.kineto_results.events()]
