@@ -63,6 +63,7 @@ TORCH_LIBRARY(zero_ext, m) {
       .def("post_backward_use", &GradBuckets::post_backward_use)
       .def("note_untracked_use", &GradBuckets::note_untracked_use)
       .def("gather_all", &GradBuckets::gather_all)
+      .def("gather_units_of", &GradBuckets::gather_units_of)
       .def("release_all", &GradBuckets::release_all)
       .def("write_back_shards", &GradBuckets::write_back_shards)
       .def("attach_output_hook", &GradBuckets::attach_output_hook)

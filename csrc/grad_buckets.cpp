@@ -45,6 +45,25 @@ class ParamReadyHook : public torch::autograd::FunctionPostHook {
   int64_t index_;
 };
 
+// Pre hook on a parameter's AccumulateGrad node: drops the gradient stand-in
+// (see [Note: gradient stand-ins]) before the engine accumulates into .grad.
+class ClearStandInHook : public torch::autograd::FunctionPreHook {
+ public:
+  ClearStandInHook(at::Tensor param, at::Tensor stand_in)
+      : param_(std::move(param)), stand_in_(std::move(stand_in)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    at::Tensor& grad = param_.mutable_grad();
+    if (grad.defined() && grad.unsafeGetTensorImpl() == stand_in_.unsafeGetTensorImpl()) {
+      grad = at::Tensor();
+    }
+    return grads;
+  }
+
+ private:
+  at::Tensor param_;  // the node holds it strongly already
+  at::Tensor stand_in_;
+};
+
 bool same_memory(const at::Tensor& a, const at::Tensor& b) {
   return a.defined() && b.defined() && a.data_ptr() == b.data_ptr() &&
          a.sizes() == b.sizes() && a.strides() == b.strides();
@@ -186,6 +205,16 @@ GradBuckets::GradBuckets(std::vector<at::Tensor> params,
     if (stage_ == 3) {
       bucket.param_shard = mine.clone();
       release_storage(bucket.param_flat);
+      released_.resize(params_.size());
+      for (int64_t i = bucket.first; i < bucket.first + bucket.count; ++i) {
+        released_[i] = unreadable_storage(
+            bucket.param_flat.device(),
+            "zero_ext: parameter '" + names_[i] + "' is sharded (stage 3) and holds no data "
+            "outside its unit's forward and backward. Read or change it inside `with "
+            "zero_ext.full_params(model):` (collective: every rank enters it; writeback=True "
+            "keeps changes), or read zero_ext.full_state_dict(model).");
+      }
+      point_params(bucket, /*gathered=*/false);
       if (static_cast<int64_t>(units_.size()) <= bucket.unit) {
         units_.resize(bucket.unit + 1);
       }
@@ -235,6 +264,7 @@ GradBuckets::GradBuckets(std::vector<at::Tensor> params,
   global_has_grad_.assign(n_params, 0);
   accumulators_.resize(n_params);
   hook_keys_.assign(n_params, 0);
+  grad_stand_ins_.resize(n_params);
   for (int64_t i = 0; i < n_params; ++i) {
     if (!trainable_[i]) {
       continue;
@@ -243,6 +273,16 @@ GradBuckets::GradBuckets(std::vector<at::Tensor> params,
     TORCH_CHECK(node, "zero_ext: parameter '", names_[i],
                 "' has no gradient accumulator; is it a leaf that requires grad?");
     hook_keys_[i] = node->add_post_hook(std::make_unique<ParamReadyHook>(this, i));
+    if (!ddp_layout_) {
+      grad_stand_ins_[i] = unreadable_like(
+          params_[i],
+          "zero_ext: the gradient of '" + names_[i] + "' is sharded over the ranks (stage " +
+              std::to_string(stage_) + ") and lives in the optimizer, so param.grad holds no data. "
+              "Clip with zero_ext.clip_grad_norm_(model.parameters(), max_norm) (torch.nn.utils."
+              "clip_grad_norm_ cannot see sharded gradients); read full gradients with "
+              "zero_ext.full_grads(model).");
+      node->add_pre_hook(std::make_unique<ClearStandInHook>(params_[i], grad_stand_ins_[i]));
+    }
     accumulator_nodes_.push_back(node.get());
     accumulators_[i] = std::move(node);
   }
@@ -472,11 +512,11 @@ void GradBuckets::launch(int64_t b) {
       }
       at::Tensor& grad = params_[i].mutable_grad();
       at::Tensor region = staging_region(bucket, i);
-      if (grad.defined()) {
+      if (grad.defined() && !holds_stand_in(i)) {
         region.copy_(grad);  // accumulated under no_sync(), or late
         grad = at::Tensor();
       } else {
-        region.zero_();  // unused here: zeros keep the collective in step
+        region.zero_();  // unused here (a stand-in stays): zeros keep the collective in step
       }
     }
     if (bucket.padded > bucket.numel) {
@@ -751,6 +791,18 @@ void GradBuckets::publish_grads() {
     segments_[s].mutable_grad() =
         global_has_grad_[segment_param_[s]] ? segment_grads_[s] : at::Tensor();
   }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor& grad = params_[i].mutable_grad();
+    if (trainable_[i] && !grad.defined() && global_has_grad_[i]) {
+      grad = grad_stand_ins_[i];
+    }
+  }
+}
+
+bool GradBuckets::holds_stand_in(size_t i) const {
+  const at::Tensor& grad = params_[i].grad();
+  return grad.defined() && grad_stand_ins_[i].defined() &&
+         grad.unsafeGetTensorImpl() == grad_stand_ins_[i].unsafeGetTensorImpl();
 }
 
 void GradBuckets::verify_hooks(bool after_sync) const {
@@ -766,7 +818,7 @@ void GradBuckets::verify_hooks(bool after_sync) const {
                 "another dtype or device, or it was re-registered). Its gradient would "
                 "silently miss the reduction. Change parameters in place "
                 "(param.data.copy_(...)) or wrap the model after changing them.");
-    TORCH_CHECK(!(after_sync && !ddp_layout_ && params_[i].grad().defined()),
+    TORCH_CHECK(!(after_sync && !ddp_layout_ && params_[i].grad().defined() && !holds_stand_in(i)),
                 "zero_ext: parameter '", names_[i],
                 "' holds a gradient in .grad that did not pass zero_ext's reduction "
                 "(was .grad assigned by hand during backward?). In stages 1-2 gradients "
@@ -884,7 +936,7 @@ void GradBuckets::zero_grad(bool set_to_none) {
       grad = at::Tensor();
     } else if (ddp_layout_ && global_has_grad_[i]) {
       grad = grad_views_[i];
-    } else if (grad.defined()) {
+    } else if (grad.defined() && !holds_stand_in(i)) {
       grad.zero_();
     }
   }
@@ -917,15 +969,16 @@ void GradBuckets::check_before_step() {
       continue;
     }
     const bool stray = ddp_layout_ ? grad.defined() && !same_memory(grad, grad_views_[i])
-                                   : grad.defined();
+                                   : grad.defined() && !holds_stand_in(i);
     TORCH_CHECK(!stray, "zero_ext: parameter '", names_[i],
                 "' holds a gradient in .grad that zero_ext did not reduce: either the last "
                 "backward ran under no_sync() (run one backward outside it before step()), or "
                 "the gradient bypassed zero_ext's hook (the parameter's .data was replaced "
                 "after wrap()).");
     const Bucket& bucket = buckets_[bucket_of_[i]];
-    TORCH_CHECK(params_[i].storage().unsafeGetStorageImpl() ==
-                        bucket.param_flat.storage().unsafeGetStorageImpl() &&
+    const auto* storage = params_[i].storage().unsafeGetStorageImpl();
+    const bool released_here = stage_ == 3 && storage == released_[i].unsafeGetStorageImpl();
+    TORCH_CHECK((released_here || storage == bucket.param_flat.storage().unsafeGetStorageImpl()) &&
                     params_[i].storage_offset() ==
                         bucket.param_flat.storage_offset() + offset_[i] &&
                     params_[i].dtype() == bucket.param_flat.dtype(),
@@ -939,6 +992,18 @@ void GradBuckets::check_before_step() {
 void GradBuckets::after_step() {
   std::lock_guard<std::mutex> lock(mutex_);
   refresh_params(/*every_bucket=*/false);
+  // The DDP layout's optimizer updates the parameters themselves (torch bumps).
+  if (!ddp_layout_) {
+    bump_versions(/*every_param=*/false);
+  }
+}
+
+void GradBuckets::bump_versions(bool every_param) {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (every_param || (trainable_[i] && global_has_grad_[i])) {
+      params_[i].unsafeGetTensorImpl()->bump_version();
+    }
+  }
 }
 
 void GradBuckets::refresh_params(bool every_bucket) {
@@ -1268,6 +1333,7 @@ void GradBuckets::refresh_params_from_shards() {
   }
   compute_copy_written_ = false;
   refresh_params(/*every_bucket=*/true);
+  bump_versions(/*every_param=*/true);
 }
 
 } // namespace zero_ext

@@ -50,6 +50,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/Dict.h>
+#include <c10/core/Storage.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -105,6 +106,9 @@ class GradBuckets : public torch::CustomClassHolder {
   void post_backward_use(int64_t unit);
   void note_untracked_use(int64_t unit);
   void gather_all();
+  // Gathers the units holding these parameters (indices into the bucketed
+  // parameters), for zero_ext.full_params on a submodule.
+  void gather_units_of(std::vector<int64_t> param_indices);
   void release_all();
   // After full parameters were written (load_full_state_dict): keep the shards.
   void write_back_shards();
@@ -223,6 +227,13 @@ class GradBuckets : public torch::CustomClassHolder {
   void start_gather(int64_t unit);
   void finish_gather(int64_t unit);
   void release_unit(int64_t unit);
+  // Stage 3: the bucket's parameters point at its buffer (gathered) or at
+  // their unreadable stand-ins (released).
+  void point_params(const Bucket& bucket, bool gathered);
+  // Parameters whose values were just rewritten (step, load) bump their
+  // autograd version, as an in-place update in plain PyTorch would, so a
+  // graph saved before raises "modified by an inplace operation".
+  void bump_versions(bool every_param);
   void prefetch_around(int64_t unit, bool forward);
   void finish_forward_order();
   Unit& unit_at(int64_t unit);
@@ -303,6 +314,18 @@ class GradBuckets : public torch::CustomClassHolder {
   std::vector<int64_t> offset_;  // element offset of each param in its bucket
   std::vector<Bucket> buckets_;
   std::vector<at::Tensor> grad_views_;  // stage 0: param-shaped views of staging
+  // [Note: gradient stand-ins]
+  // Outside the DDP layout a reduced gradient lives in the optimizer's shards,
+  // so param.grad would be None after backward and torch.nn.utils.
+  // clip_grad_norm_(model.parameters()) would silently clip nothing. Instead
+  // param.grad holds a stand-in of the parameter's shape with no memory, whose
+  // data access raises an error naming zero_ext.clip_grad_norm_; a pre hook on
+  // the AccumulateGrad node drops it before the next gradient accumulates.
+  std::vector<at::Tensor> grad_stand_ins_;
+  bool holds_stand_in(size_t i) const;
+  // Stage 3: what each parameter points at while its unit is released (see
+  // [Note: unreadable released parameters] in param_storage.h).
+  std::vector<c10::Storage> released_;
 
   // Strong references: a tensor holds its AccumulateGrad node only weakly, and
   // a hook on a node that was dropped and re-created would never fire. (The

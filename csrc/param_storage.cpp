@@ -3,6 +3,10 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
+#include <c10/core/TensorImpl.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <utility>
 
 namespace zero_ext {
 
@@ -24,6 +28,29 @@ void grow_storage(const at::Tensor& tensor, size_t nbytes) {
 
 bool storage_is_released(const at::Tensor& tensor) {
   return tensor.storage().nbytes() == 0;
+}
+
+c10::Storage unreadable_storage(c10::Device device, const std::string& message) {
+  auto impl = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), 0,
+                                                    at::DataPtr(nullptr, device), nullptr,
+                                                    /*resizable=*/false);
+  impl->release_data_and_set_meta_custom_data_ptr_error_msg_(message);
+  return c10::Storage(std::move(impl));
+}
+
+at::Tensor unreadable_like(const at::Tensor& like, const std::string& message) {
+  at::Tensor out = at::empty({0}, like.options());
+  c10::TensorImpl* impl = out.unsafeGetTensorImpl();
+  impl->set_storage_keep_dtype(unreadable_storage(like.device(), message));
+  impl->set_sizes_contiguous(like.sizes());
+  return out;
+}
+
+void point_at(const at::Tensor& tensor, const c10::Storage& storage) {
+  c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
+  if (impl->storage().unsafeGetStorageImpl() != storage.unsafeGetStorageImpl()) {
+    impl->set_storage_keep_dtype(storage);
+  }
 }
 
 } // namespace zero_ext

@@ -7,11 +7,22 @@
 // parameter tensors, and every tensor autograd saved that views them, stay the
 // same objects with the same version counters, so a graph kept with
 // retain_graph=True, or a reentrant checkpoint's recompute, sees the gathered
-// values again. Reading a released parameter is invalid (it holds no memory):
-// zero_ext gathers units before their forward and backward, and
-// zero_ext.full_state_dict() gathers for inspection.
+// values again.
+//
+// [Note: unreadable released parameters]
+// A released parameter must never be read through the freed buffer (print(p),
+// p.norm() or p.numpy() outside forward would dereference nothing). While its
+// unit is released, each parameter tensor points at a storage of its own that
+// holds no memory and raises an error naming zero_ext.full_params on any data
+// access (torch's custom data-pointer error, the mechanism fake tensors use);
+// gathering points it back at the unit's buffer. Only the parameter tensors
+// move: views autograd saved keep the buffer's storage and see it regrown.
+
+#include <string>
 
 #include <ATen/ATen.h>
+#include <c10/core/Device.h>
+#include <c10/core/Storage.h>
 
 namespace zero_ext {
 
@@ -21,5 +32,12 @@ void release_storage(const at::Tensor& tensor);
 // allocator, so this works for any device without device-specific code.
 void grow_storage(const at::Tensor& tensor, size_t nbytes);
 bool storage_is_released(const at::Tensor& tensor);
+// A storage of no memory whose data access raises `message`.
+c10::Storage unreadable_storage(c10::Device device, const std::string& message);
+// Points `tensor` at `storage`, keeping its sizes, strides, offset and version counter.
+void point_at(const at::Tensor& tensor, const c10::Storage& storage);
+// A tensor of `like`'s shape, dtype and device with no memory, whose data
+// access raises `message`.
+at::Tensor unreadable_like(const at::Tensor& like, const std::string& message);
 
 } // namespace zero_ext

@@ -79,8 +79,15 @@ void GradBuckets::finish_gather(int64_t u) {
       return "all-gather of the parameters of " + describe_unit(u) + " (" + describe_bucket(b) + ")";
     });
     buckets_[b].gather_work.reset();
+    point_params(buckets_[b], /*gathered=*/true);
   }
   unit.state = Unit::State::kGathered;
+}
+
+void GradBuckets::point_params(const Bucket& bucket, bool gathered) {
+  for (int64_t i = bucket.first; i < bucket.first + bucket.count; ++i) {
+    point_at(params_[i], gathered ? bucket.param_flat.storage() : released_[i]);
+  }
 }
 
 void GradBuckets::release_unit(int64_t u) {
@@ -90,6 +97,7 @@ void GradBuckets::release_unit(int64_t u) {
   }
   finish_gather(u);  // never free memory a collective is writing
   for (int64_t b : unit.buckets) {
+    point_params(buckets_[b], /*gathered=*/false);
     release_storage(buckets_[b].param_flat);
   }
   unit.state = Unit::State::kReleased;
@@ -269,6 +277,23 @@ void GradBuckets::gather_all() {
   for (size_t u = 0; u < units_.size(); ++u) finish_gather(static_cast<int64_t>(u));
 }
 
+void GradBuckets::gather_units_of(std::vector<int64_t> param_indices) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<int64_t> wanted;
+  for (int64_t i : param_indices) {
+    TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(params_.size()), "zero_ext internal: bad parameter index");
+    const int64_t u = buckets_[bucket_of_[i]].unit;
+    if (u >= 0 && std::find(wanted.begin(), wanted.end(), u) == wanted.end()) {
+      wanted.push_back(u);
+    }
+  }
+  std::sort(wanted.begin(), wanted.end());  // the same order on every rank
+  gathering_all_ = true;
+  for (int64_t u : wanted) start_gather(u);
+  gathering_all_ = false;
+  for (int64_t u : wanted) finish_gather(u);
+}
+
 void GradBuckets::release_all() {
   std::lock_guard<std::mutex> lock(mutex_);
   for (size_t u = 0; u < units_.size(); ++u) release_unit(static_cast<int64_t>(u));
@@ -278,9 +303,8 @@ void GradBuckets::write_back_shards() {
   std::lock_guard<std::mutex> lock(mutex_);
   at::NoGradGuard no_grad;
   for (auto& bucket : buckets_) {
-    if (stage_ == 3) {
-      TORCH_CHECK(!storage_is_released(bucket.param_flat),
-                  "zero_ext internal: write_back_shards() needs gathered parameters");
+    // Gathered buckets only: full_params on a submodule gathers its units alone.
+    if (stage_ == 3 && !storage_is_released(bucket.param_flat)) {
       bucket.param_shard.copy_(bucket.param_flat.narrow(0, comm_.rank() * bucket.shard, bucket.shard));
     }
   }

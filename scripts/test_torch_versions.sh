@@ -96,7 +96,8 @@ for version in "${VERSIONS[@]}"; do
       -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml" \
       "${SUBSET[@]/#/$REPO/}" 2>&1 | tee "$log" | tail -n 40)
   [ "${PIPESTATUS[0]}" -eq 0 ] || STATUS=1
-  summary=$(grep -E '^=+ .*(passed|failed|error).* =+$' "$log" | tail -1 | sed -E 's/=+ //; s/ =+$//')
+  summary=$(grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|errors?)\b.* in [0-9.]+s' "$log" | tail -1 \
+    | sed -E 's/^=+ //; s/ =+$//')
   ROWS+=("| $version | ${build_s}s | ${summary:-no summary (see $log)} | $(( $(date +%s) - started ))s |")
 done
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -481,17 +482,95 @@ def param_groups_and_scheduler(ctx: Context) -> None:
         ctx.record_value(f"step {step} lr group 1", torch.tensor(opt.param_groups[1]["lr"]))
 
 
-def clip_grad_norm(ctx: Context) -> None:
+def _clip_training(ctx: Context, clip) -> None:
+    """clip(model, opt, max_norm, norm_type) after each backward."""
     model = Net(branch=True)  # the unused branch must not count
     model, opt = ctx.wrap(model, sgd(model))
     for step in range(2):
         (10.0 * mlp_loss(ctx, model, step)).backward()
-        norm = ctx.clip(model, opt, max_norm=0.5, norm_type=2.0 if step == 0 else float("inf"))
+        norm = clip(model, opt, 0.5, 2.0 if step == 0 else float("inf"))
         ctx.record_value(f"step {step} total norm", norm)
         ctx.record_grads(f"step {step} clipped", model)
         opt.step()
         opt.zero_grad()
         ctx.record_params(f"step {step}", model)
+
+
+def clip_grad_norm(ctx: Context) -> None:
+    """optimizer.clip_grad_norm_ against torch.nn.utils.clip_grad_norm_."""
+    _clip_training(ctx, ctx.clip)
+
+
+def zero_ext_clip_grad_norm_over_model_parameters(ctx: Context) -> None:
+    """zero_ext.clip_grad_norm_(model.parameters(), ...) with torch's
+    signature, against torch.nn.utils.clip_grad_norm_ on one process."""
+    clip = torch.nn.utils.clip_grad_norm_ if ctx.reference else zero_ext.clip_grad_norm_
+    _clip_training(ctx, lambda model, opt, max_norm, norm_type: clip(model.parameters(), max_norm, norm_type))
+
+
+def parameter_listed_twice_in_a_group(ctx: Context) -> None:
+    """torch.optim warns and steps such a parameter twice: so does every stage."""
+    model = Net()
+    params = list(model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's "duplicate parameters" warning
+        opt = torch.optim.SGD([{"params": params + [model.mid.weight]}], lr=0.1, momentum=0.9)
+        model, opt = ctx.wrap(model, opt)
+    for step in range(2):
+        mlp_loss(ctx, model, step).backward()
+        step_and_record(ctx, model, opt, step)
+
+
+def graph_from_before_the_step_raises(ctx: Context) -> None:
+    """The GAN pattern: a graph built before optimizer.step() saw the old
+    parameter values; its backward after the step raises PyTorch's in-place
+    error (the step bumped the parameters' versions), as in plain PyTorch.
+    A backward of a graph built after the step, and a retained graph's second
+    backward, do not."""
+    model = Net()
+    model, opt = ctx.wrap(model, sgd(model))
+    mlp_loss(ctx, model, 0).backward()
+    stale = mlp_loss(ctx, model, 1)  # built before the step
+    opt.step()
+    opt.zero_grad()
+    try:
+        stale.backward()
+        raised = "no error"
+    except RuntimeError as error:
+        raised = "inplace" if "modified by an inplace operation" in str(error) else str(error)
+    opt.zero_grad()  # whatever the failed backward accumulated before it raised
+    ctx.record_value(f"stale backward raised the in-place error: {raised}",
+                     torch.tensor(float(raised == "inplace")))
+    fresh = mlp_loss(ctx, model, 2)
+    fresh.backward(retain_graph=True)
+    fresh.backward()
+    step_and_record(ctx, model, opt, 2)
+
+
+def full_params_read_ema_and_writeback(ctx: Context) -> None:
+    """Inside zero_ext.full_params every parameter holds its full value on
+    every rank (norms for logging, an EMA copy); writeback=True makes a change
+    the new value; a submodule alone can be gathered."""
+    model = Blocks()
+    model, opt = ctx.wrap(model, adamw(model))
+    full = contextlib.nullcontext if ctx.reference else zero_ext.full_params
+    ema = None
+    for step in range(2):
+        token_loss(ctx, model, step).backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad(), (full(model) if not ctx.reference else full()):
+            norms = {n: p.norm() for n, p in model.named_parameters()}
+            current = {n: p.detach().clone() for n, p in model.named_parameters()}
+            ema = current if ema is None else {n: 0.9 * ema[n] + 0.1 * current[n] for n in current}
+        ctx.record_value(f"step {step} norm of all parameters", torch.stack(list(norms.values())).norm())
+        ctx.checkpoints.append((f"step {step} ema", ema))
+    with torch.no_grad(), (full(model.blocks[1], writeback=True) if not ctx.reference else full()):
+        model.blocks[1].ff.weight.mul_(0.5)
+        model.blocks[1].gate.bias.data.add_(1.0)  # through .data: no version bump of its own
+    ctx.record_params("after writeback", model)
+    token_loss(ctx, model, 5).backward()
+    step_and_record(ctx, model, opt, 5)
 
 
 def autograd_grad_is_side_effect_free(ctx: Context) -> None:
@@ -1163,6 +1242,10 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
         fp16_hands_scaling_to_a_grad_scaler,
         two_models_rank_dependent_branch,
         zero_grad_keeping_zeros,
+        zero_ext_clip_grad_norm_over_model_parameters,
+        parameter_listed_twice_in_a_group,
+        graph_from_before_the_step_raises,
+        full_params_read_ema_and_writeback,
     ]
 }
 STAGES = (0, 1, 2, 3)

@@ -8,6 +8,8 @@ runs in C++ inside the autograd engine; this package is the wiring.
 """
 from ._api import DynamicLossScale, MixedPrecision
 from ._checkpoint import load, save
+from ._clip import clip_grad_norm_
+from ._full_params import full_params
 from ._report import memory_report
 from ._state_dict import full_grads, full_state_dict, load_full_state_dict
 from ._wrap import wrap
@@ -15,7 +17,9 @@ from ._wrap import wrap
 __all__ = [
     "DynamicLossScale",
     "MixedPrecision",
+    "clip_grad_norm_",
     "full_grads",
+    "full_params",
     "full_state_dict",
     "load",
     "load_full_state_dict",

@@ -1,5 +1,5 @@
 """zero_ext.save / zero_ext.load: sharded, atomic, loadable at any world size
-and stage (the format is in _checkpoint_files.py).
+and stage (the format, and how reading distrusts it, is in _checkpoint_files.py).
 
 Each rank writes only the elements it owns: for every bucket, the r-th equal
 slice of its flat parameters (in stages 1-3 exactly the rank's shard; in
@@ -9,19 +9,33 @@ indexed by parameter name and element range, not by rank or bucket, so a
 loading rank reads the ranges of each parameter its own layout needs,
 whatever world size, stage or bucket size wrote them.
 
-Atomicity: every rank writes into `PATH.tmp-<token>`; when all ranks report
-success, rank 0 writes metadata.json (which makes a directory a checkpoint)
-and renames the directory into place, moving an existing checkpoint aside
-first and deleting it after. A crash at any point leaves either the old or
-the new checkpoint complete (see _checkpoint_files.resolve).
+Both are collective and run in phases; after each, every rank reports None
+or its error to all (_Ranks.settle), so a failure anywhere raises everywhere
+at the next exchange instead of leaving peers waiting for the timeout.
+
+save: (0) inputs: the path is rank 0's and every rank must have passed the
+same; `extra` must be something torch.load(weights_only=True) reads back;
+nothing is written before all ranks agree. (1) every rank writes its files
+into `PATH.tmp-<token>`. (2) rank 0 checks every rank's files are there with
+their sizes, writes metadata.json (which makes a directory a checkpoint) and
+renames the directory into place, moving an existing checkpoint aside first
+and deleting it after. A failure removes the unfinished directory; a crash
+at any point leaves either the old or the new checkpoint complete (see
+_checkpoint_files.resolve).
+
+load: (A) open and validate the checkpoint, check it against the model
+(strictly by default) and read the small files; ranks also agree that they
+opened the same save (its token). (B) read this rank's ranges into the model
+and optimizer. Only then the collective refresh of parameters.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
 import uuid
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -62,6 +76,37 @@ class _Ranks:
         box = [obj]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
         return box[0]
+
+    def settle(self, error: Optional[BaseException], payload: Any = None, action: Optional[str] = None,
+               note: str = "", on_failure: Optional[Callable[[], None]] = None) -> List[Any]:
+        """Ends a phase on every rank: each sends its payload and None or its
+        error; returns every rank's payload, or raises on every rank if any
+        failed. Call it after every phase also when the phase raised here, so
+        no rank is left waiting in a later collective.
+
+        With `action` (an I/O phase), every rank raises a RuntimeError naming
+        the failing rank, the cause and the failing rank's `note` (what it
+        cleaned up). Without, every rank raises the failing rank's kind of
+        error (ValueError for bad input, ...) with its message. `on_failure`
+        runs first, on every rank, when a failure was reported (not when a
+        peer died: then nothing is known about its files)."""
+        report = None if error is None else (type(error).__name__, str(error), note)
+        outcomes = self.gather((report, payload))
+        failed = [(r, rep) for r, (rep, _) in enumerate(outcomes) if rep is not None]
+        if not failed:
+            return [p for _, p in outcomes]
+        if on_failure is not None:
+            on_failure()
+        rank, (kind, message, their_note) = failed[0]
+        also = f" (and on rank(s) {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
+        if action is not None:
+            raise RuntimeError(f"{action} failed on rank {rank}{also}: {kind}: {message}. {their_note}".rstrip()) \
+                from error
+        if not self.distributed:
+            raise error
+        kinds = {"ValueError": ValueError, "TypeError": TypeError, "FileNotFoundError": FileNotFoundError}
+        raise kinds.get(kind, RuntimeError)(
+            f"{message} [raised on rank {rank} of {self.world}{also}; every rank stopped]") from error
 
 
 def _layout(state) -> List[Tuple[int, int, int]]:
@@ -138,6 +183,8 @@ def _persistent_buffers(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
 
 def _scalar(value: Any) -> Optional[dict]:
     if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dim() == 0:
+        if not files.storable(value.dtype) or value.dtype.is_complex:
+            raise TypeError(f"zero_ext.save: cannot store scalar optimizer state of dtype {value.dtype}")
         return {"value": value.item(), "tensor": True, "dtype": files.dtype_name(value.dtype)}
     if isinstance(value, (int, float, bool)):
         return {"value": value, "tensor": False}
@@ -150,10 +197,76 @@ def _unscalar(spec: dict) -> Any:
     return spec["value"]
 
 
-def _write_rank_files(tmp: str, model, optimizer, state, ranks: _Ranks, extra) -> Tuple[List[dict], int]:
+# --- save ---------------------------------------------------------------------
+
+def _is_safe(value: Any) -> bool:
+    try:
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        buffer.seek(0)
+        torch.load(buffer, map_location="cpu", weights_only=True)
+        return True
+    except Exception:  # noqa: BLE001 - unpicklable, or refused by weights_only
+        return False
+
+
+def _first_unsafe(value: Any, where: str) -> Tuple[str, Any]:
+    """The innermost entry of `value` that weights_only cannot read back."""
+    if isinstance(value, dict):
+        children = [(f"{where}[{k!r}]", v) for k, v in value.items()]
+    elif isinstance(value, (list, tuple)):
+        children = [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+    else:
+        children = []
+    for at, child in children:
+        if not _is_safe(child):
+            return _first_unsafe(child, at)
+    return where, value  # a leaf, or a container type weights_only refuses
+
+
+def _checked_file(token: str, value: Any, label: str) -> bytes:
+    """The bytes of a .pt file holding `value`, once torch.load(weights_only=True)
+    has read them back: load reads nothing else, so this is checked at save."""
+    try:
+        blob = files.packed(token, value)
+        torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        return blob
+    except Exception:  # noqa: BLE001 - named precisely below
+        pass
+    where, bad = _first_unsafe(value, label)
+    raise TypeError(
+        f"zero_ext.save: {where} is a {type(bad).__module__}.{type(bad).__qualname__}, which "
+        "torch.load(weights_only=True) cannot read back, and zero_ext.load reads checkpoints only that way "
+        "(anything else could run code when loaded). It may hold tensors, numbers, strings, bools, None and "
+        "lists, tuples and dicts of them (e.g. scheduler.state_dict(), torch.get_rng_state()): store the "
+        "object's state_dict() or plain values instead. Nothing was written")
+
+
+def _check_target(path: str) -> None:
+    """Rank 0, before anything is written: `path` must be new, or a checkpoint to replace."""
+    if os.path.islink(path):
+        raise ValueError(
+            f"zero_ext.save: {path} is a symbolic link (to {os.readlink(path)}); replacing the link would leave "
+            "what it points to behind. Save to the directory it points to, or remove the link. Nothing was written")
+    if not os.path.lexists(path):
+        return
+    if not os.path.isdir(path):
+        kind = "a regular file" if os.path.isfile(path) else "not a directory"
+        raise ValueError(f"zero_ext.save: {path} exists and is {kind}, not a checkpoint directory; pass another "
+                         "path or remove it. Nothing was written")
+    strangers = sorted(n for n in os.listdir(path) if not files.is_checkpoint_entry(n))
+    if strangers:
+        raise ValueError(
+            f"zero_ext.save: {path} exists and is not a zero_ext checkpoint (it holds {strangers[:3]}); save "
+            "replaces only checkpoints, so pass a new path or remove the directory. Nothing was written")
+
+
+def _write_rank_files(tmp: str, model, optimizer, state, ranks: _Ranks, token: str,
+                      blobs: Dict[str, bytes]) -> Tuple[List[dict], Dict[str, int]]:
+    """This rank's files in `tmp`; returns its pieces and {file: size}."""
     rank = ranks.rank
     name = f"rank{rank}.bin"
-    writer = files.ShardWriter(os.path.join(tmp, name))
+    writer = files.ShardWriter(os.path.join(tmp, name), token)
     pieces: List[dict] = []
 
     def put(kind: str, param_name: str, start: int, tensor: torch.Tensor, key: str = "", **more) -> None:
@@ -173,7 +286,7 @@ def _write_rank_files(tmp: str, model, optimizer, state, ranks: _Ranks, extra) -
     if rank == 0:  # parameters zero_ext does not bucket (frozen, stages 0-2): full on every rank
         bucketed = {id(p) for p in state.bucketed}
         for n, p in model.named_parameters():
-            if id(p) not in bucketed:
+            if id(p) not in bucketed and p.numel():
                 put("param", n, 0, p.detach().reshape(-1))
 
     for tensor, i, start in _optimizer_pieces(state, optimizer):
@@ -200,42 +313,60 @@ def _write_rank_files(tmp: str, model, optimizer, state, ranks: _Ranks, extra) -
             for k, v in flat.items():
                 put("state", names[i], a, v[a - start:b - start], key=k)
     writer.close()
-    torch.save(extra, os.path.join(tmp, f"extra-rank{rank}.pt"))
-    if rank == 0:
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        torch.save({"class": type(optimizer).__mro__[1].__name__, "param_groups": groups},
-                   os.path.join(tmp, "optimizer.pt"))
-        torch.save({k: v.detach().cpu() for k, v in _persistent_buffers(model).items()},
-                   os.path.join(tmp, "buffers.pt"))
-    return pieces, writer.offset
+    written = {name: writer.offset}
+    for file, blob in blobs.items():
+        files.write_file(os.path.join(tmp, file), blob)
+        written[file] = len(blob)
+    if rank == 0:  # buffers are tensors: always weights_only-safe, and written without a copy in memory
+        buffers = os.path.join(tmp, "buffers.pt")
+        with open(buffers, "wb") as f:
+            values = {k: v.detach().cpu() for k, v in _persistent_buffers(model).items()}
+            torch.save({"token": token, "value": values}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        written["buffers.pt"] = os.path.getsize(buffers)
+    return pieces, written
 
 
-def _metadata(model, optimizer, state, gathered) -> dict:
+def _stored_dtypes(model, state, pieces: List[dict]) -> Dict[str, str]:
+    """Each parameter's dtype in the shard files: its pieces'; for a zero-size
+    one (no pieces), what a piece of it would have been."""
+    out = {p["name"]: p["dtype"] for p in pieces if p["kind"] == "param"}
+    bucketed = {id(p) for p in state.bucketed}
+    masters = state.buckets.has_masters()
+    for n, p in model.named_parameters():
+        if n not in out:
+            out[n] = files.dtype_name(torch.float32 if masters and id(p) in bucketed else p.dtype)
+    return out
+
+
+def _metadata(model, optimizer, state, token: str, pieces: List[dict], sizes: Dict[str, int]) -> dict:
     group_of = {}
     index = {id(p): i for i, p in enumerate(state.bucketed)}
-    for g_index, pieces in enumerate(_optimizer_pieces_by_group(state, optimizer)):
-        for i in pieces:
+    for g_index, members in enumerate(_optimizer_pieces_by_group(state, optimizer)):
+        for i in members:
             group_of[i] = g_index
     params = []
     aliases: Dict[int, List[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(n)
+    dtypes = _stored_dtypes(model, state, pieces)
     for n, p in model.named_parameters():
         i = index.get(id(p))
         params.append({
-            "name": n, "aliases": aliases[id(p)], "shape": list(p.shape),
+            "name": n, "aliases": aliases[id(p)], "shape": list(p.shape), "dtype": dtypes[n],
             "trainable": p.requires_grad, "group": group_of.get(i) if i is not None else None,
         })
     scaler = state.buckets.loss_scaler_state()
     return {
-        "format": files.FORMAT, "version": files.VERSION,
+        "format": files.FORMAT, "version": files.VERSION, "token": token,
         "world_size": state.world_size, "stage": state.stage,
         "compute_dtype": None if state.compute_dtype is None else files.dtype_name(state.compute_dtype),
         "offload": state.offload,
         "loss_scaler": {"scale": scaler[0], "clean_steps": int(scaler[1]), "skipped_steps": int(scaler[2])},
         "params": params,
-        "files": {f"rank{r}.bin": size for r, (_, size, _) in enumerate(gathered)},
-        "pieces": [piece for pieces, _, _ in gathered for piece in pieces],
+        "files": sizes,
+        "pieces": pieces,
     }
 
 
@@ -245,123 +376,280 @@ def _optimizer_pieces_by_group(state, optimizer) -> List[List[int]]:
     return [[owner[id(p)] for p in g["params"] if id(p) in owner] for g in optimizer.param_groups]
 
 
-def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: Any = None) -> None:
-    """Writes a sharded checkpoint directory at `path`, atomically: every rank
-    writes its own shards; the directory appears (replacing an older one)
-    only once all ranks have finished. Collective: call on every rank."""
-    state = _state(model)
-    if getattr(optimizer, "_zero_ext", None) is not state:
-        raise ValueError("zero_ext.save: this optimizer was not wrapped together with this model")
-    ranks = _Ranks(state)
-    path = os.path.abspath(path)
-    token = ranks.from_rank0(uuid.uuid4().hex[:12])
-    tmp = f"{path}.tmp-{token}"
-    error = None
-    pieces, size = [], 0
+def _check_written(tmp: str, world: int, gathered: List[Tuple[List[dict], Dict[str, int]]]) -> Dict[str, int]:
+    """Rank 0: every rank's files are in `tmp` with the sizes that rank wrote
+    (ranks writing to different filesystems, or a file lost, end here)."""
+    reported = {}
+    for rank, (_, written) in enumerate(gathered):
+        for name, size in written.items():
+            reported[name] = (rank, size)
+    sizes = {}
+    for name in files.file_names(world):
+        if name not in reported:
+            raise RuntimeError(f"zero_ext.save: no rank reported writing {name} (zero_ext bug)")
+        rank, size = reported[name]
+        full = os.path.join(tmp, name)
+        actual = os.path.getsize(full) if os.path.isfile(full) else None
+        if actual != size:
+            seen = "is missing" if actual is None else f"has {actual} bytes, not {size}"
+            raise RuntimeError(
+                f"zero_ext.save: {name}, written by rank {rank}, {seen} in {tmp} as rank 0 sees it: every rank "
+                "must write to the same shared filesystem at this path")
+        sizes[name] = size
+    return sizes
+
+
+def _publish(target: str, tmp: str, token: str, meta: dict) -> Tuple[Optional[BaseException], str]:
+    """Rank 0: metadata last, then the directory into place. Returns the
+    error, if any, and what became of the directories."""
+    aside, placed = None, False
     try:
-        os.makedirs(tmp, exist_ok=True)
-        pieces, size = _write_rank_files(tmp, model, optimizer, state, ranks, extra)
-    except Exception as e:  # reported to every rank below, so none waits forever
-        error = f"{type(e).__name__}: {e}"
-    _maybe_die("after_shards", ranks.rank)
-    gathered = ranks.gather((pieces, size, error))
-    failed = [(r, err) for r, (_, _, err) in enumerate(gathered) if err]
-    if failed:
-        if ranks.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise RuntimeError(f"zero_ext.save: writing {path} failed on rank(s) {failed}; the previous "
-                           "checkpoint, if any, is untouched")
-    if ranks.rank == 0:
-        meta = _metadata(model, optimizer, state, gathered)
         staging = os.path.join(tmp, files.METADATA + ".partial")
-        with open(staging, "w") as f:
-            json.dump(meta, f)
-            f.flush()
-            os.fsync(f.fileno())
+        files.write_file(staging, json.dumps(meta).encode())
         os.replace(staging, os.path.join(tmp, files.METADATA))
         files.fsync_dir(tmp)
         _maybe_die("before_publish", 0)
-        aside = None
-        if os.path.exists(path):
-            aside = f"{path}.old-{token}"
-            os.rename(path, aside)
+        if os.path.lexists(target):
+            aside = f"{target}.old-{token[:12]}"
+            os.rename(target, aside)
         _maybe_die("between_renames", 0)
-        os.rename(tmp, path)
-        files.fsync_dir(os.path.dirname(path))
-        if aside:
-            shutil.rmtree(aside, ignore_errors=True)
-    ranks.gather(None)  # nobody returns before the checkpoint is in place
+        try:
+            os.rename(tmp, target)
+        except BaseException:
+            if aside is not None and os.path.isdir(aside) and not os.path.lexists(target):
+                os.rename(aside, target)  # the previous checkpoint back where it was
+            raise
+        placed = True
+        files.fsync_dir(os.path.dirname(target))
+    except Exception as error:  # noqa: BLE001 - reported to every rank by the caller
+        if placed:
+            return error, (f"The new checkpoint is at {target}, but it may not survive a crash; the previous "
+                           f"one is kept at {aside}" if aside else
+                           f"The new checkpoint is at {target}, but it may not survive a crash")
+        shutil.rmtree(tmp, ignore_errors=True)
+        return error, f"Nothing was published: {tmp} was removed and the previous checkpoint, if any, is untouched"
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+    return None, ""
+
+
+def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: Any = None) -> None:
+    """Writes a sharded checkpoint directory at `path`, atomically: every rank
+    writes its own shards; the directory appears (replacing an older
+    checkpoint) only once all ranks have finished. Collective: call on every
+    rank with the same path. `extra` (per rank) may hold what
+    torch.load(weights_only=True) reads: tensors, numbers, strings, None,
+    lists, tuples and dicts of them."""
+    state = _state(model)
+    ranks = _Ranks(state)
+    token = ranks.from_rank0(uuid.uuid4().hex)
+
+    # Phase 0: every input checked on every rank; nothing written yet.
+    error, target, blobs = None, None, {}
+    try:
+        if getattr(optimizer, "_zero_ext", None) is not state:
+            raise ValueError("zero_ext.save: this optimizer was not wrapped together with this model")
+        target = os.path.abspath(os.fspath(path))
+        blobs[f"extra-rank{ranks.rank}.pt"] = _checked_file(token, extra, "extra")
+        if ranks.rank == 0:
+            _check_target(target)
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+            blobs["optimizer.pt"] = _checked_file(
+                token, {"class": type(optimizer).__mro__[1].__name__, "param_groups": groups}, "optimizer")
+    except Exception as e:  # noqa: BLE001 - raised on every rank by settle
+        error = e
+    targets = ranks.settle(error, target)
+    if any(t != targets[0] for t in targets):
+        listed = ", ".join(f"rank {r}: {t}" for r, t in enumerate(targets))
+        raise ValueError(f"zero_ext.save: ranks passed different paths ({listed}); a save writes one checkpoint "
+                         "at rank 0's path, so pass the same path on every rank. Nothing was written")
+
+    # Phase 1: every rank's files into the staging directory.
+    tmp = f"{target}.tmp-{token[:12]}"
+    error, pieces, written = None, [], {}
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        pieces, written = _write_rank_files(tmp, model, optimizer, state, ranks, token, blobs)
+    except Exception as e:  # noqa: BLE001
+        error = e
+    _maybe_die("after_shards", ranks.rank)
+
+    def remove_tmp() -> None:
+        if ranks.rank == 0:  # every rank has stopped writing by now
+            shutil.rmtree(tmp, ignore_errors=True)
+    gathered = ranks.settle(error, (pieces, written), action=f"zero_ext.save: writing {target}",
+                            note=f"The unfinished {tmp} was removed and the previous checkpoint, if any, is untouched",
+                            on_failure=remove_tmp)
+
+    # Phase 2: rank 0 checks, writes the metadata and publishes.
+    error, note = None, ""
+    if ranks.rank == 0:
+        try:
+            sizes = _check_written(tmp, state.world_size, gathered)
+            meta = _metadata(model, optimizer, state, token, [p for ps, _ in gathered for p in ps], sizes)
+        except Exception as e:  # noqa: BLE001
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = e
+            note = f"Nothing was published: {tmp} was removed and the previous checkpoint, if any, is untouched"
+        else:
+            error, note = _publish(target, tmp, token, meta)
+    ranks.settle(error, action=f"zero_ext.save: publishing {target}", note=note)  # nobody returns before it is in place
+
+
+# --- load ---------------------------------------------------------------------
+
+def _check_same_model(where: str, meta: dict, model: torch.nn.Module, buffers: Dict[str, Any],
+                      strict: bool) -> None:
+    """Like nn.Module.load_state_dict: names must match unless not strict;
+    shapes always (a saved (1,) never broadcasts into a (4,))."""
+    saved = {p["name"]: tuple(p["shape"]) for p in meta["params"]}
+    saved.update({n: tuple(b.shape) for n, b in buffers.items()})
+    mine = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    mine.update({n: tuple(b.shape) for n, b in _persistent_buffers(model).items()})
+    missing = sorted(set(mine) - set(saved)) if strict else []
+    unexpected = sorted(set(saved) - set(mine)) if strict else []
+    shapes = sorted(n for n in set(mine) & set(saved) if mine[n] != saved[n])
+    if not (missing or unexpected or shapes):
+        return
+    problems = []
+    if missing:
+        problems.append(f"missing from the checkpoint: {missing[:8]}")
+    if unexpected:
+        problems.append(f"unexpected in it: {unexpected[:8]}")
+    if shapes:
+        problems.append("shapes differ: " + ", ".join(f"{n} saved {saved[n]} vs model {mine[n]}" for n in shapes[:8]))
+    fix = ("; pass strict=False to load only the entries both have (shapes must still match)"
+           if missing or unexpected else "; build the model with the shapes it was saved with")
+    raise RuntimeError(f"zero_ext.load: {where} was saved from a different model: {'; '.join(problems)}{fix}")
+
+
+def _saved_buffers(checkpoint) -> Dict[str, torch.Tensor]:
+    buffers = checkpoint.load_pt("buffers.pt")
+    if not isinstance(buffers, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                for k, v in buffers.items()):
+        raise ValueError(f"zero_ext.load: {checkpoint.path('buffers.pt')} is not a name -> tensor mapping; "
+                         "restore the checkpoint from a good copy")
+    return buffers
+
+
+def _saved_groups(checkpoint, optimizer) -> List[dict]:
+    saved = checkpoint.load_pt("optimizer.pt")
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and all(isinstance(k, str) for k in g)
+                                               for g in groups):
+        raise ValueError(f"zero_ext.load: {checkpoint.path('optimizer.pt')} holds no list of param groups; "
+                         "restore the checkpoint from a good copy")
+    if len(groups) != len(optimizer.param_groups):
+        raise RuntimeError(
+            f"zero_ext.load: {checkpoint.where} has {len(groups)} optimizer param groups, this optimizer "
+            f"{len(optimizer.param_groups)}; build the optimizer with the same groups")
+    return groups
+
+
+def _wanted_files(reader, state, model, optimizer, loaded: Set[str]) -> Set[str]:
+    """The shard files holding any range this rank will read."""
+    wanted: Dict[str, List[Tuple[int, int]]] = {}
+    names = state.bucketed_names
+    for i, start, view in _local_views(state):
+        wanted.setdefault(names[i], []).append((start, view.numel()))
+    bucketed = {id(p) for p in state.bucketed}
+    for n, p in model.named_parameters():
+        if id(p) not in bucketed:
+            wanted.setdefault(n, []).append((0, p.numel()))
+    for tensor, i, start in _optimizer_pieces(state, optimizer):
+        wanted.setdefault(names[i], []).append((start, tensor.numel()))
+    out = set()
+    for (kind, name, key), pieces in reader.pieces.items():
+        if kind == "scalars" or name not in loaded:
+            continue
+        for start, length in wanted.get(name, []):
+            out.update(reader.files_for(kind, name, 0 if kind == "whole" else start,
+                                        pieces[0]["length"] if kind == "whole" else length, key))
+    return out
 
 
 @torch.no_grad()
-def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, strict: bool = True) -> Any:
     """Loads a checkpoint written by zero_ext.save at any world size and
     stage into a wrapped model and optimizer; returns this rank's `extra`
-    (rank 0's when the writer had fewer ranks). Collective."""
+    (rank 0's for a rank the writer did not have). Strict like
+    nn.Module.load_state_dict: with strict=False, parameters and buffers
+    missing on either side are skipped (shapes must still match). Reads
+    nothing outside the checkpoint and unpickles only with
+    weights_only=True. Collective."""
     state = _state(model)
-    if getattr(optimizer, "_zero_ext", None) is not state:
-        raise ValueError("zero_ext.load: this optimizer was not wrapped together with this model")
     ranks = _Ranks(state)
-    where = files.resolve(os.path.abspath(path))
-    meta = files.read_metadata(where)
-    _check_same_model(where, meta, model)
-    reader = files.PieceReader(where, meta)
+    checkpoint = None
     try:
-        names = state.bucketed_names
-        for i, start, view in _local_views(state):
-            view.copy_(reader.read("param", names[i], start, view.numel(), dtype=view.dtype))
-        bucketed = {id(p) for p in state.bucketed}
-        for n, p in model.named_parameters():
-            if id(p) not in bucketed:
-                p.detach().view(-1).copy_(reader.read("param", n, 0, p.numel(), dtype=p.dtype))
-        state.buckets.zero_grad(True)
-        state.buckets.refresh_params_from_shards()
-        _load_optimizer(where, meta, reader, state, optimizer)
-        scaler = meta["loss_scaler"]
-        state.buckets.restore_loss_scaler(float(scaler["scale"]), int(scaler["clean_steps"]),
-                                          int(scaler["skipped_steps"]))
-        buffers = torch.load(os.path.join(where, "buffers.pt"), map_location="cpu", weights_only=True)
-        for n, buf in _persistent_buffers(model).items():
-            if n in buffers:
-                buf.copy_(buffers[n])
+        # Phase A: open and validate; nothing in the model changes yet.
+        error, token = None, None
+        try:
+            if getattr(optimizer, "_zero_ext", None) is not state:
+                raise ValueError("zero_ext.load: this optimizer was not wrapped together with this model")
+            checkpoint = files.Checkpoint(os.path.abspath(os.fspath(path)), "zero_ext.load")
+            token, meta, where = checkpoint.token, checkpoint.meta, checkpoint.where
+            reader = files.PieceReader(checkpoint)
+            loaded = {p["name"] for p in meta["params"]}
+            # A reader rank the writer did not have gets rank 0's extra; one it had gets its own.
+            extra_file = f"extra-rank{ranks.rank if ranks.rank < meta['world_size'] else 0}.pt"
+            # Every file this rank reads is opened before any is read: a save
+            # that replaces the path from now on cannot change what is read.
+            for file in ["buffers.pt", "optimizer.pt", extra_file] + sorted(
+                    _wanted_files(reader, state, model, optimizer, loaded)):
+                checkpoint.open(file)
+            buffers = _saved_buffers(checkpoint)
+            _check_same_model(where, meta, model, buffers, strict)
+            groups = _saved_groups(checkpoint, optimizer)
+            extra = checkpoint.load_pt(extra_file)
+        except Exception as e:  # noqa: BLE001 - raised on every rank by settle
+            error = e
+        tokens = ranks.settle(error, token)
+        if any(t != tokens[0] for t in tokens):
+            raise RuntimeError(f"zero_ext.load: ranks opened different saves at {path}: it was replaced during "
+                               "this load. Nothing was loaded; load again")
+
+        # Phase B: this rank's ranges into the model and optimizer.
+        error = None
+        try:
+            names = state.bucketed_names
+            for i, start, view in _local_views(state):
+                if names[i] in loaded:
+                    view.copy_(reader.read("param", names[i], start, view.numel(), dtype=view.dtype))
+            bucketed = {id(p) for p in state.bucketed}
+            for n, p in model.named_parameters():
+                if id(p) not in bucketed and n in loaded:
+                    p.detach().view(-1).copy_(reader.read("param", n, 0, p.numel(), dtype=p.dtype))
+            _load_optimizer(where, reader, state, optimizer, groups, loaded)
+            for n, buf in _persistent_buffers(model).items():
+                if n in buffers:
+                    buf.copy_(buffers[n])
+        except Exception as e:  # noqa: BLE001
+            error = e
+        ranks.settle(error, action=f"zero_ext.load: reading {where}",
+                     note="The model and optimizer are partly loaded; load a good checkpoint before training")
     finally:
-        reader.close()
-    extra_file = os.path.join(where, f"extra-rank{ranks.rank}.pt")
-    if not os.path.isfile(extra_file):
-        extra_file = os.path.join(where, "extra-rank0.pt")
-    return torch.load(extra_file, weights_only=False)
+        if checkpoint is not None:
+            checkpoint.close()
+    state.buckets.zero_grad(True)
+    state.buckets.refresh_params_from_shards()  # collective: every rank got here
+    scaler = meta["loss_scaler"]
+    state.buckets.restore_loss_scaler(float(scaler["scale"]), int(scaler["clean_steps"]), int(scaler["skipped_steps"]))
+    return extra
 
 
-def _check_same_model(where: str, meta: dict, model: torch.nn.Module) -> None:
-    saved = {p["name"]: tuple(p["shape"]) for p in meta["params"]}
-    mine = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    missing = sorted(set(mine) - set(saved))
-    unexpected = sorted(set(saved) - set(mine))
-    shapes = sorted(n for n in set(mine) & set(saved) if mine[n] != saved[n])
-    if missing or unexpected or shapes:
-        raise RuntimeError(
-            f"zero_ext.load: {where} was saved from a different model: parameters missing from the "
-            f"checkpoint {missing[:5]}, unexpected in it {unexpected[:5]}, shapes differ for "
-            f"{[(n, saved[n], mine[n]) for n in shapes[:5]]}")
-
-
-def _load_optimizer(where: str, meta: dict, reader, state, optimizer) -> None:
-    saved = torch.load(os.path.join(where, "optimizer.pt"), map_location="cpu", weights_only=True)
-    groups = saved["param_groups"]
-    if len(groups) != len(optimizer.param_groups):
-        raise RuntimeError(
-            f"zero_ext.load: {where} has {len(groups)} optimizer param groups, this optimizer "
-            f"{len(optimizer.param_groups)}; build the optimizer with the same groups")
+def _load_optimizer(where: str, reader, state, optimizer, groups: List[dict], loaded: Set[str]) -> None:
     for mine, theirs in zip(optimizer.param_groups, groups):
-        mine.update(theirs)
+        mine.update({k: v for k, v in theirs.items() if k != "params"})
     optimizer.state.clear()
     names = state.bucketed_names
     for tensor, i, start in _optimizer_pieces(state, optimizer):
         name, length = names[i], tensor.numel()
+        if name not in loaded:
+            continue  # strict=False: a parameter the checkpoint lacks starts fresh
         scalars = reader.scalars(name, start, length)
         keys = reader.keys("state", name)
         if not scalars and not keys:
-            continue  # never stepped
+            continue  # never stepped (or zero-size: nothing to restore)
         st = {}
         for key, spec in scalars.items():
             st[key] = _unscalar(spec)

@@ -14,6 +14,14 @@ import torch
 from torch.utils._pytree import tree_iter, tree_map_only
 
 
+_NO_COPY = (
+    "zero_ext: {what} a wrapped model is not supported: its parameters are views of zero_ext's "
+    "flat buffers (in stage 3 they hold no data between uses) and it is tied to the optimizer and "
+    "process groups. For weights, use zero_ext.full_state_dict(model) (load it into a fresh, "
+    "unwrapped model for an EMA copy, or read values in place inside `with "
+    "zero_ext.full_params(model):`); for checkpoints, zero_ext.save(path, model, optimizer).")
+
+
 class ZeroExtModule:
     """Mixin placed in front of the user's module class by wrap()."""
 
@@ -30,8 +38,42 @@ class ZeroExtModule:
             buckets.set_sync(previous)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._zero_ext.buckets.zero_grad(set_to_none)
-        super().zero_grad(set_to_none)  # type: ignore[misc]
+        state = self._zero_ext
+        state.buckets.zero_grad(set_to_none)
+        # zero_ext's parameters are done; the rest (frozen ones that got a
+        # gradient anyway) as nn.Module.zero_grad would.
+        for p in self.parameters():
+            if id(p) in state.param_ids or p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                if p.grad.grad_fn is not None:
+                    p.grad.detach_()
+                else:
+                    p.grad.requires_grad_(False)
+                p.grad.zero_()
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """model.to(), .double(), .half(), .cuda() ... after wrap(): zero_ext's
+        buffers, masters and process groups are fixed to the parameters'
+        dtype and device at wrap(), so a change is refused before anything
+        moves; a call that changes nothing (model.to(its own device)) passes."""
+        for name, t in list(self.named_parameters()) + list(self.named_buffers()):
+            probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+            if probe.dtype != t.dtype or probe.device != t.device:
+                raise RuntimeError(
+                    f"zero_ext: changing the model's dtype or device after zero_ext.wrap() is not "
+                    f"supported ('{name}' would go from {t.dtype} on {t.device} to {probe.dtype} on "
+                    f"{probe.device}). Move or cast the model before wrap(); for lower-precision "
+                    f"compute pass mixed_precision='bf16' (or 'fp16') to wrap().")
+        return super()._apply(fn, *args, **kwargs)  # type: ignore[misc]
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise TypeError(_NO_COPY.format(what="copy.deepcopy() of"))
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(_NO_COPY.format(what="pickling (torch.save) of"))
 
     # Stage 3 parameters hold no memory between uses (param_storage.h), so
     # state_dict() returns gathered copies and load_state_dict() writes the

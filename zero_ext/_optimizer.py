@@ -17,14 +17,13 @@ scheduler already attached to it all stay; what changes:
 """
 from __future__ import annotations
 
-import math
 import warnings
 import weakref
 from typing import Dict, List
 
 import torch
-import torch.distributed as dist
 
+from ._clip import clip_sharded
 from ._cpu_adam import adam_step_
 
 # torch.optim optimizers whose update of an element depends only on that
@@ -152,26 +151,10 @@ class ZeroExtOptimizer:
         """Clips the global gradient (every rank's shards) in place and returns
         its total norm before clipping, like torch.nn.utils.clip_grad_norm_."""
         state = self._zero_ext
-        norm_type = float(norm_type)
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        device = state.device
-        if not grads:
-            local = torch.zeros((), dtype=torch.float32, device=device)
-        elif math.isinf(norm_type):
-            local = torch.stack([g.abs().max() for g in grads]).max().float()
-        else:
-            norms = torch._foreach_norm(grads, norm_type)
-            local = torch.stack(norms).float().pow(norm_type).sum()
-        if state.stage >= 1 and state.process_group is not None and state.world_size > 1:
-            op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-            on_device = local.to(device)  # offloaded gradients are on the host; NCCL reduces device tensors
-            dist.all_reduce(on_device, op=op, group=state.process_group)
-            local = on_device.to(local.device)
-        total = local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
-        clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        if grads:
-            torch._foreach_mul_(grads, clip_coef.to(grads[0].dtype))
-        return total
+        if state.sharded_optimizer:
+            return clip_sharded([(state, grads)], [], max_norm, norm_type, error_if_nonfinite=False)
+        return clip_sharded([], grads, max_norm, norm_type, error_if_nonfinite=False)
 
 
 _wrapped_classes: Dict[type, type] = {}
@@ -183,9 +166,16 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, state, ordered_params: Lis
     if state.sharded_optimizer:
         segments = state.buckets.segments()
         owners = state.buckets.segment_param_indices()
+        # A parameter listed twice in a group is stepped twice, as torch.optim
+        # does with it (after its warning): its segments are listed twice too.
+        listed: Dict[int, int] = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                listed[id(p)] = listed.get(id(p), 0) + 1
         per_group: List[List[torch.Tensor]] = [[] for _ in optimizer.param_groups]
         for segment, owner in zip(segments, owners):
-            per_group[group_of[id(ordered_params[owner])]].append(segment)
+            param = ordered_params[owner]
+            per_group[group_of[id(param)]].extend([segment] * listed.get(id(param), 1))
         for group, params in zip(optimizer.param_groups, per_group):
             group["params"] = params
         optimizer.state.clear()
@@ -204,9 +194,18 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, state, ordered_params: Lis
             id(seg): copy for seg, copy in zip(state.buckets.segments(), copies) if copy is not None}
     _route_scheduler_wrapper(optimizer)
 
+    managed = {id(t) for group in optimizer.param_groups for t in group["params"]}
+
     def before_step(opt, args, kwargs) -> None:
         state.check_parameters_unchanged()
         state.buckets.check_before_step()
+        foreign = [t for group in opt.param_groups for t in group["params"] if id(t) not in managed]
+        if foreign:
+            raise ValueError(
+                f"zero_ext: the optimizer holds {len(foreign)} tensor(s) that zero_ext does not manage "
+                f"(shapes {[tuple(t.shape) for t in foreign[:3]]}), added after zero_ext.wrap() "
+                f"(optimizer.add_param_group?). Their gradients are never reduced, so the ranks would "
+                f"diverge. Add every parameter group before wrap(), or wrap the model that owns them.")
 
     def after_step(opt, args, kwargs) -> None:
         state.buckets.after_step()

@@ -13,6 +13,19 @@ def _state(model: torch.nn.Module):
     return state
 
 
+def owner_state(module: torch.nn.Module):
+    """The zero_ext state of the wrapped model that `module` is or belongs to."""
+    state = getattr(module, "_zero_ext", None)
+    if state is not None:
+        return state
+    for p in module.parameters():
+        ref = getattr(p, "_zero_ext_owner", None)
+        if ref is not None and ref() is not None:
+            return ref()
+    raise ValueError("zero_ext: this module is neither a model wrapped by zero_ext nor a submodule of one "
+                     "(with parameters); call zero_ext.wrap(model, optimizer) first")
+
+
 @torch.no_grad()
 def full_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """Every entry of ``model.state_dict()``, full shape, on CPU, on every rank."""

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import datetime
+import math
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -77,14 +78,24 @@ def _resolve_group(process_group: Optional[dist.ProcessGroup]) -> Tuple[Optional
     return process_group, world
 
 
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _timeout(timeout: Union[None, float, int, datetime.timedelta]) -> Optional[datetime.timedelta]:
     if timeout is None:
         return None
-    if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
-        return timeout
-    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
-        return datetime.timedelta(seconds=float(timeout))
-    raise ValueError(f"zero_ext.wrap: timeout must be positive seconds or a timedelta, got {timeout!r}")
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif _is_real(timeout):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"zero_ext.wrap: timeout must be seconds (a number) or a datetime.timedelta, "
+                        f"got {type(timeout).__name__} {timeout!r}")
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"zero_ext.wrap: timeout must be a finite positive duration (it bounds every "
+                         f"collective wait), got {timeout!r}; pass None for the process group's own")
+    return datetime.timedelta(seconds=seconds)
 
 
 @dataclass(frozen=True)
@@ -164,7 +175,9 @@ def _validate(model, optimizer, stage, mixed_precision, offload_optimizer) -> Li
         raise TypeError(
             f"zero_ext.wrap: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
-    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+    if type(stage) is not int:  # noqa: E721 - 3.0, True and "3" are refused, not coerced
+        raise TypeError(f"zero_ext.wrap: stage must be the int 0, 1, 2 or 3, got {type(stage).__name__} {stage!r}")
+    if stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_ext.wrap: stage must be 0, 1, 2 or 3, got {stage!r}")
     precision = _precision(mixed_precision)
     if offload_optimizer is not None and offload_optimizer != "cpu":
@@ -300,10 +313,17 @@ def wrap(
     trainable, precision = _validate(model, optimizer, stage, mixed_precision, offload_optimizer)
     if units is not None and stage != 3:
         raise ValueError("zero_ext.wrap: units only applies to stage 3")
-    if not bucket_mb > 0:
-        raise ValueError(f"zero_ext.wrap: bucket_mb must be positive, got {bucket_mb!r}")
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"zero_ext.wrap: prefetch must be a non-negative int, got {prefetch!r}")
+    if not _is_real(bucket_mb):
+        raise TypeError(f"zero_ext.wrap: bucket_mb must be a number of MiB, got {type(bucket_mb).__name__} "
+                        f"{bucket_mb!r}")
+    if not (math.isfinite(bucket_mb) and 0 < bucket_mb <= 2 ** 20):
+        raise ValueError(f"zero_ext.wrap: bucket_mb must be finite and in (0, 1048576] MiB (25 is the "
+                         f"default), got {bucket_mb!r}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int):
+        raise TypeError(f"zero_ext.wrap: prefetch must be an int (units gathered ahead), got "
+                        f"{type(prefetch).__name__} {prefetch!r}")
+    if prefetch < 0:
+        raise ValueError(f"zero_ext.wrap: prefetch must be >= 0, got {prefetch!r}")
     if not isinstance(skip_nonfinite, bool):
         raise TypeError(f"zero_ext.wrap: skip_nonfinite must be True or False, got {skip_nonfinite!r}")
     group, world = _resolve_group(process_group)
@@ -374,7 +394,7 @@ def wrap(
         sharded_optimizer=stage >= 1 or buckets.has_masters(), offload=offload,
     )
     for p in ordered:
-        p._zero_ext_owner = True
+        p._zero_ext_owner = weakref.ref(state)  # zero_ext.clip_grad_norm_ and full_params find it
     swap_module_class(model)
     model._zero_ext = state
     install_forward_hooks(model, unit_modules)

@@ -43,21 +43,36 @@ def _record_offsets(out: str) -> Dict[str, tuple]:
 
 def convert(checkpoint: str, out: str, dtype: Optional[torch.dtype] = None) -> None:
     """Writes a plain state_dict of the checkpointed model to `out`
-    (parameters as fp32 masters, or cast to `dtype`; buffers as saved)."""
-    where = files.resolve(os.path.abspath(checkpoint))
-    meta = files.read_metadata(where)
-    reader = files.PieceReader(where, meta)
-    buffers = torch.load(os.path.join(where, "buffers.pt"), map_location="cpu", weights_only=True)
+    (parameters as fp32 masters, or cast to `dtype`; buffers as saved).
+    The checkpoint is validated first, exactly as zero_ext.load does."""
+    ckpt = files.Checkpoint(os.path.abspath(checkpoint), "zero_ext.convert")
+    try:
+        _convert(ckpt, out, dtype)
+    finally:
+        ckpt.close()
+
+
+def _convert(ckpt: "files.Checkpoint", out: str, dtype: Optional[torch.dtype]) -> None:
+    meta = ckpt.meta
+    reader = files.PieceReader(ckpt)
+    buffers = ckpt.load_pt("buffers.pt")
+    if not isinstance(buffers, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                for k, v in buffers.items()):
+        raise ValueError(f"zero_ext.convert: {ckpt.path('buffers.pt')} is not a name -> tensor mapping; "
+                         "restore the checkpoint from a good copy")
 
     # Skeleton: uninitialized tensors (never touched, so never resident);
     # tied names share one tensor, as in the model's own state_dict.
     skeleton: Dict[str, torch.Tensor] = {}
     fill = []  # (tensor, how to produce its bytes), in first-appearance order
     for param in meta["params"]:
-        stored = reader.pieces[("param", param["name"], "")][0]["dtype"]
-        target = dtype if dtype is not None and files.dtype_of(stored).is_floating_point else files.dtype_of(stored)
+        stored = files.dtype_of(param["dtype"])
+        target = dtype if dtype is not None and stored.is_floating_point else stored
         tensor = torch.empty(param["shape"], dtype=target, device="cpu")
         for alias in param["aliases"]:
+            if alias in skeleton or alias in buffers:
+                raise ValueError(f"zero_ext.convert: {ckpt.meta_file}: params: {alias!r} names two entries; "
+                                 "restore the checkpoint from a good copy")
             skeleton[alias] = tensor
         fill.append((tensor, param))
     for name, buf in buffers.items():
@@ -67,6 +82,16 @@ def convert(checkpoint: str, out: str, dtype: Optional[torch.dtype] = None) -> N
     skeleton = {k: skeleton[k] for k in order}
 
     partial = out + ".partial"
+    try:
+        _write(skeleton, fill, reader, partial)
+    except BaseException:
+        if os.path.exists(partial):
+            os.remove(partial)  # never leave a half-filled file behind
+        raise
+    os.replace(partial, out)
+
+
+def _write(skeleton: Dict[str, torch.Tensor], fill: list, reader: "files.PieceReader", partial: str) -> None:
     with torch.serialization.skip_data():
         torch.save(skeleton, partial)
     offsets = _record_offsets(partial)
@@ -78,11 +103,13 @@ def convert(checkpoint: str, out: str, dtype: Optional[torch.dtype] = None) -> N
         keys[id(tensor)] = storage_keys.setdefault(storage, str(len(storage_keys)))
     with open(partial, "r+b") as f:
         for tensor, param in fill:
+            if tensor.numel() == 0:
+                continue  # no bytes to fill in
             offset, size = offsets[keys[id(tensor)]]
             if param is None:
                 value = tensor.contiguous()
             else:
-                flat = reader.read("param", param["name"], 0, tensor.numel(), dtype=torch.float32)
+                flat = reader.read("param", param["name"], 0, tensor.numel())
                 value = flat.to(tensor.dtype).view(tensor.shape)
             if value.numel() * value.element_size() != size:
                 raise RuntimeError(f"zero_ext.convert: record size mismatch for {param and param['name']}")
@@ -90,8 +117,6 @@ def convert(checkpoint: str, out: str, dtype: Optional[torch.dtype] = None) -> N
             del value
         f.flush()
         os.fsync(f.fileno())
-    reader.close()
-    os.replace(partial, out)
 
 
 def main(argv=None) -> None:

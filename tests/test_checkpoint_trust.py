@@ -1,0 +1,206 @@
+"""Checkpoints that can be trusted: loading runs no code from the files and
+reads nothing outside the directory; crafted metadata is refused before a
+byte is read; loading is strict; a save is one collective decision whose
+failure on any rank reaches every rank at once; a load never mixes two saves;
+zero-size and one-element parameters round-trip.
+
+The rank-side halves are in checkpoint_trust_scenarios.py: three groups of
+spawned ranks (world 1, world 2, world 1 again, each reusing the previous
+one's checkpoints), every case an item that fails alone.
+"""
+import os
+
+import pytest
+
+from checkpoint_trust_scenarios import META_CASES
+from dist_harness import run_items_on_ranks
+
+TARGET = "checkpoint_trust_scenarios"
+FAST = 10.0  # seconds: an error must reach every rank well within the 30 s timeout
+
+FIRST_ITEMS = ([f"meta:{c}" for c in META_CASES]
+               + [f"evil:{t}" for t in ("extra-rank0.pt", "buffers.pt", "optimizer.pt", "convert")]
+               + ["extra-kinds", "strict"]
+               + [f"mixed:{n}" for n in ("rank0.bin", "buffers.pt", "optimizer.pt", "extra-rank0.pt")]
+               + [f"race:{k}" for k in (1, 2, 3)]
+               + ["zero-size-save"])
+WORLD2_ITEMS = ["paths-differ", "regular-file", "symlink", "not-a-checkpoint", "bad-extra-rank1",
+                "fail-shards-rank1", "fail-fsync-rank1", "fail-metadata-rank0", "fail-rename-rank0",
+                "file-vanishes-rank1", "extra-rule", "ranks-open-different-saves", "zero-size-load-from-w1",
+                "zero-size-save",
+                "zero-size-load-from-w2"]
+LAST_ITEMS = ["zero-size-load-from-w1", "zero-size-load-from-w2", "zero-size-convert"]
+
+
+def _run(world, function, cases, root):
+    outcome = run_items_on_ranks(world, f"{TARGET}:{function}", [(c, root) for c in cases], item_deadline_s=90)
+    return {case: outcome[(case, root)] for case in cases}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("trust"))
+
+
+@pytest.fixture(scope="module")
+def first(root):
+    return _run(1, "first_world1", FIRST_ITEMS, root)
+
+
+@pytest.fixture(scope="module")
+def world2(root, first):  # uses the first group's checkpoints
+    return _run(2, "world2", WORLD2_ITEMS, root)
+
+
+@pytest.fixture(scope="module")
+def last(root, world2):  # uses the world-2 checkpoints
+    return _run(1, "last_world1", LAST_ITEMS, root)
+
+
+def ranks(results, case):
+    got = results[case]
+    assert isinstance(got, list), f"{case}: a rank crashed or hung:\n{got}"
+    return got
+
+
+def refused(outcome, kinds, *words):
+    assert outcome["error"] in kinds, outcome
+    for word in words:
+        assert word in outcome["message"], (word, outcome["message"])
+
+
+# 1 -------------------------------------------------------------------------
+
+def test_checkpoint_files_are_never_unpickled_and_extra_is_checked_at_save(first, world2):
+    for target in ("extra-rank0.pt", "buffers.pt", "optimizer.pt", "convert"):
+        got = ranks(first, f"evil:{target}")[0]
+        assert not got["marker"], f"{target}: loading ran code from the checkpoint"
+        refused(got, ("ValueError", "RuntimeError"), "zero_ext.convert:" if target == "convert" else "zero_ext.load:")
+
+    kinds = ranks(first, "extra-kinds")[0]
+    assert kinds["round_trip"], "scheduler state, RNG state and plain data must round-trip"
+    refused(kinds["refused"], ("ValueError", "TypeError"), "zero_ext.save:", "'obj'", "weights_only")
+    assert not kinds["written"], "a refused extra must be refused before anything is written"
+
+    # Collective: rank 1's bad extra stops rank 0 too, at once, before any write.
+    for rank, got in enumerate(ranks(world2, "bad-extra-rank1")):
+        refused(got, ("ValueError", "TypeError"), "zero_ext.save:", "'obj'", "rank 1")
+        assert got["seconds"] < FAST, (rank, got)
+        assert got["entries"] == [], (rank, got["entries"])
+
+
+# 2 -------------------------------------------------------------------------
+
+FIELDS = {
+    "traversal": ["file", "../secret.bin"], "absolute": ["file", "secret.bin"],
+    "proc": ["file", "/proc/self/environ"], "symlink": ["rank0.bin", "link"],
+    "negative-offset": ["offset"], "huge-offset": ["offset"], "huge-length": ["length"],
+    "unknown-dtype": ["dtype", "torch.complex64"], "lying-dtype": ["dtype"], "missing-key": ["offset"],
+    "wrong-type": ["start"], "not-a-dict": ["object"], "deep": ["JSON"], "overlap": ["overlap"],
+    "gap": ["lin.weight"], "unknown-file": ["evil.sh"],
+}
+
+
+@pytest.mark.parametrize("case", META_CASES)
+def test_crafted_metadata_is_refused_before_any_byte_is_read(case, first):
+    got = ranks(first, f"meta:{case}")[0]
+    named = os.path.dirname(got["metadata"]) if case == "symlink" else got["metadata"]
+    refused(got["load"], ("ValueError",), "zero_ext.load:", named, *FIELDS[case])
+    refused(got["convert"], ("ValueError",), "zero_ext.convert:", named, *FIELDS[case])
+    assert got["model_unchanged"], "nothing may be loaded from a refused checkpoint"
+    assert not got["secret_in_model"] and not got["secret_in_output"], "a file outside the checkpoint was read"
+
+
+# 3 -------------------------------------------------------------------------
+
+def test_loading_is_strict_by_default(first, world2):
+    got = ranks(first, "strict")[0]
+    refused(got["buffer-shape"], ("RuntimeError",), "zero_ext.load:", "scale", "(1,)", "(4,)")
+    refused(got["buffer-shape-nonstrict"], ("RuntimeError",), "scale")
+    refused(got["buffer-missing"], ("RuntimeError",), "count", "strict=False")
+    assert got["buffer-missing-nonstrict"]["error"] is None, got["buffer-missing-nonstrict"]
+    assert got["buffer-missing-nonstrict-kept"] and got["buffer-missing-nonstrict-loaded"]
+    refused(got["buffer-unexpected"], ("RuntimeError",), "scale")
+    assert got["buffer-unexpected-nonstrict"]["error"] is None, got["buffer-unexpected-nonstrict"]
+    refused(got["param-missing"], ("RuntimeError",), "more.weight")
+    assert got["param-missing-nonstrict"]["error"] is None, got["param-missing-nonstrict"]
+    assert got["param-missing-nonstrict-loaded"]
+    refused(got["param-unexpected"], ("RuntimeError",), "more.weight")
+    assert got["param-unexpected-nonstrict"]["error"] is None, got["param-unexpected-nonstrict"]
+    refused(got["param-shape-nonstrict"], ("RuntimeError",), "lin.weight")
+    refused(got["extra-missing"], ("RuntimeError",), "zero_ext.load:", "extra-rank0.pt")
+
+    for rank, got in enumerate(ranks(world2, "extra-rule")):
+        # The writer had rank 1 but its extra is gone: every rank refuses.
+        refused(got["missing"], ("RuntimeError",), "extra-rank1.pt")
+        # The writer had one rank: rank 1 gets rank 0's extra (documented).
+        assert got["fewer-writers"]["error"] is None and got["fewer-writers"]["value"] == {"step": 1}, got
+
+
+# 4 -------------------------------------------------------------------------
+
+def test_save_is_one_collective_decision(world2):
+    for case, words, entries in [
+        ("paths-differ", ["ckpt-0", "ckpt-1", "same path"], []),
+        ("regular-file", ["regular file"], ["ckpt"]),
+        ("symlink", ["symbolic link"], ["ckpt", "real"]),
+        ("not-a-checkpoint", ["not a zero_ext checkpoint"], ["ckpt"]),
+    ]:
+        for rank, got in enumerate(ranks(world2, case)):
+            refused(got, ("ValueError",), "zero_ext.save:", *words)
+            assert got["seconds"] < FAST, (case, rank, got)
+            assert got["entries"] == entries, (case, rank, got["entries"])
+            assert got.get("kept", True), (case, rank, "the existing path was changed")
+
+    for case, words in [
+        ("fail-shards-rank1", ["rank 1", "planted fail-shards-rank1"]),
+        ("fail-fsync-rank1", ["rank 1", "planted fail-fsync-rank1"]),
+        ("fail-metadata-rank0", ["rank 0", "planted fail-metadata-rank0"]),
+        ("fail-rename-rank0", ["rank 0", "planted fail-rename-rank0"]),
+        ("file-vanishes-rank1", ["rank1.bin"]),
+    ]:
+        for rank, got in enumerate(ranks(world2, case)):
+            refused(got, ("RuntimeError",), "zero_ext.save:", *words)
+            assert got["seconds"] < FAST, (case, rank, got["seconds"])
+            assert got["litter"] == [], (case, rank, got["litter"])
+            assert got["previous"]["error"] is None and got["previous"]["value"] == "first", (case, rank, got)
+
+
+# 5 -------------------------------------------------------------------------
+
+def test_a_load_never_mixes_two_saves(first, world2):
+    for name in ("rank0.bin", "buffers.pt", "optimizer.pt", "extra-rank0.pt"):
+        got = ranks(first, f"mixed:{name}")[0]
+        assert got["error"] is not None, f"{name} from another save was loaded: parts came from {got['parts']}"
+        refused(got, ("ValueError", "RuntimeError"), "zero_ext.load:", name, "another save")
+    for when in (1, 2, 3):
+        got = ranks(first, f"race:{when}")[0]
+        assert got["saved_during"], got
+        if got["error"] is None:
+            assert got["parts"] in (["A"] * 4, ["B"] * 4), f"weights, buffers, lr, extra came from {got['parts']}"
+        else:
+            refused(got, ("RuntimeError",), "zero_ext.load:", "replaced")
+    # Each rank reads one save; the ranks must also read the same one.
+    for rank, got in enumerate(ranks(world2, "ranks-open-different-saves")):
+        refused(got, ("RuntimeError",), "zero_ext.load:", "different saves")
+        assert got["model_unchanged"], (rank, "nothing may be loaded when the ranks disagree")
+
+
+# 6 -------------------------------------------------------------------------
+
+def test_zero_size_and_one_element_parameters_round_trip(first, world2, last):
+    saves = {1: ranks(first, "zero-size-save"), 2: ranks(world2, "zero-size-save")}
+    for world, per_rank in saves.items():
+        for rank, got in enumerate(per_rank):
+            for stage, outcome in got.items():
+                assert outcome["error"] is None, (f"save at world {world}, stage {stage}, rank {rank}", outcome)
+    loads = [(1, 1, ranks(last, "zero-size-load-from-w1")), (2, 1, ranks(world2, "zero-size-load-from-w1")),
+             (2, 2, ranks(world2, "zero-size-load-from-w2")), (1, 2, ranks(last, "zero-size-load-from-w2"))]
+    for world, saved_world, per_rank in loads:
+        for rank, got in enumerate(per_rank):
+            for stages, outcome in got.items():
+                label = f"world {saved_world} -> {world}, stages {stages}, rank {rank}"
+                assert outcome["error"] is None, (label, outcome)
+                assert outcome["value"] == (rank if saved_world == world else 0), (label, outcome)
+    for label, outcome in ranks(last, "zero-size-convert")[0].items():
+        assert outcome["error"] is None, (label, outcome)

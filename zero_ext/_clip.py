@@ -1,0 +1,90 @@
+"""zero_ext.clip_grad_norm_: torch.nn.utils.clip_grad_norm_ for parameters
+whose gradients zero_ext shards (and for plain ones)."""
+from __future__ import annotations
+
+import math
+from typing import Dict, Iterable, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+
+def _local_norm(grads: List[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """This rank's part: max |g| (inf norm) or sum |g|^p, fp32, on `device`."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    if math.isinf(norm_type):
+        return torch.stack([g.detach().abs().max().float().to(device) for g in grads if g.numel()]
+                           or [torch.zeros((), dtype=torch.float32, device=device)]).max()
+    norms = torch._foreach_norm([g.detach() for g in grads], norm_type)
+    return torch.stack([n.float().to(device) for n in norms]).pow(norm_type).sum()
+
+
+def _reduce(local: torch.Tensor, state, norm_type: float) -> torch.Tensor:
+    """Over the model's ranks when each holds a part of the gradient."""
+    sharded = state.stage >= 1 and state.process_group is not None and state.world_size > 1
+    if not sharded:
+        return local
+    on_device = local.to(state.device)  # NCCL reduces device tensors; offloaded grads are on the host
+    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+    dist.all_reduce(on_device, op=op, group=state.process_group)
+    return on_device.to(local.device)
+
+
+@torch.no_grad()
+def clip_sharded(parts: List[Tuple[object, List[torch.Tensor]]], plain: List[torch.Tensor],
+                 max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
+    """parts: (zero_ext state, this rank's gradient tensors of it); plain:
+    gradients every rank holds whole. Clips all in place; returns the total norm."""
+    norm_type = float(norm_type)
+    device = parts[0][0].device if parts else (plain[0].device if plain else torch.device("cpu"))
+    totals = [_reduce(_local_norm(grads, norm_type, device), state, norm_type).to(device)
+              for state, grads in parts]
+    totals.append(_local_norm(plain, norm_type, device))
+    if math.isinf(norm_type):
+        total = torch.stack(totals).max()
+    else:
+        total = torch.stack(totals).sum().pow(1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"zero_ext.clip_grad_norm_: the total norm of order {norm_type} of the gradients is "
+            f"non-finite, so it cannot be clipped. Pass error_if_nonfinite=False to clip anyway.")
+    clip_coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
+    every = [g for _, grads in parts for g in grads] + plain
+    by_device: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
+    for g in every:
+        by_device.setdefault((g.device, g.dtype), []).append(g)
+    for (dev, dtype), grads in by_device.items():
+        torch._foreach_mul_(grads, clip_coef.to(device=dev, dtype=dtype))
+    return total
+
+
+def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max_norm: float,
+                    norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                    foreach: Optional[bool] = None) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ over the global gradient: correct for
+    parameters of models wrapped by zero_ext in every stage (their gradients'
+    shards on every rank count), and for plain parameters. Returns the total
+    norm before clipping. Collective when wrapped parameters in stages 1-3 are
+    among `parameters`: every rank of their group calls it. `foreach` is
+    accepted for compatibility (zero_ext always uses the foreach kernels)."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    sharded: Dict[int, Tuple[object, set]] = {}
+    plain: List[torch.Tensor] = []
+    for p in params:
+        ref = getattr(p, "_zero_ext_owner", None)
+        state = ref() if ref is not None else None
+        if state is not None and state.sharded_optimizer:
+            sharded.setdefault(id(state), (state, set()))[1].add(id(p))
+        elif p.grad is not None:
+            plain.append(p.grad)
+    parts = []
+    for state, wanted in sharded.values():
+        segments = state.buckets.segments()
+        owners = state.buckets.segment_param_indices()
+        grads = [seg.grad for seg, owner in zip(segments, owners)
+                 if id(state.bucketed[owner]) in wanted and seg.grad is not None]
+        parts.append((state, grads))
+    # Every state in a fixed order on every rank: the reductions are collective.
+    parts.sort(key=lambda part: part[0].names[0] if part[0].names else "")
+    return clip_sharded(parts, plain, max_norm, norm_type, error_if_nonfinite)

@@ -1,0 +1,71 @@
+"""zero_ext.full_params: full parameter values in place, for reading
+(printing, norms for logging, an EMA) and for weight surgery."""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, List
+
+import torch
+
+from ._state_dict import owner_state
+
+
+@contextlib.contextmanager
+def full_params(module: torch.nn.Module, writeback: bool = False) -> Iterator[None]:
+    """Inside, every parameter of `module` (the wrapped model or one of its
+    submodules) holds its full value, on every rank, in every stage, in the
+    dtype it computes in (the compute copy under mixed precision;
+    zero_ext.full_state_dict gives the fp32 masters).
+
+    Collective: every rank of the model's group enters and leaves it, in the
+    same order. With ``writeback=True`` changes made inside (the same on every
+    rank) become the new values on exit: fp32 masters and shards are
+    rewritten for the parameters that changed, and those bump their autograd
+    version. Without it, stage 3 discards changes at exit; in stages 0-2 the
+    parameters are the full compute copies themselves, so change them only
+    with writeback=True, or the next step overwrites the change on some
+    elements and not others.
+    """
+    if not isinstance(writeback, bool):
+        raise TypeError(f"zero_ext.full_params: writeback must be True or False, got {writeback!r}")
+    state = owner_state(module)
+    position = {id(p): i for i, p in enumerate(state.bucketed)}
+    mine: List[int] = sorted({position[id(p)] for p in module.parameters() if id(p) in position})
+    buckets = state.buckets
+    before: List[torch.Tensor] = []
+    if writeback and buckets.has_masters():
+        before = buckets.full_masters()  # collective in stages 1-3
+    if state.stage == 3:
+        buckets.gather_units_of(mine)
+    try:
+        yield
+        if writeback:
+            _write_back(state, mine, before)
+    finally:
+        if state.stage == 3:
+            buckets.release_all()
+
+
+@torch.no_grad()
+def _write_back(state, mine: List[int], before: List[torch.Tensor]) -> None:
+    buckets = state.buckets
+    params = state.bucketed
+    changed = []
+    if before:
+        # A parameter whose compute value is still its rounded master keeps
+        # the master's fp32 precision; a changed one takes the new value.
+        masters = list(before)
+        for i in mine:
+            p = params[i]
+            old = masters[i].to(device=p.device, dtype=p.dtype).view(p.shape)
+            if not torch.equal(p.detach(), old):
+                masters[i] = p.detach().to(torch.float32).reshape(masters[i].shape)
+                changed.append(i)
+        if changed:
+            buckets.load_masters(masters)
+    elif state.stage == 3:
+        changed = list(mine)
+    if state.stage == 3:
+        buckets.write_back_shards()  # this rank's shard of the (gathered) full values
+    for i in changed:
+        torch.autograd.graph.increment_version(params[i])
