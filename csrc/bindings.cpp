@@ -64,6 +64,7 @@ TORCH_LIBRARY(zero_ext, m) {
       .def("note_untracked_use", &GradBuckets::note_untracked_use)
       .def("gather_all", &GradBuckets::gather_all)
       .def("gather_units_of", &GradBuckets::gather_units_of)
+      .def("unpin_units_of", &GradBuckets::unpin_units_of)
       .def("release_all", &GradBuckets::release_all)
       .def("write_back_shards", &GradBuckets::write_back_shards)
       .def("attach_output_hook", &GradBuckets::attach_output_hook)

@@ -1024,7 +1024,12 @@ void GradBuckets::refresh_params(bool every_bucket) {
   }
   if (stage_ == 3) {
     for (size_t u = 0; u < units_.size(); ++u) {
-      release_unit(static_cast<int64_t>(u));  // full buffers are stale now
+      const auto unit = static_cast<int64_t>(u);
+      release_unit(unit, /*even_pinned=*/true);  // full buffers are stale now
+      if (units_[u].pins > 0) {  // a step inside full_params: gather the new values
+        start_gather(unit);
+        finish_gather(unit);
+      }
     }
     return;
   }

@@ -108,7 +108,9 @@ class GradBuckets : public torch::CustomClassHolder {
   void gather_all();
   // Gathers the units holding these parameters (indices into the bucketed
   // parameters), for zero_ext.full_params on a submodule.
+  // They stay gathered (pinned) until unpin_units_of() with the same indices.
   void gather_units_of(std::vector<int64_t> param_indices);
+  void unpin_units_of(std::vector<int64_t> param_indices);
   void release_all();
   // After full parameters were written (load_full_state_dict): keep the shards.
   void write_back_shards();
@@ -221,12 +223,14 @@ class GradBuckets : public torch::CustomClassHolder {
     int64_t pending_uses = 0;    // uses whose input gradients are not complete yet
     bool tracked_use = false;    // some use since the last epilogue had such inputs
     bool untracked_use = false;  // some use had no input requiring grad
+    int64_t pins = 0;            // open zero_ext.full_params contexts holding it gathered
   };
 
   at::Tensor staging_region(Bucket& bucket, int64_t param_index);
   void start_gather(int64_t unit);
   void finish_gather(int64_t unit);
-  void release_unit(int64_t unit);
+  // A pinned unit stays gathered (full_params) unless `even_pinned`.
+  void release_unit(int64_t unit, bool even_pinned = false);
   // Stage 3: the bucket's parameters point at its buffer (gathered) or at
   // their unreadable stand-ins (released).
   void point_params(const Bucket& bucket, bool gathered);
@@ -240,6 +244,7 @@ class GradBuckets : public torch::CustomClassHolder {
   bool unit_backward_done(int64_t unit) const;
   int64_t gathered_units() const;
   void ensure_staging(Bucket& bucket);
+  std::vector<int64_t> units_of(const std::vector<int64_t>& param_indices) const;
   void arm_epilogue();
   void launch_ready_buckets();
   void launch(int64_t bucket_index);

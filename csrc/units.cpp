@@ -90,9 +90,9 @@ void GradBuckets::point_params(const Bucket& bucket, bool gathered) {
   }
 }
 
-void GradBuckets::release_unit(int64_t u) {
+void GradBuckets::release_unit(int64_t u, bool even_pinned) {
   Unit& unit = units_[u];
-  if (unit.state == Unit::State::kReleased) {
+  if (unit.state == Unit::State::kReleased || (unit.pins > 0 && !even_pinned)) {
     return;
   }
   finish_gather(u);  // never free memory a collective is writing
@@ -277,8 +277,7 @@ void GradBuckets::gather_all() {
   for (size_t u = 0; u < units_.size(); ++u) finish_gather(static_cast<int64_t>(u));
 }
 
-void GradBuckets::gather_units_of(std::vector<int64_t> param_indices) {
-  std::lock_guard<std::mutex> lock(mutex_);
+std::vector<int64_t> GradBuckets::units_of(const std::vector<int64_t>& param_indices) const {
   std::vector<int64_t> wanted;
   for (int64_t i : param_indices) {
     TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(params_.size()), "zero_ext internal: bad parameter index");
@@ -288,10 +287,27 @@ void GradBuckets::gather_units_of(std::vector<int64_t> param_indices) {
     }
   }
   std::sort(wanted.begin(), wanted.end());  // the same order on every rank
+  return wanted;
+}
+
+void GradBuckets::gather_units_of(std::vector<int64_t> param_indices) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const std::vector<int64_t> wanted = units_of(param_indices);
   gathering_all_ = true;
   for (int64_t u : wanted) start_gather(u);
   gathering_all_ = false;
-  for (int64_t u : wanted) finish_gather(u);
+  for (int64_t u : wanted) {
+    finish_gather(u);
+    ++units_[u].pins;  // nested contexts, state_dict() or a forward inside keep it gathered
+  }
+}
+
+void GradBuckets::unpin_units_of(std::vector<int64_t> param_indices) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (int64_t u : units_of(param_indices)) {
+    units_[u].pins = std::max<int64_t>(units_[u].pins - 1, 0);
+    release_unit(u);
+  }
 }
 
 void GradBuckets::release_all() {

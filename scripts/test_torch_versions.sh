@@ -25,9 +25,9 @@ VERSIONS=("$@")
 [ ${#VERSIONS[@]} -eq 0 ] && VERSIONS=("${MATRIX[@]}")
 ENVS=${ZERO_EXT_TORCH_ENVS:-$HOME/.cache/zero_ext/torch-envs}
 BASE_PY=${PYTHON:-python3}
-SUBSET=(tests/test_parity.py tests/test_errors.py tests/test_checkpoint.py tests/test_cpu_adam.py
-        tests/test_mixed_precision.py tests/test_selfcheck.py tests/test_default_settings.py
-        tests/test_benchmarks.py)
+SUBSET=(tests/test_parity.py tests/test_errors.py tests/test_checkpoint.py tests/test_checkpoint_trust.py
+        tests/test_trust.py tests/test_cpu_adam.py tests/test_mixed_precision.py tests/test_selfcheck.py
+        tests/test_default_settings.py tests/test_benchmarks.py)
 mkdir -p "$ENVS"
 
 env_torch_version() {  # the torch version a venv has, or nothing
@@ -36,7 +36,8 @@ env_torch_version() {  # the torch version a venv has, or nothing
 
 prepare_env() {  # $1 version, $2 env dir: a venv whose torch is $1
   local version=$1 env=$2
-  if [ "$(env_torch_version "$env")" = "$version" ]; then
+  # Reused only if its set-up finished (the marker is written last).
+  if [ -f "$env/.complete" ] && [ "$(env_torch_version "$env")" = "$version" ]; then
     echo "[torch $version] reusing $env"
     return 0
   fi
@@ -49,7 +50,7 @@ prepare_env() {  # $1 version, $2 env dir: a venv whose torch is $1
   "$env/bin/python" -m pip install --quiet "torch==$version" >"$env.pip.log" 2>&1 || { tail "$env.pip.log"; return 1; }
   "$env/bin/python" -m pip install --quiet pytest ninja setuptools wheel numpy >>"$env.pip.log" 2>&1 \
     || { tail "$env.pip.log"; return 1; }
-  [ "$(env_torch_version "$env")" = "$version" ]
+  [ "$(env_torch_version "$env")" = "$version" ] && touch "$env/.complete"
 }
 
 sources_hash() {
@@ -63,15 +64,22 @@ build_in_env() {  # $1 env dir: builds the checkout's sources against its torch
   rm -rf "$src/zero_ext" "$src/csrc"
   cp -r "$REPO/zero_ext" "$REPO/csrc" "$REPO/setup.py" "$REPO/pyproject.toml" "$src/"
   find "$src/zero_ext" -name '*.so' -delete
-  [ -f "$env/built.so" ] && [ "$(cat "$env/built.hash" 2>/dev/null)" = "$(sources_hash)" ] \
-    && cp "$env/built.so" "$src/zero_ext/" && return 0
+  rm -f "$src/zero_ext/_build_info.json"
+  # The last build of these very sources: its extension and build record back in place.
+  if [ "$(cat "$env/built/hash" 2>/dev/null)" = "$(sources_hash)" ] \
+      && cp "$env"/built/_C*.so "$env/built/_build_info.json" "$src/zero_ext/" 2>/dev/null; then
+    echo "[reusing the build of these sources]"
+    "$env/bin/python" "$src/zero_ext/selfcheck.py"
+    return
+  fi
   if ! (cd "$src" && MAX_JOBS=${MAX_JOBS:-2} "$env/bin/python" setup.py -q build_ext --inplace) \
       >"$env/build.log" 2>&1; then
     grep -E "error|Error" "$env/build.log" | head -n 30
     echo "[build failed: $env/build.log]"
     return 1
   fi
-  cp "$src"/zero_ext/_C*.so "$env/built.so" && sources_hash > "$env/built.hash"
+  rm -rf "$env/built" && mkdir -p "$env/built"
+  cp "$src"/zero_ext/_C*.so "$src/zero_ext/_build_info.json" "$env/built/" && sources_hash > "$env/built/hash"
   # The build checks itself: a C++ error must reach Python as RuntimeError.
   "$env/bin/python" "$src/zero_ext/selfcheck.py"
 }

@@ -508,6 +508,14 @@ def zero_ext_clip_grad_norm_over_model_parameters(ctx: Context) -> None:
     _clip_training(ctx, lambda model, opt, max_norm, norm_type: clip(model.parameters(), max_norm, norm_type))
 
 
+def zero_ext_clip_grad_norm_over_the_optimizer_tensors(ctx: Context) -> None:
+    """The same over what the optimizer holds (this rank's shards in stages
+    1-3): the global norm still counts every rank's shard."""
+    clip = torch.nn.utils.clip_grad_norm_ if ctx.reference else zero_ext.clip_grad_norm_
+    _clip_training(ctx, lambda model, opt, max_norm, norm_type: clip(
+        [p for g in opt.param_groups for p in g["params"]], max_norm, norm_type))
+
+
 def parameter_listed_twice_in_a_group(ctx: Context) -> None:
     """torch.optim warns and steps such a parameter twice: so does every stage."""
     model = Net()
@@ -1243,6 +1251,7 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
         two_models_rank_dependent_branch,
         zero_grad_keeping_zeros,
         zero_ext_clip_grad_norm_over_model_parameters,
+        zero_ext_clip_grad_norm_over_the_optimizer_tensors,
         parameter_listed_twice_in_a_group,
         graph_from_before_the_step_raises,
         full_params_read_ema_and_writeback,

@@ -204,3 +204,53 @@ def test_a_checkpoint_load_bumps_versions_so_a_graph_from_before_raises(stage, t
     opt.zero_grad()
     backward(model)  # a graph built after the load is fine
     opt.step()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_parameter_listed_twice_saves_and_loads(stage, tmp_path):
+    import warnings
+    model, _ = make()
+    params = list(model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's duplicate-parameter warning
+        opt = torch.optim.Adam([{"params": params + [params[0]]}], lr=0.1)
+    zero_ext.wrap(model, opt, stage=stage)
+    backward(model)
+    opt.step()
+    opt.zero_grad()
+    zero_ext.save(str(tmp_path / "ckpt"), model, opt)
+    saved = zero_ext.full_state_dict(model)
+    backward(model)
+    opt.step()
+    zero_ext.load(str(tmp_path / "ckpt"), model, opt)
+    assert all(torch.equal(saved[k], v) for k, v in zero_ext.full_state_dict(model).items())
+
+
+def test_full_params_nests_and_survives_state_dict_inside():
+    model, opt = make()
+    zero_ext.wrap(model, opt, stage=3, units={nn.Linear})
+    with torch.no_grad(), zero_ext.full_params(model, writeback=True):
+        model[0].weight.data.fill_(7.0)
+        model.state_dict()  # gathers and releases for itself: must not release what full_params holds
+        zero_ext.full_state_dict(model)
+        with zero_ext.full_params(model[2]):
+            pass
+        assert float(model[2].weight.sum()) == float(model[2].weight.sum())  # still readable
+        assert float(model[0].weight.min()) == 7.0
+    assert torch.equal(zero_ext.full_state_dict(model)["0.weight"], torch.full((8, 4), 7.0))
+    with pytest.raises(RuntimeError, match="zero_ext.full_params"):
+        model[0].weight.sum()  # released again after the outermost context
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_load_state_dict_strict_false_keeps_masters_of_missing_parameters(stage):
+    model, opt = make()
+    zero_ext.wrap(model, opt, stage=stage, mixed_precision="bf16")
+    backward(model)
+    opt.step()
+    before = zero_ext.full_state_dict(model)
+    model.load_state_dict({"0.weight": torch.ones(8, 4)}, strict=False)
+    after = zero_ext.full_state_dict(model)
+    assert torch.equal(after["0.weight"], torch.ones(8, 4))
+    for name in ("0.bias", "2.weight", "2.bias"):
+        assert torch.equal(after[name], before[name]), name

@@ -161,15 +161,17 @@ def _local_views(state) -> List[Tuple[int, int, torch.Tensor]]:
 
 def _optimizer_pieces(state, optimizer) -> List[Tuple[torch.Tensor, int, int]]:
     """(optimizer tensor, param index, start in param) for each tensor the
-    optimizer steps: this rank's segments, or whole parameters in stage 0."""
+    optimizer steps: this rank's segments, or whole parameters in stage 0.
+    Once each: a parameter listed twice in a group has one state."""
+    listed = list({id(p): p for g in optimizer.param_groups for p in g["params"]}.values())
     if not state.sharded_optimizer:
         index = {id(p): i for i, p in enumerate(state.bucketed)}
-        return [(p, index[id(p)], 0) for g in optimizer.param_groups for p in g["params"] if id(p) in index]
+        return [(p, index[id(p)], 0) for p in listed if id(p) in index]
     segments = state.buckets.segments()
     owners = state.buckets.segment_param_indices()
     starts = state.buckets.segment_param_starts()
     by_id = {id(s): (i, st) for s, i, st in zip(segments, owners, starts)}
-    return [(p, *by_id[id(p)]) for g in optimizer.param_groups for p in g["params"]]
+    return [(p, *by_id[id(p)]) for p in listed]
 
 
 def _persistent_buffers(model: torch.nn.Module) -> Dict[str, torch.Tensor]:

@@ -69,22 +69,28 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     among `parameters`: every rank of their group calls it. `foreach` is
     accepted for compatibility (zero_ext always uses the foreach kernels)."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    sharded: Dict[int, Tuple[object, set]] = {}
+    sharded: Dict[int, Tuple[object, set, List[torch.Tensor]]] = {}
     plain: List[torch.Tensor] = []
     for p in params:
         ref = getattr(p, "_zero_ext_owner", None)
         state = ref() if ref is not None else None
+        segment_ref = getattr(p, "_zero_ext_segment_of", None)  # a tensor of the sharded optimizer
+        owner_of_segment = segment_ref() if segment_ref is not None else None
         if state is not None and state.sharded_optimizer:
-            sharded.setdefault(id(state), (state, set()))[1].add(id(p))
+            sharded.setdefault(id(state), (state, set(), []))[1].add(id(p))
+        elif owner_of_segment is not None:
+            entry = sharded.setdefault(id(owner_of_segment), (owner_of_segment, set(), []))
+            if p.grad is not None:
+                entry[2].append(p.grad)
         elif p.grad is not None:
             plain.append(p.grad)
     parts = []
-    for state, wanted in sharded.values():
+    for state, wanted, segment_grads in sharded.values():
         segments = state.buckets.segments()
         owners = state.buckets.segment_param_indices()
         grads = [seg.grad for seg, owner in zip(segments, owners)
                  if id(state.bucketed[owner]) in wanted and seg.grad is not None]
-        parts.append((state, grads))
+        parts.append((state, grads + segment_grads))
     # Every state in a fixed order on every rank: the reductions are collective.
     parts.sort(key=lambda part: part[0].names[0] if part[0].names else "")
     return clip_sharded(parts, plain, max_norm, norm_type, error_if_nonfinite)

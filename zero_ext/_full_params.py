@@ -43,7 +43,7 @@ def full_params(module: torch.nn.Module, writeback: bool = False) -> Iterator[No
             _write_back(state, mine, before)
     finally:
         if state.stage == 3:
-            buckets.release_all()
+            buckets.unpin_units_of(mine)  # released unless an enclosing context holds them
 
 
 @torch.no_grad()

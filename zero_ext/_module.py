@@ -110,8 +110,11 @@ class ZeroExtModule:
         state = self._zero_ext
         if not state.buckets.has_masters():
             return
-        full = [state_dict[n].detach().to(p.device, torch.float32) if n in state_dict
-                else torch.zeros(p.shape, dtype=torch.float32, device=p.device) for n, p in zip(state.bucketed_names, state.bucketed)]
+        missing = [n for n in state.bucketed_names if n not in state_dict]
+        # strict=False: a parameter the state_dict lacks keeps its master.
+        kept = state.buckets.full_masters() if missing else [None] * len(state.bucketed)
+        full = [state_dict[n].detach().to(p.device, torch.float32) if n in state_dict else kept[i]
+                for i, (n, p) in enumerate(zip(state.bucketed_names, state.bucketed))]
         state.buckets.load_masters(full)
 
 

@@ -166,6 +166,8 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, state, ordered_params: Lis
     if state.sharded_optimizer:
         segments = state.buckets.segments()
         owners = state.buckets.segment_param_indices()
+        for segment in segments:  # zero_ext.clip_grad_norm_ over the optimizer's tensors finds them
+            segment._zero_ext_segment_of = weakref.ref(state)
         # A parameter listed twice in a group is stepped twice, as torch.optim
         # does with it (after its warning): its segments are listed twice too.
         listed: Dict[int, int] = {}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import numbers
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
@@ -175,7 +176,7 @@ def _validate(model, optimizer, stage, mixed_precision, offload_optimizer) -> Li
         raise TypeError(
             f"zero_ext.wrap: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
-    if type(stage) is not int:  # noqa: E721 - 3.0, True and "3" are refused, not coerced
+    if not isinstance(stage, numbers.Integral) or isinstance(stage, bool):  # 3.0, True, "3": refused
         raise TypeError(f"zero_ext.wrap: stage must be the int 0, 1, 2 or 3, got {type(stage).__name__} {stage!r}")
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_ext.wrap: stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -311,6 +312,7 @@ def wrap(
         TypeError, ValueError: bad input, before any communication.
     """
     trainable, precision = _validate(model, optimizer, stage, mixed_precision, offload_optimizer)
+    stage = int(stage)  # a numpy integer, say
     if units is not None and stage != 3:
         raise ValueError("zero_ext.wrap: units only applies to stage 3")
     if not _is_real(bucket_mb):
@@ -319,11 +321,12 @@ def wrap(
     if not (math.isfinite(bucket_mb) and 0 < bucket_mb <= 2 ** 20):
         raise ValueError(f"zero_ext.wrap: bucket_mb must be finite and in (0, 1048576] MiB (25 is the "
                          f"default), got {bucket_mb!r}")
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int):
+    if isinstance(prefetch, bool) or not isinstance(prefetch, numbers.Integral):
         raise TypeError(f"zero_ext.wrap: prefetch must be an int (units gathered ahead), got "
                         f"{type(prefetch).__name__} {prefetch!r}")
     if prefetch < 0:
         raise ValueError(f"zero_ext.wrap: prefetch must be >= 0, got {prefetch!r}")
+    prefetch = int(prefetch)
     if not isinstance(skip_nonfinite, bool):
         raise TypeError(f"zero_ext.wrap: skip_nonfinite must be True or False, got {skip_nonfinite!r}")
     group, world = _resolve_group(process_group)

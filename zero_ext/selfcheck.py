@@ -31,6 +31,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 from typing import Optional
 
 SKIP_VARIABLE = "ZERO_EXT_SELFCHECK"
@@ -126,14 +127,17 @@ def run_check(python: str = sys.executable, timeout: float = 300.0) -> CheckResu
     """Calls an op with a bad operand in a child process."""
     env = dict(os.environ)
     env[SKIP_VARIABLE] = "0"  # the child must not check itself again
-    # The child finds this very package first, whichever way it was installed.
+    # The child finds this very package first, whichever way it was installed,
+    # then what this process can import (paths added at run time included).
     parent = os.path.dirname(package_dir())
-    env["PYTHONPATH"] = os.pathsep.join([parent] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["PYTHONPATH"] = os.pathsep.join([parent] + [p for p in sys.path if p])
     try:
         done = subprocess.run([python, "-c", _CHILD], env=env, capture_output=True, text=True,
                               timeout=timeout, cwd=parent)
     except subprocess.TimeoutExpired as error:
         return CheckResult(1, f"the check did not finish within {timeout:.0f} s: {error}", build_info())
+    except OSError as error:  # no usable interpreter (an embedded or frozen one)
+        return CheckResult(1, f"the check could not start {python!r}: {error}", build_info())
     return CheckResult(done.returncode, done.stdout + done.stderr, build_info())
 
 
@@ -157,9 +161,14 @@ def ensure_checked() -> None:
     stamp = _stamp_path(core) if core else None
     if stamp and os.path.exists(stamp):
         return
+    if not sys.executable:
+        return  # an embedded interpreter: no child to run the check in
     result = run_check()
-    if not result.ok:
+    if result.signal_name or result.returncode == 3:  # crashed, or raised nothing: a broken build
         raise ImportError(result.explain() + f"\n(Set {SKIP_VARIABLE}=0 to skip this check.)")
+    if not result.ok:  # the check itself could not run (timeout, no interpreter): not the build's fault
+        warnings.warn(f"zero_ext could not run its build check: {result.output.strip()[-500:]}", stacklevel=3)
+        return
     if stamp:
         try:
             os.makedirs(os.path.dirname(stamp), exist_ok=True)
