@@ -1,5 +1,6 @@
 // The one place that exposes the C++ core to Python, as torch custom classes
-// (torch.classes.zero_ext.*) so it needs no pybind and shows in the profiler.
+// (torch.classes.zero_ext.*) and ops (torch.ops.zero_ext.*), so it needs no
+// pybind and shows in the profiler.
 #include <Python.h>
 
 #include <optional>
@@ -10,8 +11,11 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include "autograd_boundaries.h"
 #include "cpu_adam.h"
-#include "grad_buckets.h"
+#include "layout.h"
+#include "sharded_model.h"
+#include "step_gate.h"
 
 namespace zero_ext {
 
@@ -22,6 +26,53 @@ void adam_step_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, con
                     const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, double,
                     double, double, double, double, int64_t, bool, bool, bool) {}
 
+GradLayout parse_grad_layout(const std::string& name) {
+  for (auto layout : {GradLayout::kDdpInPlace, GradLayout::kReplicated, GradLayout::kShardedPersistent,
+                      GradLayout::kShardedTransient}) {
+    if (name == grad_layout_name(layout)) return layout;
+  }
+  TORCH_CHECK(false, "zero_ext: unknown gradient layout '", name, "'");
+}
+
+// The layout arithmetic alone, for tests against a Python reference.
+struct LayoutProbe : torch::CustomClassHolder {
+  Layout layout;
+  LayoutProbe(std::vector<std::vector<int64_t>> shapes, std::vector<int64_t> trainable,
+              std::vector<int64_t> params_per_bucket, std::vector<int64_t> unit_of_bucket, int64_t stage,
+              const std::string& grad_layout, int64_t rank, int64_t world)
+      : layout(shapes, std::vector<std::string>(shapes.size(), "p"), std::move(trainable), params_per_bucket,
+               unit_of_bucket, stage, parse_grad_layout(grad_layout), rank, world) {}
+  std::vector<int64_t> owned_ranges(int64_t rank) {
+    std::vector<int64_t> out;
+    for (const auto& [param, start, end] : layout.owned_ranges(rank)) out.insert(out.end(), {param, start, end});
+    return out;
+  }
+  std::vector<int64_t> pieces(bool segments_only) {
+    std::vector<int64_t> out;
+    for (const auto& p : segments_only ? layout.segments() : layout.local_pieces()) {
+      out.insert(out.end(), {p.param, p.param_start, p.bucket, p.shard_offset, p.length});
+    }
+    return out;
+  }
+  std::vector<int64_t> buckets() {
+    std::vector<int64_t> out;
+    for (const auto& b : layout.buckets()) {
+      out.insert(out.end(), {b.first, b.count, b.numel, b.padded, b.shard, b.trainable, b.unit});
+    }
+    return out;
+  }
+};
+
+// The step gate alone, for tests of its decisions and the loss scaler.
+struct StepGateProbe : torch::CustomClassHolder {
+  StepGate gate;
+  void enable_loss_scaling(double initial_scale, double growth_factor, double backoff_factor,
+                           int64_t growth_interval, double min_scale, int64_t hysteresis, bool dynamic) {
+    gate.scaler().enable(LossScalerOptions{initial_scale, growth_factor, backoff_factor, growth_interval,
+                                           min_scale, hysteresis, dynamic});
+  }
+};
+
 } // namespace
 
 TORCH_LIBRARY(zero_ext, m) {
@@ -30,58 +81,103 @@ TORCH_LIBRARY(zero_ext, m) {
       "Tensor(d!)? max_exp_avg_sq, Tensor(e!)? param_lowp, float lr, float beta1, float beta2, "
       "float eps, float weight_decay, int step, bool decoupled_weight_decay, bool amsgrad, "
       "bool maximize) -> ()");
-  m.class_<GradBuckets>("GradBuckets")
+  m.class_<ShardedModel>("ShardedModel")
       .def(torch::init<std::vector<at::Tensor>, std::vector<std::string>, std::vector<int64_t>,
                        std::vector<int64_t>, std::vector<int64_t>, int64_t, std::string, std::string,
-                       int64_t, int64_t, int64_t, bool>())
-      .def("enable_loss_scaling", &GradBuckets::enable_loss_scaling)
-      .def("disable_loss_scaling", &GradBuckets::disable_loss_scaling)
-      .def("loss_scale", &GradBuckets::loss_scale)
-      .def("loss_scaling", &GradBuckets::loss_scaling)
-      .def("on_output_grad", &GradBuckets::on_output_grad)
-      .def("found_nonfinite", &GradBuckets::found_nonfinite)
-      .def("begin_step", &GradBuckets::begin_step)
-      .def("set_skip_nonfinite", &GradBuckets::set_skip_nonfinite)
-      .def("check_param_shapes", &GradBuckets::check_param_shapes)
-      .def("enable_stall_diagnosis", &GradBuckets::enable_stall_diagnosis)
-      .def("note_compute_copy_written", &GradBuckets::note_compute_copy_written)
-      .def("segment_compute_copies", &GradBuckets::segment_compute_copies)
-      .def("offloaded", &GradBuckets::offloaded)
-      .def("replicated", &GradBuckets::replicated)
-      .def("local_value_shards", &GradBuckets::local_value_shards)
-      .def("local_value_starts", &GradBuckets::local_value_starts)
-      .def("segment_param_starts", &GradBuckets::segment_param_starts)
-      .def("loss_scaler_state", &GradBuckets::loss_scaler_state)
-      .def("restore_loss_scaler", &GradBuckets::restore_loss_scaler)
-      .def("refresh_params_from_shards", &GradBuckets::refresh_params_from_shards)
-      .def("has_masters", &GradBuckets::has_masters)
-      .def("full_masters", &GradBuckets::full_masters)
-      .def("load_masters", &GradBuckets::load_masters)
-      .def("pre_forward", &GradBuckets::pre_forward)
-      .def("post_forward", &GradBuckets::post_forward)
-      .def("add_pending_use", &GradBuckets::add_pending_use)
-      .def("post_backward_use", &GradBuckets::post_backward_use)
-      .def("note_untracked_use", &GradBuckets::note_untracked_use)
-      .def("gather_all", &GradBuckets::gather_all)
-      .def("gather_units_of", &GradBuckets::gather_units_of)
-      .def("unpin_units_of", &GradBuckets::unpin_units_of)
-      .def("release_all", &GradBuckets::release_all)
-      .def("write_back_shards", &GradBuckets::write_back_shards)
-      .def("attach_output_hook", &GradBuckets::attach_output_hook)
-      .def("set_sync", &GradBuckets::set_sync)
-      .def("sync", &GradBuckets::sync)
-      .def("zero_grad", &GradBuckets::zero_grad)
-      .def("after_step", &GradBuckets::after_step)
-      .def("check_before_step", &GradBuckets::check_before_step)
-      .def("reset_if_stale", &GradBuckets::reset_if_stale)
-      .def("segments", &GradBuckets::segments)
-      .def("segment_param_indices", &GradBuckets::segment_param_indices)
-      .def("full_grads", &GradBuckets::full_grads)
-      .def("has_grad", &GradBuckets::has_grad)
-      .def("bucket_layout", &GradBuckets::bucket_layout)
-      .def("stats", &GradBuckets::stats)
-      .def("rank", &GradBuckets::rank)
-      .def("world_size", &GradBuckets::world_size);
+                       int64_t, std::optional<c10::ScalarType>, std::optional<c10::ScalarType>, bool>())
+      .def("enable_loss_scaling", &ShardedModel::enable_loss_scaling)
+      .def("disable_loss_scaling", &ShardedModel::disable_loss_scaling)
+      .def("loss_scale", &ShardedModel::loss_scale)
+      .def("loss_scaling", &ShardedModel::loss_scaling)
+      .def("on_output_grad", &ShardedModel::on_output_grad)
+      .def("found_nonfinite", &ShardedModel::found_nonfinite)
+      .def("begin_step", &ShardedModel::begin_step)
+      .def("set_skip_nonfinite", &ShardedModel::set_skip_nonfinite)
+      .def("check_param_shapes", &ShardedModel::check_param_shapes)
+      .def("enable_stall_diagnosis", &ShardedModel::enable_stall_diagnosis)
+      .def("note_compute_copy_written", &ShardedModel::note_compute_copy_written)
+      .def("segment_compute_copies", &ShardedModel::segment_compute_copies)
+      .def("replicated", &ShardedModel::replicated)
+      .def("grad_layout", &ShardedModel::grad_layout)
+      .def("local_pieces", &ShardedModel::local_pieces)
+      .def("owned_ranges", &ShardedModel::owned_ranges)
+      .def("local_value_shards", &ShardedModel::local_value_shards)
+      .def("segment_param_starts", &ShardedModel::segment_param_starts)
+      .def("loss_scaler_state", &ShardedModel::loss_scaler_state)
+      .def("restore_loss_scaler", &ShardedModel::restore_loss_scaler)
+      .def("refresh_params_from_shards", &ShardedModel::refresh_params_from_shards)
+      .def("has_masters", &ShardedModel::has_masters)
+      .def("full_masters", &ShardedModel::full_masters)
+      .def("load_masters", &ShardedModel::load_masters)
+      .def("pre_forward", &ShardedModel::pre_forward)
+      // A stage 3 unit's forward begins: gather it, and pass its inputs that
+      // require grad through a boundary node that reports the end of this use.
+      .def("enter_unit",
+           [](const c10::intrusive_ptr<ShardedModel>& self, int64_t unit, std::vector<at::Tensor> inputs) {
+             self->pre_forward(unit);
+             return track_unit_inputs(self, unit, inputs);
+           })
+      // The same without the gather (a later member of a merged unit).
+      .def("track_unit_inputs",
+           [](const c10::intrusive_ptr<ShardedModel>& self, int64_t unit, std::vector<at::Tensor> inputs) {
+             return track_unit_inputs(self, unit, inputs);
+           })
+      // Before these tensors' gradients flow on, make sure the unit is gathered.
+      .def("hook_regather",
+           [](const c10::intrusive_ptr<ShardedModel>& self, std::vector<at::Tensor> tensors, int64_t unit) {
+             c10::weak_intrusive_ptr<ShardedModel> weak(self);
+             for (const auto& tensor : tensors) {
+               if (tensor.requires_grad()) {
+                 tensor.register_hook([weak, unit](const at::Tensor& /*grad*/) {
+                   if (auto model = weak.lock()) model->pre_forward(unit);
+                 });
+               }
+             }
+           })
+      .def("scale_outputs", [](const c10::intrusive_ptr<ShardedModel>& self, std::vector<at::Tensor> outputs) {
+        return scale_at_outputs(self, outputs);
+      })
+      .def("post_forward", &ShardedModel::post_forward)
+      .def("add_pending_use", &ShardedModel::add_pending_use)
+      .def("post_backward_use", &ShardedModel::post_backward_use)
+      .def("note_untracked_use", &ShardedModel::note_untracked_use)
+      .def("gather_all", &ShardedModel::gather_all)
+      .def("gather_units_of", &ShardedModel::gather_units_of)
+      .def("unpin_units_of", &ShardedModel::unpin_units_of)
+      .def("release_all", &ShardedModel::release_all)
+      .def("write_back_shards", &ShardedModel::write_back_shards)
+      .def("attach_output_hook", &ShardedModel::attach_output_hook)
+      .def("set_sync", &ShardedModel::set_sync)
+      .def("sync", &ShardedModel::sync)
+      .def("zero_grad", &ShardedModel::zero_grad)
+      .def("after_step", &ShardedModel::after_step)
+      .def("check_before_step", &ShardedModel::check_before_step)
+      .def("reset_if_stale", &ShardedModel::reset_if_stale)
+      .def("segments", &ShardedModel::segments)
+      .def("segment_param_indices", &ShardedModel::segment_param_indices)
+      .def("full_grads", &ShardedModel::full_grads)
+      .def("has_grad", &ShardedModel::has_grad)
+      .def("bucket_layout", &ShardedModel::bucket_layout)
+      .def("stats", &ShardedModel::stats)
+      .def("set_test_fault", &ShardedModel::set_test_fault);
+  m.class_<UnitUse>("UnitUse");
+  m.class_<LayoutProbe>("Layout")
+      .def(torch::init<std::vector<std::vector<int64_t>>, std::vector<int64_t>, std::vector<int64_t>,
+                       std::vector<int64_t>, int64_t, std::string, int64_t, int64_t>())
+      .def("owned_ranges", &LayoutProbe::owned_ranges)
+      .def("pieces", &LayoutProbe::pieces)
+      .def("buckets", &LayoutProbe::buckets);
+  using Gate = c10::intrusive_ptr<StepGateProbe>;
+  m.class_<StepGateProbe>("StepGate")
+      .def(torch::init<>())
+      .def("enable_loss_scaling", &StepGateProbe::enable_loss_scaling)
+      .def("set_skip_nonfinite", [](const Gate& self, bool skip) { self->gate.set_skip_nonfinite(skip); })
+      .def("note_nonfinite_backward", [](const Gate& self) { self->gate.note_nonfinite_backward(); })
+      .def("clear_nonfinite", [](const Gate& self) { self->gate.clear_nonfinite(); })
+      .def("decide", [](const Gate& self) { return static_cast<int64_t>(self->gate.decide()); })
+      .def("loss_scale", [](const Gate& self) { return self->gate.scaler().scale(); })
+      .def("skipped_steps", [](const Gate& self) { return self->gate.skipped_steps(); })
+      .def("step_index", [](const Gate& self) { return self->gate.progress().step_index; });
 }
 
 TORCH_LIBRARY_IMPL(zero_ext, CPU, m) {

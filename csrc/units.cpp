@@ -1,24 +1,170 @@
-// Stage 3 units: a unit's parameters are gathered before its forward and its
-// backward and released after them (see param_storage.h); prefetch starts the
-// next unit's all-gather while the current one computes.
-#include "grad_buckets.h"
+#include "units.h"
 
 #include <algorithm>
-#include <mutex>
 #include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
-#include <c10/util/intrusive_ptr.h>
 
-#include "param_storage.h"
+#include "epilogue.h"
 
 namespace zero_ext {
 
-void GradBuckets::release_after_backward(bool keep_graph) {
-  if (stage_ != 3) {
+UnitScheduler::UnitScheduler(const Layout& layout, ParamStore& store, Communicator& gather_comm,
+                             const GradReducer& reducer, const StepGate& gate, int64_t prefetch,
+                             std::function<void()> check_usable)
+    : layout_(layout), store_(store), gather_comm_(gather_comm), reducer_(reducer), gate_(gate),
+      prefetch_(prefetch), check_usable_(std::move(check_usable)) {
+  units_.resize(layout_.num_units());
+  for (int64_t u = 0; u < layout_.num_units(); ++u) {
+    units_[u].buckets = layout_.unit_buckets(u);
+  }
+  gather_work_.resize(layout_.num_buckets());
+  gathers_since_exchange_.assign(units_.size(), 0);  // the same on every rank
+}
+
+UnitScheduler::Unit& UnitScheduler::unit_at(int64_t u) {
+  TORCH_INTERNAL_ASSERT(u >= 0, "negative unit index");
+  if (u >= static_cast<int64_t>(units_.size())) {
+    units_.resize(u + 1);  // a unit whose parameters all belong to an outer one
+  }
+  return units_[u];
+}
+
+bool UnitScheduler::has_trainable(int64_t u) const {
+  for (int64_t b : units_[u].buckets) {
+    if (layout_.bucket(b).trainable > 0) {
+      return true;
+    }
+  }
+  return false;
+}
+
+int64_t UnitScheduler::gathered_units() const {
+  int64_t n = 0;
+  for (const auto& unit : units_) {
+    n += unit.state != UnitState::kReleased ? 1 : 0;
+  }
+  return n;
+}
+
+void UnitScheduler::start_gather(int64_t u) {
+  Unit& unit = units_[u];
+  if (unit.state != UnitState::kReleased) {
     return;
   }
+  check_usable_();
+  for (int64_t b : unit.buckets) {
+    store_.regrow_flat(b);
+    gather_work_[b] = gather_comm_.all_gather(store_.flat_mut(b), store_.shard_mut(b));
+    ++param_gathers_;
+  }
+  if (u < static_cast<int64_t>(gathers_since_exchange_.size()) && !unit.buckets.empty()) {
+    ++gathers_since_exchange_[u];
+  }
+  unit.state = UnitState::kGathering;
+  if (!gathering_for_inspection_) {
+    int64_t& peak = current_backward().graph_task_id >= 0 ? peak_gathered_backward_ : peak_gathered_forward_;
+    peak = std::max(peak, gathered_units());
+  }
+}
+
+void UnitScheduler::finish_gather(int64_t u) {
+  Unit& unit = units_[u];
+  if (unit.state != UnitState::kGathering) {
+    return;
+  }
+  for (int64_t b : unit.buckets) {
+    gather_comm_.wait(gather_work_[b], [&] {
+      return "all-gather of the parameters of " + layout_.describe_unit(u) + " (" +
+             layout_.describe_bucket(b, gate_.progress().where()) + ")";
+    });
+    gather_work_[b].reset();
+    store_.point_params(b, /*gathered=*/true);
+  }
+  unit.state = UnitState::kGathered;
+}
+
+void UnitScheduler::release(int64_t u, bool even_pinned) {
+  Unit& unit = units_[u];
+  if (unit.state == UnitState::kReleased || (unit.pins > 0 && !even_pinned)) {
+    return;
+  }
+  finish_gather(u);  // never free memory a collective is writing
+  for (int64_t b : unit.buckets) {
+    store_.point_params(b, /*gathered=*/false);
+    store_.release_flat(b);
+  }
+  unit.state = UnitState::kReleased;
+}
+
+// [Note: when a unit's backward is over]
+// Its parameters are read by the nodes of every use of the unit in the graph.
+// Those nodes are over once (a) every trainable parameter's AccumulateGrad ran
+// (it waits for all its uses) and (b) for each use whose inputs required grad,
+// the gradient of those inputs is complete: a hook on the inputs, registered
+// at the unit's pre-forward, reports it (post_backward_use), and so does its
+// finalizer if the graph is dropped without a backward. A use whose inputs did
+// not require grad reads frozen parameters only on the way to trainable ones,
+// so (a) covers it, provided the arrivals came from the backward that owns the
+// epilogue (a reentrant checkpoint's inner backward can finish before outer
+// nodes that read the same parameters). A graph replayed after
+// retain_graph=True fires these events again without a new forward, so then
+// releases wait for the epilogue.
+bool UnitScheduler::backward_done(int64_t u, int64_t epilogue_owner) const {
+  const Unit& unit = units_[u];
+  if (replaying_retained_graph_ || unit.pending_uses > 0) {
+    return false;
+  }
+  bool any_trainable = false;
+  for (int64_t b : unit.buckets) {
+    if (reducer_.waiting(b) != 0) {
+      return false;
+    }
+    any_trainable = any_trainable || layout_.bucket(b).trainable > 0;
+  }
+  if (unit.untracked_use) {
+    return any_trainable && current_backward().graph_task_id == epilogue_owner;
+  }
+  return unit.tracked_use;
+}
+
+void UnitScheduler::maybe_release_after_backward(int64_t u, int64_t epilogue_owner) {
+  if (!current_backward().keep_graph && backward_done(u, epilogue_owner)) {
+    release(u);
+  }
+}
+
+void UnitScheduler::on_bucket_complete(int64_t b, int64_t epilogue_owner) {
+  const int64_t u = layout_.bucket(b).unit;
+  if (u >= 0) {
+    maybe_release_after_backward(u, epilogue_owner);
+  }
+}
+
+int64_t UnitScheduler::add_pending_use(int64_t u) {
+  Unit& unit = unit_at(u);
+  ++unit.pending_uses;
+  unit.tracked_use = true;
+  return use_round_;
+}
+
+void UnitScheduler::note_untracked_use(int64_t u) {
+  unit_at(u).untracked_use = true;
+}
+
+void UnitScheduler::post_backward_use(int64_t u, int64_t round, int64_t epilogue_owner) {
+  if (round != use_round_) {
+    return;  // counted in a round that release_after_backward already closed
+  }
+  Unit& unit = unit_at(u);
+  if (unit.pending_uses > 0) {
+    --unit.pending_uses;
+  }
+  maybe_release_after_backward(u, epilogue_owner);
+}
+
+void UnitScheduler::release_after_backward(bool keep_graph) {
   // [Note: retain_graph] A backward that keeps its graph may be followed by
   // another over the same saved tensors: keep every gathered unit until a
   // backward that does not keep it ends, or the next step.
@@ -26,151 +172,19 @@ void GradBuckets::release_after_backward(bool keep_graph) {
     finish_forward_order();  // units ran without the root's forward hooks
   }
   replaying_retained_graph_ = keep_graph;
-  if (!keep_graph) {
-    for (size_t u = 0; u < units_.size(); ++u) {
-      release_unit(static_cast<int64_t>(u));
-      units_[u].pending_uses = 0;
-      units_[u].tracked_use = false;
-      units_[u].untracked_use = false;
-    }
-  }
-}
-
-bool GradBuckets::unit_has_trainable(int64_t u) const {
-  for (int64_t b : units_[u].buckets) {
-    if (buckets_[b].trainable > 0) {
-      return true;
-    }
-  }
-  return false;
-}
-
-// --- stage 3 units ----------------------------------------------------------
-
-void GradBuckets::start_gather(int64_t u) {
-  Unit& unit = units_[u];
-  if (unit.state != Unit::State::kReleased) {
+  if (keep_graph) {
     return;
   }
-  check_usable();
-  for (int64_t b : unit.buckets) {
-    Bucket& bucket = buckets_[b];
-    grow_storage(bucket.param_flat, bucket.padded * bucket.param_flat.element_size());
-    bucket.gather_work = gather_comm_.all_gather(bucket.param_flat, bucket.param_shard);
-    ++param_gathers_;
-  }
-  if (u < static_cast<int64_t>(unit_gathers_.size()) && !unit.buckets.empty()) {
-    ++unit_gathers_[u];
-  }
-  unit.state = Unit::State::kGathering;
-  if (!gathering_all_) {
-    int64_t& peak = current_backward().graph_task_id >= 0 ? peak_gathered_backward_ : peak_gathered_forward_;
-    peak = std::max(peak, gathered_units());
+  ++use_round_;
+  for (int64_t u = 0; u < num_units(); ++u) {
+    release(u);
+    units_[u].pending_uses = 0;
+    units_[u].tracked_use = false;
+    units_[u].untracked_use = false;
   }
 }
 
-void GradBuckets::finish_gather(int64_t u) {
-  Unit& unit = units_[u];
-  if (unit.state != Unit::State::kGathering) {
-    return;
-  }
-  for (int64_t b : unit.buckets) {
-    gather_comm_.wait(buckets_[b].gather_work, [&] {
-      return "all-gather of the parameters of " + describe_unit(u) + " (" + describe_bucket(b) + ")";
-    });
-    buckets_[b].gather_work.reset();
-    point_params(buckets_[b], /*gathered=*/true);
-  }
-  unit.state = Unit::State::kGathered;
-}
-
-void GradBuckets::point_params(const Bucket& bucket, bool gathered) {
-  for (int64_t i = bucket.first; i < bucket.first + bucket.count; ++i) {
-    point_at(params_[i], gathered ? bucket.param_flat.storage() : released_[i]);
-  }
-}
-
-void GradBuckets::release_unit(int64_t u, bool even_pinned) {
-  Unit& unit = units_[u];
-  if (unit.state == Unit::State::kReleased || (unit.pins > 0 && !even_pinned)) {
-    return;
-  }
-  finish_gather(u);  // never free memory a collective is writing
-  for (int64_t b : unit.buckets) {
-    point_params(buckets_[b], /*gathered=*/false);
-    release_storage(buckets_[b].param_flat);
-  }
-  unit.state = Unit::State::kReleased;
-}
-
-// [Note: when a unit's backward is over]
-// Its parameters are read by the nodes of every use of the unit in the graph.
-// Those nodes are over once (a) every trainable parameter's AccumulateGrad ran
-// (it waits for all its uses) and (b) for each use whose inputs required grad,
-// the gradient of those inputs is complete: a multi-grad hook on the inputs,
-// registered in the pre-forward hook, reports it (post_backward_use), and so
-// does its finalizer if the graph is dropped without a backward. A use
-// whose inputs did not require grad reads frozen parameters only on the way
-// to trainable ones, so (a) covers it, provided the arrivals came from the
-// backward that owns the epilogue (a reentrant checkpoint's inner backward can
-// finish before outer nodes that read the same parameters). A graph replayed
-// after retain_graph=True fires these events again without a new forward, so
-// then releases wait for the epilogue.
-bool GradBuckets::unit_backward_done(int64_t u) const {
-  const Unit& unit = units_[u];
-  if (replaying_retained_graph_ || unit.pending_uses > 0) {
-    return false;
-  }
-  bool any_trainable = false;
-  for (int64_t b : unit.buckets) {
-    const Bucket& bucket = buckets_[b];
-    if (bucket.waiting != 0) {
-      return false;
-    }
-    any_trainable = any_trainable || bucket.trainable > 0;
-  }
-  if (unit.untracked_use) {
-    return any_trainable && current_backward().graph_task_id == epilogue_.owner_graph_task();
-  }
-  return unit.tracked_use;
-}
-
-void GradBuckets::maybe_release_after_unit_backward(int64_t u) {
-  if (!current_backward().keep_graph && unit_backward_done(u)) {
-    release_unit(u);
-  }
-}
-
-void GradBuckets::add_pending_use(int64_t u) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  Unit& unit = unit_at(u);
-  ++unit.pending_uses;
-  unit.tracked_use = true;
-}
-
-void GradBuckets::note_untracked_use(int64_t u) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  unit_at(u).untracked_use = true;
-}
-
-void GradBuckets::post_backward_use(int64_t u) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  Unit& unit = unit_at(u);
-  if (unit.pending_uses > 0) {
-    --unit.pending_uses;
-  }
-  maybe_release_after_unit_backward(u);
-}
-
-int64_t GradBuckets::gathered_units() const {
-  int64_t n = 0;
-  for (const auto& unit : units_) {
-    n += unit.state != Unit::State::kReleased ? 1 : 0;
-  }
-  return n;
-}
-
-void GradBuckets::prefetch_around(int64_t u, bool forward) {
+void UnitScheduler::prefetch_around(int64_t u, bool forward) {
   const auto& order = last_forward_order_;
   const int64_t n = static_cast<int64_t>(order.size());
   if (forward) {
@@ -191,7 +205,7 @@ void GradBuckets::prefetch_around(int64_t u, bool forward) {
   }
 }
 
-void GradBuckets::finish_forward_order() {
+void UnitScheduler::finish_forward_order() {
   if (!forward_order_.empty()) {
     last_forward_order_ = std::move(forward_order_);
     forward_order_.clear();
@@ -200,16 +214,7 @@ void GradBuckets::finish_forward_order() {
   backward_cursor_ = static_cast<int64_t>(last_forward_order_.size());
 }
 
-GradBuckets::Unit& GradBuckets::unit_at(int64_t u) {
-  TORCH_CHECK(u >= 0, "zero_ext internal: negative unit index");
-  if (u >= static_cast<int64_t>(units_.size())) {
-    units_.resize(u + 1);  // a unit whose parameters all belong to an outer one
-  }
-  return units_[u];
-}
-
-void GradBuckets::pre_forward(int64_t u) {
-  std::lock_guard<std::mutex> lock(mutex_);
+void UnitScheduler::pre_forward(int64_t u) {
   unit_at(u);
   const bool in_backward = current_backward().graph_task_id >= 0;
   if (!in_backward) {
@@ -226,24 +231,9 @@ void GradBuckets::pre_forward(int64_t u) {
   }
 }
 
-void GradBuckets::post_forward(int64_t u, std::vector<at::Tensor> outputs) {
-  std::lock_guard<std::mutex> lock(mutex_);
+void UnitScheduler::post_forward(int64_t u, bool grad_enabled, bool hooked_outputs) {
   unit_at(u);
   const bool in_backward = current_backward().graph_task_id >= 0;
-  const bool grad_enabled = at::GradMode::is_enabled();
-  if (grad_enabled) {
-    c10::weak_intrusive_ptr<GradBuckets> weak(
-        c10::intrusive_ptr<GradBuckets>::unsafe_reclaim_from_nonowning(this));
-    for (const auto& output : outputs) {
-      if (output.requires_grad()) {
-        output.register_hook([weak, u](const at::Tensor& /*grad*/) {
-          if (auto self = weak.lock()) {
-            self->pre_backward(u);
-          }
-        });
-      }
-    }
-  }
   if (u == 0 && !in_backward) {
     finish_forward_order();
   }
@@ -253,35 +243,33 @@ void GradBuckets::post_forward(int64_t u, std::vector<at::Tensor> outputs) {
   if (u == 0 && grad_enabled) {
     return;  // the root is needed first thing in backward
   }
-  if (grad_enabled && outputs.empty() && unit_has_trainable(u)) {
+  if (grad_enabled && !hooked_outputs && has_trainable(u)) {
     // No output tensor to hook (an output type zero_ext cannot look into):
     // its backward could not gather it again, so it stays until the epilogue.
     return;
   }
-  release_unit(u);
+  release(u);
 }
 
-void GradBuckets::pre_backward(int64_t u) {
-  std::lock_guard<std::mutex> lock(mutex_);
+void UnitScheduler::pre_backward(int64_t u) {
   unit_at(u);
   start_gather(u);
   finish_gather(u);
   prefetch_around(u, /*forward=*/false);
 }
 
-void GradBuckets::gather_all() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  gathering_all_ = true;  // for inspection: not part of the training peaks
-  for (size_t u = 0; u < units_.size(); ++u) start_gather(static_cast<int64_t>(u));
-  gathering_all_ = false;
-  for (size_t u = 0; u < units_.size(); ++u) finish_gather(static_cast<int64_t>(u));
+void UnitScheduler::gather_all() {
+  gathering_for_inspection_ = true;
+  for (int64_t u = 0; u < num_units(); ++u) start_gather(u);
+  gathering_for_inspection_ = false;
+  for (int64_t u = 0; u < num_units(); ++u) finish_gather(u);
 }
 
-std::vector<int64_t> GradBuckets::units_of(const std::vector<int64_t>& param_indices) const {
+std::vector<int64_t> UnitScheduler::units_of(const std::vector<int64_t>& param_indices) const {
   std::vector<int64_t> wanted;
   for (int64_t i : param_indices) {
-    TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(params_.size()), "zero_ext internal: bad parameter index");
-    const int64_t u = buckets_[bucket_of_[i]].unit;
+    TORCH_INTERNAL_ASSERT(i >= 0 && i < layout_.num_params(), "bad parameter index");
+    const int64_t u = layout_.bucket(layout_.bucket_of(i)).unit;
     if (u >= 0 && std::find(wanted.begin(), wanted.end(), u) == wanted.end()) {
       wanted.push_back(u);
     }
@@ -290,40 +278,42 @@ std::vector<int64_t> GradBuckets::units_of(const std::vector<int64_t>& param_ind
   return wanted;
 }
 
-void GradBuckets::gather_units_of(std::vector<int64_t> param_indices) {
-  std::lock_guard<std::mutex> lock(mutex_);
+void UnitScheduler::gather_units_of(const std::vector<int64_t>& param_indices) {
   const std::vector<int64_t> wanted = units_of(param_indices);
-  gathering_all_ = true;
+  gathering_for_inspection_ = true;
   for (int64_t u : wanted) start_gather(u);
-  gathering_all_ = false;
+  gathering_for_inspection_ = false;
   for (int64_t u : wanted) {
     finish_gather(u);
     ++units_[u].pins;  // nested contexts, state_dict() or a forward inside keep it gathered
   }
 }
 
-void GradBuckets::unpin_units_of(std::vector<int64_t> param_indices) {
-  std::lock_guard<std::mutex> lock(mutex_);
+void UnitScheduler::unpin_units_of(const std::vector<int64_t>& param_indices) {
   for (int64_t u : units_of(param_indices)) {
     units_[u].pins = std::max<int64_t>(units_[u].pins - 1, 0);
-    release_unit(u);
+    release(u);
   }
 }
 
-void GradBuckets::release_all() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  for (size_t u = 0; u < units_.size(); ++u) release_unit(static_cast<int64_t>(u));
+void UnitScheduler::release_all() {
+  for (int64_t u = 0; u < num_units(); ++u) release(u);
 }
 
-void GradBuckets::write_back_shards() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  at::NoGradGuard no_grad;
-  for (auto& bucket : buckets_) {
-    // Gathered buckets only: full_params on a submodule gathers its units alone.
-    if (stage_ == 3 && !storage_is_released(bucket.param_flat)) {
-      bucket.param_shard.copy_(bucket.param_flat.narrow(0, comm_.rank() * bucket.shard, bucket.shard));
+void UnitScheduler::drop_stale() {
+  for (int64_t u = 0; u < num_units(); ++u) {
+    release(u, /*even_pinned=*/true);
+    if (units_[u].pins > 0) {  // a step inside full_params: gather the new values
+      start_gather(u);
+      finish_gather(u);
     }
   }
+}
+
+std::vector<int64_t> UnitScheduler::take_gather_counts() {
+  std::vector<int64_t> out = gathers_since_exchange_;
+  std::fill(gathers_since_exchange_.begin(), gathers_since_exchange_.end(), 0);
+  return out;
 }
 
 } // namespace zero_ext

@@ -23,4 +23,4 @@ except ImportError as error:
         f"--force-reinstall --no-deps . from zero_ext's source (or bash scripts/setup.sh).") from error
 selfcheck.ensure_checked()
 
-GradBuckets = torch.classes.zero_ext.GradBuckets
+ShardedModel = torch.classes.zero_ext.ShardedModel

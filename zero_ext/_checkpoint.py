@@ -109,35 +109,11 @@ class _Ranks:
             f"{message} [raised on rank {rank} of {self.world}{also}; every rank stopped]") from error
 
 
-def _layout(state) -> List[Tuple[int, int, int]]:
-    raw = state.buckets.bucket_layout()
-    return [tuple(raw[i:i + 3]) for i in range(0, len(raw), 3)]
-
-
-def _param_places(state) -> List[Tuple[int, int]]:
-    """(bucket, element offset in it) of each bucketed parameter."""
-    places = []
-    for b, (first, count, _) in enumerate(_layout(state)):
-        offset = 0
-        for i in range(first, first + count):
-            places.append((b, offset))
-            offset += state.bucketed[i].numel()
-    return places
-
-
 def _owned_ranges(state, rank: int) -> List[Tuple[int, int, int]]:
-    """(param index, start, end) this rank writes: its equal slice of each bucket."""
-    out = []
-    places = _param_places(state)
-    layout = _layout(state)
-    for i, p in enumerate(state.bucketed):
-        b, offset = places[i]
-        own = layout[b][2] // state.world_size
-        lo, hi = rank * own, (rank + 1) * own
-        start, end = max(lo, offset), min(hi, offset + p.numel())
-        if start < end:
-            out.append((i, start - offset, end - offset))
-    return out
+    """(param index, start, end) this rank writes: its equal slice of each
+    bucket (the core's layout knows the arithmetic)."""
+    raw = state.buckets.owned_ranges(rank)
+    return [tuple(raw[k:k + 3]) for k in range(0, len(raw), 3)]
 
 
 def _local_views(state) -> List[Tuple[int, int, torch.Tensor]]:
@@ -147,16 +123,9 @@ def _local_views(state) -> List[Tuple[int, int, torch.Tensor]]:
     if not state.sharded_optimizer:
         return [(i, 0, p.detach().view(-1)) for i, p in enumerate(state.bucketed)]
     shards = state.buckets.local_value_shards()
-    starts = state.buckets.local_value_starts()
-    places = _param_places(state)
-    out = []
-    for i, p in enumerate(state.bucketed):
-        b, offset = places[i]
-        lo, hi = starts[b], starts[b] + shards[b].numel()
-        start, end = max(lo, offset), min(hi, offset + p.numel())
-        if start < end:
-            out.append((i, start - offset, shards[b][start - lo:end - lo]))
-    return out
+    raw = state.buckets.local_pieces()  # (param, start in param, bucket, start in its shard, length)
+    return [(i, start, shards[b][at:at + length])
+            for i, start, b, at, length in (raw[k:k + 5] for k in range(0, len(raw), 5))]
 
 
 def _optimizer_pieces(state, optimizer) -> List[Tuple[torch.Tensor, int, int]]:

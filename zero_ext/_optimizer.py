@@ -11,7 +11,7 @@ scheduler already attached to it all stay; what changes:
   - zero_grad() and clip_grad_norm_() act on zero_ext's gradients;
   - step() is skipped when fp16 gradients overflowed on any rank, and takes
     torch.amp.GradScaler's scale and overflow flag directly (its check then
-    sees every rank's shards, see GradBuckets::mark_nonfinite_everywhere);
+    sees every rank's shards, see GradReducer::mark_nonfinite_everywhere);
   - with offload_optimizer="cpu", Adam and AdamW step with zero_ext's C++
     kernel, which also writes the low-precision compute copy in the same pass.
 """

@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from ._api import DynamicLossScale, MixedPrecision
 from ._bucket_plan import plan_buckets
-from ._C_loader import GradBuckets
+from ._C_loader import ShardedModel
+from ._testing import apply_test_fault
 from ._groups import acquire_groups, group_timeout
 from ._module import ZeroExtModule, install_forward_hooks, swap_module_class
 from ._optimizer import check_elementwise, check_step_not_patched, shard_optimizer
@@ -21,7 +22,6 @@ from ._units import assign_parameters, resolve_units
 
 
 # c10::ScalarType codes of the dtypes mixed precision computes in.
-_SCALAR_TYPE_CODES = {torch.float16: 5, torch.float32: 6, torch.bfloat16: 15}
 
 
 @dataclass
@@ -30,13 +30,13 @@ class ZeroState:
 
     model_ref: "weakref.ref[torch.nn.Module]"  # weak: the model holds this state
     stage: int
-    buckets: object  # torch.classes.zero_ext.GradBuckets
+    buckets: object  # torch.classes.zero_ext.ShardedModel: the C++ core
     process_group: Optional[dist.ProcessGroup]  # zero_ext's own reduction group
     world_size: int
     device: torch.device
     params: List[torch.nn.Parameter]  # trainable, in bucket order
     names: List[str]
-    bucketed: List[torch.nn.Parameter]  # what GradBuckets indexes (stage 3: frozen too)
+    bucketed: List[torch.nn.Parameter]  # what the core indexes (stage 3: frozen too)
     param_ids: Set[int]
     bucketed_names: List[str]
     compute_dtype: Optional[torch.dtype]  # mixed precision: what parameters compute in
@@ -351,7 +351,7 @@ def wrap(
     names = [names_by_id[id(p)] for p in ordered]
     flags = [int(p.requires_grad) for p in ordered]
     # Groups of zero_ext's own (see _groups.py), owned by this model; stage 3
-    # gathers parameters on a second one (see grad_buckets.h).
+    # gathers parameters on a second one (see csrc/units.h).
     own_groups = []
     if group is not None and world > 1:
         own_groups = acquire_groups(group, 2 if stage == 3 else 1, timeout_td, ordered[0].device, model)
@@ -359,11 +359,10 @@ def wrap(
     reduce_name = names_of[0] if names_of else ""
     gather_name = names_of[1] if len(names_of) > 1 else ""
     compute_dtype = precision.compute_dtype
-    dtype_code = -1 if compute_dtype is None else _SCALAR_TYPE_CODES[compute_dtype]
     offload = offload_optimizer == "cpu"
-    buckets = GradBuckets(ordered, names, flags, counts, unit_of_bucket, stage, reduce_name,
-                          gather_name, prefetch, dtype_code, _SCALAR_TYPE_CODES[precision.reduce_dtype],
-                          offload)
+    buckets = ShardedModel(ordered, names, flags, counts, unit_of_bucket, stage, reduce_name,
+                           gather_name, prefetch, compute_dtype, precision.reduce_dtype, offload)
+    apply_test_fault(buckets, dist.get_rank(group) if group is not None and world > 1 else 0)
     scale = precision.loss_scale
     if isinstance(scale, DynamicLossScale):
         buckets.enable_loss_scaling(float(scale.initial_scale), float(scale.growth_factor),

@@ -1,4 +1,4 @@
-#include "param_storage.h"
+#include "storage_release.h"
 
 #include <c10/core/Allocator.h>
 #include <c10/core/DeviceGuard.h>

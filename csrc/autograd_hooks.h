@@ -1,0 +1,52 @@
+#pragma once
+// GradHooks: zero_ext's hooks on each trainable parameter's AccumulateGrad
+// node, in C++ so no Python runs per gradient.
+//
+// A post hook reports each gradient once the engine has accumulated it into
+// param.grad; a pre hook drops the gradient stand-in ([Note: gradient
+// stand-ins] in grad_reducer.h) before the engine accumulates. The nodes are
+// held strongly: a tensor holds its AccumulateGrad node only weakly, and a
+// hook on a node that was dropped and re-created would never fire.
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "grad_reducer.h"
+#include "layout.h"
+
+namespace zero_ext {
+
+class GradHooks {
+ public:
+  GradHooks(const std::vector<at::Tensor>& params, const Layout& layout, const GradReducer& reducer,
+            std::function<void(int64_t)> on_grad_ready);
+  ~GradHooks();
+  GradHooks(const GradHooks&) = delete;
+  GradHooks& operator=(const GradHooks&) = delete;
+
+  // Whether the running backward executes any parameter's AccumulateGrad.
+  // False for torch.autograd.grad(...) and backward(inputs=...) that leave
+  // them out: those accumulate nothing, so they must not start a reduction.
+  bool backward_reaches_params() const;
+  // Raises if a parameter's accumulator was re-created since wrap(): its
+  // gradients would bypass zero_ext.
+  void verify_accumulators() const;
+
+ private:
+  // The pointer type changed across torch releases: take whatever it returns.
+  using NodeRef = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+  const std::vector<at::Tensor>& params_;
+  const Layout& layout_;
+  std::function<void(int64_t)> on_grad_ready_;
+  std::vector<NodeRef> accumulators_;
+  std::vector<const void*> accumulator_nodes_;  // the same, for exec_info lookups
+  std::vector<uintptr_t> hook_keys_;
+};
+
+} // namespace zero_ext

@@ -1,0 +1,133 @@
+#include "backward_round.h"
+
+#include <exception>
+#include <string>
+
+#include <ATen/ATen.h>
+
+namespace zero_ext {
+
+BackwardRound::BackwardRound(const Layout& layout, ParamStore& store, GradReducer& reducer,
+                             UnitScheduler* units, RankAgreement& agreement, StepGate& gate,
+                             const GradHooks& hooks, FaultInjector& faults, const Communicator& comm,
+                             const Communicator& gather_comm)
+    : layout_(layout), store_(store), reducer_(reducer), units_(units), agreement_(agreement), gate_(gate),
+      hooks_(hooks), faults_(faults), comm_(comm), gather_comm_(gather_comm) {}
+
+RoundState BackwardRound::state() const {
+  if (!broken_.empty()) return RoundState::kBroken;
+  if (in_second_round_) return RoundState::kSecondRound;
+  return epilogue_.pending() ? RoundState::kArmed : RoundState::kIdle;
+}
+
+void BackwardRound::run_epilogue(bool sync) {
+  epilogue_.fired();
+  const auto info = current_backward();
+  last_graph_task_ = info.graph_task_id;
+  last_keep_graph_ = info.keep_graph;
+  ++epilogues_run_;
+  try {
+    TORCH_CHECK(!gate_.scaler().enabled() || output_hook_task_ == info.graph_task_id,
+                "zero_ext: fp16 loss scaling scales the gradient where it enters the model, at "
+                "its forward outputs, and this backward reached the model's parameters without "
+                "passing through any of them (a loss built from parameters directly?). Its "
+                "gradients would be unscaled wrongly. Compute the loss from the model's outputs, "
+                "or pass mixed_precision=zero_ext.MixedPrecision(torch.float16, loss_scale=1.0) "
+                "and scale the loss yourself (torch.amp.GradScaler).");
+    // no_sync(): nothing to reduce. (A backward that accumulates nothing
+    // here, like torch.autograd.grad, never armed the epilogue. Whether to
+    // reduce must not depend on what this rank happened to receive, or ranks
+    // would disagree on the collectives.)
+    if (!sync) {
+      hooks_.verify_accumulators();
+      reducer_.start_round();
+      if (units_) units_->release_after_backward(info.keep_graph);
+      return;
+    }
+    ++synced_epilogues_;
+    gate_.note_synced_backward();
+    if (faults_.armed()) {
+      faults_.maybe_raise("epilogue", gate_.progress().step_index, comm_.rank());
+    }
+    reducer_.flush();
+    const bool check_nonfinite = !layout_.ddp_in_place() || gate_.skip_nonfinite();
+    bool any_nonfinite = agreement_.exchange(
+        reducer_, units_, check_nonfinite ? reducer_.local_nonfinite() : at::Tensor(), store_.device());
+    if (reducer_.late()) {
+      ++late_rounds_;
+      in_second_round_ = true;
+      reducer_.rerun_all();
+      in_second_round_ = false;
+      if (check_nonfinite) {
+        any_nonfinite = agreement_.any_nonfinite(reducer_.local_nonfinite(), store_.device());
+      }
+    }
+    if (any_nonfinite) {
+      gate_.note_nonfinite_backward();
+      reducer_.mark_nonfinite_everywhere();
+    }
+    reducer_.publish();
+    hooks_.verify_accumulators();
+    reducer_.check_no_unreduced_grads();
+  } catch (...) {
+    // Collectives of this backward may be in flight or skipped here while the
+    // other ranks go on: this rank's sequence no longer matches theirs.
+    in_second_round_ = false;
+    mark_broken();
+    abandon(/*peers_in_step=*/false);
+    throw;
+  }
+  reducer_.start_round();
+  if (units_) units_->release_after_backward(info.keep_graph);
+}
+
+std::exception_ptr BackwardRound::abandon(bool peers_in_step) {
+  std::exception_ptr failure = reducer_.abandon(/*wait=*/peers_in_step);
+  epilogue_.reset();
+  if (peers_in_step && units_) {
+    units_->release_after_backward(false);
+  }
+  return failure;
+}
+
+bool BackwardRound::reset_if_stale() {
+  if (!epilogue_.is_stale()) {
+    return false;
+  }
+  // A failed wait is raised after the cleanup: the group is unusable then.
+  if (std::exception_ptr failure = abandon(/*peers_in_step=*/true)) {
+    std::rethrow_exception(failure);
+  }
+  return true;
+}
+
+void BackwardRound::check_not_running() const {
+  TORCH_CHECK(!epilogue_.pending() || epilogue_.is_stale(),
+              "zero_ext: zero_grad() was called while a backward is running; call it "
+              "between steps");
+}
+
+void BackwardRound::mark_broken() {
+  try {
+    throw;
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    broken_ = what.substr(0, what.find('\n'));
+  } catch (...) {
+    broken_ = "an unknown error";
+  }
+}
+
+void BackwardRound::check_usable() const {
+  TORCH_CHECK(!comm_.failed() && !gather_comm_.failed(), "zero_ext: rank ", comm_.rank(),
+              " cannot go on training: an earlier collective of this model failed (see the first "
+              "error), so this rank's collectives are out of step with the other ranks'. Restart "
+              "every rank from the last checkpoint.");
+  TORCH_CHECK(broken_.empty(), "zero_ext: rank ", comm_.rank(), " cannot go on training: an earlier "
+              "error inside zero_ext's gradient hooks or reduction (", broken_, ") left this rank's "
+              "collectives out of step with the other ranks', which wait for the ones it skipped "
+              "and fail within the process group's timeout. Restart every rank from the last "
+              "checkpoint.");
+}
+
+} // namespace zero_ext

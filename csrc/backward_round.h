@@ -1,0 +1,105 @@
+#pragma once
+// BackwardRound: one backward pass as zero_ext sees it, from the first event
+// that reaches the model to the epilogue the engine runs once every node is
+// done ([Note: epilogue ownership] in epilogue.h).
+//
+// The epilogue flushes the buckets not yet launched (missing gradients count
+// as zeros), waits, agrees with the other ranks on which parameters got
+// gradients and whether any was non-finite, runs a second round for late
+// gradients, publishes the results and (stage 3) releases the units. An error
+// inside it, or inside a gradient hook, leaves this rank's collectives out of
+// step with the other ranks': the round is then broken for good, and every
+// later entry point refuses to go on. A backward that raised in the engine
+// before its epilogue leaves a stale round, abandoned at the next forward,
+// zero_grad or step.
+
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <string>
+
+#include <ATen/ATen.h>
+
+#include "autograd_hooks.h"
+#include "communicator.h"
+#include "epilogue.h"
+#include "fault_injection.h"
+#include "grad_reducer.h"
+#include "layout.h"
+#include "param_store.h"
+#include "rank_agreement.h"
+#include "step_gate.h"
+#include "units.h"
+
+namespace zero_ext {
+
+enum class RoundState : int8_t {
+  kIdle,         // no backward has reached the model since the last epilogue
+  kArmed,        // a backward reached it: its epilogue is queued on the engine
+  kSecondRound,  // inside the epilogue, reducing gradients that came late
+  kBroken,       // an error left this rank's collectives out of step
+};
+
+class BackwardRound {
+ public:
+  BackwardRound(const Layout& layout, ParamStore& store, GradReducer& reducer, UnitScheduler* units,
+                RankAgreement& agreement, StepGate& gate, const GradHooks& hooks, FaultInjector& faults,
+                const Communicator& comm, const Communicator& gather_comm);
+
+  RoundState state() const;
+  // Queues `epilogue` on the running backward unless one is pending.
+  void arm(const std::function<void()>& epilogue) { epilogue_.arm(epilogue); }
+  bool armed() const { return epilogue_.pending(); }
+  int64_t owner_graph_task() const { return epilogue_.owner_graph_task(); }
+  // A gradient passed a forward output's hook: records the graph task, for
+  // the fp16 check that the loss went through the outputs.
+  void note_output_grad() { output_hook_task_ = current_backward().graph_task_id; }
+
+  // The epilogue's body. `sync`: false under no_sync() (nothing is reduced).
+  void run_epilogue(bool sync);
+  // Abandons a round whose backward raised before its epilogue. Returns
+  // whether there was one.
+  bool reset_if_stale();
+  // zero_grad() is refused while a backward runs.
+  void check_not_running() const;
+
+  // Called inside a catch block: remembers the error that left this rank's
+  // collectives out of step; check_usable() then refuses to go on.
+  void mark_broken();
+  void check_usable() const;
+
+  int64_t epilogues_run() const { return epilogues_run_; }
+  int64_t synced_epilogues() const { return synced_epilogues_; }
+  int64_t late_rounds() const { return late_rounds_; }
+  int64_t last_graph_task() const { return last_graph_task_; }
+  bool last_keep_graph() const { return last_keep_graph_; }
+
+ private:
+  // The one way a round is dropped. `peers_in_step`: the other ranks issued
+  // the same collectives (a backward that raised in the engine), so what is
+  // in flight is waited out and units are released; otherwise (this rank
+  // broke) nothing waits on collectives the peers may never issue.
+  std::exception_ptr abandon(bool peers_in_step);
+
+  const Layout& layout_;
+  ParamStore& store_;
+  GradReducer& reducer_;
+  UnitScheduler* units_;  // stage 3 only
+  RankAgreement& agreement_;
+  StepGate& gate_;
+  const GradHooks& hooks_;
+  FaultInjector& faults_;
+  const Communicator& comm_;
+  const Communicator& gather_comm_;
+  Epilogue epilogue_;
+  bool in_second_round_ = false;
+  std::string broken_;  // first line of the error that broke this rank
+  int64_t output_hook_task_ = -1;  // last graph task whose gradient passed an output hook
+  int64_t epilogues_run_ = 0;
+  int64_t synced_epilogues_ = 0;
+  int64_t late_rounds_ = 0;
+  int64_t last_graph_task_ = -1;
+  bool last_keep_graph_ = false;
+};
+
+} // namespace zero_ext

@@ -1,0 +1,148 @@
+#pragma once
+// GradReducer: the gradient path, from a parameter's AccumulateGrad to the
+// optimizer's shard (see [Note: gradient layouts] in layout.h).
+//
+// A gradient arrives (on_grad_ready) and is moved into its bucket's staging
+// buffer; a bucket launches its reduction once all its parameters arrived,
+// strictly in bucket order, so every rank issues the same sequence of
+// collectives even when ranks use different parameters. The epilogue flushes
+// the rest (missing gradients count as zeros) and waits. A retired reduction
+// is folded into the fp32 shard accumulator (offload: landed in host memory
+// and added there, never copied over it, so every backward of a step counts).
+
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "communicator.h"
+#include "layout.h"
+#include "param_store.h"
+#include "step_gate.h"
+
+namespace zero_ext {
+
+enum class BucketPhase : int8_t {
+  kFilling,   // gradients arriving
+  kInFlight,  // its reduction was issued and not yet folded in
+  kRetired,   // folded in (or nothing to reduce: frozen parameters only)
+};
+
+class GradReducer {
+ public:
+  GradReducer(const Layout& layout, ParamStore& store, Communicator& comm, const StepGate& gate,
+              std::optional<c10::ScalarType> reduce_dtype);
+
+  // A parameter's gradient was accumulated into param.grad. Returns the
+  // bucket whose last parameter this was (-1: none), for stage 3's release.
+  int64_t on_grad_ready(int64_t i, bool sync);
+  // Retires reductions already complete, oldest first. Never waits: waiting
+  // inside a hook could deadlock with a peer that reaches this bucket only in
+  // its epilogue, after another collective of its backward (a layer used on
+  // some ranks only next to a tensor-parallel all-reduce, say).
+  void retire_completed();
+  // Epilogue: launch every bucket not yet launched (in order), then wait.
+  void flush();
+  void wait_all();
+  // A second round for gradients that came after their bucket went out
+  // (a parameter reached twice through a reentrant checkpoint, say).
+  void rerun_all();
+  void start_round();
+  bool late() const { return late_; }
+  void set_late(bool late) { late_ = late; }
+  int64_t waiting(int64_t b) const { return buckets_[b].waiting; }
+
+  // 0-dim float flag on the accumulators' device: whether this rank's
+  // reduced shards hold inf/nan. No host sync of its own.
+  at::Tensor local_nonfinite() const;
+  // Makes the local shard non-finite too (a rank sees only its shard).
+  void mark_nonfinite_everywhere();
+  // Which parameters got a gradient since the last zero_grad: here / anywhere.
+  const std::vector<uint8_t>& local_has_grad() const { return local_has_grad_; }
+  std::vector<uint8_t>& global_has_grad() { return global_has_grad_; }
+  const std::vector<uint8_t>& global_has_grad() const { return global_has_grad_; }
+  // Sets param.grad / segment.grad from the reduced buffers.
+  void publish();
+  void zero_grad(bool set_to_none);
+  // A loaded model starts with no gradient.
+  void forget_accumulated();
+  // Drops the round: waits out reductions in flight first when `wait` (no
+  // buffer is freed or zeroed under a collective). Returns the first failed
+  // wait, for the caller to raise after its own cleanup.
+  std::exception_ptr abandon(bool wait);
+
+  // Full averaged gradient of each parameter (flat, fp32). Collective outside
+  // the DDP layout.
+  std::vector<at::Tensor> full_grads();
+
+  // [Note: gradient stand-ins]
+  // Outside the DDP layout a reduced gradient lives in the optimizer's shards,
+  // so param.grad would be None after backward and torch.nn.utils.
+  // clip_grad_norm_(model.parameters()) would silently clip nothing. Instead
+  // param.grad holds a stand-in of the parameter's shape with no memory, whose
+  // data access raises an error naming zero_ext.clip_grad_norm_; a pre hook on
+  // the AccumulateGrad node (autograd_hooks.h) drops it before the next
+  // gradient accumulates.
+  const at::Tensor& stand_in(int64_t i) const { return stand_ins_[i]; }
+  bool holds_stand_in(int64_t i) const;
+  // Whether param.grad holds a value zero_ext did not reduce.
+  bool holds_stray_grad(int64_t i) const;
+  // After a synced epilogue: no parameter may keep an unreduced gradient.
+  void check_no_unreduced_grads() const;
+
+  int64_t grad_bytes() const;
+  int64_t host_bytes() const;  // offload: accumulators and landing buffers in host memory
+  int64_t host_landing_buffers() const;
+
+ private:
+  struct BucketGrads {
+    at::Tensor staging;      // gradients being reduced (see [Note: gradient layouts])
+    at::Tensor accum;        // fp32 shard of the reduced gradient (not the DDP layout)
+    bool accum_has_value = false;
+    at::Tensor reduce_out;   // where the reduction writes this rank's result
+    at::Tensor host_landing; // offload from an accelerator: pinned copy of reduce_out
+    bool host_add_pending = false;
+    double host_factor = 1.0;  // applied once the landed result is on the host
+    int64_t waiting = 0;     // parameters not yet arrived in this round
+    BucketPhase phase = BucketPhase::kFilling;
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+
+  at::Tensor staging_region(int64_t b, int64_t i);
+  void ensure_staging(int64_t b);
+  void launch_ready_buckets();
+  void launch(int64_t b);
+  void retire(int64_t b);  // waits one reduction and folds it in
+  void fold_into_accum(BucketGrads& bucket, const at::Tensor& reduced, double factor);
+  void finish_host_adds();
+
+  const Layout& layout_;
+  ParamStore& store_;
+  Communicator& comm_;
+  const StepGate& gate_;
+  at::ScalarType reduce_dtype_ = at::kFloat;  // staging dtype outside the DDP layout
+  std::vector<BucketGrads> buckets_;
+  std::vector<at::Tensor> grad_views_;     // DDP layout: param-shaped views of staging
+  std::vector<at::Tensor> segment_grads_;  // the segments' .grad: views of the accumulators
+  std::vector<at::Tensor> stand_ins_;
+
+  // Round state: one round is one synchronized reduction of every bucket.
+  std::vector<uint8_t> arrived_;
+  std::vector<uint8_t> detached_;  // DDP layout: grad moved into staging for a reduction
+  int64_t next_launch_ = 0;
+  std::deque<int64_t> in_flight_;  // launched, not yet retired, oldest first
+  bool late_ = false;              // a gradient came after its bucket was launched
+  bool host_transfers_pending_ = false;
+
+  std::vector<uint8_t> local_has_grad_;
+  std::vector<uint8_t> global_has_grad_;
+};
+
+} // namespace zero_ext

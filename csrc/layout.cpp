@@ -1,0 +1,145 @@
+#include "layout.h"
+
+#include <algorithm>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include <c10/util/Exception.h>
+
+namespace zero_ext {
+
+GradLayout grad_layout_for(int64_t stage, bool masters_or_low_precision_reduce) {
+  switch (stage) {
+    case 0:
+      return masters_or_low_precision_reduce ? GradLayout::kReplicated : GradLayout::kDdpInPlace;
+    case 1:
+      return GradLayout::kShardedPersistent;
+    default:
+      return GradLayout::kShardedTransient;
+  }
+}
+
+const char* grad_layout_name(GradLayout layout) {
+  switch (layout) {
+    case GradLayout::kDdpInPlace: return "ddp_in_place";
+    case GradLayout::kReplicated: return "replicated";
+    case GradLayout::kShardedPersistent: return "sharded_persistent";
+    case GradLayout::kShardedTransient: return "sharded_transient";
+  }
+  return "?";
+}
+
+Layout::Layout(std::vector<std::vector<int64_t>> shapes, std::vector<std::string> names,
+               std::vector<int64_t> trainable, const std::vector<int64_t>& params_per_bucket,
+               const std::vector<int64_t>& unit_of_bucket, int64_t stage, GradLayout grad_layout,
+               int64_t rank, int64_t world)
+    : stage_(stage), grad_layout_(grad_layout), rank_(rank), world_(world),
+      shapes_(std::move(shapes)), names_(std::move(names)),
+      trainable_(trainable.begin(), trainable.end()) {
+  TORCH_CHECK(stage_ >= 0 && stage_ <= 3, "zero_ext: stage must be 0, 1, 2 or 3");
+  TORCH_CHECK(world_ >= 1 && rank_ >= 0 && rank_ < world_, "zero_ext internal: bad rank or world size");
+  const int64_t n = static_cast<int64_t>(shapes_.size());
+  TORCH_CHECK(static_cast<int64_t>(names_.size()) == n && static_cast<int64_t>(trainable_.size()) == n,
+              "zero_ext internal: one name and trainable flag per parameter");
+  TORCH_CHECK(stage_ == 3 || unit_of_bucket.empty() || unit_of_bucket.size() == params_per_bucket.size(),
+              "zero_ext internal: one unit per bucket");
+  for (const auto& shape : shapes_) {
+    int64_t numel = 1;
+    for (int64_t d : shape) numel *= d;
+    numel_.push_back(numel);
+  }
+  bucket_of_.assign(n, -1);
+  offset_.assign(n, 0);
+  int64_t next = 0;
+  for (int64_t count : params_per_bucket) {
+    TORCH_CHECK(count > 0 && next + count <= n, "zero_ext internal: bad bucket plan");
+    BucketShape bucket;
+    bucket.first = next;
+    bucket.count = count;
+    bucket.unit = stage_ == 3 ? unit_of_bucket.at(buckets_.size()) : -1;
+    for (int64_t i = next; i < next + count; ++i) {
+      TORCH_CHECK(trainable_[i] || stage_ == 3, "zero_ext internal: frozen parameters are bucketed in stage 3 only");
+      bucket_of_[i] = static_cast<int64_t>(buckets_.size());
+      offset_[i] = bucket.numel;
+      bucket.numel += numel_[i];
+      bucket.trainable += trainable_[i] ? 1 : 0;
+    }
+    const int64_t at_least_one = std::max<int64_t>(bucket.numel, 1);
+    bucket.padded = (at_least_one + world_ - 1) / world_ * world_;
+    bucket.shard = replicated() ? bucket.padded : bucket.padded / world_;
+    if (bucket.unit >= 0) {
+      if (static_cast<int64_t>(unit_buckets_.size()) <= bucket.unit) {
+        unit_buckets_.resize(bucket.unit + 1);
+      }
+      unit_buckets_[bucket.unit].push_back(static_cast<int64_t>(buckets_.size()));
+    }
+    buckets_.push_back(bucket);
+    next += count;
+  }
+  TORCH_CHECK(next == n, "zero_ext internal: bucket plan does not cover every parameter");
+  if (!ddp_in_place()) {
+    for (const auto& piece : pieces_of(rank_, -1, /*trainable_only=*/true)) {
+      segments_.push_back(piece);
+    }
+  }
+}
+
+int64_t Layout::shard_start_of(int64_t b, int64_t rank) const {
+  return replicated() ? 0 : rank * buckets_[b].shard;
+}
+
+std::vector<ShardPiece> Layout::pieces_of(int64_t rank, int64_t per_rank, bool trainable_only) const {
+  std::vector<ShardPiece> out;
+  for (int64_t b = 0; b < num_buckets(); ++b) {
+    const BucketShape& bucket = buckets_[b];
+    const int64_t width = per_rank >= 0 ? bucket.padded / world_ : bucket.shard;
+    const int64_t lo = per_rank >= 0 ? rank * width : shard_start_of(b, rank);
+    const int64_t hi = lo + width;
+    for (int64_t i = bucket.first; i < bucket.first + bucket.count; ++i) {
+      const int64_t start = std::max(lo, offset_[i]);
+      const int64_t end = std::min(hi, offset_[i] + numel_[i]);
+      if (start >= end || (trainable_only && !trainable_[i])) {
+        continue;
+      }
+      out.push_back(ShardPiece{i, b, start - offset_[i], start - lo, end - start});
+    }
+  }
+  return out;
+}
+
+std::vector<ShardPiece> Layout::local_pieces() const {
+  return pieces_of(rank_, -1, /*trainable_only=*/false);
+}
+
+std::vector<std::tuple<int64_t, int64_t, int64_t>> Layout::owned_ranges(int64_t rank) const {
+  TORCH_CHECK(rank >= 0 && rank < world_, "zero_ext internal: rank out of range");
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> out;
+  for (const auto& piece : pieces_of(rank, /*per_rank=*/1, /*trainable_only=*/false)) {
+    out.emplace_back(piece.param, piece.param_start, piece.param_start + piece.length);
+  }
+  std::sort(out.begin(), out.end());  // by parameter, as checkpoints list them
+  return out;
+}
+
+std::string Layout::describe_bucket(int64_t b, const std::string& where) const {
+  const BucketShape& bucket = buckets_[b];
+  std::ostringstream out;
+  out << "bucket " << b << " of " << buckets_.size() << " (stage " << stage_ << ", " << bucket.count
+      << " parameters from '" << names_[bucket.first] << "', " << bucket.padded << " elements; "
+      << where << ")";
+  return out.str();
+}
+
+std::string Layout::describe_unit(int64_t u) const {
+  std::ostringstream out;
+  out << "unit " << u;
+  if (u < num_units() && !unit_buckets_[u].empty()) {
+    out << " (parameters from '" << names_[buckets_[unit_buckets_[u].front()].first] << "')";
+  }
+  return out.str();
+}
+
+} // namespace zero_ext

@@ -1,0 +1,126 @@
+#pragma once
+// Layout: the immutable geometry of one wrapped model, fixed at wrap().
+//
+// Trainable parameters (stage 3: frozen ones too) are laid out in flat
+// buckets: one dtype and one optimizer param group each, in reverse
+// registration order so they fill in the order backward produces gradients.
+// Each bucket is padded to a multiple of the world size; rank r owns the r-th
+// equal shard (replicated layouts: the whole bucket). A "segment" is this
+// rank's shard of a bucket cut at parameter boundaries: what the optimizer
+// steps in stages 1-3. Everything here is arithmetic on sizes: no tensors, no
+// communication, so it can be tested alone (torch.classes.zero_ext.Layout)
+// and checkpoints ask it instead of recomputing it.
+
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace zero_ext {
+
+// Where a reduced gradient lives (see [Note: gradient layouts]).
+enum class GradLayout : int8_t {
+  kDdpInPlace,         // stage 0, fp32: param.grad views the all-reduced bucket (DDP)
+  kReplicated,         // stage 0 with masters: the shard is the whole bucket
+  kShardedPersistent,  // stage 1: full staging kept, reduce-scattered into a shard
+  kShardedTransient,   // stages 2-3: staging exists only while a bucket is reduced
+};
+
+// [Note: gradient layouts]
+//   kDdpInPlace        staging *is* the gradient: param.grad views it and it is
+//                      all-reduced in place (a previous result A is the same on
+//                      every rank, so sum((A + g_r) / N) = A + mean(g_r)).
+//   kShardedPersistent each reduction reduce-scatters the staging and adds the
+//                      rank's shard into a persistent fp32 accumulator.
+//   kShardedTransient  as persistent, but no full gradient survives a backward.
+//   kReplicated        as persistent with all-reduce: stage 0 with fp32 masters
+//                      (mixed precision or offload), whose gradient path is
+//                      stage 1's with a whole-bucket "shard".
+GradLayout grad_layout_for(int64_t stage, bool masters_or_low_precision_reduce);
+const char* grad_layout_name(GradLayout layout);
+
+struct BucketShape {
+  int64_t first = 0;      // index of its first parameter
+  int64_t count = 0;      // parameters in it
+  int64_t numel = 0;      // their elements
+  int64_t padded = 0;     // numel rounded up to a multiple of the world size
+  int64_t shard = 0;      // elements this rank holds: padded / world (replicated: padded)
+  int64_t trainable = 0;  // parameters in it that get gradients
+  int64_t unit = -1;      // stage 3: the unit it is gathered with (root: 0)
+};
+
+// A piece of one parameter held in this rank's shard of its bucket.
+struct ShardPiece {
+  int64_t param = 0;         // parameter index
+  int64_t bucket = 0;
+  int64_t param_start = 0;   // first element within the parameter
+  int64_t shard_offset = 0;  // first element within the bucket's local shard
+  int64_t length = 0;
+};
+
+class Layout {
+ public:
+  Layout(std::vector<std::vector<int64_t>> shapes, std::vector<std::string> names,
+         std::vector<int64_t> trainable, const std::vector<int64_t>& params_per_bucket,
+         const std::vector<int64_t>& unit_of_bucket, int64_t stage, GradLayout grad_layout,
+         int64_t rank, int64_t world);
+
+  int64_t stage() const { return stage_; }
+  GradLayout grad_layout() const { return grad_layout_; }
+  bool ddp_in_place() const { return grad_layout_ == GradLayout::kDdpInPlace; }
+  bool replicated() const { return grad_layout_ == GradLayout::kReplicated; }
+  // Staging freed after each reduction (stages 2-3).
+  bool transient_staging() const { return grad_layout_ == GradLayout::kShardedTransient; }
+  bool params_sharded() const { return stage_ == 3; }
+  int64_t rank() const { return rank_; }
+  int64_t world() const { return world_; }
+
+  int64_t num_params() const { return static_cast<int64_t>(names_.size()); }
+  int64_t num_buckets() const { return static_cast<int64_t>(buckets_.size()); }
+  const BucketShape& bucket(int64_t b) const { return buckets_[b]; }
+  const std::vector<BucketShape>& buckets() const { return buckets_; }
+  int64_t bucket_of(int64_t i) const { return bucket_of_[i]; }
+  int64_t offset(int64_t i) const { return offset_[i]; }  // element offset in its bucket
+  int64_t numel(int64_t i) const { return numel_[i]; }
+  const std::vector<int64_t>& shape(int64_t i) const { return shapes_[i]; }
+  const std::string& name(int64_t i) const { return names_[i]; }
+  bool trainable(int64_t i) const { return trainable_[i] != 0; }
+
+  // First element of `rank`'s shard of bucket b (replicated: 0).
+  int64_t shard_start(int64_t b) const { return shard_start_of(b, rank_); }
+  int64_t shard_start_of(int64_t b, int64_t rank) const;
+  // This rank's pieces of every parameter (trainable and frozen).
+  std::vector<ShardPiece> local_pieces() const;
+  // The optimizer's segments: local pieces of trainable parameters.
+  const std::vector<ShardPiece>& segments() const { return segments_; }
+  // (param, start, end) of `rank`'s equal slice of each bucket (padded / world
+  // elements, also for replicated layouts): what that rank writes in a
+  // checkpoint.
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> owned_ranges(int64_t rank) const;
+
+  // Stage 3: the buckets of each unit that has parameters.
+  int64_t num_units() const { return static_cast<int64_t>(unit_buckets_.size()); }
+  const std::vector<int64_t>& unit_buckets(int64_t u) const { return unit_buckets_[u]; }
+
+  std::string describe_bucket(int64_t b, const std::string& where) const;
+  std::string describe_unit(int64_t u) const;
+
+ private:
+  std::vector<ShardPiece> pieces_of(int64_t rank, int64_t shard_elements_per_rank, bool trainable_only) const;
+
+  int64_t stage_;
+  GradLayout grad_layout_;
+  int64_t rank_;
+  int64_t world_;
+  std::vector<std::vector<int64_t>> shapes_;
+  std::vector<std::string> names_;
+  std::vector<uint8_t> trainable_;
+  std::vector<int64_t> numel_;
+  std::vector<int64_t> bucket_of_;
+  std::vector<int64_t> offset_;
+  std::vector<BucketShape> buckets_;
+  std::vector<ShardPiece> segments_;
+  std::vector<std::vector<int64_t>> unit_buckets_;
+};
+
+} // namespace zero_ext

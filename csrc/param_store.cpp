@@ -1,0 +1,269 @@
+#include "param_store.h"
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "storage_release.h"
+
+namespace zero_ext {
+
+at::TensorOptions host_fp32(const c10::Device& device) {
+  auto options = at::TensorOptions().dtype(at::kFloat).device(at::kCPU);
+  return device.is_cpu() ? options : options.pinned_memory(true);
+}
+
+ParamStore::ParamStore(std::vector<at::Tensor> params, const Layout& layout, Communicator& comm,
+                       const Progress& progress, std::optional<c10::ScalarType> compute_dtype,
+                       bool offload)
+    : layout_(layout), comm_(comm), progress_(progress), params_(std::move(params)), offload_(offload) {
+  TORCH_INTERNAL_ASSERT(static_cast<int64_t>(params_.size()) == layout_.num_params());
+  at::NoGradGuard no_grad;
+  const int64_t n_buckets = layout_.num_buckets();
+  values_.resize(n_buckets);
+  std::vector<c10::intrusive_ptr<c10d::Work>> broadcasts;
+  for (int64_t b = 0; b < n_buckets; ++b) {
+    const BucketShape& shape = layout_.bucket(b);
+    const auto options = params_[shape.first].options();
+    at::Tensor& flat = values_[b].flat;
+    flat = at::zeros({shape.padded}, options);
+    for (int64_t i = shape.first; i < shape.first + shape.count; ++i) {
+      TORCH_INTERNAL_ASSERT(params_[i].dtype() == options.dtype() && params_[i].device() == options.device(),
+                            "a bucket mixes dtypes or devices");
+      auto view = flat.narrow(0, layout_.offset(i), layout_.numel(i)).view(params_[i].sizes());
+      view.copy_(params_[i].detach());
+      params_[i].set_data(view);
+    }
+    broadcasts.push_back(comm_.broadcast_from_rank0(flat));
+  }
+  for (int64_t b = 0; b < n_buckets; ++b) {
+    comm_.wait(broadcasts[b], [&] {
+      return "initial broadcast of parameters from rank 0 (" + layout_.describe_bucket(b, progress_.where()) + ")";
+    });
+  }
+
+  if (layout_.params_sharded()) {
+    released_.resize(params_.size());
+  }
+  for (int64_t b = 0; b < n_buckets; ++b) {
+    const BucketShape& shape = layout_.bucket(b);
+    BucketValues& values = values_[b];
+    const bool fp32 = values.flat.scalar_type() == at::kFloat;
+    const bool low_precision = compute_dtype.has_value() && fp32;
+    if (low_precision || (offload_ && fp32 && shape.trainable > 0)) {
+      // The master shard keeps the fp32 value the optimizer steps.
+      at::Tensor mine = values.flat.narrow(0, layout_.shard_start(b), shape.shard);
+      values.master = offload_ ? at::empty({shape.shard}, host_fp32(mine.device())).copy_(mine) : mine.clone();
+      has_masters_ = true;
+    }
+    if (low_precision) {  // parameters compute in the low-precision copy
+      values.flat = values.flat.to(*compute_dtype);
+      for (int64_t i = shape.first; i < shape.first + shape.count; ++i) {
+        params_[i].set_data(values.flat.narrow(0, layout_.offset(i), layout_.numel(i)).view(params_[i].sizes()));
+      }
+    }
+    at::Tensor mine = values.flat.narrow(0, layout_.shard_start(b), shape.shard);
+    if (!layout_.params_sharded()) {
+      values.shard = mine;
+      continue;
+    }
+    values.shard = mine.clone();
+    release_storage(values.flat);
+    for (int64_t i = shape.first; i < shape.first + shape.count; ++i) {
+      released_[i] = unreadable_storage(
+          values.flat.device(),
+          "zero_ext: parameter '" + layout_.name(i) + "' is sharded (stage 3) and holds no data "
+          "outside its unit's forward and backward. Read or change it inside `with "
+          "zero_ext.full_params(model):` (collective: every rank enters it; writeback=True "
+          "keeps changes), or read zero_ext.full_state_dict(model).");
+    }
+    point_params(b, /*gathered=*/false);
+  }
+
+  // Replicated (stage 0), a segment is a whole parameter and keeps its shape,
+  // so optimizers that are not elementwise still work.
+  for (const ShardPiece& piece : layout_.segments()) {
+    const BucketValues& values = values_[piece.bucket];
+    const at::Tensor& stepped = values.master.defined() ? values.master : values.shard;
+    at::Tensor segment = stepped.narrow(0, piece.shard_offset, piece.length);
+    if (layout_.replicated()) {
+      segment = segment.view(params_[piece.param].sizes());
+    }
+    segments_.push_back(segment);
+  }
+}
+
+std::vector<at::Tensor> ParamStore::segment_compute_copies() const {
+  std::vector<at::Tensor> out(segments_.size());
+  const auto& pieces = layout_.segments();
+  for (size_t s = 0; s < segments_.size(); ++s) {
+    const BucketValues& values = values_[pieces[s].bucket];
+    const auto dtype = values.shard.scalar_type();
+    if (!values.master.defined() || !values.shard.device().is_cpu() ||
+        (dtype != at::kBFloat16 && dtype != at::kHalf)) {
+      continue;
+    }
+    out[s] = values.shard.narrow(0, pieces[s].shard_offset, segments_[s].numel()).view(segments_[s].sizes());
+  }
+  return out;
+}
+
+void ParamStore::point_params(int64_t b, bool gathered) {
+  const BucketShape& shape = layout_.bucket(b);
+  for (int64_t i = shape.first; i < shape.first + shape.count; ++i) {
+    point_at(params_[i], gathered ? values_[b].flat.storage() : released_[i]);
+  }
+}
+
+void ParamStore::regrow_flat(int64_t b) {
+  grow_storage(values_[b].flat, layout_.bucket(b).padded * values_[b].flat.element_size());
+}
+
+void ParamStore::release_flat(int64_t b) {
+  release_storage(values_[b].flat);
+}
+
+bool ParamStore::flat_released(int64_t b) const {
+  return storage_is_released(values_[b].flat);
+}
+
+void ParamStore::bump_versions(const std::function<bool(int64_t)>& rewritten) {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (rewritten(static_cast<int64_t>(i))) {
+      params_[i].unsafeGetTensorImpl()->bump_version();
+    }
+  }
+}
+
+void ParamStore::refresh_compute_copies() {
+  if (!compute_copy_written_) {
+    at::NoGradGuard no_grad;
+    for (auto& values : values_) {
+      if (values.master.defined()) {
+        values.shard.copy_(values.master);
+      }
+    }
+  }
+  compute_copy_written_ = false;
+}
+
+void ParamStore::all_gather_updated(const std::function<bool(int64_t)>& touched) {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works(values_.size());
+  for (size_t b = 0; b < values_.size(); ++b) {
+    if (touched(static_cast<int64_t>(b))) {
+      works[b] = comm_.all_gather(values_[b].flat, values_[b].shard);
+    }
+  }
+  for (size_t b = 0; b < values_.size(); ++b) {
+    comm_.wait(works[b], [&] {
+      return "all-gather of updated parameters of " + layout_.describe_bucket(b, progress_.where());
+    });
+  }
+}
+
+void ParamStore::write_back_shards() {
+  at::NoGradGuard no_grad;
+  for (int64_t b = 0; b < layout_.num_buckets(); ++b) {
+    // Gathered buckets only: full_params on a submodule gathers its units alone.
+    if (layout_.params_sharded() && !flat_released(b)) {
+      values_[b].shard.copy_(values_[b].flat.narrow(0, layout_.shard_start(b), layout_.bucket(b).shard));
+    }
+  }
+}
+
+std::vector<at::Tensor> ParamStore::full_masters() {
+  at::NoGradGuard no_grad;
+  const int64_t n_buckets = layout_.num_buckets();
+  std::vector<at::Tensor> full(n_buckets);
+  std::vector<c10::intrusive_ptr<c10d::Work>> works(n_buckets);
+  for (int64_t b = 0; b < n_buckets; ++b) {
+    BucketValues& values = values_[b];
+    at::Tensor shard = values.master.defined() ? values.master : values.shard.to(at::kFloat);
+    if (layout_.replicated()) {
+      full[b] = shard.clone();  // a snapshot, not the live buffer
+      continue;
+    }
+    shard = shard.to(values.shard.device());
+    full[b] = at::empty({layout_.bucket(b).padded}, shard.options());
+    works[b] = comm_.all_gather(full[b], shard);
+  }
+  for (int64_t b = 0; b < n_buckets; ++b) {
+    comm_.wait(works[b], [&] { return "all-gather of master weights of " + layout_.describe_bucket(b, progress_.where()); });
+  }
+  std::vector<at::Tensor> out(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    out[i] = full[layout_.bucket_of(i)].narrow(0, layout_.offset(i), layout_.numel(i)).view(params_[i].sizes());
+  }
+  return out;
+}
+
+void ParamStore::load_masters(const std::vector<at::Tensor>& full_params) {
+  TORCH_INTERNAL_ASSERT(full_params.size() == params_.size(), "one tensor per parameter");
+  at::NoGradGuard no_grad;
+  for (const ShardPiece& piece : layout_.local_pieces()) {
+    BucketValues& values = values_[piece.bucket];
+    if (values.master.defined()) {
+      values.master.narrow(0, piece.shard_offset, piece.length)
+          .copy_(full_params[piece.param].reshape(-1).narrow(0, piece.param_start, piece.length));
+    }
+  }
+  for (auto& values : values_) {
+    if (values.master.defined()) {
+      values.shard.copy_(values.master);
+    }
+  }
+}
+
+std::vector<at::Tensor> ParamStore::local_value_shards() const {
+  std::vector<at::Tensor> out;
+  for (const auto& values : values_) {
+    out.push_back(values.master.defined() ? values.master : values.shard);
+  }
+  return out;
+}
+
+void ParamStore::check_shapes() const {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& wrapped = layout_.shape(i);
+    TORCH_CHECK(params_[i].sizes() == c10::IntArrayRef(wrapped), "zero_ext: parameter '", layout_.name(i),
+                "' changed shape after zero_ext.wrap() (from ", c10::IntArrayRef(wrapped), " to ",
+                params_[i].sizes(), "); its buckets, shards and optimizer state were laid out for "
+                "the old shape. Resize parameters (a grown embedding, say) before calling wrap(), "
+                "or wrap the resized model anew.");
+  }
+}
+
+bool ParamStore::still_in_place(int64_t i) const {
+  const at::Tensor& flat = values_[layout_.bucket_of(i)].flat;
+  const auto* storage = params_[i].storage().unsafeGetStorageImpl();
+  const bool released_here = layout_.params_sharded() && storage == released_[i].unsafeGetStorageImpl();
+  return (released_here || storage == flat.storage().unsafeGetStorageImpl()) &&
+         params_[i].storage_offset() == flat.storage_offset() + layout_.offset(i) &&
+         params_[i].dtype() == flat.dtype();
+}
+
+int64_t ParamStore::param_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& values : values_) {
+    bytes += values.flat.storage().nbytes();
+    if (layout_.params_sharded()) bytes += values.shard.nbytes();
+  }
+  return bytes;
+}
+
+int64_t ParamStore::master_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& values : values_) {
+    if (values.master.defined()) bytes += values.master.nbytes();
+  }
+  return bytes;
+}
+
+} // namespace zero_ext

@@ -1,0 +1,112 @@
+#pragma once
+// ParamStore: the parameter values of one wrapped model, per bucket.
+//
+//   flat    the full bucket the parameters view (stage 3: released between
+//           uses, see [Note: release by resize] in storage_release.h)
+//   shard   this rank's slice of flat (stage 3: memory of its own; replicated:
+//           the whole bucket)
+//   master  fp32 shard the optimizer steps when parameters compute in lower
+//           precision or the optimizer is offloaded (host memory then)
+// Parameters compute in the "compute copy" (flat/shard), refreshed from the
+// masters after each step. Every rank starts from rank 0's values.
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/core/ScalarType.h>
+#include <c10/core/Storage.h>
+
+#include "communicator.h"
+#include "layout.h"
+#include "step_gate.h"
+
+namespace zero_ext {
+
+struct BucketValues {
+  at::Tensor flat;
+  at::Tensor shard;
+  at::Tensor master;
+};
+
+class ParamStore {
+ public:
+  // Makes every parameter a view of its bucket's flat buffer, broadcasts
+  // rank 0's values, creates the masters and (stage 3) keeps only the shard.
+  ParamStore(std::vector<at::Tensor> params, const Layout& layout, Communicator& comm,
+             const Progress& progress, std::optional<c10::ScalarType> compute_dtype, bool offload);
+
+  const std::vector<at::Tensor>& params() const { return params_; }
+  const at::Tensor& param(int64_t i) const { return params_[i]; }
+  const BucketValues& bucket(int64_t b) const { return values_[b]; }
+  bool has_masters() const { return has_masters_; }
+  bool offload() const { return offload_; }
+  c10::Device device() const { return params_[0].device(); }
+
+  // The tensors the optimizer steps (see Layout::segments) and, per segment,
+  // where a fused optimizer may write the updated value in the compute dtype
+  // (undefined where it cannot: another device, or no low-precision copy).
+  const std::vector<at::Tensor>& segments() const { return segments_; }
+  std::vector<at::Tensor> segment_compute_copies() const;
+
+  // Stage 3: point bucket b's parameters at its flat buffer (gathered) or at
+  // their unreadable stand-ins (released; [Note: unreadable released parameters]).
+  void point_params(int64_t b, bool gathered);
+  void regrow_flat(int64_t b);
+  void release_flat(int64_t b);
+  bool flat_released(int64_t b) const;
+  at::Tensor& flat_mut(int64_t b) { return values_[b].flat; }
+  at::Tensor& shard_mut(int64_t b) { return values_[b].shard; }
+
+  // Parameters whose values were just rewritten (step, load) bump their
+  // autograd version, as an in-place update in plain PyTorch would, so a
+  // graph saved before raises "modified by an inplace operation".
+  void bump_versions(const std::function<bool(int64_t)>& rewritten);
+
+  // Offload: the optimizer wrote the compute copy itself (fused CPU Adam).
+  void note_compute_copy_written() { compute_copy_written_ = true; }
+  void forget_compute_copy_written() { compute_copy_written_ = false; }
+  // Masters -> compute copies of the shards (unless the optimizer wrote them).
+  void refresh_compute_copies();
+  // Stages 1-2: all-gather the shards of the buckets `touched` says changed.
+  void all_gather_updated(const std::function<bool(int64_t)>& touched);
+  // After full parameters were written in place (stage 3, gathered buckets):
+  // keep them as the shards.
+  void write_back_shards();
+
+  // Collective: each parameter's fp32 master value (flat).
+  std::vector<at::Tensor> full_masters();
+  void load_masters(const std::vector<at::Tensor>& full_params);
+  // Per bucket, the tensor holding this rank's values (master, else shard).
+  std::vector<at::Tensor> local_value_shards() const;
+
+  // A parameter resized after wrap() is refused by name.
+  void check_shapes() const;
+  // Whether parameter i still views its bucket (its .data was not replaced).
+  bool still_in_place(int64_t i) const;
+
+  int64_t param_bytes() const;
+  int64_t master_bytes() const;
+
+ private:
+  const Layout& layout_;
+  Communicator& comm_;
+  const Progress& progress_;
+  std::vector<at::Tensor> params_;
+  std::vector<BucketValues> values_;
+  std::vector<at::Tensor> segments_;
+  // Stage 3: what each parameter points at while its unit is released.
+  std::vector<c10::Storage> released_;
+  bool has_masters_ = false;
+  bool offload_ = false;
+  bool compute_copy_written_ = false;
+};
+
+// fp32 in host memory; pinned when it feeds an accelerator, so transfers can
+// run asynchronously.
+at::TensorOptions host_fp32(const c10::Device& device);
+
+} // namespace zero_ext

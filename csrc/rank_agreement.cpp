@@ -1,0 +1,113 @@
+#include "rank_agreement.h"
+
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+namespace zero_ext {
+
+RankAgreement::RankAgreement(const Layout& layout, Communicator& comm, const StepGate& gate)
+    : layout_(layout), comm_(comm), gate_(gate) {}
+
+bool RankAgreement::exchange(GradReducer& reducer, UnitScheduler* units, const at::Tensor& nonfinite,
+                             const c10::Device& device) {
+  const int64_t n = layout_.num_params();
+  const std::vector<int64_t> gathers = units ? units->take_gather_counts() : std::vector<int64_t>();
+  const int64_t width = 2 + static_cast<int64_t>(gathers.size());
+  const int64_t world = comm_.size();
+  at::Tensor mask = at::zeros({n + 2 + world * width}, at::TensorOptions().dtype(at::kFloat));
+  float* data = mask.data_ptr<float>();
+  const auto& local = reducer.local_has_grad();
+  for (int64_t i = 0; i < n; ++i) {
+    data[i] = static_cast<float>(local[i]);
+  }
+  data[n] = reducer.late() ? 1.0f : 0.0f;
+  data[n + 1] = 0.0f;
+  const Progress& progress = gate_.progress();
+  float* row = data + n + 2 + comm_.rank() * width;
+  row[0] = static_cast<float>(progress.step_index % (int64_t{1} << 23));  // exact in a float
+  row[1] = static_cast<float>(progress.synced_in_step);
+  for (size_t u = 0; u < gathers.size(); ++u) {
+    row[2 + u] = static_cast<float>(gathers[u]);
+  }
+  // The collective runs on the parameters' device (NCCL cannot reduce CPU
+  // tensors); the non-finite flag joins it there, read back with the rest.
+  at::Tensor on_device = mask.to(device);
+  if (nonfinite.defined()) {
+    on_device.narrow(0, n + 1, 1).copy_(nonfinite.reshape({1}));
+  }
+  if (comm_.distributed()) {
+    comm_.wait(comm_.all_reduce_sum(on_device), [&] {
+      return "exchange of which parameters got gradients (stage " + std::to_string(layout_.stage()) + ", " +
+             progress.where() + ")";
+    });
+  }
+  mask = on_device.cpu();
+  data = mask.data_ptr<float>();
+  check_in_step(data + n + 2, width);
+  auto& global = reducer.global_has_grad();
+  for (int64_t i = 0; i < n; ++i) {
+    global[i] = data[i] > 0.0f;
+  }
+  reducer.set_late(data[n] > 0.0f);
+  return data[n + 1] > 0.0f;
+}
+
+bool RankAgreement::any_nonfinite(const at::Tensor& nonfinite, const c10::Device& device) {
+  at::Tensor flag = nonfinite.reshape({1}).to(device);
+  if (comm_.distributed()) {
+    comm_.wait(comm_.all_reduce_sum(flag), [] { return std::string("exchange of the non-finite gradient flag"); });
+  }
+  return flag.item<float>() > 0.0f;
+}
+
+void RankAgreement::check_in_step(const float* rows, int64_t width) const {
+  const int64_t world = comm_.size();
+  auto ranks_where = [&](int64_t column, float value) {
+    std::ostringstream out;
+    const char* sep = "";
+    for (int64_t r = 0; r < world; ++r) {
+      if (rows[r * width + column] == value) {
+        out << sep << r;
+        sep = ", ";
+      }
+    }
+    return out.str();
+  };
+  for (int64_t r = 1; r < world; ++r) {
+    const float* mine = rows + r * width;
+    if (mine[0] != rows[0] || mine[1] != rows[1]) {
+      std::ostringstream out;
+      for (int64_t q = 0; q < world; ++q) {
+        out << (q ? "; " : "") << "rank " << q << " at step " << rows[q * width] << " after "
+            << rows[q * width + 1] << " synced backward(s) in the step";
+      }
+      TORCH_CHECK(false, "zero_ext: the ranks have diverged (stage ", layout_.stage(), "): ", out.str(),
+                  ". Every rank must run the same number of backward passes between optimizer "
+                  "steps and the same number of steps (a loop whose length depends on the rank's "
+                  "data, or an exception caught on some ranks only, breaks this); their "
+                  "gradient reductions were paired with each other's and are discarded.");
+    }
+  }
+  for (int64_t u = 0; u < width - 2; ++u) {
+    for (int64_t r = 1; r < world; ++r) {
+      const float mine = rows[r * width + 2 + u];
+      const float first = rows[2 + u];
+      if (mine != first) {
+        TORCH_CHECK(false, "zero_ext: stage 3 ", layout_.describe_unit(u), " was gathered ", first,
+                    " time(s) on rank(s) ", ranks_where(2 + u, first), " but ", mine,
+                    " time(s) on rank(s) ", ranks_where(2 + u, mine), " since the last gradient "
+                    "exchange (", gate_.progress().where(), "): the ranks ran different modules, so "
+                    "their parameter gathers were paired with each other's. In stage 3 every rank "
+                    "must run the same units in each forward and backward: run a module that is "
+                    "skipped on some ranks (rank-dependent control flow, an expert no token was "
+                    "routed to) on every rank, or leave it out of units= so it stays gathered with "
+                    "its parent.");
+      }
+    }
+  }
+}
+
+} // namespace zero_ext

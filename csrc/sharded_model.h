@@ -1,0 +1,166 @@
+#pragma once
+// ShardedModel: the C++ core of one wrapped model, registered as
+// torch.classes.zero_ext.ShardedModel. A thin facade: it owns the components
+// below, takes the lock, and routes each entry point (autograd hooks, module
+// hooks, the optimizer wrapper, checkpoints) to the component that does the
+// work. See csrc/README.md for the path of one gradient and of one unit.
+//
+//   Layout         immutable geometry: buckets, shards, segments   layout.h
+//   ParamStore     flat, shard, master and compute-copy buffers     param_store.h
+//   GradReducer    gradient arrival, bucket reduction, accumulation grad_reducer.h
+//   UnitScheduler  stage 3 gather / prefetch / release              units.h
+//   RankAgreement  the per-backward mask exchange, divergence check rank_agreement.h
+//   StepGate       loss scaling, skip decisions, progress           step_gate.h
+//   GradHooks      hooks on the parameters' AccumulateGrad nodes    autograd_hooks.h
+//   BackwardRound  the epilogue, broken and stale rounds            backward_round.h
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/core/Dict.h>
+#include <c10/core/ScalarType.h>
+#include <torch/custom_class.h>
+
+#include "autograd_hooks.h"
+#include "backward_round.h"
+#include "communicator.h"
+#include "fault_injection.h"
+#include "grad_reducer.h"
+#include "layout.h"
+#include "param_store.h"
+#include "rank_agreement.h"
+#include "step_gate.h"
+#include "units.h"
+
+namespace zero_ext {
+
+class ShardedModel : public torch::CustomClassHolder {
+ public:
+  // params: in bucket order; trainable: which get gradients (stage 3 also
+  // shards frozen ones); unit_of_bucket: stage 3 unit of each bucket (root: 0);
+  // gather_group_name: the group stage 3 gathers on ("" = group_name);
+  // compute_dtype: mixed precision (fp32 parameters compute in it, the
+  // optimizer steps fp32 masters); reduce_dtype: gradients are reduced in it
+  // (none: fp32); offload: masters and accumulators in host memory.
+  ShardedModel(std::vector<at::Tensor> params, std::vector<std::string> names, std::vector<int64_t> trainable,
+               std::vector<int64_t> params_per_bucket, std::vector<int64_t> unit_of_bucket, int64_t stage,
+               std::string group_name, std::string gather_group_name, int64_t prefetch,
+               std::optional<c10::ScalarType> compute_dtype, std::optional<c10::ScalarType> reduce_dtype,
+               bool offload);
+
+  // --- autograd ------------------------------------------------------------
+  void on_grad_ready(int64_t param_index);
+  // A gradient reached a forward output: arms the epilogue and returns the
+  // factor the gradient entering the model takes (the loss scale, or 1 for
+  // backward passes that accumulate nothing, like torch.autograd.grad).
+  double on_output_grad();
+  void attach_output_hook(const at::Tensor& output);
+
+  // --- stage 3 units (module hooks) -----------------------------------------
+  void pre_forward(int64_t unit);
+  void post_forward(int64_t unit, std::vector<at::Tensor> outputs);
+  void pre_backward(int64_t unit);
+  // Use tracking: Python's fallback for inputs it cannot pass through a
+  // boundary node reports with these; autograd_boundaries.h with use_done.
+  int64_t add_pending_use(int64_t unit);
+  void post_backward_use(int64_t unit);
+  void note_untracked_use(int64_t unit);
+  void use_done(int64_t unit, int64_t round);
+  // A use's graph died without a backward; may run anywhere (a destructor),
+  // so it is queued and handled at the next entry point.
+  void defer_use_done(int64_t unit, int64_t round);
+  void gather_all();
+  void gather_units_of(std::vector<int64_t> param_indices);
+  void unpin_units_of(std::vector<int64_t> param_indices);
+  void release_all();
+  void write_back_shards();
+
+  // --- loss scaling, non-finite gradients, the step ---------------------------
+  void enable_loss_scaling(double initial_scale, double growth_factor, double backoff_factor,
+                           int64_t growth_interval, double min_scale, int64_t hysteresis, bool dynamic);
+  void disable_loss_scaling();
+  double loss_scale();
+  bool loss_scaling();
+  bool found_nonfinite();
+  void set_skip_nonfinite(bool skip);
+  // Once per optimizer.step(): whether to skip it (StepDecision, as an int).
+  int64_t begin_step();
+  // Before a step: raises if a gradient bypassed zero_ext's hook, or a
+  // parameter's storage is no longer the bucket's.
+  void check_before_step();
+  // After optimizer.step(): stages 1-2 all-gather every bucket whose shard
+  // changed; stage 3 drops full buffers, now stale (the next forward gathers).
+  void after_step();
+  void note_compute_copy_written();
+  std::vector<at::Tensor> segment_compute_copies();
+  void check_param_shapes();
+  void enable_stall_diagnosis(double seconds, std::string key_space);
+
+  // --- training-loop controls ---------------------------------------------
+  void set_sync(bool sync);
+  bool sync();
+  void zero_grad(bool set_to_none);
+  bool reset_if_stale();
+
+  // --- inspection and checkpoints --------------------------------------------
+  std::vector<at::Tensor> segments();
+  std::vector<int64_t> segment_param_indices();
+  std::vector<int64_t> segment_param_starts();
+  std::vector<at::Tensor> full_grads();
+  std::vector<bool> has_grad();
+  bool has_masters();
+  bool replicated();
+  std::vector<at::Tensor> full_masters();
+  void load_masters(std::vector<at::Tensor> full_params);
+  std::vector<at::Tensor> local_value_shards();
+  // Flat (param, start in param, bucket, start in that bucket's local shard,
+  // length) quintuples: every value this rank holds.
+  std::vector<int64_t> local_pieces();
+  // Flat (param, start, end) triples that `rank` writes in a checkpoint.
+  std::vector<int64_t> owned_ranges(int64_t rank);
+  std::vector<int64_t> bucket_layout();  // (first param, count, padded numel) triples
+  std::vector<double> loss_scaler_state();
+  void restore_loss_scaler(double scale, int64_t clean_steps, int64_t skipped_steps);
+  // After shards were written (checkpoint load): refresh compute copies and
+  // full parameters everywhere. Collective.
+  void refresh_params_from_shards();
+  c10::Dict<std::string, int64_t> stats();
+  std::string grad_layout();
+
+  // Test-only (zero_ext/_testing.py): raise at `point` on this rank.
+  void set_test_fault(std::string point, int64_t step);
+
+ private:
+  void arm_epilogue();
+  void run_epilogue();
+  void hook_for_pre_backward(const at::Tensor& output, int64_t unit);
+  void refresh_params(bool every_bucket);
+  void drain_deferred_uses();  // under mutex_
+
+  Communicator comm_;
+  // Stage 3 gathers on a group of its own (see units.h).
+  Communicator gather_comm_;
+  Layout layout_;
+  StepGate gate_;
+  ParamStore store_;
+  GradReducer reducer_;
+  std::unique_ptr<UnitScheduler> units_;  // stage 3
+  RankAgreement agreement_;
+  GradHooks hooks_;
+  FaultInjector faults_;
+  BackwardRound round_;
+  bool sync_ = true;
+  std::mutex mutex_;
+  std::mutex deferred_mutex_;  // guards only deferred_uses_
+  std::vector<std::pair<int64_t, int64_t>> deferred_uses_;  // (unit, round)
+  std::atomic<bool> has_deferred_uses_{false};
+};
+
+} // namespace zero_ext

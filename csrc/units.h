@@ -1,0 +1,122 @@
+#pragma once
+// UnitScheduler: stage 3's units, gathered before use and released after.
+//
+// A unit is a block of the model (a transformer layer, say) whose buckets are
+// all-gathered as one before its forward and again before its backward, and
+// released after each ([Note: release by resize] in storage_release.h). The
+// order units ran in the last forward drives prefetch: the next `prefetch`
+// units' gathers start while the current one computes (forward order ahead,
+// reverse order in backward). Gathers run on a communicator of their own:
+// they are issued from forward/backward hooks and reductions as buckets fill,
+// and the engine may interleave the two differently on ranks whose graphs
+// differ; two groups keep each sequence identical on every rank.
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "communicator.h"
+#include "grad_reducer.h"
+#include "layout.h"
+#include "param_store.h"
+#include "step_gate.h"
+
+namespace zero_ext {
+
+enum class UnitState : int8_t { kReleased, kGathering, kGathered };
+
+class UnitScheduler {
+ public:
+  UnitScheduler(const Layout& layout, ParamStore& store, Communicator& gather_comm,
+                const GradReducer& reducer, const StepGate& gate, int64_t prefetch,
+                std::function<void()> check_usable);
+
+  // Around a unit's forward (u = 0: the root). `grad_enabled`: its graph is
+  // recorded; `hooked_outputs`: a tensor of its output carries the hook that
+  // gathers it again before its backward.
+  void pre_forward(int64_t u);
+  void post_forward(int64_t u, bool grad_enabled, bool hooked_outputs);
+  void pre_backward(int64_t u);
+
+  // Use tracking (see [Note: when a unit's backward is over]): a use whose
+  // inputs require grad, its completion, and a use whose inputs do not.
+  // `epilogue_owner`: the graph task that owns the running backward's epilogue.
+  // Returns the use-tracking round the use counts in: releasing every unit
+  // at the end of a backward starts a new round, and a report from an older
+  // one (a graph that died later, say) no longer counts.
+  int64_t add_pending_use(int64_t u);
+  void note_untracked_use(int64_t u);
+  void post_backward_use(int64_t u, int64_t round, int64_t epilogue_owner);
+  int64_t use_round() const { return use_round_; }
+  // The last gradient of a bucket of unit u arrived.
+  void on_bucket_complete(int64_t b, int64_t epilogue_owner);
+  // The backward is over: release every unit unless its graph is kept.
+  void release_after_backward(bool keep_graph);
+
+  // For inspection and full_params: not part of the training peaks.
+  void gather_all();
+  // The units holding these parameters stay gathered (pinned) until
+  // unpin_units_of() with the same indices; pins nest.
+  void gather_units_of(const std::vector<int64_t>& param_indices);
+  void unpin_units_of(const std::vector<int64_t>& param_indices);
+  void release_all();
+  // After an optimizer step or a load: full buffers are stale. Drops them
+  // all; pinned units (a step inside full_params) gather the new values.
+  void drop_stale();
+
+  // Gathers of each unit since the last call (for the divergence check).
+  std::vector<int64_t> take_gather_counts();
+  int64_t num_units() const { return static_cast<int64_t>(units_.size()); }
+  int64_t gathered_units() const;
+  int64_t param_gathers() const { return param_gathers_; }
+  int64_t peak_gathered_forward() const { return peak_gathered_forward_; }
+  int64_t peak_gathered_backward() const { return peak_gathered_backward_; }
+
+ private:
+  struct Unit {
+    std::vector<int64_t> buckets;
+    UnitState state = UnitState::kReleased;
+    int64_t pending_uses = 0;    // uses whose input gradients are not complete yet
+    bool tracked_use = false;    // some use since the last epilogue had such inputs
+    bool untracked_use = false;  // some use had no input requiring grad
+    int64_t pins = 0;            // open zero_ext.full_params contexts holding it gathered
+  };
+
+  Unit& unit_at(int64_t u);
+  void start_gather(int64_t u);
+  void finish_gather(int64_t u);
+  // A pinned unit stays gathered (full_params) unless `even_pinned`.
+  void release(int64_t u, bool even_pinned = false);
+  bool backward_done(int64_t u, int64_t epilogue_owner) const;
+  void maybe_release_after_backward(int64_t u, int64_t epilogue_owner);
+  bool has_trainable(int64_t u) const;
+  void prefetch_around(int64_t u, bool forward);
+  void finish_forward_order();
+  std::vector<int64_t> units_of(const std::vector<int64_t>& param_indices) const;
+
+  const Layout& layout_;
+  ParamStore& store_;
+  Communicator& gather_comm_;
+  const GradReducer& reducer_;
+  const StepGate& gate_;
+  const int64_t prefetch_;
+  std::function<void()> check_usable_;  // before any new gather: refuses a broken rank
+  std::vector<Unit> units_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> gather_work_;  // per bucket
+  std::vector<int64_t> gathers_since_exchange_;  // one per unit with parameters, fixed at wrap()
+  std::vector<int64_t> forward_order_;       // being recorded
+  std::vector<int64_t> last_forward_order_;  // complete
+  int64_t forward_cursor_ = 0;
+  int64_t backward_cursor_ = 0;
+  int64_t param_gathers_ = 0;  // bucket all-gathers
+  bool replaying_retained_graph_ = false;  // the last backward kept its graph
+  int64_t use_round_ = 0;
+  bool gathering_for_inspection_ = false;
+  int64_t peak_gathered_forward_ = 0;   // most units gathered at once, outside backward
+  int64_t peak_gathered_backward_ = 0;  // and inside
+};
+
+} // namespace zero_ext

@@ -1,0 +1,147 @@
+"""The C++ components that can be tested alone: the layout's arithmetic
+against a Python reference, and the step gate's decisions with the loss
+scaler (torch.classes.zero_ext.Layout / StepGate are test probes over the
+same classes the core uses)."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+import zero_ext  # noqa: F401  (registers torch.classes.zero_ext.*)
+
+LAYOUTS = ("ddp_in_place", "replicated", "sharded_persistent", "sharded_transient")
+STEP, SKIP_OVERFLOW, SKIP_NONFINITE = 0, 1, 2
+
+
+def reference(numels, trainable, per_bucket, layout, rank, world):
+    """Buckets (first, count, numel, padded, shard), this rank's pieces
+    (param, start in param, bucket, start in shard, length), and each rank's
+    checkpoint slices, computed the obvious way."""
+    buckets, offsets, bucket_of = [], [], []
+    first = 0
+    for b, count in enumerate(per_bucket):
+        numel = 0
+        for i in range(first, first + count):
+            offsets.append(numel)
+            bucket_of.append(b)
+            numel += numels[i]
+        padded = math.ceil(max(numel, 1) / world) * world
+        shard = padded if layout == "replicated" else padded // world
+        buckets.append((first, count, numel, padded, shard))
+        first += count
+
+    def pieces(r, width_of, start_of):
+        out = []
+        for i, n in enumerate(numels):
+            b = bucket_of[i]
+            lo = start_of(b, r)
+            hi = lo + width_of(b)
+            s, e = max(lo, offsets[i]), min(hi, offsets[i] + n)
+            if s < e:
+                out.append((i, s - offsets[i], b, s - lo, e - s))
+        return out
+
+    local = pieces(rank, lambda b: buckets[b][4], lambda b, r: 0 if layout == "replicated" else r * buckets[b][4])
+    owned = {r: [(i, s, s + n) for i, s, _, _, n in pieces(r, lambda b: buckets[b][3] // world,
+                                                          lambda b, r: r * (buckets[b][3] // world))]
+             for r in range(world)}
+    return buckets, local, owned
+
+
+def triples(flat, k):
+    return [tuple(flat[j:j + k]) for j in range(0, len(flat), k)]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_layout_matches_reference(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 12)
+    numels = [rng.choice([0, 1, 2, 3, 7, 16, 33]) for _ in range(n)]
+    shapes = [[m] if rng.random() < 0.5 or m == 0 else [1, m] for m in numels]
+    world = rng.randint(1, 5)
+    rank = rng.randrange(world)
+    stage = rng.randint(0, 3)
+    layout = {0: rng.choice(LAYOUTS[:2]), 1: "sharded_persistent"}.get(stage, "sharded_transient")
+    trainable = [1 if stage < 3 or rng.random() < 0.7 else 0 for _ in range(n)]
+    per_bucket, left = [], n
+    while left:
+        per_bucket.append(rng.randint(1, left))
+        left -= per_bucket[-1]
+    units = list(range(len(per_bucket))) if stage == 3 else []
+    probe = torch.classes.zero_ext.Layout(shapes, trainable, per_bucket, units, stage, layout, rank, world)
+
+    buckets, local, owned = reference(numels, trainable, per_bucket, layout, rank, world)
+    got = triples(probe.buckets(), 7)
+    assert [g[:5] for g in got] == buckets
+    assert [g[5] for g in got] == [sum(trainable[f:f + c]) for f, c, *_ in buckets]
+    assert [g[6] for g in got] == (units or [-1] * len(per_bucket))
+    assert triples(probe.pieces(False), 5) == local
+    segments = [] if layout == "ddp_in_place" else [p for p in local if trainable[p[0]]]
+    assert triples(probe.pieces(True), 5) == segments
+    for r in range(world):
+        assert triples(probe.owned_ranges(r), 3) == owned[r]
+    # Every element of every parameter is owned by exactly one rank.
+    for i, m in enumerate(numels):
+        covered = sorted((s, e) for r in range(world) for j, s, e in owned[r] if j == i)
+        assert sum(e - s for s, e in covered) == m
+        assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+
+
+def test_layout_refuses_a_bad_plan():
+    with pytest.raises(RuntimeError, match="bucket plan"):
+        torch.classes.zero_ext.Layout([[2], [3]], [1, 1], [3], [], 1, "sharded_persistent", 0, 1)
+
+
+def gate(scaling: bool = False, **changes):
+    g = torch.classes.zero_ext.StepGate()
+    if scaling:
+        options = dict(initial_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=3,
+                       min_scale=1.0, hysteresis=1, dynamic=True)
+        options.update(changes)
+        g.enable_loss_scaling(*options.values())
+    return g
+
+
+def test_step_gate_steps_unless_told_to_skip():
+    g = gate()
+    g.note_nonfinite_backward()
+    assert g.decide() == STEP  # fp32, skip_nonfinite off: the step goes ahead (as in plain PyTorch)
+    g.set_skip_nonfinite(True)
+    assert g.decide() == SKIP_NONFINITE  # still flagged: nothing cleared it
+    g.clear_nonfinite()
+    assert g.decide() == STEP
+    assert g.skipped_steps() == 1 and g.step_index() == 3
+
+
+def test_step_gate_loss_scaler_backs_off_and_grows():
+    g = gate(scaling=True)
+    scales = []
+    for overflow in (True, False, False, False, True, True):
+        if overflow:
+            g.note_nonfinite_backward()
+        decision = g.decide()
+        assert decision == (SKIP_OVERFLOW if overflow else STEP)
+        g.clear_nonfinite()
+        scales.append(g.loss_scale())
+    assert scales == [2.0 ** 15, 2.0 ** 15, 2.0 ** 15, 2.0 ** 16, 2.0 ** 15, 2.0 ** 14]
+    assert g.skipped_steps() == 3
+
+
+def test_step_gate_hysteresis_min_scale_and_static():
+    g = gate(True, initial_scale=4.0, hysteresis=2, min_scale=2.0)
+    seen = []
+    for _ in range(5):
+        g.note_nonfinite_backward()
+        assert g.decide() == SKIP_OVERFLOW
+        seen.append(g.loss_scale())
+    assert seen == [4.0, 2.0, 2.0, 2.0, 2.0]  # lowered every second overflow, never below min_scale
+    static = gate(True, initial_scale=8.0, dynamic=False)
+    static.note_nonfinite_backward()
+    assert static.decide() == SKIP_OVERFLOW and static.loss_scale() == 8.0
+    static.clear_nonfinite()
+    for _ in range(5):
+        assert static.decide() == STEP
+    assert static.loss_scale() == 8.0
