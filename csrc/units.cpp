@@ -142,21 +142,17 @@ void UnitScheduler::on_bucket_complete(int64_t b, int64_t epilogue_owner) {
   }
 }
 
-int64_t UnitScheduler::add_pending_use(int64_t u) {
+void UnitScheduler::add_pending_use(int64_t u) {
   Unit& unit = unit_at(u);
   ++unit.pending_uses;
   unit.tracked_use = true;
-  return use_round_;
 }
 
 void UnitScheduler::note_untracked_use(int64_t u) {
   unit_at(u).untracked_use = true;
 }
 
-void UnitScheduler::post_backward_use(int64_t u, int64_t round, int64_t epilogue_owner) {
-  if (round != use_round_) {
-    return;  // counted in a round that release_after_backward already closed
-  }
+void UnitScheduler::post_backward_use(int64_t u, int64_t epilogue_owner) {
   Unit& unit = unit_at(u);
   if (unit.pending_uses > 0) {
     --unit.pending_uses;
@@ -175,7 +171,6 @@ void UnitScheduler::release_after_backward(bool keep_graph) {
   if (keep_graph) {
     return;
   }
-  ++use_round_;
   for (int64_t u = 0; u < num_units(); ++u) {
     release(u);
     units_[u].pending_uses = 0;
