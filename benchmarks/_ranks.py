@@ -5,7 +5,8 @@ import datetime
 import json
 import os
 import tempfile
-from typing import Any, Callable, List
+import time
+from typing import Any, Callable, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -33,3 +34,14 @@ def run_on_ranks(world: int, body: Callable, args: Any, threads: int = 1) -> Lis
         mp.spawn(_rank_main, args=(world, os.path.join(tmp, "rdv"), body, args, threads, out_file), nprocs=world)
         with open(out_file) as f:
             return json.load(f)
+
+
+def timed_step(compute_loss: Callable[[], torch.Tensor], opt: Any) -> Tuple[float, float]:
+    """One training step (forward through `compute_loss`, backward, step,
+    zero_grad): its wall seconds, then the loss."""
+    start = time.perf_counter()
+    loss = compute_loss()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return time.perf_counter() - start, loss.item()

@@ -20,7 +20,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -30,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from train_lm import TinyGPT  # noqa: E402
 
-from _ranks import run_on_ranks  # noqa: E402
+from _ranks import run_on_ranks, timed_step  # noqa: E402
 
 import zero_ext  # noqa: E402
 
@@ -88,13 +87,8 @@ def run_systems(args, rank, world):
         for system, (model, trained, opt) in built.items():
             if world > 1:
                 dist.barrier()
-            start = time.perf_counter()
-            loss = F.cross_entropy(trained(x).float().flatten(0, 1), y.flatten())
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            elapsed = time.perf_counter() - start
-            losses[system] = loss.item()
+            elapsed, losses[system] = timed_step(
+                lambda: F.cross_entropy(trained(x).float().flatten(0, 1), y.flatten()), opt)
             if step >= args.warmup:
                 times[system].append(elapsed)
     results = {}

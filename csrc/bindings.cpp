@@ -11,6 +11,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include "autograd_boundaries.h"
 #include "cpu_adam.h"
 #include "layout.h"
 #include "sharded_model.h"
@@ -109,6 +110,33 @@ TORCH_LIBRARY(zero_ext, m) {
       .def("full_masters", &ShardedModel::full_masters)
       .def("load_masters", &ShardedModel::load_masters)
       .def("pre_forward", &ShardedModel::pre_forward)
+      // A stage 3 unit's forward begins: gather it, and pass its inputs that
+      // require grad through a boundary node that reports the end of this use.
+      .def("enter_unit",
+           [](const c10::intrusive_ptr<ShardedModel>& self, int64_t unit, std::vector<at::Tensor> inputs) {
+             self->pre_forward(unit);
+             return track_unit_inputs(self, unit, inputs);
+           })
+      // The same without the gather (a later member of a merged unit).
+      .def("track_unit_inputs",
+           [](const c10::intrusive_ptr<ShardedModel>& self, int64_t unit, std::vector<at::Tensor> inputs) {
+             return track_unit_inputs(self, unit, inputs);
+           })
+      // Before these tensors' gradients flow on, make sure the unit is gathered.
+      .def("hook_regather",
+           [](const c10::intrusive_ptr<ShardedModel>& self, std::vector<at::Tensor> tensors, int64_t unit) {
+             c10::weak_intrusive_ptr<ShardedModel> weak(self);
+             for (const auto& tensor : tensors) {
+               if (tensor.requires_grad()) {
+                 tensor.register_hook([weak, unit](const at::Tensor& /*grad*/) {
+                   if (auto model = weak.lock()) model->pre_forward(unit);
+                 });
+               }
+             }
+           })
+      .def("scale_outputs", [](const c10::intrusive_ptr<ShardedModel>& self, std::vector<at::Tensor> outputs) {
+        return scale_at_outputs(self, outputs);
+      })
       .def("post_forward", &ShardedModel::post_forward)
       .def("add_pending_use", &ShardedModel::add_pending_use)
       .def("post_backward_use", &ShardedModel::post_backward_use)
@@ -132,6 +160,7 @@ TORCH_LIBRARY(zero_ext, m) {
       .def("bucket_layout", &ShardedModel::bucket_layout)
       .def("stats", &ShardedModel::stats)
       .def("set_test_fault", &ShardedModel::set_test_fault);
+  m.class_<UnitUse>("UnitUse");
   m.class_<LayoutProbe>("Layout")
       .def(torch::init<std::vector<std::vector<int64_t>>, std::vector<int64_t>, std::vector<int64_t>,
                        std::vector<int64_t>, int64_t, std::string, int64_t, int64_t>())

@@ -63,6 +63,7 @@ void ShardedModel::arm_epilogue() {
 
 void ShardedModel::run_epilogue() {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (units_) drain_deferred_uses();
   round_.run_epilogue(sync_);
 }
 
@@ -111,6 +112,7 @@ void ShardedModel::attach_output_hook(const at::Tensor& output) {
 void ShardedModel::pre_forward(int64_t u) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!units_) return;  // stages 0-2: parameters are never released
+  drain_deferred_uses();
   units_->pre_forward(u);
 }
 
@@ -140,19 +142,49 @@ void ShardedModel::post_forward(int64_t u, std::vector<at::Tensor> outputs) {
 void ShardedModel::pre_backward(int64_t u) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!units_) return;  // stages 0-2: parameters are never released
+  drain_deferred_uses();
   units_->pre_backward(u);
 }
 
-void ShardedModel::add_pending_use(int64_t u) {
+int64_t ShardedModel::add_pending_use(int64_t u) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!units_) return;  // stages 0-2: parameters are never released
-  units_->add_pending_use(u);
+  if (!units_) return 0;  // stages 0-2: parameters are never released
+  return units_->add_pending_use(u);
 }
 
 void ShardedModel::post_backward_use(int64_t u) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!units_) return;  // stages 0-2: parameters are never released
-  units_->post_backward_use(u, round_.owner_graph_task());
+  drain_deferred_uses();
+  units_->post_backward_use(u, units_->use_round(), round_.owner_graph_task());
+}
+
+void ShardedModel::use_done(int64_t u, int64_t round) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!units_) return;
+  drain_deferred_uses();
+  units_->post_backward_use(u, round, round_.owner_graph_task());
+}
+
+void ShardedModel::defer_use_done(int64_t u, int64_t round) {
+  std::lock_guard<std::mutex> lock(deferred_mutex_);
+  deferred_uses_.emplace_back(u, round);
+  has_deferred_uses_ = true;
+}
+
+void ShardedModel::drain_deferred_uses() {
+  if (!has_deferred_uses_.load()) {
+    return;
+  }
+  std::vector<std::pair<int64_t, int64_t>> uses;
+  {
+    std::lock_guard<std::mutex> lock(deferred_mutex_);
+    uses.swap(deferred_uses_);
+    has_deferred_uses_ = false;
+  }
+  for (const auto& [u, round] : uses) {
+    units_->post_backward_use(u, round, round_.owner_graph_task());
+  }
 }
 
 void ShardedModel::note_untracked_use(int64_t u) {

@@ -14,11 +14,13 @@
 //   GradHooks      hooks on the parameters' AccumulateGrad nodes    autograd_hooks.h
 //   BackwardRound  the epilogue, broken and stale rounds            backward_round.h
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -65,10 +67,15 @@ class ShardedModel : public torch::CustomClassHolder {
   void pre_forward(int64_t unit);
   void post_forward(int64_t unit, std::vector<at::Tensor> outputs);
   void pre_backward(int64_t unit);
-  // Use tracking (see [Note: when a unit's backward is over] in units.cpp).
-  void add_pending_use(int64_t unit);
+  // Use tracking: Python's fallback for inputs it cannot pass through a
+  // boundary node reports with these; autograd_boundaries.h with use_done.
+  int64_t add_pending_use(int64_t unit);
   void post_backward_use(int64_t unit);
   void note_untracked_use(int64_t unit);
+  void use_done(int64_t unit, int64_t round);
+  // A use's graph died without a backward; may run anywhere (a destructor),
+  // so it is queued and handled at the next entry point.
+  void defer_use_done(int64_t unit, int64_t round);
   void gather_all();
   void gather_units_of(std::vector<int64_t> param_indices);
   void unpin_units_of(std::vector<int64_t> param_indices);
@@ -135,6 +142,7 @@ class ShardedModel : public torch::CustomClassHolder {
   void run_epilogue();
   void hook_for_pre_backward(const at::Tensor& output, int64_t unit);
   void refresh_params(bool every_bucket);
+  void drain_deferred_uses();  // under mutex_
 
   Communicator comm_;
   // Stage 3 gathers on a group of its own (see units.h).
@@ -150,6 +158,9 @@ class ShardedModel : public torch::CustomClassHolder {
   BackwardRound round_;
   bool sync_ = true;
   std::mutex mutex_;
+  std::mutex deferred_mutex_;  // guards only deferred_uses_
+  std::vector<std::pair<int64_t, int64_t>> deferred_uses_;  // (unit, round)
+  std::atomic<bool> has_deferred_uses_{false};
 };
 
 } // namespace zero_ext

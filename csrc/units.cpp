@@ -102,9 +102,12 @@ void UnitScheduler::release(int64_t u, bool even_pinned) {
 // Its parameters are read by the nodes of every use of the unit in the graph.
 // Those nodes are over once (a) every trainable parameter's AccumulateGrad ran
 // (it waits for all its uses) and (b) for each use whose inputs required grad,
-// the gradient of those inputs is complete: a hook on the inputs, registered
-// at the unit's pre-forward, reports it (post_backward_use), and so does its
-// finalizer if the graph is dropped without a backward. A use whose inputs did
+// the gradient of those inputs is complete: the UnitInputBoundary node they
+// passed through at the unit's pre-forward (autograd_boundaries.h) runs then
+// and reports it (use_done), and so does the node's destruction if the graph
+// is dropped without a backward (deferred to the next entry point). Inputs
+// pytree cannot rebuild fall back to a Python multi-grad hook
+// (post_backward_use). A use whose inputs did
 // not require grad reads frozen parameters only on the way to trainable ones,
 // so (a) covers it, provided the arrivals came from the backward that owns the
 // epilogue (a reentrant checkpoint's inner backward can finish before outer
@@ -142,17 +145,21 @@ void UnitScheduler::on_bucket_complete(int64_t b, int64_t epilogue_owner) {
   }
 }
 
-void UnitScheduler::add_pending_use(int64_t u) {
+int64_t UnitScheduler::add_pending_use(int64_t u) {
   Unit& unit = unit_at(u);
   ++unit.pending_uses;
   unit.tracked_use = true;
+  return use_round_;
 }
 
 void UnitScheduler::note_untracked_use(int64_t u) {
   unit_at(u).untracked_use = true;
 }
 
-void UnitScheduler::post_backward_use(int64_t u, int64_t epilogue_owner) {
+void UnitScheduler::post_backward_use(int64_t u, int64_t round, int64_t epilogue_owner) {
+  if (round != use_round_) {
+    return;  // counted in a round that release_after_backward already closed
+  }
   Unit& unit = unit_at(u);
   if (unit.pending_uses > 0) {
     --unit.pending_uses;
@@ -171,6 +178,7 @@ void UnitScheduler::release_after_backward(bool keep_graph) {
   if (keep_graph) {
     return;
   }
+  ++use_round_;
   for (int64_t u = 0; u < num_units(); ++u) {
     release(u);
     units_[u].pending_uses = 0;

@@ -44,9 +44,13 @@ class UnitScheduler {
   // Use tracking (see [Note: when a unit's backward is over]): a use whose
   // inputs require grad, its completion, and a use whose inputs do not.
   // `epilogue_owner`: the graph task that owns the running backward's epilogue.
-  void add_pending_use(int64_t u);
+  // Returns the use-tracking round the use counts in: releasing every unit
+  // at the end of a backward starts a new round, and a report from an older
+  // one (a graph that died later, say) no longer counts.
+  int64_t add_pending_use(int64_t u);
   void note_untracked_use(int64_t u);
-  void post_backward_use(int64_t u, int64_t epilogue_owner);
+  void post_backward_use(int64_t u, int64_t round, int64_t epilogue_owner);
+  int64_t use_round() const { return use_round_; }
   // The last gradient of a bucket of unit u arrived.
   void on_bucket_complete(int64_t b, int64_t epilogue_owner);
   // The backward is over: release every unit unless its graph is kept.
@@ -109,6 +113,7 @@ class UnitScheduler {
   int64_t backward_cursor_ = 0;
   int64_t param_gathers_ = 0;  // bucket all-gathers
   bool replaying_retained_graph_ = false;  // the last backward kept its graph
+  int64_t use_round_ = 0;
   bool gathering_for_inspection_ = false;
   int64_t peak_gathered_forward_ = 0;   // most units gathered at once, outside backward
   int64_t peak_gathered_backward_ = 0;  // and inside

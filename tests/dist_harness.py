@@ -195,3 +195,14 @@ def run_items_on_ranks(world: int, target: str, items: List[Any], item_deadline_
                 outcome[item] = f"not run: the {deadline_s:.0f} s deadline passed"
             break
     return outcome
+
+
+def assert_item_matched(world: int, result: Any) -> None:
+    """Fails a test on one item of run_items_on_ranks: a string is the group's
+    error (a rank raised, died or hung); otherwise each rank's mismatch, if any."""
+    import pytest
+
+    if isinstance(result, str):
+        pytest.fail(f"world size {world}: {result}")
+    for rank, mismatch in enumerate(result):
+        assert mismatch is None, f"rank {rank}: {mismatch}"

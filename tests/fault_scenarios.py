@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import zero_ext
 from fault_harness import record_fault
-from parity_scenarios import SEQ, VOCAB, Blocks
+from parity_scenarios import SEQ, VOCAB, Block, Blocks
 
 VICTIM = 1
 FAULT_STEP = 2
@@ -129,10 +129,12 @@ def extra_backward_on_rank0(rank: int, world: int, stage: int, timeout: float, s
 
 def unit_skipped_on_rank0(rank: int, world: int, timeout: float, steps: int = 4) -> str:
     """Stage 3: at step 1 rank 0 skips block 2 (rank-dependent control flow),
-    so its units are gathered differently from the other ranks'."""
+    so its units are gathered differently from the other ranks'. One unit
+    per block: the default policy merges these small blocks into one unit,
+    which a skipped member does not unbalance."""
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = zero_ext.wrap(model, opt, stage=3, timeout=timeout)
+    model, opt = zero_ext.wrap(model, opt, stage=3, timeout=timeout, units={Block})
     for step in range(steps):
         plan = [0, 1, 3] if (rank == 0 and step == 1) else None
         if plan:

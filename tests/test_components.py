@@ -145,3 +145,38 @@ def test_step_gate_hysteresis_min_scale_and_static():
     for _ in range(5):
         assert static.decide() == STEP
     assert static.loss_scale() == 8.0
+
+
+def test_unit_input_boundary_passes_gradients_and_reports_the_use():
+    """The C++ node a stage 3 unit's inputs pass through: its outputs are
+    connected to the inputs (a tensor list given to the node as one opaque
+    argument would leave them with no gradient edge, and everything upstream
+    of the unit without gradients), its backward hands the gradients through
+    unchanged, inputs that need no grad pass as they are, and the unit is
+    released once the use is reported over."""
+    import copy
+
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    reference = copy.deepcopy(model)
+    zero_ext.wrap(model, torch.optim.SGD(model.parameters(), lr=0.0), stage=3, units={nn.Linear})
+    core = model._zero_ext.buckets
+    x = torch.randn(3, 4, requires_grad=True)
+    frozen = torch.randn(3, 4)
+    passed = core.track_unit_inputs(1, [x, frozen])
+    assert passed[0] is not x and passed[0].grad_fn is not None and passed[0].requires_grad
+    assert passed[0].data_ptr() == x.data_ptr()  # an alias, no copy
+    assert passed[1] is frozen
+    weights = torch.randn(3, 4)
+    (passed[0] * weights).sum().backward()
+    assert torch.equal(x.grad, weights)
+
+    # Through the model: the gradient reaches the input upstream of both units.
+    y = torch.randn(3, 4, requires_grad=True)
+    y_ref = y.detach().clone().requires_grad_()
+    model(y).square().sum().backward()
+    reference(y_ref).square().sum().backward()
+    assert torch.equal(y.grad, y_ref.grad)
+    assert core.stats()["gathered_units"] == 0

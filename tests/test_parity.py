@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from dist_harness import run_items_on_ranks
+from dist_harness import assert_item_matched, run_items_on_ranks
 from parity_scenarios import all_items
 
 WORLD_SIZES = tuple(int(w) for w in os.environ.get("ZERO_EXT_PARITY_WORLDS", "1,2,4").split(","))
@@ -27,7 +27,4 @@ def group_results(world: int):
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_parity(world, item):
     result = group_results(world)[item]
-    if isinstance(result, str):
-        pytest.fail(f"world size {world}: {result}")
-    for rank, mismatch in enumerate(result):
-        assert mismatch is None, f"rank {rank}: {mismatch}"
+    assert_item_matched(world, result)

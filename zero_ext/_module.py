@@ -11,7 +11,7 @@ import weakref
 from typing import Any, Dict, Iterator, List
 
 import torch
-from torch.utils._pytree import tree_iter, tree_map_only
+from torch.utils._pytree import tree_flatten, tree_iter, tree_map_only, tree_unflatten
 
 
 _NO_COPY = (
@@ -148,28 +148,6 @@ def _tensors(output: Any) -> List[torch.Tensor]:
     return found
 
 
-class _LossScaleBoundary(torch.autograd.Function):
-    """fp16 loss scaling: a node between the model and what it returns. Its
-    backward multiplies the gradient entering the model by the loss scale
-    (in fp32, before the cast back to fp16, where small gradients would
-    already have underflowed), so every gradient inside carries it once.
-    Being a node of its own, it scales only what comes from outside: a
-    returned tensor that other returned tensors were computed from (logits
-    and a loss of them) is not scaled twice."""
-
-    @staticmethod
-    def forward(ctx, buckets, tensor):  # type: ignore[override]
-        ctx.buckets, ctx.dtype = buckets, tensor.dtype
-        return tensor.to(torch.float32, copy=True) if tensor.dtype == torch.float16 else tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        scale = ctx.buckets.on_output_grad()
-        if scale != 1.0:
-            grad = grad.float() * scale
-        return None, grad.to(ctx.dtype)
-
-
 def _map_outputs(output: Any, fn) -> Any:
     """`output` with `fn` applied to its floating tensors that require grad,
     dataclasses included."""
@@ -190,10 +168,50 @@ class _UnitUse:
     __slots__ = ("__weakref__",)
 
 
-def _track_unit_inputs(buckets, unit: int, args: tuple, kwargs: dict, spent: List[Any]) -> None:
-    """Reports when this use's backward is over: a multi-grad hook fires once
+def _enter_use(buckets, u: int, args: tuple, kwargs: dict, spent: List[Any], gather: bool) -> Any:
+    """One use of stage 3 unit `u` begins: gathers it (`gather`) and, with
+    grad enabled, passes its inputs that require grad through a C++ boundary
+    node whose backward reports the use over (autograd_boundaries.h; [Note:
+    when a unit's backward is over] in csrc/units.cpp), so the backward runs
+    no Python. Returns the (args, kwargs) to call the module with, or None.
+    Tensors that pytree cannot rebuild (inside a dataclass) fall back to a
+    Python multi-grad hook."""
+    if not torch.is_grad_enabled():
+        if gather:
+            buckets.pre_forward(u)
+        return None
+    if not kwargs and all(type(a) is torch.Tensor for a in args):  # the usual call: plain tensors, positional
+        positions = [k for k, a in enumerate(args) if a.requires_grad]
+        tensors = [args[k] for k in positions]
+        passed = buckets.enter_unit(u, tensors) if gather else buckets.track_unit_inputs(u, tensors)
+        if not positions:
+            return None
+        replaced = list(args)
+        for k, t in zip(positions, passed):
+            replaced[k] = t
+        return tuple(replaced), kwargs
+    flat, spec = tree_flatten((args, kwargs))
+    positions = [k for k, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+    tensors = [flat[k] for k in positions]
+    opaque = [x for x in flat if dataclasses.is_dataclass(x) and not isinstance(x, type)]
+    hidden = _tensors(opaque) if opaque else []
+    if hidden:
+        if gather:
+            buckets.pre_forward(u)
+        _track_unit_inputs(buckets, u, tensors + hidden, spent)
+        return None
+    passed = buckets.enter_unit(u, tensors) if gather else buckets.track_unit_inputs(u, tensors)
+    if not positions:
+        return None
+    for k, t in zip(positions, passed):
+        flat[k] = t
+    return tree_unflatten(flat, spec)
+
+
+def _track_unit_inputs(buckets, unit: int, inputs: List[torch.Tensor], spent: List[Any]) -> None:
+    """The fallback of _enter_use. Reports when this use's backward is over: a multi-grad hook fires once
     the gradients of all the unit's inputs are computed (see the note at
-    GradBuckets::unit_backward_done). If the graph is dropped without a
+    [Note: when a unit's backward is over] in csrc/units.cpp). If the graph is dropped without a
     backward (a forward for logging, a non-reentrant checkpoint's recompute),
     the hook dies with it and the use is reported over all the same.
 
@@ -202,8 +220,7 @@ def _track_unit_inputs(buckets, unit: int, args: tuple, kwargs: dict, spent: Lis
     collector frees, ~70 objects per stage 3 step. Once reported, the hook is
     of no further use: it is removed when the backward ends (a callback queued
     on the engine: not from inside the hook, while the engine runs it), or
-    else at the next forward."""
-    inputs = _tensors((args, kwargs))
+    else at the next forward. `inputs`: the use's inputs that require grad."""
     if not inputs:
         buckets.note_untracked_use(unit)
         return
@@ -230,15 +247,146 @@ def _remove_spent(spent: List[Any]) -> None:
         spent.pop().remove()
 
 
-def install_forward_hooks(module: torch.nn.Module, unit_modules: List[torch.nn.Module]) -> None:
+# [Note: merged units]
+# The default policy merges consecutive small sibling blocks m_a..m_b into one
+# unit u (see _units.default_policy); the C++ core knows only u, and these
+# hooks decide when it hears of it. Inside the model's forward:
+# - The first member that runs gathers u (pre_forward(u), which also
+#   prefetches the next unit); a later member only checks that u is still
+#   gathered (a backward or state_dict() in between may have released it) and
+#   gathers it again if not.
+# - A member's use is tracked as a unit's use is (see _track_unit_inputs)
+#   unless every input of it that requires grad is an output of the member
+#   that ran just before it: then its backward ends before that member's does,
+#   and the run's first tracked use covers it. `h = block(h)` loops and
+#   nn.Sequential track one use per run; a member fed from elsewhere (a
+#   cross-attention input, a block applied to an earlier hidden state) tracks
+#   its own.
+# - Every output that requires grad gathers u before its gradient flows into
+#   the member that made it: the last member's through post_forward(u,
+#   outputs), which also releases u; the others' through hook_regather (a C++
+#   tensor hook calling pre_forward(u), which inside a backward only gathers,
+#   if released), since such an output can reach the loss without passing the
+#   last member (hidden states kept for a loss of their own). In the usual
+#   chain, u is gathered already when they fire. They are hooked in one call
+#   when the run closes (a call into the core costs ~10-40 us).
+# - If the last member does not run (skipped, or an early return), the
+#   model's post-forward hook releases u.
+# Outside the model's forward (a member called on its own, a checkpoint's
+# recompute during backward) each member call is one use, gathered before and
+# released after, exactly as a unit of one module.
+
+
+class _Run:
+    """A merged unit's progress through one forward of the model: open from
+    the first member's forward (which gathered it) until the last member's
+    forward ends, or the model's does."""
+
+    __slots__ = ("open", "outputs", "grad", "hold", "to_hook")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.open = False
+        self.outputs: List[torch.Tensor] = []  # the previous member's outputs that require grad
+        self.grad = False  # whether that member ran with grad enabled
+        self.hold = False  # a member returned nothing zero_ext can hook: keep it until the epilogue
+        self.to_hook: List[torch.Tensor] = []  # earlier members' outputs, hooked when the run closes
+
+
+class _ModelForward:
+    """Whether the model's forward is running, and the merged units' runs it opened."""
+
+    __slots__ = ("depth", "runs")
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.runs: List[Any] = []  # (unit, _Run), in the order opened
+
+
+def _close_run(buckets, u: int, run: _Run, outputs: List[torch.Tensor]) -> None:
+    """Hooks the run's outputs for backward (one call for all of them; each
+    is kept alive until then, as the next member's saved input mostly is
+    anyway) and releases the unit."""
+    to_hook, hold = run.to_hook, run.hold
+    run.reset()
+    if to_hook:
+        buckets.hook_regather(to_hook, u)
+    buckets.post_forward(u, [] if hold else outputs)  # grad enabled, no outputs: C++ keeps a trainable unit
+
+
+def _grad_inputs(args: tuple, kwargs: dict) -> List[torch.Tensor]:
+    """_tensors((args, kwargs)), fast for the usual call: tensors only, positional."""
+    if not kwargs and all(type(a) is torch.Tensor for a in args):
+        return [a for a in args if a.requires_grad]
+    return _tensors((args, kwargs))
+
+
+def _fed_by(inputs: List[torch.Tensor], previous: List[torch.Tensor]) -> bool:
+    """Whether there are inputs and every one is among `previous` (by identity)."""
+    for t in inputs:
+        for o in previous:
+            if t is o:
+                break
+        else:
+            return False
+    return bool(inputs)
+
+
+def _hook_merged_unit(buckets, u: int, members: tuple, probe: Any, model_forward: _ModelForward,
+                      spent: List[Any]) -> None:
+    """Hooks the members of merged unit `u`; see [Note: merged units]."""
+    run = _Run()
+    last = len(members) - 1
+
+    def before_member(mod: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        if spent:
+            _remove_spent(spent)
+        if model_forward.depth == 0:  # called on its own: a use like any unit's
+            return _enter_use(buckets, u, args, kwargs, spent, gather=True)
+        if run.open and probe is not None and probe.untyped_storage().nbytes() > 0:  # still gathered
+            if torch.is_grad_enabled() and not _fed_by(_grad_inputs(args, kwargs), run.outputs):
+                return _enter_use(buckets, u, args, kwargs, spent, gather=False)
+            return None
+        buckets.pre_forward(u)
+        if not run.open:
+            run.open = True
+            model_forward.runs.append((u, run))
+        return _enter_use(buckets, u, args, kwargs, spent, gather=False)
+
+    def make_after_member(is_last: bool):
+        def after_member(mod: torch.nn.Module, args: Any, output: Any) -> None:
+            grad = torch.is_grad_enabled()
+            outputs = _tensors(output) if grad else []
+            if model_forward.depth == 0 or not run.open:
+                buckets.post_forward(u, outputs)
+                return
+            if is_last:
+                _close_run(buckets, u, run, outputs)
+                return
+            if outputs:
+                run.to_hook.extend(outputs)
+            elif grad:
+                run.hold = True
+            run.outputs, run.grad = outputs, grad
+        return after_member
+
+    for position, member in enumerate(members):
+        member.register_forward_pre_hook(before_member, with_kwargs=True)
+        member.register_forward_hook(make_after_member(position == last))
+
+
+def install_forward_hooks(module: torch.nn.Module, units: List[tuple]) -> None:
     """A C++ call or two per forward of the model and of each stage 3 unit.
 
     The root's post hook hooks the model outputs, so the epilogue is owned by
     the outermost backward through them; in stage 3 each unit is gathered
     before its forward, released after it, and its outputs are hooked to
-    gather it again before its backward.
+    gather it again before its backward. `units`: root first, each a tuple of
+    its member modules (several for a merged unit; see [Note: merged units]).
     """
-    sharded = bool(unit_modules)
+    sharded = bool(units)
     buckets = module._zero_ext.buckets
 
     cast_to = module._zero_ext.compute_dtype if module._zero_ext.cast_inputs else None
@@ -255,11 +403,24 @@ def install_forward_hooks(module: torch.nn.Module, unit_modules: List[torch.nn.M
         return t
 
     spent: List[Any] = []  # multi-grad hook handles whose use was reported
+    merged = any(len(members) > 1 for members in units[1:])
+    model_forward = _ModelForward()
 
     def before_forward(mod: torch.nn.Module, args: tuple, kwargs: dict):
         buckets.reset_if_stale()
         buckets.check_param_shapes()
         _remove_spent(spent)
+        if merged:
+            if model_forward.runs:
+                # A forward nested in this model's own forward: the outer
+                # one's runs are forgotten, their outputs hooked. A unit left
+                # gathered is released by its next run or the epilogue.
+                for u, run in model_forward.runs:
+                    if run.to_hook:
+                        buckets.hook_regather(run.to_hook, u)
+                    run.reset()
+                model_forward.runs.clear()
+            model_forward.depth += 1
         if sharded:
             buckets.pre_forward(0)
         if cast_to is not None or buckets.loss_scaling():
@@ -267,11 +428,19 @@ def install_forward_hooks(module: torch.nn.Module, unit_modules: List[torch.nn.M
         return None
 
     def scale_boundary(t: torch.Tensor) -> torch.Tensor:
-        out = _LossScaleBoundary.apply(buckets, t)
+        # fp16: a C++ node whose backward applies the loss scale (see
+        # csrc/autograd_boundaries.h); fp16 outputs come out in fp32.
+        out = buckets.scale_outputs([t])[0]
         out._zero_ext_unscaled = (buckets, t)
         return out
 
     def after_forward(mod: torch.nn.Module, args: Any, output: Any) -> Any:
+        if merged:
+            for u, run in model_forward.runs:
+                if run.open:  # its last member did not run
+                    with torch.set_grad_enabled(run.grad):
+                        _close_run(buckets, u, run, run.outputs)
+            model_forward.runs.clear()
         replaced = None
         if torch.is_grad_enabled() and buckets.loss_scaling():
             output = replaced = _map_outputs(output, scale_boundary)
@@ -282,19 +451,39 @@ def install_forward_hooks(module: torch.nn.Module, unit_modules: List[torch.nn.M
             buckets.post_forward(0, outputs)
         return replaced
 
+    def end_forward(mod: torch.nn.Module, args: Any, output: Any) -> None:
+        # After after_forward, and also when the forward raised (always_call):
+        # then the runs it left open are forgotten (see before_forward).
+        for _, run in model_forward.runs:
+            run.reset()
+        model_forward.runs.clear()
+        model_forward.depth = max(model_forward.depth - 1, 0)
+
     module.register_forward_pre_hook(before_forward, with_kwargs=True)
     module.register_forward_hook(after_forward)
+    if merged:
+        module.register_forward_hook(end_forward, always_call=True)
 
-    for index, unit in enumerate(unit_modules[1:], start=1):
+    if merged:
+        from ._units import assign_parameters
 
-        def before_unit(mod: torch.nn.Module, args: tuple, kwargs: dict, u: int = index) -> None:
-            buckets.pre_forward(u)
+        owner = assign_parameters(module, units)
+        probes: Dict[int, torch.Tensor] = {}
+        for p in module.parameters():
+            if p.numel() > 0:
+                probes.setdefault(owner[id(p)], p)
+
+    for index, members in enumerate(units[1:], start=1):
+        if len(members) > 1:
+            _hook_merged_unit(buckets, index, members, probes.get(index), model_forward, spent)
+            continue
+
+        def before_unit(mod: torch.nn.Module, args: tuple, kwargs: dict, u: int = index) -> Any:
             _remove_spent(spent)  # units may run without the root (called directly)
-            if torch.is_grad_enabled():
-                _track_unit_inputs(buckets, u, args, kwargs, spent)
+            return _enter_use(buckets, u, args, kwargs, spent, gather=True)
 
         def after_unit(mod: torch.nn.Module, args: Any, output: Any, u: int = index) -> None:
             buckets.post_forward(u, _tensors(output) if torch.is_grad_enabled() else [])
 
-        unit.register_forward_pre_hook(before_unit, with_kwargs=True)
-        unit.register_forward_hook(after_unit)
+        members[0].register_forward_pre_hook(before_unit, with_kwargs=True)
+        members[0].register_forward_hook(after_unit)

@@ -18,7 +18,7 @@ from ._testing import apply_test_fault
 from ._groups import acquire_groups, group_timeout
 from ._module import ZeroExtModule, install_forward_hooks, swap_module_class
 from ._optimizer import check_elementwise, check_step_not_patched, shard_optimizer
-from ._units import assign_parameters, resolve_units
+from ._units import Unit, assign_parameters, resolve_units
 
 
 # c10::ScalarType codes of the dtypes mixed precision computes in.
@@ -248,16 +248,16 @@ def _validate(model, optimizer, stage, mixed_precision, offload_optimizer) -> Li
     return trainable, precision
 
 
-def _plan_units(model: torch.nn.Module, unit_modules: List[torch.nn.Module]):
+def _plan_units(model: torch.nn.Module, units: List[Unit]):
     """Stage 3: one bucket per unit and dtype, frozen parameters included.
     Blocks come in reverse registration order (the order backward finishes
     them) and the root last, since its parameters are in use until the end."""
-    owner = assign_parameters(model, unit_modules)
-    by_unit: List[List[torch.nn.Parameter]] = [[] for _ in unit_modules]
+    owner = assign_parameters(model, units)
+    by_unit: List[List[torch.nn.Parameter]] = [[] for _ in units]
     for p in model.parameters():
         by_unit[owner[id(p)]].append(p)
     ordered, counts, unit_of_bucket = [], [], []
-    for u in list(range(len(unit_modules) - 1, 0, -1)) + [0]:
+    for u in list(range(len(units) - 1, 0, -1)) + [0]:
         by_dtype: dict = {}
         for p in by_unit[u]:
             by_dtype.setdefault(p.dtype, []).append(p)
@@ -297,9 +297,12 @@ def wrap(
         offload_optimizer: "cpu" keeps fp32 masters, gradient shards and
             optimizer state in host memory (Adam/AdamW step in C++).
         units: stage 3: submodules gathered as one (a set of module classes
-            or a callable module -> bool); default: each repeated block.
-        bucket_mb: gradient bucket size in MiB (stages 0-2; stage 3 reduces
-            one bucket per unit).
+            or a callable module -> bool), each a unit of its own; default:
+            each repeated block, consecutive blocks smaller than bucket_mb
+            merged into one unit of at least bucket_mb.
+        bucket_mb: gradient bucket size in MiB, the size that amortizes one
+            collective. Stage 3 reduces (and gathers) one bucket per unit,
+            so the default units policy merges small blocks up to it.
         timeout: bound in seconds on every collective wait.
         prefetch: stage 3: units whose all-gather runs ahead of use.
         skip_nonfinite: skip (on every rank, with a warning) an optimizer
@@ -340,10 +343,13 @@ def wrap(
         )
 
     group_of = {id(p): g for g, group_ in enumerate(optimizer.param_groups) for p in group_["params"]}
-    unit_modules: List[torch.nn.Module] = []
+    unit_list: List[Unit] = []
     if stage == 3:
-        unit_modules = resolve_units(model, units)
-        ordered, counts, unit_of_bucket = _plan_units(model, unit_modules)
+        # The default policy merges consecutive small blocks until a unit
+        # holds bucket_mb: one all-gather and one reduce-scatter per unit,
+        # each as big as a stage 0-2 bucket (see _units.py for the choice).
+        unit_list = resolve_units(model, units, min_bytes=int(bucket_mb * 2**20))
+        ordered, counts, unit_of_bucket = _plan_units(model, unit_list)
     else:
         ordered, counts = plan_buckets(trainable, int(bucket_mb * 2**20))
         unit_of_bucket = []
@@ -399,6 +405,6 @@ def wrap(
         p._zero_ext_owner = weakref.ref(state)  # zero_ext.clip_grad_norm_ and full_params find it
     swap_module_class(model)
     model._zero_ext = state
-    install_forward_hooks(model, unit_modules)
+    install_forward_hooks(model, unit_list)
     shard_optimizer(optimizer, state, ordered, group_of)
     return model, optimizer

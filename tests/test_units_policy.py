@@ -1,0 +1,190 @@
+"""Stage 3's default units policy: consecutive small blocks merge into units of
+at least bucket_mb (explicit units= never merge), parameters go to the right
+unit, and merged units train exactly like one process (world sizes 1 and 2,
+tests/units_scenarios.py)."""
+import functools
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+import zero_ext
+from zero_ext._units import assign_parameters, resolve_units
+
+MiB = 2 ** 20
+
+
+class Stack(nn.Module):
+    def __init__(self, n_blocks: int, dim: int):
+        super().__init__()
+        self.embed = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(n_blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def nbytes(unit) -> int:
+    return sum(p.numel() * p.element_size() for m in unit for p in m.parameters())
+
+
+def merged_blocks(units):
+    return [m for unit in units[1:] for m in unit]
+
+
+def test_a_thousand_tiny_blocks_merge_into_few_units_of_at_least_the_threshold():
+    model = Stack(1000, 32)  # 4224 bytes per block, 4.03 MiB in all
+    units = resolve_units(model, None, min_bytes=MiB)
+    assert units[0] == (model,)
+    assert merged_blocks(units) == list(model.blocks)  # every block once, in order
+    assert len(units) - 1 == 4
+    assert all(nbytes(u) >= MiB for u in units[1:])
+    # each unit is a run of consecutive blocks
+    for unit in units[1:]:
+        first = list(model.blocks).index(unit[0])
+        assert list(unit) == list(model.blocks)[first:first + len(unit)]
+
+
+def test_blocks_below_the_threshold_in_all_make_one_unit():
+    model = Stack(1000, 32)
+    units = resolve_units(model, None, min_bytes=25 * MiB)  # wrap()'s default bucket_mb
+    assert len(units) == 2 and units[1] == tuple(model.blocks)
+
+
+def test_the_remainder_joins_the_unit_before_it():
+    model = Stack(10, 32)
+    units = resolve_units(model, None, min_bytes=4 * 4224)  # 4 blocks reach it
+    assert [len(u) for u in units[1:]] == [4, 6]
+
+
+def test_blocks_of_at_least_the_threshold_stay_one_unit_each():
+    model = Stack(5, 64)  # 16640 bytes per block
+    units = resolve_units(model, None, min_bytes=16640)
+    assert units[1:] == [(b,) for b in model.blocks]
+    assert resolve_units(model, None, min_bytes=0)[1:] == [(b,) for b in model.blocks]
+
+
+def test_a_big_block_or_a_sibling_of_another_class_ends_a_run():
+    big = nn.Linear(64, 64)
+    seq = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8), nn.Linear(8, 8),
+                        nn.Linear(8, 8), big, nn.Linear(8, 8), nn.Linear(8, 8))
+    units = resolve_units(seq, None, min_bytes=4 * 64 * 64)
+    assert units[1:] == [(seq[0], seq[1]), (seq[3], seq[4], seq[5]), (big,), (seq[7], seq[8])]
+    owner = assign_parameters(seq, units)
+    assert owner[id(seq[2].weight)] == 0  # the LayerNorm (its class does not repeat) stays in the root
+
+
+def test_parameter_free_siblings_between_blocks_are_members():
+    seq = nn.Sequential(nn.Tanh(), nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Dropout(), nn.Linear(8, 2),
+                        nn.Tanh())
+    units = resolve_units(seq, None, min_bytes=MiB)
+    assert units[1:] == [tuple(seq[1:6])]  # not the leading or trailing activation
+
+
+def test_explicit_units_are_never_merged():
+    model = Stack(20, 8)
+    for policy in ({nn.Linear}, lambda m: isinstance(m, nn.Linear)):
+        units = resolve_units(model, policy, min_bytes=25 * MiB)
+        assert units[1:] == [(model.embed,)] + [(b,) for b in model.blocks]
+    wrapped = Stack(20, 8)
+    zero_ext.wrap(wrapped, torch.optim.SGD(wrapped.parameters(), lr=0.1), stage=3, units={nn.Linear})
+    assert wrapped._zero_ext.buckets.stats()["units"] == 22
+
+
+class Expert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Linear(8, 8)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.Linear(8, 8)
+        self.experts = nn.ModuleList(Expert() for _ in range(4))
+
+
+def test_nested_module_lists_merge_at_each_level():
+    model = nn.Module()
+    model.blocks = nn.ModuleList(MoEBlock() for _ in range(3))
+    units = resolve_units(model, None, min_bytes=MiB)
+    assert units[1] == tuple(model.blocks)
+    assert units[2:] == [tuple(b.experts) for b in model.blocks]
+    owner = assign_parameters(model, units)
+    for i, block in enumerate(model.blocks):
+        assert owner[id(block.attn.weight)] == 1
+        assert all(owner[id(p)] == 2 + i for p in block.experts.parameters())
+
+
+def test_tied_weights_belong_to_the_closest_common_unit():
+    model = Stack(6, 8)
+    model.head = nn.Linear(8, 8)
+    model.blocks[1].weight = model.blocks[0].weight  # inside one merged unit
+    model.blocks[5].weight = model.blocks[2].weight  # across two merged units
+    model.head.weight = model.blocks[3].weight  # a block and the root
+    units = resolve_units(model, None, min_bytes=3 * 4 * 72)
+    assert [len(u) for u in units[1:]] == [3, 3]
+    owner = assign_parameters(model, units)
+    assert owner[id(model.blocks[0].weight)] == 1
+    assert owner[id(model.blocks[2].weight)] == 0
+    assert owner[id(model.blocks[3].weight)] == 0
+    assert owner[id(model.blocks[4].weight)] == 2 and owner[id(model.blocks[0].bias)] == 1
+
+
+def test_merged_units_train_like_the_plain_model_in_one_process():
+    """World size 1 without torch.distributed: a merged Sequential against the
+    plain model, bit for bit, with a member called on its own and a no-grad
+    forward in between; 1000 blocks cost 3 all-gathers per step, not 2000."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(1000)))
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    zero_ext.wrap(model, opt, stage=3)
+    stats = model._zero_ext.buckets.stats
+    assert stats()["units"] == 2
+    for step in range(3):
+        x = torch.randn(4, 32)
+        for m, o in ((model, opt), (reference, ref_opt)):
+            before = stats()["param_gathers"] if m is model else 0
+            (m(x).square().mean() + m[7](x).sum() * 1e-3).backward()
+            if m is model:
+                # forward: the model 1, the call on its own 1; backward: 1 for both uses
+                assert stats()["param_gathers"] - before == 3
+            o.step()
+            o.zero_grad()
+        with torch.no_grad():
+            assert torch.equal(model(x), reference(x))
+        assert stats()["gathered_units"] == 0
+    full = zero_ext.full_state_dict(model)
+    for name, p in reference.state_dict().items():
+        assert torch.equal(full[name], p), name
+
+
+# --- several ranks ----------------------------------------------------------------
+
+WORLD_SIZES = tuple(int(w) for w in os.environ.get("ZERO_EXT_UNITS_WORLDS", "1,2").split(","))
+
+
+def scenario_names():
+    from units_scenarios import SCENARIOS
+    return list(SCENARIOS)
+
+
+@functools.lru_cache(maxsize=None)
+def group_results(world: int):
+    from dist_harness import run_items_on_ranks
+    return run_items_on_ranks(world, "units_scenarios:run_one", scenario_names(), item_deadline_s=180)
+
+
+@pytest.mark.parametrize("name", scenario_names())
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_merged_units_match_one_process(world, name):
+    from dist_harness import assert_item_matched
+    assert_item_matched(world, group_results(world)[name])

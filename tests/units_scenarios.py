@@ -1,0 +1,307 @@
+"""Stage 3 with merged units: scenarios run wrapped by zero_ext on N ranks and
+as the parity suite's single-process reference over the global batch.
+
+The parity suite wraps with bucket_mb ~500 bytes, so its tiny blocks stay one
+unit each. Here wrap() keeps the default bucket_mb (25 MiB), so the default
+policy merges all blocks of a model into one unit (see
+zero_ext/_module.py, [Note: merged units]): the parity suite's Blocks
+scenarios run again that way, plus the cases merging adds (members skipped or
+out of order, called on their own, fed from outside the chain, hidden states
+with a loss of their own, no-grad forwards, nested merged units).
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import parity_scenarios as ps
+import zero_ext
+from parity_scenarios import BATCH, DIM, SEQ, VOCAB, Block, Blocks
+
+
+class MergedContext(ps.Context):
+    """The parity Context with wrap() at stage 3 and the default bucket_mb
+    and units policy (Blocks: every block in one merged unit)."""
+
+    def wrap(self, model: nn.Module, opt: torch.optim.Optimizer, **options):
+        blocks = sum(1 for m in model.modules() if isinstance(m, ps.Block))
+        if self.reference:
+            self.record_check("blocks merged into fewer units", True)
+            return model, opt
+        model, opt = zero_ext.wrap(model, opt, stage=3, **options)
+        units = model._zero_ext.buckets.stats()["units"]
+        self.record_check("blocks merged into fewer units", blocks < 2 or units < blocks + 1)
+        return model, opt
+
+
+def tokens_of(ctx: ps.Context, step: int, r: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(500 + step)
+    return torch.randint(0, VOCAB, (ctx.world * BATCH, SEQ + 1), generator=g)[r * BATCH:(r + 1) * BATCH]
+
+
+def _train(ctx: ps.Context, model: nn.Module, loss_of_step: Callable[[nn.Module, int], torch.Tensor],
+           steps: int = 3) -> nn.Module:
+    model, opt = ctx.wrap(model, ps.adamw(model))
+    for step in range(steps):
+        loss_of_step(model, step).backward()
+        ps.step_and_record(ctx, model, opt, step)
+    return model
+
+
+def members_skipped_or_out_of_order(ctx: ps.Context) -> None:
+    """The last member skipped (its run is released by the model's
+    post-forward hook), the first skipped, out of order, all."""
+    plans = [[0, 1], [1, 2], [2, 0, 1], [0, 2], [0, 1, 2]]
+    ps._blocks(ctx, steps=len(plans), plan=lambda step: plans[step])
+
+
+def gathers_per_step(ctx: ps.Context) -> None:
+    """A chain of three merged blocks costs one all-gather in forward and one
+    in backward (the root: one, kept from forward to backward)."""
+    model = Blocks()
+    model, opt = ctx.wrap(model, ps.adamw(model))
+    counts = []
+    for step in range(3):
+        before = None if ctx.reference else model._zero_ext.buckets.stats()["param_gathers"]
+        ps.token_loss(ctx, model, step).backward()
+        if not ctx.reference:
+            counts.append(model._zero_ext.buckets.stats()["param_gathers"] - before)
+        ps.step_and_record(ctx, model, opt, step)
+    ctx.record_check("3 all-gathers per step (root 1, merged blocks 2)", ctx.reference or counts == [3, 3, 3])
+    ctx.record_check("nothing gathered after the step",
+                     ctx.reference or model._zero_ext.buckets.stats()["gathered_units"] == 0)
+
+
+class HiddenBlocks(Blocks):
+    """Returns the logits and every block's output (output_hidden_states)."""
+
+    def forward(self, tokens: torch.Tensor):  # type: ignore[override]
+        h = self.embed(tokens)
+        hidden = []
+        for block in self.blocks:
+            h = block(h)
+            hidden.append(h)
+        return self.head(h), hidden
+
+
+def hidden_state_losses(ctx: ps.Context) -> None:
+    """A loss of block 1's output, with the logits (step 0) and alone (step 1:
+    block 2's output is unused, so its gradient never gathers the unit; the
+    hook on block 1's output must)."""
+    def loss(model, step):
+        total = 0.0
+        for r, w in ctx.participants():
+            tokens = tokens_of(ctx, step, r)
+            logits, hidden = model(tokens[:, :-1])
+            term = hidden[1].square().mean()
+            if step != 1:
+                term = term + F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+            total = total + w * term
+        return total
+    _train(ctx, HiddenBlocks(), loss, steps=3)
+
+
+class SideInputBlock(Block):
+    """A block that also reads a tensor from outside the chain through a
+    frozen layer (a cross-attention's key projection, say)."""
+
+    def __init__(self):
+        super().__init__()
+        self.side = nn.Linear(DIM, DIM)
+        self.side.requires_grad_(False)
+
+    def forward(self, h: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(h) * torch.sigmoid(self.side(memory))
+
+
+class SideInputBlocks(Blocks):
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(6)
+        self.memory = nn.Linear(DIM, DIM)
+        self.blocks = nn.ModuleList(SideInputBlock() for _ in range(3))
+        with torch.no_grad():
+            for p in [*self.blocks.parameters(), *self.memory.parameters()]:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        h = self.embed(tokens)
+        memory = torch.tanh(self.memory(h))
+        for block in self.blocks:
+            h = block(h, memory)
+        return self.head(h)
+
+
+def inputs_from_outside_the_chain(ctx: ps.Context) -> None:
+    """Each member also reads `memory` (it requires grad) through a frozen
+    layer: each use is tracked, so the unit stays gathered until the last
+    frozen read of the backward."""
+    ps._blocks(ctx, build=SideInputBlocks)
+
+
+class ParallelBlocks(Blocks):
+    """Every block reads the embedding output; their outputs are summed."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        h = self.embed(tokens)
+        return self.head(sum(block(h) for block in self.blocks))
+
+
+def members_in_parallel(ctx: ps.Context) -> None:
+    ps._blocks(ctx, build=ParallelBlocks)
+
+
+def members_called_on_their_own(ctx: ps.Context) -> None:
+    """Blocks called directly, outside the model's forward (each call a use
+    of its own), beside the model's forward."""
+    def loss(model, step):
+        total = 0.0
+        for r, w in ctx.participants():
+            tokens = tokens_of(ctx, step, r)
+            logits = model(tokens[:, :-1])
+            g = torch.Generator().manual_seed(70 + step + 10 * r)
+            x = torch.randn(BATCH, SEQ, DIM, generator=g)
+            side = model.blocks[1](x)  # a middle member alone: gathered and released
+            side = model.blocks[2](model.blocks[0](side))
+            total = total + w * (F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+                                 + side.square().mean())
+        return total
+    _train(ctx, Blocks(), loss)
+
+
+def no_grad_forwards_release_their_units(ctx: ps.Context) -> None:
+    """Evaluation forwards (all blocks, the last one skipped, a member on its
+    own) leave nothing gathered; training goes on."""
+    model = Blocks()
+    model, opt = ctx.wrap(model, ps.adamw(model))
+    for step in range(2):
+        ps.token_loss(ctx, model, step).backward()
+        ps.step_and_record(ctx, model, opt, step)
+        with torch.no_grad():
+            for plan in ([0, 1, 2], [0, 1], [1]):
+                ps.token_loss(ctx, model, 20 + step, plan=plan)
+                ctx.record_check(f"step {step} plan {plan}: nothing gathered after a no-grad forward",
+                                 ctx.reference or model._zero_ext.buckets.stats()["gathered_units"] == 0)
+            loss = ps.token_loss(ctx, model, 30 + step)
+            if not ctx.reference and ctx.world > 1:  # this rank's loss: average it as the reference does
+                torch.distributed.all_reduce(loss)
+                loss = loss / ctx.world
+            ctx.record_value(f"step {step} eval loss", loss)
+
+
+class Experts(nn.Module):
+    """A block of two small experts in a ModuleList: nested merged units."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.Linear(DIM, DIM)
+        self.experts = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(2))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.norm(h))
+        for expert in self.experts:
+            h = h + torch.tanh(expert(h))
+        return h
+
+
+class ExpertBlocks(Blocks):
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(8)
+        self.blocks = nn.ModuleList(Experts() for _ in range(3))
+        with torch.no_grad():
+            for p in self.blocks.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+
+def nested_merged_units(ctx: ps.Context) -> None:
+    """Blocks merged into one unit, each holding its experts merged into a
+    unit of their own, inside it."""
+    ps._blocks(ctx, build=ExpertBlocks)
+
+
+class SequentialMLP(nn.Sequential):
+    """The root is the container: Linear, Tanh, Linear, Tanh, Linear merge
+    into one unit, the activations as members between the layers."""
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(9)
+        super().__init__(nn.Linear(ps.IN, ps.HIDDEN), nn.Tanh(), nn.Linear(ps.HIDDEN, ps.HIDDEN), nn.Tanh(),
+                         nn.Linear(ps.HIDDEN, ps.OUT))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+
+def sequential_with_activations(ctx: ps.Context) -> None:
+    model = SequentialMLP()
+    model, opt = ctx.wrap(model, ps.sgd(model))
+    ctx.record_check("one unit besides the (empty) root",
+                     ctx.reference or model._zero_ext.buckets.stats()["units"] == 2)
+    for step in range(3):
+        ps.mlp_loss(ctx, model, step).backward()
+        ps.step_and_record(ctx, model, opt, step)
+
+
+def _merged_mixed(name: str) -> Callable[[ps.Context], None]:
+    """The parity suite's mixed-precision Blocks scenario `name`, wrapped with
+    the default bucket_mb (it passes the suite's tiny one) so its blocks merge."""
+    base = next(s for s in ps.MIXED_PRECISION_SCENARIOS if s.__name__ == name)
+
+    def scenario(ctx: ps.Context) -> None:
+        tiny, ps.BUCKET_MB = ps.BUCKET_MB, 25.0  # read by _mixed_training's wrap() call
+        try:
+            base(ctx)
+        finally:
+            ps.BUCKET_MB = tiny
+    scenario.__name__ = f"{name}_merged"
+    return scenario
+
+
+SCENARIOS: Dict[str, Callable[[ps.Context], None]] = {
+    f.__name__: f
+    for f in [
+        # the parity suite's Blocks scenarios, with merged units
+        ps.tied_embedding_default_units,
+        ps.block_called_twice_per_forward,
+        ps.block_skipped_on_some_steps,
+        ps.frozen_block,
+        ps.checkpoint_each_block_reentrant,
+        ps.checkpoint_each_block_nonreentrant,
+        ps.dataclass_outputs,
+        ps.dataclass_inputs_with_frozen_weights,
+        ps.zero_grad_keeping_zeros,
+        ps.full_params_read_ema_and_writeback,
+        ps.nonscalar_backward_retained_twice,
+        # what merging adds
+        members_skipped_or_out_of_order,
+        gathers_per_step,
+        hidden_state_losses,
+        inputs_from_outside_the_chain,
+        members_in_parallel,
+        members_called_on_their_own,
+        no_grad_forwards_release_their_units,
+        nested_merged_units,
+        sequential_with_activations,
+        _merged_mixed("mixed_precision_bf16_tied_blocks"),
+        _merged_mixed("mixed_precision_fp16_tied_blocks"),
+        _merged_mixed("offload_fp16_tied_blocks"),
+    ]
+}
+
+_REFERENCES: Dict[tuple, list] = {}
+
+
+def run_one(rank: int, world: int, name: str) -> Optional[str]:
+    """On each rank: None, or the first mismatch against the single-process
+    reference (computed once per scenario and world size)."""
+    if (name, world) not in _REFERENCES:
+        ref_ctx = MergedContext(stage=0, rank=rank, world=world, reference=True)
+        SCENARIOS[name](ref_ctx)
+        _REFERENCES[(name, world)] = ref_ctx.checkpoints
+    ctx = MergedContext(stage=3, rank=rank, world=world, reference=False)
+    SCENARIOS[name](ctx)
+    return ps.compare(_REFERENCES[(name, world)], ctx.checkpoints)
