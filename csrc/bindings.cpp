@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include "autograd_boundaries.h"
+#include "core_ops.h"
 #include "cpu_adam.h"
 #include "layout.h"
 #include "sharded_model.h"
@@ -109,12 +110,16 @@ TORCH_LIBRARY(zero_ext, m) {
       .def("has_masters", &ShardedModel::has_masters)
       .def("full_masters", &ShardedModel::full_masters)
       .def("load_masters", &ShardedModel::load_masters)
-      .def("pre_forward", &ShardedModel::pre_forward)
+      // The unit actions go through their registered ops (core_ops.h).
+      .def("pre_forward",
+           [](const c10::intrusive_ptr<ShardedModel>& self, int64_t unit) {
+             dispatch::gather_unit(self, unit, /*backward=*/false);
+           })
       // A stage 3 unit's forward begins: gather it, and pass its inputs that
       // require grad through a boundary node that reports the end of this use.
       .def("enter_unit",
            [](const c10::intrusive_ptr<ShardedModel>& self, int64_t unit, std::vector<at::Tensor> inputs) {
-             self->pre_forward(unit);
+             dispatch::gather_unit(self, unit, /*backward=*/false);
              return track_unit_inputs(self, unit, inputs);
            })
       // The same without the gather (a later member of a merged unit).
@@ -129,7 +134,7 @@ TORCH_LIBRARY(zero_ext, m) {
              for (const auto& tensor : tensors) {
                if (tensor.requires_grad()) {
                  tensor.register_hook([weak, unit](const at::Tensor& /*grad*/) {
-                   if (auto model = weak.lock()) model->pre_forward(unit);
+                   if (auto model = weak.lock()) dispatch::gather_unit(model, unit, /*backward=*/false);
                  });
                }
              }
@@ -137,7 +142,10 @@ TORCH_LIBRARY(zero_ext, m) {
       .def("scale_outputs", [](const c10::intrusive_ptr<ShardedModel>& self, std::vector<at::Tensor> outputs) {
         return scale_at_outputs(self, outputs);
       })
-      .def("post_forward", &ShardedModel::post_forward)
+      .def("post_forward",
+           [](const c10::intrusive_ptr<ShardedModel>& self, int64_t unit, std::vector<at::Tensor> outputs) {
+             dispatch::release_unit(self, unit, outputs);
+           })
       .def("add_pending_use", &ShardedModel::add_pending_use)
       .def("post_backward_use", &ShardedModel::post_backward_use)
       .def("note_untracked_use", &ShardedModel::note_untracked_use)
@@ -159,8 +167,14 @@ TORCH_LIBRARY(zero_ext, m) {
       .def("has_grad", &ShardedModel::has_grad)
       .def("bucket_layout", &ShardedModel::bucket_layout)
       .def("stats", &ShardedModel::stats)
-      .def("set_test_fault", &ShardedModel::set_test_fault);
+      .def("set_test_fault", &ShardedModel::set_test_fault)
+      // Identity: torch's fake-tensor dispatch cache compares the arguments
+      // of an op (the core ops take this object) with ==.
+      .def("__eq__", [](const c10::intrusive_ptr<ShardedModel>& self, const c10::intrusive_ptr<ShardedModel>& other) {
+        return self.get() == other.get();
+      });
   m.class_<UnitUse>("UnitUse");
+  define_core_ops(m);
   m.class_<LayoutProbe>("Layout")
       .def(torch::init<std::vector<std::vector<int64_t>>, std::vector<int64_t>, std::vector<int64_t>,
                        std::vector<int64_t>, int64_t, std::string, int64_t, int64_t>())
@@ -186,6 +200,7 @@ TORCH_LIBRARY_IMPL(zero_ext, CPU, m) {
 
 TORCH_LIBRARY_IMPL(zero_ext, Meta, m) {
   m.impl("adam_step_", &adam_step_meta);
+  register_core_op_meta_kernels(m);
 }
 
 } // namespace zero_ext

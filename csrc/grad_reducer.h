@@ -9,6 +9,8 @@
 // the rest (missing gradients count as zeros) and waits. A retired reduction
 // is folded into the fp32 shard accumulator (offload: landed in host memory
 // and added there, never copied over it, so every backward of a step counts).
+// grad_reducer.cpp holds the way in (arrival, launch, retire), and
+// grad_accumulators.cpp the way out (accumulators, offload landing, .grad).
 
 #include <cstdint>
 #include <deque>
@@ -28,6 +30,13 @@
 #include "step_gate.h"
 
 namespace zero_ext {
+
+// Whether two tensors are the same memory with the same geometry (a .grad
+// that is still the view zero_ext put there).
+inline bool same_memory(const at::Tensor& a, const at::Tensor& b) {
+  return a.defined() && b.defined() && a.data_ptr() == b.data_ptr() && a.sizes() == b.sizes() &&
+         a.strides() == b.strides();
+}
 
 enum class BucketPhase : int8_t {
   kFilling,   // gradients arriving

@@ -1,5 +1,7 @@
 #include "sharded_model.h"
 
+#include "core_ops.h"
+
 #include <algorithm>
 #include <memory>
 #include <mutex>
@@ -48,17 +50,28 @@ ShardedModel::ShardedModel(std::vector<at::Tensor> params, std::vector<std::stri
                                                    [this] { round_.check_usable(); })
                  : nullptr),
       agreement_(layout_, comm_, gate_),
-      hooks_(store_.params(), layout_, reducer_, [this](int64_t i) { on_grad_ready(i); }),
+      hooks_(store_.params(), layout_, reducer_,
+             [this](int64_t i) {
+               const at::Tensor& grad = store_.param(i).grad();
+               if (grad.defined()) {
+                 dispatch::accumulate_grad(self(), i, grad);
+               } else {
+                 on_grad_ready(i);  // nothing to accumulate; arms the epilogue
+               }
+             }),
       round_(layout_, store_, reducer_, units_.get(), agreement_, gate_, hooks_, faults_, comm_, gather_comm_) {}
 
 // --- autograd ----------------------------------------------------------------
+
+c10::intrusive_ptr<ShardedModel> ShardedModel::self() {
+  return c10::intrusive_ptr<ShardedModel>::unsafe_reclaim_from_nonowning(this);
+}
 
 void ShardedModel::arm_epilogue() {
   if (round_.armed()) {
     return;
   }
-  auto self = c10::intrusive_ptr<ShardedModel>::unsafe_reclaim_from_nonowning(this);
-  round_.arm([self]() { self->run_epilogue(); });
+  round_.arm([model = self()]() { dispatch::run_epilogue(model); });
 }
 
 void ShardedModel::run_epilogue() {
@@ -83,6 +96,30 @@ void ShardedModel::on_grad_ready(int64_t i) {
     round_.mark_broken();
     throw;
   }
+}
+
+void ShardedModel::accumulate_grad(int64_t i, const at::Tensor& grad) {
+  check_grad_shape(i, grad);
+  at::Tensor& held = store_.param(i).mutable_grad();
+  if (!held.is_same(grad)) {
+    // What AccumulateGrad does before the hook runs (the hook passes .grad
+    // itself): zero_ext's stand-in is dropped, a real gradient summed into.
+    if (!held.defined() || reducer_.holds_stand_in(i)) {
+      held = grad;
+    } else {
+      at::NoGradGuard no_grad;
+      held.add_(grad);
+    }
+  }
+  on_grad_ready(i);
+}
+
+void ShardedModel::check_grad_shape(int64_t i, const at::Tensor& grad) {
+  TORCH_CHECK(i >= 0 && i < layout_.num_params(), "zero_ext.accumulate_grad: no parameter ", i, " (the model has ",
+              layout_.num_params(), ")");
+  const at::Tensor& param = store_.param(i);
+  TORCH_CHECK(grad.sizes() == param.sizes(), "zero_ext.accumulate_grad: a gradient of shape ", grad.sizes(),
+              " for parameter ", layout_.name(i), " of shape ", param.sizes());
 }
 
 double ShardedModel::on_output_grad() {
@@ -119,8 +156,8 @@ void ShardedModel::pre_forward(int64_t u) {
 void ShardedModel::hook_for_pre_backward(const at::Tensor& output, int64_t u) {
   c10::weak_intrusive_ptr<ShardedModel> weak(c10::intrusive_ptr<ShardedModel>::unsafe_reclaim_from_nonowning(this));
   output.register_hook([weak, u](const at::Tensor& /*grad*/) {
-    if (auto self = weak.lock()) {
-      self->pre_backward(u);
+    if (auto model = weak.lock()) {
+      dispatch::gather_unit(model, u, /*backward=*/true);
     }
   });
 }

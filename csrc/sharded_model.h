@@ -57,6 +57,14 @@ class ShardedModel : public torch::CustomClassHolder {
 
   // --- autograd ------------------------------------------------------------
   void on_grad_ready(int64_t param_index);
+  // torch.ops.zero_ext.accumulate_grad: one arrival of parameter
+  // `param_index`'s gradient. The hook passes .grad itself; another tensor is
+  // accumulated into .grad first, as AccumulateGrad would.
+  void accumulate_grad(int64_t param_index, const at::Tensor& grad);
+  void check_grad_shape(int64_t param_index, const at::Tensor& grad);
+  // The post-backward work (torch.ops.zero_ext.run_epilogue), queued on the
+  // engine by the first hook of a backward.
+  void run_epilogue();
   // A gradient reached a forward output: arms the epilogue and returns the
   // factor the gradient entering the model takes (the loss scale, or 1 for
   // backward passes that accumulate nothing, like torch.autograd.grad).
@@ -139,7 +147,7 @@ class ShardedModel : public torch::CustomClassHolder {
 
  private:
   void arm_epilogue();
-  void run_epilogue();
+  c10::intrusive_ptr<ShardedModel> self();
   void hook_for_pre_backward(const at::Tensor& output, int64_t unit);
   void refresh_params(bool every_bucket);
   void drain_deferred_uses();  // under mutex_

@@ -1,0 +1,274 @@
+// GradReducer, the way out: folding reductions into the fp32 accumulators
+// (on the device, or landed on the host with offload), non-finite checks,
+// publishing the .grad the optimizer steps, zero_grad and full gradients.
+// Arrival and reduction are in grad_reducer.cpp.
+#include "grad_reducer.h"
+
+#include <exception>
+#include <optional>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "storage_release.h"
+
+namespace zero_ext {
+
+void GradReducer::fold_into_accum(BucketGrads& bucket, const at::Tensor& reduced, double factor) {
+  if (reduced.is_same(bucket.accum)) {
+    TORCH_INTERNAL_ASSERT(factor == 1.0, "an fp32 reduction is unscaled before it runs");
+  } else if (reduced.device() == bucket.accum.device()) {
+    if (bucket.accum_has_value) {
+      bucket.accum.add_(reduced, factor);
+    } else {
+      bucket.accum.copy_(reduced);
+      if (factor != 1.0) bucket.accum.mul_(factor);
+    }
+  } else if (!bucket.accum_has_value) {
+    // Offload from an accelerator: the first result lands directly in the
+    // pinned accumulator, asynchronously; finish_host_adds() waits for it.
+    bucket.accum.copy_(reduced, /*non_blocking=*/true);
+    bucket.host_factor = factor;
+    host_transfers_pending_ = true;
+  } else {
+    // Later ones land next to it and are added on the host.
+    if (!bucket.host_landing.defined()) {
+      bucket.host_landing = at::empty({bucket.accum.numel()}, host_fp32(reduced.device()));
+    }
+    bucket.host_landing.copy_(reduced, /*non_blocking=*/true);
+    bucket.host_add_pending = true;
+    bucket.host_factor = factor;
+    host_transfers_pending_ = true;
+  }
+  bucket.accum_has_value = true;
+}
+
+void GradReducer::finish_host_adds() {
+  if (!host_transfers_pending_) {
+    return;
+  }
+  const c10::Device device = store_.device();
+  c10::impl::VirtualGuardImpl guard(device.type());
+  guard.synchronizeStream(guard.getStream(device));  // the device-to-host copies are done
+  at::NoGradGuard no_grad;
+  for (auto& bucket : buckets_) {
+    if (bucket.host_add_pending) {
+      bucket.accum.add_(bucket.host_landing, bucket.host_factor);
+    } else if (bucket.host_factor != 1.0) {
+      bucket.accum.mul_(bucket.host_factor);  // a first result, landed scaled
+    }
+    bucket.host_add_pending = false;
+    bucket.host_factor = 1.0;
+  }
+  host_transfers_pending_ = false;
+}
+
+at::Tensor GradReducer::local_nonfinite() const {
+  // One read of the local shards: a sum is finite iff its terms are (short
+  // of a finite overflow at ~1e38, which is no usable gradient either).
+  std::vector<at::Tensor> sums;
+  for (const auto& bucket : buckets_) {
+    if (layout_.ddp_in_place() && bucket.staging.defined()) {
+      sums.push_back(bucket.staging.sum());  // already all-reduced: the same on every rank
+    } else if (bucket.accum.defined() && bucket.accum_has_value) {
+      sums.push_back(bucket.accum.sum());
+    }
+  }
+  if (sums.empty()) {
+    return at::zeros({}, at::TensorOptions().dtype(at::kFloat));
+  }
+  return at::logical_not(at::isfinite(at::stack(sums).sum())).to(at::kFloat);
+}
+
+void GradReducer::mark_nonfinite_everywhere() {
+  if (layout_.ddp_in_place()) {
+    return;  // the all-reduce already spread it
+  }
+  // Under DDP the all-reduce spreads an inf to every rank's gradient. NaN in
+  // one element of this rank's shard does the same, so a local check
+  // (torch.amp.GradScaler's unscale_, say) decides alike on every rank.
+  const auto& pieces = layout_.segments();
+  for (size_t s = 0; s < segment_grads_.size(); ++s) {
+    if (global_has_grad_[pieces[s].param] && segment_grads_[s].numel() > 0) {
+      segment_grads_[s].reshape(-1).narrow(0, 0, 1).fill_(std::numeric_limits<double>::quiet_NaN());
+      return;
+    }
+  }
+}
+
+void GradReducer::publish() {
+  const int64_t n = layout_.num_params();
+  if (layout_.ddp_in_place()) {
+    for (int64_t i = 0; i < n; ++i) {
+      store_.param(i).mutable_grad() = global_has_grad_[i] ? grad_views_[i] : at::Tensor();
+      detached_[i] = 0;
+    }
+    return;
+  }
+  const auto& pieces = layout_.segments();
+  const auto& segments = store_.segments();
+  for (size_t s = 0; s < segments.size(); ++s) {
+    segments[s].mutable_grad() = global_has_grad_[pieces[s].param] ? segment_grads_[s] : at::Tensor();
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    at::Tensor& grad = store_.param(i).mutable_grad();
+    if (layout_.trainable(i) && !grad.defined() && global_has_grad_[i]) {
+      grad = stand_ins_[i];
+    }
+  }
+}
+
+bool GradReducer::holds_stand_in(int64_t i) const {
+  const at::Tensor& grad = store_.param(i).grad();
+  return grad.defined() && stand_ins_[i].defined() &&
+         grad.unsafeGetTensorImpl() == stand_ins_[i].unsafeGetTensorImpl();
+}
+
+bool GradReducer::holds_stray_grad(int64_t i) const {
+  const at::Tensor& grad = store_.param(i).grad();
+  return layout_.ddp_in_place() ? grad.defined() && !same_memory(grad, grad_views_[i])
+                                : grad.defined() && !holds_stand_in(i);
+}
+
+void GradReducer::check_no_unreduced_grads() const {
+  if (layout_.ddp_in_place()) {
+    return;
+  }
+  for (int64_t i = 0; i < layout_.num_params(); ++i) {
+    TORCH_CHECK(!(layout_.trainable(i) && holds_stray_grad(i)), "zero_ext: parameter '", layout_.name(i),
+                "' holds a gradient in .grad that did not pass zero_ext's reduction "
+                "(was .grad assigned by hand during backward?). In stages 1-2 gradients "
+                "live in the optimizer's shards; use zero_ext.full_grads(model) to read them.");
+  }
+}
+
+void GradReducer::zero_grad(bool set_to_none) {
+  at::NoGradGuard no_grad;
+  for (auto& bucket : buckets_) {
+    if (layout_.ddp_in_place()) {
+      bucket.staging.zero_();
+    } else {
+      bucket.accum_has_value = false;
+      if (!set_to_none && bucket.accum.defined()) {
+        bucket.accum.zero_();
+      }
+    }
+  }
+  for (int64_t i = 0; i < layout_.num_params(); ++i) {
+    at::Tensor& grad = store_.param(i).mutable_grad();
+    if (set_to_none) {
+      grad = at::Tensor();
+    } else if (layout_.ddp_in_place() && global_has_grad_[i]) {
+      grad = grad_views_[i];
+    } else if (grad.defined() && !holds_stand_in(i)) {
+      grad.zero_();
+    }
+  }
+  if (set_to_none) {
+    std::fill(local_has_grad_.begin(), local_has_grad_.end(), 0);
+    std::fill(global_has_grad_.begin(), global_has_grad_.end(), 0);
+    for (const auto& segment : store_.segments()) {
+      segment.mutable_grad() = at::Tensor();
+    }
+  }
+}
+
+void GradReducer::forget_accumulated() {
+  for (auto& bucket : buckets_) {
+    bucket.accum_has_value = false;
+  }
+}
+
+std::exception_ptr GradReducer::abandon(bool wait) {
+  std::exception_ptr failure;
+  for (int64_t b = 0; b < layout_.num_buckets(); ++b) {
+    BucketGrads& bucket = buckets_[b];
+    if (wait && bucket.work) {
+      try {
+        comm_.wait(bucket.work, [] { return std::string("reduction abandoned by a failed backward"); });
+      } catch (...) {
+        failure = failure ? failure : std::current_exception();
+      }
+    }
+    bucket.work.reset();
+    bucket.reduce_out.reset();
+    bucket.host_add_pending = false;
+    bucket.host_factor = 1.0;
+  }
+  in_flight_.clear();
+  host_transfers_pending_ = false;
+  if (layout_.ddp_in_place()) {
+    publish();  // param.grad views the buffers again
+  }
+  std::fill(detached_.begin(), detached_.end(), 0);
+  start_round();
+  return failure;
+}
+
+std::vector<at::Tensor> GradReducer::full_grads() {
+  at::NoGradGuard no_grad;
+  const int64_t n = layout_.num_params();
+  std::vector<at::Tensor> out(n);
+  if (layout_.ddp_in_place()) {
+    for (int64_t i = 0; i < n; ++i) {
+      out[i] = grad_views_[i].to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+    }
+    return out;
+  }
+  const int64_t n_buckets = layout_.num_buckets();
+  std::vector<at::Tensor> full(n_buckets);
+  std::vector<c10::intrusive_ptr<c10d::Work>> works(n_buckets);
+  for (int64_t b = 0; b < n_buckets; ++b) {
+    const BucketShape& shape = layout_.bucket(b);
+    BucketGrads& bucket = buckets_[b];
+    if (shape.trainable == 0) {
+      full[b] = at::zeros({shape.padded}, store_.bucket(b).flat.options().dtype(at::kFloat));
+      continue;
+    }
+    at::Tensor shard = bucket.accum_has_value ? bucket.accum : at::zeros_like(bucket.accum);
+    if (layout_.replicated()) {
+      full[b] = shard.clone();  // a snapshot, not the live buffer
+      continue;
+    }
+    shard = shard.to(store_.bucket(b).flat.device());  // offloaded: collectives run on the device
+    full[b] = at::empty({shape.padded}, shard.options());
+    works[b] = comm_.all_gather(full[b], shard);
+  }
+  for (int64_t b = 0; b < n_buckets; ++b) {
+    comm_.wait(works[b], [&] {
+      return "all-gather of gradients for full_grads() of " + layout_.describe_bucket(b, gate_.progress().where());
+    });
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = full[layout_.bucket_of(i)].narrow(0, layout_.offset(i), layout_.numel(i)).view(layout_.shape(i));
+  }
+  return out;
+}
+
+int64_t GradReducer::grad_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& bucket : buckets_) {
+    if (bucket.staging.defined()) bytes += bucket.staging.nbytes();
+    if (bucket.accum.defined()) bytes += bucket.accum.nbytes();
+  }
+  return bytes;
+}
+
+int64_t GradReducer::host_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& bucket : buckets_) {
+    if (store_.offload() && bucket.accum.defined()) bytes += bucket.accum.nbytes();
+    if (bucket.host_landing.defined()) bytes += bucket.host_landing.nbytes();
+  }
+  return bytes;
+}
+
+int64_t GradReducer::host_landing_buffers() const {
+  int64_t n = 0;
+  for (const auto& bucket : buckets_) n += bucket.host_landing.defined() ? 1 : 0;
+  return n;
+}
+
+} // namespace zero_ext
