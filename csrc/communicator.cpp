@@ -25,15 +25,32 @@ Communicator::Communicator(const std::string& group_name) {
   size_ = group_->getSize();
 }
 
+namespace {
+
+c10::intrusive_ptr<c10d::Work> all_reduce(const c10::intrusive_ptr<c10d::ProcessGroup>& group, at::Tensor& tensor,
+                                          c10d::ReduceOp::RedOpType op) {
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = op;
+  return group->allreduce(tensors, opts);
+}
+
+} // namespace
+
 c10::intrusive_ptr<c10d::Work> Communicator::all_reduce_sum(at::Tensor& tensor) {
   if (!group_) {
     return nullptr;
   }
-  std::vector<at::Tensor> tensors{tensor};
-  c10d::AllreduceOptions opts;
-  opts.reduceOp = c10d::ReduceOp::SUM;
   ++collectives_issued_;
-  return group_->allreduce(tensors, opts);
+  return all_reduce(group_, tensor, c10d::ReduceOp::SUM);
+}
+
+c10::intrusive_ptr<c10d::Work> Communicator::all_reduce_max(at::Tensor& tensor) {
+  if (!group_) {
+    return nullptr;
+  }
+  ++collectives_issued_;
+  return all_reduce(group_, tensor, c10d::ReduceOp::MAX);
 }
 
 c10::intrusive_ptr<c10d::Work> Communicator::reduce_scatter_sum(at::Tensor& shard_out,

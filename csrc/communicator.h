@@ -32,6 +32,7 @@ class Communicator {
   // Each returns the in-flight work, or nullptr when the result is already
   // in place (single process). Inputs must stay alive until wait().
   c10::intrusive_ptr<c10d::Work> all_reduce_sum(at::Tensor& tensor);
+  c10::intrusive_ptr<c10d::Work> all_reduce_max(at::Tensor& tensor);
   c10::intrusive_ptr<c10d::Work> reduce_scatter_sum(at::Tensor& shard_out, at::Tensor& full_in);
   c10::intrusive_ptr<c10d::Work> all_gather(at::Tensor& full_out, at::Tensor& shard_in);
   c10::intrusive_ptr<c10d::Work> broadcast_from_rank0(at::Tensor& tensor);

@@ -509,4 +509,24 @@ void ShardedModel::set_test_fault(std::string point, int64_t step) {
   faults_.arm(point, step);
 }
 
+// --- Python's collectives on zero_ext's own group ----------------------------
+
+void ShardedModel::group_all_reduce(at::Tensor tensor, bool max, std::string what) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto work = max ? comm_.all_reduce_max(tensor) : comm_.all_reduce_sum(tensor);
+  comm_.wait(work, [&what] { return what; });
+}
+
+void ShardedModel::group_broadcast_from_rank0(at::Tensor tensor, std::string what) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto work = comm_.broadcast_from_rank0(tensor);
+  comm_.wait(work, [&what] { return what; });
+}
+
+void ShardedModel::group_all_gather(at::Tensor out, at::Tensor in, std::string what) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto work = comm_.all_gather(out, in);
+  comm_.wait(work, [&what] { return what; });
+}
+
 } // namespace zero_ext

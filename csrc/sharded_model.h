@@ -142,6 +142,15 @@ class ShardedModel : public torch::CustomClassHolder {
   c10::Dict<std::string, int64_t> stats();
   std::string grad_layout();
 
+  // --- Python's collectives on zero_ext's own group -----------------------
+  // clip_grad_norm_, wrap()'s buffer broadcast and the checkpoint exchanges go
+  // through the communicator like the core's own collectives, so a failure
+  // marks the group failed and a stalled wait is diagnosed (communicator.h).
+  // `what` names the collective in errors. Collective; in place.
+  void group_all_reduce(at::Tensor tensor, bool max, std::string what);
+  void group_broadcast_from_rank0(at::Tensor tensor, std::string what);
+  void group_all_gather(at::Tensor out, at::Tensor in, std::string what);
+
   // Test-only (zero_ext/_testing.py): raise at `point` on this rank.
   void set_test_fault(std::string point, int64_t step);
 

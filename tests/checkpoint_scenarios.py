@@ -124,3 +124,26 @@ def save_twice_and_die(rank: int, world: int, root: str, fault: str) -> None:
     train(model, opt, range(K, 2 * K), rank, world)
     os.environ["ZERO_EXT_TEST_SAVE_EXIT"] = fault
     zero_ext.save(path, model, opt, extra="second")
+
+
+def python_collectives_on_the_core(rank: int, world: int, root: str) -> Dict[str, int]:
+    """Collectives the core's communicator issued for each Python-side
+    collective call (clip_grad_norm_, save, load): zero_ext's Python never
+    calls torch.distributed on its own group directly, so a failure there
+    marks the group and a stall is diagnosed like the core's own."""
+    model, opt = make(2)
+    train(model, opt, range(1), rank, world)
+    count = lambda: model._zero_ext.buckets.stats()["collectives"]  # noqa: E731
+    x, y = global_batch(9)
+    F.mse_loss(model(x), y).backward()
+    out = {}
+    before = count()
+    opt.clip_grad_norm_(1.0)
+    out["clip"] = count() - before
+    before = count()
+    zero_ext.save(os.path.join(root, "collectives"), model, opt)
+    out["save"] = count() - before
+    before = count()
+    zero_ext.load(os.path.join(root, "collectives"), model, opt)
+    out["load"] = count() - before
+    return out

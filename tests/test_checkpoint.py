@@ -172,3 +172,13 @@ def test_frozen_parameters_round_trip(saved_stage, loaded_stage, tmp_path):
     got = zero_ext.full_state_dict(other)
     for name in want:
         assert torch.allclose(got[name], want[name], rtol=1e-6, atol=1e-7), name
+
+
+def test_python_collectives_go_through_the_core(tmp_path):
+    """clip_grad_norm_, save and load exchange over the core's communicator
+    (ShardedModel.group_*), not torch.distributed directly."""
+    results = run_on_ranks(2, "checkpoint_scenarios:python_collectives_on_the_core", (str(tmp_path),),
+                           deadline_s=300)
+    for rank, counts in enumerate(results):
+        assert counts["clip"] == 1, (rank, counts)
+        assert counts["save"] >= 4 and counts["load"] >= 2, (rank, counts)

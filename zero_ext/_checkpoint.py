@@ -33,6 +33,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import shutil
 import uuid
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
@@ -55,27 +56,51 @@ def _maybe_die(point: str, rank: int) -> None:
 
 class _Ranks:
     """Collectives of a save or load on the model's own group (which carries
-    wrap()'s timeout), or nothing for a single process."""
+    wrap()'s timeout), or nothing for a single process. They run through the
+    core's communicator (ShardedModel.group_*), as its own collectives do, so
+    a failure marks the group failed and a stalled wait is diagnosed.
+
+    Objects travel pickled between the ranks of this job, as
+    torch.distributed's object collectives carry them; nothing read from a
+    file is ever unpickled."""
 
     def __init__(self, state):
         self.group = state.process_group
         self.distributed = self.group is not None and state.world_size > 1
         self.rank = dist.get_rank(self.group) if self.distributed else 0
         self.world = state.world_size
+        self.core = state.buckets
+        # NCCL moves device tensors only; gloo takes host tensors.
+        self.device = state.device if dist.is_initialized() and self.distributed and \
+            dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+
+    def _all_gather(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        out = torch.empty(self.world * tensor.numel(), dtype=tensor.dtype, device=self.device)
+        self.core.group_all_gather(out, tensor, what)
+        return out.view(self.world, -1)
 
     def gather(self, obj: Any) -> List[Any]:
         if not self.distributed:
             return [obj]
-        out: List[Any] = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
+        sizes = self._all_gather(torch.tensor([data.numel()], dtype=torch.int64, device=self.device),
+                                 "checkpoint: exchanging payload sizes").view(-1).tolist()
+        padded = torch.zeros(max(sizes), dtype=torch.uint8, device=self.device)
+        padded[:data.numel()] = data
+        everyone = self._all_gather(padded, "checkpoint: exchanging payloads").cpu()
+        return [pickle.loads(everyone[r, :n].numpy().tobytes()) for r, n in enumerate(sizes)]
 
     def from_rank0(self, obj: Any) -> Any:
         if not self.distributed:
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
-        return box[0]
+        data = pickle.dumps(obj) if self.rank == 0 else b""
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        self.core.group_broadcast_from_rank0(size, "checkpoint: rank 0's payload size")
+        buffer = torch.zeros(int(size.item()), dtype=torch.uint8, device=self.device)
+        if self.rank == 0:
+            buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self.core.group_broadcast_from_rank0(buffer, "checkpoint: rank 0's payload")
+        return obj if self.rank == 0 else pickle.loads(buffer.cpu().numpy().tobytes())
 
     def settle(self, error: Optional[BaseException], payload: Any = None, action: Optional[str] = None,
                note: str = "", on_failure: Optional[Callable[[], None]] = None) -> List[Any]:

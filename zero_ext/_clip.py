@@ -6,7 +6,6 @@ import math
 from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
-import torch.distributed as dist
 
 
 def _local_norm(grads: List[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
@@ -26,8 +25,7 @@ def _reduce(local: torch.Tensor, state, norm_type: float) -> torch.Tensor:
     if not sharded:
         return local
     on_device = local.to(state.device)  # NCCL reduces device tensors; offloaded grads are on the host
-    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-    dist.all_reduce(on_device, op=op, group=state.process_group)
+    state.buckets.group_all_reduce(on_device, math.isinf(norm_type), "clip_grad_norm_: the gradient norm's all-reduce")
     return on_device.to(local.device)
 
 

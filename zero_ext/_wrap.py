@@ -389,8 +389,8 @@ def wrap(
         buckets.enable_stall_diagnosis(min(max(seconds / 4, 1.0), 30.0), key_space)
     if group is not None and world > 1:
         with torch.no_grad():
-            for buffer in model.buffers():  # every rank starts from rank 0's state
-                dist.broadcast(buffer, src=dist.get_global_rank(group, 0), group=group)
+            for name, buffer in model.named_buffers():  # every rank starts from rank 0's state
+                buckets.group_broadcast_from_rank0(buffer, f"wrap(): broadcasting buffer {name} from rank 0")
 
     state = ZeroState(
         model_ref=weakref.ref(model), stage=stage, buckets=buckets,
