@@ -13,6 +13,8 @@ from typing import Any, Dict, Iterator, List
 import torch
 from torch.utils._pytree import tree_flatten, tree_iter, tree_map_only, tree_unflatten
 
+from ._class_swap import swap_class
+
 
 _NO_COPY = (
     "zero_ext: {what} a wrapped model is not supported: its parameters are views of zero_ext's "
@@ -118,14 +120,8 @@ class ZeroExtModule:
         state.buckets.load_masters(full)
 
 
-_wrapped_classes: Dict[type, type] = {}
-
-
 def swap_module_class(module: torch.nn.Module) -> None:
-    cls = type(module)
-    if cls not in _wrapped_classes:
-        _wrapped_classes[cls] = type(f"ZeroExt{cls.__name__}", (ZeroExtModule, cls), {})
-    module.__class__ = _wrapped_classes[cls]
+    swap_class(module, ZeroExtModule)
 
 
 def _tensors(output: Any) -> List[torch.Tensor]:

@@ -23,6 +23,7 @@ from typing import Dict, List
 
 import torch
 
+from ._class_swap import swap_class
 from ._clip import clip_sharded
 from ._cpu_adam import adam_step_
 
@@ -157,9 +158,6 @@ class ZeroExtOptimizer:
         return clip_sharded([], grads, max_norm, norm_type, error_if_nonfinite=False)
 
 
-_wrapped_classes: Dict[type, type] = {}
-
-
 def shard_optimizer(optimizer: torch.optim.Optimizer, state, ordered_params: List[torch.Tensor],
                     group_of: Dict[int, int]) -> None:
     """Re-points `optimizer` at this rank's segments and installs the hooks."""
@@ -183,10 +181,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, state, ordered_params: Lis
         optimizer.state.clear()
 
     cpu_adam = state.offload and _uses_cpu_adam(optimizer)
-    cls = type(optimizer)
-    if cls not in _wrapped_classes:
-        _wrapped_classes[cls] = type(f"ZeroExt{cls.__name__}", (ZeroExtOptimizer, cls), {})
-    optimizer.__class__ = _wrapped_classes[cls]
+    swap_class(optimizer, ZeroExtOptimizer)
     optimizer._zero_ext = state
     optimizer._zero_ext_cpu_adam = cpu_adam
     optimizer._zero_ext_compute_copies = {}

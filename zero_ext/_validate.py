@@ -1,0 +1,235 @@
+"""Validation of wrap()'s arguments, in one place, before any communication.
+The C++ core trusts what passes here (it keeps internal asserts only)."""
+from __future__ import annotations
+
+import datetime
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Set, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from ._api import DynamicLossScale, MixedPrecision
+from ._module import ZeroExtModule
+from ._optimizer import check_elementwise, check_step_not_patched
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _timeout(timeout: Union[None, float, int, datetime.timedelta]) -> Optional[datetime.timedelta]:
+    if timeout is None:
+        return None
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif _is_real(timeout):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"zero_ext.wrap: timeout must be seconds (a number) or a datetime.timedelta, "
+                        f"got {type(timeout).__name__} {timeout!r}")
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"zero_ext.wrap: timeout must be a finite positive duration (it bounds every "
+                         f"collective wait), got {timeout!r}; pass None for the process group's own")
+    return datetime.timedelta(seconds=seconds)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What wrap() resolved mixed_precision to."""
+
+    compute_dtype: Optional[torch.dtype]  # None: parameters compute in fp32
+    reduce_dtype: torch.dtype
+    loss_scale: Union[None, float, DynamicLossScale]  # fp16 only
+    cast_inputs: bool = False  # floating forward inputs cast to compute_dtype
+
+
+@dataclass(frozen=True)
+class Options:
+    """wrap()'s options, checked and normalized."""
+
+    stage: int
+    precision: Precision
+    offload: bool
+    units: Union[None, Set[type], Callable[[torch.nn.Module], bool]]
+    bucket_bytes: int
+    timeout: Optional[datetime.timedelta]
+    prefetch: int
+    skip_nonfinite: bool
+
+
+_FLOATS = {torch.float32: "torch.float32", torch.bfloat16: "torch.bfloat16", torch.float16: "torch.float16"}
+
+
+def _precision(mixed_precision: Union[None, str, MixedPrecision]) -> Precision:
+    if mixed_precision is None:
+        return Precision(None, torch.float32, None)
+    if isinstance(mixed_precision, str):
+        if mixed_precision not in ("bf16", "fp16"):
+            raise ValueError(
+                f"zero_ext.wrap: mixed_precision must be None, 'bf16', 'fp16' or "
+                f"zero_ext.MixedPrecision(...), got {mixed_precision!r}"
+            )
+        mixed_precision = MixedPrecision(torch.bfloat16 if mixed_precision == "bf16" else torch.float16)
+    elif not isinstance(mixed_precision, MixedPrecision):
+        raise ValueError(
+            f"zero_ext.wrap: mixed_precision must be None, 'bf16', 'fp16' or "
+            f"zero_ext.MixedPrecision(...), got {mixed_precision!r}"
+        )
+    param_dtype = mixed_precision.param_dtype
+    reduce_dtype = mixed_precision.reduce_dtype or torch.float32
+    for what, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if dtype not in _FLOATS:
+            raise ValueError(
+                f"zero_ext.wrap: MixedPrecision.{what} must be one of {sorted(_FLOATS.values())}, got {dtype!r}"
+            )
+    loss_scale = mixed_precision.loss_scale
+    if param_dtype != torch.float16:
+        if loss_scale is not None:
+            raise ValueError(
+                "zero_ext.wrap: loss_scale applies to float16 compute only (bf16 and fp32 have "
+                "fp32's exponent range); drop it"
+            )
+    else:
+        if loss_scale is None:
+            loss_scale = DynamicLossScale()
+        ok = isinstance(loss_scale, DynamicLossScale) or (
+            isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool) and loss_scale > 0)
+        if not ok:
+            raise ValueError(
+                f"zero_ext.wrap: loss_scale must be None (dynamic), a zero_ext.DynamicLossScale or a "
+                f"positive number (static; 1.0 turns scaling off), got {loss_scale!r}"
+            )
+        if isinstance(loss_scale, DynamicLossScale):
+            d = loss_scale
+            if not (d.initial_scale > 0 and d.growth_factor >= 1 and 0 < d.backoff_factor < 1
+                    and d.growth_interval >= 1 and d.min_scale > 0 and d.hysteresis >= 1):
+                raise ValueError(
+                    f"zero_ext.wrap: DynamicLossScale needs initial_scale > 0, growth_factor >= 1, "
+                    f"0 < backoff_factor < 1, growth_interval >= 1, min_scale > 0 and hysteresis >= 1; "
+                    f"got {d}")
+        elif float(loss_scale) == 1.0:
+            loss_scale = None
+    if not isinstance(mixed_precision.cast_forward_inputs, bool):
+        raise TypeError(f"zero_ext.wrap: MixedPrecision.cast_forward_inputs must be True or False, "
+                        f"got {mixed_precision.cast_forward_inputs!r}")
+    compute = None if param_dtype == torch.float32 else param_dtype
+    return Precision(compute, reduce_dtype, loss_scale,
+                     cast_inputs=compute is not None and mixed_precision.cast_forward_inputs)
+
+
+def _check_model_and_optimizer(model, optimizer, stage, mixed_precision, offload_optimizer) -> List[torch.nn.Parameter]:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"zero_ext.wrap: model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"zero_ext.wrap: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if not isinstance(stage, numbers.Integral) or isinstance(stage, bool):  # 3.0, True, "3": refused
+        raise TypeError(f"zero_ext.wrap: stage must be the int 0, 1, 2 or 3, got {type(stage).__name__} {stage!r}")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_ext.wrap: stage must be 0, 1, 2 or 3, got {stage!r}")
+    precision = _precision(mixed_precision)
+    if offload_optimizer is not None and offload_optimizer != "cpu":
+        raise ValueError(f"zero_ext.wrap: offload_optimizer must be None or 'cpu', got {offload_optimizer!r}")
+
+    for module in model.modules():
+        if isinstance(module, ZeroExtModule):
+            where = "the model itself" if module is model else "one of its submodules"
+            raise ValueError(
+                f"zero_ext.wrap: {where} is already wrapped by zero_ext; wrap each model "
+                "once, at the top level"
+            )
+    for p in model.parameters():
+        if getattr(p, "_zero_ext_owner", None) is not None:
+            raise ValueError(
+                "zero_ext.wrap: this module's parameters belong to a model already wrapped by "
+                "zero_ext (is it a submodule of one?); wrap each model once, at the top level"
+            )
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError(
+            "zero_ext.wrap: the model has no trainable parameters (every requires_grad is False); "
+            "there is nothing to shard or train"
+        )
+    devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
+    if len(devices) > 1:
+        raise ValueError(
+            f"zero_ext.wrap: the model's tensors are on several devices {sorted(map(str, devices))}; "
+            "move the whole model to one device (model.to(device)) before wrap()"
+        )
+    if devices == {torch.device("meta")}:
+        raise ValueError(
+            "zero_ext.wrap: the model's parameters are on the meta device (not materialized); "
+            "materialize them first (model.to_empty(device=...) and initialize them, or load "
+            "weights) and then call wrap()"
+        )
+    bad = [n for n, p in model.named_parameters() if p.requires_grad and p.dtype != torch.float32]
+    if bad:
+        raise ValueError(
+            f"zero_ext.wrap: trainable parameters must be float32 (fp32 master weights); "
+            f"{bad[:3]} are not. Keep the model in fp32 and use mixed_precision for lower-precision compute."
+        )
+
+    model_ids = {id(p) for p in model.parameters()}
+    foreign = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"] if id(p) not in model_ids]
+    if foreign:
+        raise ValueError(
+            f"zero_ext.wrap: the optimizer holds {len(foreign)} tensors that are not parameters of this "
+            f"model (shapes {foreign[:3]}); build the optimizer over model.parameters()"
+        )
+    in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    names = {id(p): n for n, p in model.named_parameters()}
+    missing = [names[id(p)] for p in trainable if id(p) not in in_optimizer]
+    if missing:
+        raise ValueError(
+            f"zero_ext.wrap: trainable parameters {missing[:3]} are not in the optimizer; add them "
+            "to it or freeze them (requires_grad_(False)) before wrap()"
+        )
+    if optimizer.state:
+        raise ValueError(
+            "zero_ext.wrap: the optimizer already has state (it has stepped); wrap before the "
+            "first step. To resume training, load a checkpoint after wrap()"
+        )
+    check_elementwise(optimizer, stage)
+    check_step_not_patched(optimizer)
+    return trainable, precision
+
+
+def check_wrap_arguments(model, optimizer, stage, mixed_precision, offload_optimizer, units, bucket_mb, timeout,
+                         prefetch, skip_nonfinite) -> Tuple[List[torch.nn.Parameter], Options]:
+    """The trainable parameters and the normalized options; raises TypeError
+    or ValueError on bad input."""
+    trainable, precision = _check_model_and_optimizer(model, optimizer, stage, mixed_precision, offload_optimizer)
+    stage = int(stage)  # a numpy integer, say
+    if units is not None and stage != 3:
+        raise ValueError("zero_ext.wrap: units only applies to stage 3")
+    if not _is_real(bucket_mb):
+        raise TypeError(f"zero_ext.wrap: bucket_mb must be a number of MiB, got {type(bucket_mb).__name__} "
+                        f"{bucket_mb!r}")
+    if not (math.isfinite(bucket_mb) and 0 < bucket_mb <= 2 ** 20):
+        raise ValueError(f"zero_ext.wrap: bucket_mb must be finite and in (0, 1048576] MiB (25 is the "
+                         f"default), got {bucket_mb!r}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, numbers.Integral):
+        raise TypeError(f"zero_ext.wrap: prefetch must be an int (units gathered ahead), got "
+                        f"{type(prefetch).__name__} {prefetch!r}")
+    if prefetch < 0:
+        raise ValueError(f"zero_ext.wrap: prefetch must be >= 0, got {prefetch!r}")
+    if not isinstance(skip_nonfinite, bool):
+        raise TypeError(f"zero_ext.wrap: skip_nonfinite must be True or False, got {skip_nonfinite!r}")
+    options = Options(stage=stage, precision=precision, offload=offload_optimizer == "cpu", units=units,
+                      bucket_bytes=int(bucket_mb * 2**20), timeout=_timeout(timeout), prefetch=int(prefetch),
+                      skip_nonfinite=skip_nonfinite)
+    return trainable, options
+
+
+def check_backend(group: Optional[dist.ProcessGroup], device: torch.device) -> None:
+    if group is not None and dist.get_backend(group) == "nccl" and device.type == "cpu":
+        raise ValueError(
+            "zero_ext.wrap: the process group uses NCCL, which reduces GPU tensors only, but the model "
+            "is on the CPU; move it to this rank's GPU first (model.to(f'cuda:{local_rank}')), then "
+            "call wrap() (or use a gloo group for CPU training)"
+        )

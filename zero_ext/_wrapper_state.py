@@ -1,0 +1,47 @@
+"""ZeroState: everything zero_ext keeps for one wrapped model (model._zero_ext)."""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import List, Optional, Set
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class ZeroState:
+    """Everything zero_ext keeps for one wrapped model (model._zero_ext)."""
+
+    model_ref: "weakref.ref[torch.nn.Module]"  # weak: the model holds this state
+    stage: int
+    buckets: object  # torch.classes.zero_ext.ShardedModel: the C++ core
+    process_group: Optional[dist.ProcessGroup]  # zero_ext's own reduction group
+    world_size: int
+    device: torch.device
+    params: List[torch.nn.Parameter]  # trainable, in bucket order
+    names: List[str]
+    bucketed: List[torch.nn.Parameter]  # what the core indexes (stage 3: frozen too)
+    param_ids: Set[int]
+    bucketed_names: List[str]
+    compute_dtype: Optional[torch.dtype]  # mixed precision: what parameters compute in
+    cast_inputs: bool  # floating forward inputs are cast to compute_dtype
+    sharded_optimizer: bool  # the optimizer steps zero_ext's segments (not the parameters)
+    offload: bool  # masters, gradient accumulators and optimizer state in host memory
+
+    def check_parameters_unchanged(self) -> None:
+        """Once per step: a parameter replaced by a new object after wrap()
+        would train on silently missing gradients."""
+        model = self.model_ref()
+        current = [p for p in model.parameters() if p.requires_grad]
+        if len(current) == len(self.params) and all(id(p) in self.param_ids for p in current):
+            return
+        names = {id(p): n for n, p in model.named_parameters()}
+        new = [names[id(p)] for p in current if id(p) not in self.param_ids]
+        gone = [n for p, n in zip(self.params, self.names) if id(p) not in names or not p.requires_grad]
+        raise RuntimeError(
+            "zero_ext: the model's trainable parameters changed after zero_ext.wrap() "
+            f"(new or replaced: {new or 'none'}; no longer trainable or removed: {gone or 'none'}). "
+            "Their gradients would not be reduced or stepped. Update parameters in place "
+            "(param.data.copy_(...)) or freeze/replace them before calling wrap()."
+        )
