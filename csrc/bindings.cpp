@@ -94,7 +94,6 @@ TORCH_LIBRARY(zero_ext, m) {
       .def("found_nonfinite", &ShardedModel::found_nonfinite)
       .def("begin_step", &ShardedModel::begin_step)
       .def("set_skip_nonfinite", &ShardedModel::set_skip_nonfinite)
-      .def("check_param_shapes", &ShardedModel::check_param_shapes)
       .def("enable_stall_diagnosis", &ShardedModel::enable_stall_diagnosis)
       .def("note_compute_copy_written", &ShardedModel::note_compute_copy_written)
       .def("segment_compute_copies", &ShardedModel::segment_compute_copies)
@@ -111,6 +110,8 @@ TORCH_LIBRARY(zero_ext, m) {
       .def("full_masters", &ShardedModel::full_masters)
       .def("load_masters", &ShardedModel::load_masters)
       // The unit actions go through their registered ops (core_ops.h).
+      .def("begin_forward", &ShardedModel::begin_forward)
+      .def("end_forward", &ShardedModel::end_forward)
       .def("pre_forward",
            [](const c10::intrusive_ptr<ShardedModel>& self, int64_t unit) {
              dispatch::gather_unit(self, unit, /*backward=*/false);
@@ -154,13 +155,11 @@ TORCH_LIBRARY(zero_ext, m) {
       .def("unpin_units_of", &ShardedModel::unpin_units_of)
       .def("release_all", &ShardedModel::release_all)
       .def("write_back_shards", &ShardedModel::write_back_shards)
-      .def("attach_output_hook", &ShardedModel::attach_output_hook)
       .def("set_sync", &ShardedModel::set_sync)
       .def("sync", &ShardedModel::sync)
       .def("zero_grad", &ShardedModel::zero_grad)
       .def("after_step", &ShardedModel::after_step)
       .def("check_before_step", &ShardedModel::check_before_step)
-      .def("reset_if_stale", &ShardedModel::reset_if_stale)
       .def("segments", &ShardedModel::segments)
       .def("segment_param_indices", &ShardedModel::segment_param_indices)
       .def("full_grads", &ShardedModel::full_grads)

@@ -144,6 +144,25 @@ void ShardedModel::attach_output_hook(const at::Tensor& output) {
   });
 }
 
+// --- the model's forward ----------------------------------------------------------
+
+void ShardedModel::begin_forward() {
+  reset_if_stale();
+  check_param_shapes();
+  if (units_) {
+    dispatch::gather_unit(self(), 0, /*backward=*/false);  // the root unit
+  }
+}
+
+void ShardedModel::end_forward(std::vector<at::Tensor> outputs) {
+  for (const auto& output : outputs) {
+    attach_output_hook(output);
+  }
+  if (units_) {
+    dispatch::release_unit(self(), 0, outputs);
+  }
+}
+
 // --- stage 3 units --------------------------------------------------------------
 
 void ShardedModel::pre_forward(int64_t u) {
@@ -387,146 +406,6 @@ void ShardedModel::zero_grad(bool set_to_none) {
 bool ShardedModel::reset_if_stale() {
   std::lock_guard<std::mutex> lock(mutex_);
   return round_.reset_if_stale();
-}
-
-// --- inspection and checkpoints ---------------------------------------------
-
-std::vector<at::Tensor> ShardedModel::segments() { return store_.segments(); }
-
-std::vector<int64_t> ShardedModel::segment_param_indices() {
-  std::vector<int64_t> out;
-  for (const auto& piece : layout_.segments()) out.push_back(piece.param);
-  return out;
-}
-
-std::vector<int64_t> ShardedModel::segment_param_starts() {
-  std::vector<int64_t> out;
-  for (const auto& piece : layout_.segments()) out.push_back(piece.param_start);
-  return out;
-}
-
-std::vector<at::Tensor> ShardedModel::full_grads() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return reducer_.full_grads();
-}
-
-std::vector<bool> ShardedModel::has_grad() {
-  const auto& global = reducer_.global_has_grad();
-  return std::vector<bool>(global.begin(), global.end());
-}
-
-bool ShardedModel::has_masters() { return store_.has_masters(); }
-bool ShardedModel::replicated() { return layout_.replicated(); }
-
-std::vector<at::Tensor> ShardedModel::full_masters() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return store_.full_masters();
-}
-
-void ShardedModel::load_masters(std::vector<at::Tensor> full_params) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  store_.load_masters(full_params);
-}
-
-std::vector<at::Tensor> ShardedModel::local_value_shards() { return store_.local_value_shards(); }
-
-std::vector<int64_t> ShardedModel::local_pieces() {
-  std::vector<int64_t> out;
-  for (const auto& piece : layout_.local_pieces()) {
-    out.insert(out.end(), {piece.param, piece.param_start, piece.bucket, piece.shard_offset, piece.length});
-  }
-  return out;
-}
-
-std::vector<int64_t> ShardedModel::owned_ranges(int64_t rank) {
-  std::vector<int64_t> out;
-  for (const auto& [param, start, end] : layout_.owned_ranges(rank)) {
-    out.insert(out.end(), {param, start, end});
-  }
-  return out;
-}
-
-std::vector<int64_t> ShardedModel::bucket_layout() {
-  std::vector<int64_t> out;
-  for (const auto& bucket : layout_.buckets()) {
-    out.insert(out.end(), {bucket.first, bucket.count, bucket.padded});
-  }
-  return out;
-}
-
-std::vector<double> ShardedModel::loss_scaler_state() {
-  const LossScaler& scaler = gate_.scaler();
-  return {scaler.scale(), static_cast<double>(scaler.clean_steps()), static_cast<double>(scaler.skipped_steps())};
-}
-
-void ShardedModel::restore_loss_scaler(double scale, int64_t clean_steps, int64_t skipped_steps) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (gate_.scaler().enabled()) {
-    gate_.scaler().restore(scale, clean_steps, skipped_steps);
-  }
-}
-
-void ShardedModel::refresh_params_from_shards() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  reducer_.forget_accumulated();  // a loaded model starts with no gradient
-  store_.forget_compute_copy_written();
-  refresh_params(/*every_bucket=*/true);
-  store_.bump_versions([](int64_t) { return true; });
-}
-
-std::string ShardedModel::grad_layout() { return grad_layout_name(layout_.grad_layout()); }
-
-c10::Dict<std::string, int64_t> ShardedModel::stats() {
-  c10::Dict<std::string, int64_t> out;
-  out.insert("epilogues", round_.epilogues_run());
-  out.insert("synced_epilogues", round_.synced_epilogues());
-  out.insert("late_rounds", round_.late_rounds());
-  out.insert("last_graph_task", round_.last_graph_task());
-  out.insert("last_keep_graph", round_.last_keep_graph() ? 1 : 0);
-  out.insert("collectives", comm_.collectives_issued());
-  out.insert("all_gathers", comm_.all_gathers_issued());
-  out.insert("param_gathers", units_ ? units_->param_gathers() : 0);
-  out.insert("buckets", layout_.num_buckets());
-  int64_t host_bytes = reducer_.host_bytes();
-  if (store_.offload()) host_bytes += store_.master_bytes();
-  out.insert("host_bytes", host_bytes);  // offload: of the above, in host memory
-  out.insert("host_landing_buffers", reducer_.host_landing_buffers());
-  out.insert("nonfinite_backwards", gate_.nonfinite_backwards());
-  out.insert("skipped_steps", gate_.skipped_steps());
-  out.insert("step_index", gate_.progress().step_index);
-  out.insert("param_bytes", store_.param_bytes());
-  out.insert("master_bytes", store_.master_bytes());
-  out.insert("grad_bytes", reducer_.grad_bytes());
-  out.insert("units", units_ ? units_->num_units() : 0);
-  out.insert("gathered_units", units_ ? units_->gathered_units() : 0);
-  out.insert("peak_gathered_units_forward", units_ ? units_->peak_gathered_forward() : 0);
-  out.insert("peak_gathered_units_backward", units_ ? units_->peak_gathered_backward() : 0);
-  return out;
-}
-
-void ShardedModel::set_test_fault(std::string point, int64_t step) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  faults_.arm(point, step);
-}
-
-// --- Python's collectives on zero_ext's own group ----------------------------
-
-void ShardedModel::group_all_reduce(at::Tensor tensor, bool max, std::string what) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  auto work = max ? comm_.all_reduce_max(tensor) : comm_.all_reduce_sum(tensor);
-  comm_.wait(work, [&what] { return what; });
-}
-
-void ShardedModel::group_broadcast_from_rank0(at::Tensor tensor, std::string what) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  auto work = comm_.broadcast_from_rank0(tensor);
-  comm_.wait(work, [&what] { return what; });
-}
-
-void ShardedModel::group_all_gather(at::Tensor out, at::Tensor in, std::string what) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  auto work = comm_.all_gather(out, in);
-  comm_.wait(work, [&what] { return what; });
 }
 
 } // namespace zero_ext

@@ -55,6 +55,13 @@ class ShardedModel : public torch::CustomClassHolder {
                std::optional<c10::ScalarType> compute_dtype, std::optional<c10::ScalarType> reduce_dtype,
                bool offload);
 
+  // --- the model's forward (one call each from its pre and post hooks) -------
+  // Drops a stale backward round, checks parameter shapes, gathers the root unit.
+  void begin_forward();
+  // Hooks the outputs (the epilogue's owner, the fp16 loss scale) and ends
+  // the root unit's forward.
+  void end_forward(std::vector<at::Tensor> outputs);
+
   // --- autograd ------------------------------------------------------------
   void on_grad_ready(int64_t param_index);
   // torch.ops.zero_ext.accumulate_grad: one arrival of parameter

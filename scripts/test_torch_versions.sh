@@ -14,7 +14,9 @@
 # (against the default torch) is left alone, and the tests import that copy.
 #
 # The subset: parity at world sizes 1 and 2, errors, checkpoints, CPU Adam,
-# mixed precision, the build self-check and the benchmarks' smoke test. Prints
+# mixed precision, the build self-check, the benchmarks' smoke test, the
+# registered ops (dispatcher and opcheck APIs move between releases), no Python
+# in backward, and the components alone. Prints
 # one table row per version: build time, tests passed/failed, wall time.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -27,7 +29,8 @@ ENVS=${ZERO_EXT_TORCH_ENVS:-$HOME/.cache/zero_ext/torch-envs}
 BASE_PY=${PYTHON:-python3}
 SUBSET=(tests/test_parity.py tests/test_errors.py tests/test_checkpoint.py tests/test_checkpoint_trust.py
         tests/test_trust.py tests/test_cpu_adam.py tests/test_mixed_precision.py tests/test_selfcheck.py
-        tests/test_default_settings.py tests/test_benchmarks.py)
+        tests/test_default_settings.py tests/test_benchmarks.py tests/test_core_ops.py tests/test_python_calls.py
+        tests/test_components.py)
 mkdir -p "$ENVS"
 
 env_torch_version() {  # the torch version a venv has, or nothing

@@ -382,7 +382,6 @@ def install_forward_hooks(module: torch.nn.Module, units: List[tuple]) -> None:
     gather it again before its backward. `units`: root first, each a tuple of
     its member modules (several for a merged unit; see [Note: merged units]).
     """
-    sharded = bool(units)
     buckets = module._zero_ext.buckets
 
     cast_to = module._zero_ext.compute_dtype if module._zero_ext.cast_inputs else None
@@ -403,8 +402,7 @@ def install_forward_hooks(module: torch.nn.Module, units: List[tuple]) -> None:
     model_forward = _ModelForward()
 
     def before_forward(mod: torch.nn.Module, args: tuple, kwargs: dict):
-        buckets.reset_if_stale()
-        buckets.check_param_shapes()
+        buckets.begin_forward()  # stale round dropped, shapes checked, root unit gathered
         _remove_spent(spent)
         if merged:
             if model_forward.runs:
@@ -417,8 +415,6 @@ def install_forward_hooks(module: torch.nn.Module, units: List[tuple]) -> None:
                     run.reset()
                 model_forward.runs.clear()
             model_forward.depth += 1
-        if sharded:
-            buckets.pre_forward(0)
         if cast_to is not None or buckets.loss_scaling():
             return tree_map_only(torch.Tensor, inner, (args, kwargs))
         return None
@@ -440,11 +436,7 @@ def install_forward_hooks(module: torch.nn.Module, units: List[tuple]) -> None:
         replaced = None
         if torch.is_grad_enabled() and buckets.loss_scaling():
             output = replaced = _map_outputs(output, scale_boundary)
-        outputs = _tensors(output) if torch.is_grad_enabled() else []
-        for t in outputs:
-            buckets.attach_output_hook(t)
-        if sharded:
-            buckets.post_forward(0, outputs)
+        buckets.end_forward(_tensors(output) if torch.is_grad_enabled() else [])
         return replaced
 
     def end_forward(mod: torch.nn.Module, args: Any, output: Any) -> None:
