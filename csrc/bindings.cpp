@@ -128,18 +128,7 @@ TORCH_LIBRARY(zero_ext, m) {
            [](const c10::intrusive_ptr<ShardedModel>& self, int64_t unit, std::vector<at::Tensor> inputs) {
              return track_unit_inputs(self, unit, inputs);
            })
-      // Before these tensors' gradients flow on, make sure the unit is gathered.
-      .def("hook_regather",
-           [](const c10::intrusive_ptr<ShardedModel>& self, std::vector<at::Tensor> tensors, int64_t unit) {
-             c10::weak_intrusive_ptr<ShardedModel> weak(self);
-             for (const auto& tensor : tensors) {
-               if (tensor.requires_grad()) {
-                 tensor.register_hook([weak, unit](const at::Tensor& /*grad*/) {
-                   if (auto model = weak.lock()) dispatch::gather_unit(model, unit, /*backward=*/false);
-                 });
-               }
-             }
-           })
+      .def("hook_regather", &ShardedModel::hook_regather)
       .def("scale_outputs", [](const c10::intrusive_ptr<ShardedModel>& self, std::vector<at::Tensor> outputs) {
         return scale_at_outputs(self, outputs);
       })

@@ -172,13 +172,21 @@ void ShardedModel::pre_forward(int64_t u) {
   units_->pre_forward(u);
 }
 
-void ShardedModel::hook_for_pre_backward(const at::Tensor& output, int64_t u) {
-  c10::weak_intrusive_ptr<ShardedModel> weak(c10::intrusive_ptr<ShardedModel>::unsafe_reclaim_from_nonowning(this));
-  output.register_hook([weak, u](const at::Tensor& /*grad*/) {
+void ShardedModel::hook_gather(const at::Tensor& output, int64_t u, bool backward) {
+  c10::weak_intrusive_ptr<ShardedModel> weak(self());
+  output.register_hook([weak, u, backward](const at::Tensor& /*grad*/) {
     if (auto model = weak.lock()) {
-      dispatch::gather_unit(model, u, /*backward=*/true);
+      dispatch::gather_unit(model, u, backward);
     }
   });
+}
+
+void ShardedModel::hook_regather(std::vector<at::Tensor> outputs, int64_t u) {
+  for (const auto& output : outputs) {
+    if (output.requires_grad()) {
+      hook_gather(output, u, /*backward=*/false);  // inside a backward: gathers only, no prefetch
+    }
+  }
 }
 
 void ShardedModel::post_forward(int64_t u, std::vector<at::Tensor> outputs) {
@@ -188,7 +196,7 @@ void ShardedModel::post_forward(int64_t u, std::vector<at::Tensor> outputs) {
   if (grad_enabled) {
     for (const auto& output : outputs) {
       if (output.requires_grad()) {
-        hook_for_pre_backward(output, u);
+        hook_gather(output, u, /*backward=*/true);
       }
     }
   }

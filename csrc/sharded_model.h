@@ -82,6 +82,9 @@ class ShardedModel : public torch::CustomClassHolder {
   void pre_forward(int64_t unit);
   void post_forward(int64_t unit, std::vector<at::Tensor> outputs);
   void pre_backward(int64_t unit);
+  // A merged unit's inner members: before these outputs' gradients flow on,
+  // make sure the unit is gathered.
+  void hook_regather(std::vector<at::Tensor> outputs, int64_t unit);
   // Use tracking: Python's fallback for inputs it cannot pass through a
   // boundary node reports with these; autograd_boundaries.h with use_done.
   int64_t add_pending_use(int64_t unit);
@@ -164,7 +167,9 @@ class ShardedModel : public torch::CustomClassHolder {
  private:
   void arm_epilogue();
   c10::intrusive_ptr<ShardedModel> self();
-  void hook_for_pre_backward(const at::Tensor& output, int64_t unit);
+  // Before `output`'s gradient flows into the unit, gather it (backward:
+  // prefetching in backward order, as a unit's pre-backward does).
+  void hook_gather(const at::Tensor& output, int64_t unit, bool backward);
   void refresh_params(bool every_bucket);
   void drain_deferred_uses();  // under mutex_
 
