@@ -92,14 +92,18 @@ def test_a_unit_run_on_some_ranks_only_is_reported():
 @pytest.mark.slow
 def test_soak_1000_steps_stage3_nothing_accumulates(tmp_path):
     """1000 stage 3 steps at world size 2 with retain_graph every 10th step,
-    no_sync every 3rd and a checkpoint every 200th: resident memory and the
-    count of live tensors at step 1000 are within 1% of step 400's (the
+    no_sync every 3rd and a checkpoint every 200th: live tensors at step 1000
+    have not grown from step 400's and resident memory is within 1% (the
     same features just before both marks; see soak_scenario.EARLY_MARK)."""
     from dist_harness import run_on_ranks
 
     per_rank = run_on_ranks(2, "soak_scenario:soak", args=(str(tmp_path),), deadline_s=900)
     for rank, marks in enumerate(per_rank):
         early, late = marks.get("400", marks.get(400)), marks.get("1000", marks.get(1000))
-        print(f"\nsoak rank {rank}: step 100 {early}, step 1000 {late}")
-        assert late["tensors"] == pytest.approx(early["tensors"], rel=0.01), (early, late)
+        print(f"\nsoak rank {rank}: step 400 {early}, step 1000 {late}")
+        # Accumulation is growth: a tensor kept per step, per no_sync
+        # micro-batch (200 between the marks), per retain_graph step (60) or
+        # per checkpoint (3) adds at least 3. A count that falls, or moves by
+        # one as a wrapper is replaced, is not a leak.
+        assert late["tensors"] <= early["tensors"] + 2, (early, late)
         assert late["rss_kib"] == pytest.approx(early["rss_kib"], rel=0.01), (early, late)
