@@ -158,6 +158,7 @@ TORCH_LIBRARY(zero_ext, m) {
       .def("group_all_reduce", &ShardedModel::group_all_reduce)
       .def("group_broadcast_from_rank0", &ShardedModel::group_broadcast_from_rank0)
       .def("group_all_gather", &ShardedModel::group_all_gather)
+      .def("set_max_in_flight_bytes", &ShardedModel::set_max_in_flight_bytes)
       .def("set_test_fault", &ShardedModel::set_test_fault)
       // Identity: torch's fake-tensor dispatch cache compares the arguments
       // of an op (the core ops take this object) with ==.

@@ -1,5 +1,6 @@
 #include "communicator.h"
 
+#include <algorithm>
 #include <chrono>
 #include <exception>
 #include <functional>
@@ -23,6 +24,36 @@ Communicator::Communicator(const std::string& group_name) {
               "' is not registered; pass a group created by torch.distributed");
   rank_ = group_->getRank();
   size_ = group_->getSize();
+}
+
+bool Communicator::waits_on_host(c10::DeviceType device_type) const {
+  if (!group_) {
+    return false;
+  }
+  if (device_type == c10::DeviceType::CPU) {
+    return true;
+  }
+  try {
+    return group_->getBackend(device_type)->getBackendName() != "nccl";
+  } catch (const c10::Error&) {
+    return true;  // no backend registered for the device yet: assume the general case
+  }
+}
+
+bool Communicator::done_within(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds limit) {
+  if (!work) {
+    return true;
+  }
+  const auto until = std::chrono::steady_clock::now() + limit;
+  auto pause = std::chrono::microseconds(20);
+  while (!work->isCompleted()) {
+    if (std::chrono::steady_clock::now() >= until) {
+      return false;
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(2000));
+  }
+  return true;
 }
 
 namespace {

@@ -28,6 +28,13 @@ class Communicator {
   int64_t rank() const { return rank_; }
   int64_t size() const { return size_; }
   bool distributed() const { return static_cast<bool>(group_); }
+  // Whether wait() on a collective over tensors of this device type blocks
+  // the host until it is done (gloo, any CPU backend), rather than ordering
+  // the current stream after it (NCCL). False without a group.
+  bool waits_on_host(c10::DeviceType device_type) const;
+  // Polls until `work` is done or `limit` passes, never raising: whether it
+  // is done. A bounded host wait where a full one could deadlock.
+  static bool done_within(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds limit);
 
   // Each returns the in-flight work, or nullptr when the result is already
   // in place (single process). Inputs must stay alive until wait().

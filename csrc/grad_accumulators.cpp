@@ -192,12 +192,18 @@ std::exception_ptr GradReducer::abandon(bool wait) {
         failure = failure ? failure : std::current_exception();
       }
     }
+    if (bucket.work && !bucket.work->isCompleted()) {
+      dropped_.push_back({bucket.work, {bucket.staging, bucket.reduce_out}});
+      if (layout_.transient_staging()) bucket.staging.reset();  // the dropped entry holds it now
+    }
     bucket.work.reset();
     bucket.reduce_out.reset();
+    bucket.in_flight_bytes = 0;
     bucket.host_add_pending = false;
     bucket.host_factor = 1.0;
   }
   in_flight_.clear();
+  in_flight_bytes_ = 0;
   host_transfers_pending_ = false;
   if (layout_.ddp_in_place()) {
     publish();  // param.grad views the buffers again

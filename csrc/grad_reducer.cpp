@@ -3,6 +3,8 @@
 // grad_accumulators.cpp.
 #include "grad_reducer.h"
 
+#include <algorithm>
+#include <chrono>
 #include <exception>
 #include <limits>
 #include <optional>
@@ -16,6 +18,12 @@
 #include "storage_release.h"
 
 namespace zero_ext {
+
+namespace {
+// How long a hook polls for the oldest reduction where waits block the host
+// (see [Note: reductions in flight]).
+constexpr std::chrono::milliseconds kHostBoundWait{2000};
+}  // namespace
 
 GradReducer::GradReducer(const Layout& layout, ParamStore& store, Communicator& comm,
                          const StepGate& gate, std::optional<c10::ScalarType> reduce_dtype)
@@ -64,6 +72,14 @@ GradReducer::GradReducer(const Layout& layout, ParamStore& store, Communicator& 
               "zero_ext.full_grads(model).");
     }
   }
+  // Two of the largest bucket in flight: one reducing while the next fills
+  // and launches (see [Note: reductions in flight]).
+  for (int64_t b = 0; b < layout_.num_buckets(); ++b) {
+    const BucketShape& shape = layout_.bucket(b);
+    const int64_t bytes = (shape.padded + shape.shard) * at::elementSize(reduce_dtype_);
+    max_in_flight_bytes_ = std::max(max_in_flight_bytes_, 2 * bytes);
+  }
+  host_waits_ = comm_.waits_on_host(store_.device().type());
   arrived_.assign(n_params, 0);
   detached_.assign(n_params, 0);
   local_has_grad_.assign(n_params, 0);
@@ -78,7 +94,22 @@ at::Tensor GradReducer::staging_region(int64_t b, int64_t i) {
 void GradReducer::ensure_staging(int64_t b) {
   if (!buckets_[b].staging.defined()) {
     buckets_[b].staging = at::empty({layout_.bucket(b).padded}, store_.bucket(b).flat.options().dtype(reduce_dtype_));
+    note_staging_peak();
   }
+}
+
+int64_t GradReducer::staging_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& bucket : buckets_) {
+    if (bucket.staging.defined()) {
+      bytes += bucket.staging.nbytes();
+    }
+    if (bucket.reduce_out.defined() && !bucket.reduce_out.is_same(bucket.accum) &&
+        !(bucket.staging.defined() && bucket.reduce_out.is_alias_of(bucket.staging))) {
+      bytes += bucket.reduce_out.nbytes();
+    }
+  }
+  return bytes;
 }
 
 void GradReducer::start_round() {
@@ -89,6 +120,12 @@ void GradReducer::start_round() {
   std::fill(arrived_.begin(), arrived_.end(), 0);
   next_launch_ = 0;
   late_ = false;
+  bound_lifted_ = false;
+  if (!dropped_.empty()) {
+    dropped_.erase(std::remove_if(dropped_.begin(), dropped_.end(),
+                                  [](const Dropped& d) { return d.work->isCompleted(); }),
+                   dropped_.end());
+  }
 }
 
 int64_t GradReducer::on_grad_ready(int64_t i, bool sync) {
@@ -245,7 +282,38 @@ void GradReducer::launch(int64_t b) {
   }
   bucket.phase = BucketPhase::kInFlight;
   in_flight_.push_back(b);
+  if (layout_.transient_staging()) {
+    bucket.in_flight_bytes = bucket.staging.nbytes() +
+                             (bucket.reduce_out.is_alias_of(bucket.staging) || bucket.reduce_out.is_same(bucket.accum)
+                                  ? 0
+                                  : bucket.reduce_out.nbytes());
+    in_flight_bytes_ += bucket.in_flight_bytes;
+    note_staging_peak();
+  }
+  bound_in_flight();
+}
+
+void GradReducer::bound_in_flight() {
   retire_completed();
+  if (!layout_.transient_staging()) {
+    return;
+  }
+  while (in_flight_.size() > 1 && in_flight_bytes_ > max_in_flight_bytes_) {
+    if (host_waits_) {
+      if (bound_lifted_ || !Communicator::done_within(buckets_[in_flight_.front()].work, kHostBoundWait)) {
+        bound_lifts_ += bound_lifted_ ? 0 : 1;
+        bound_lifted_ = true;
+        return;
+      }
+    }
+    retire_oldest();  // NCCL: the compute stream waits, the host goes on
+  }
+}
+
+void GradReducer::retire_oldest() {
+  const int64_t b = in_flight_.front();
+  retire(b);
+  in_flight_.pop_front();
 }
 
 void GradReducer::retire_completed() {
@@ -254,15 +322,13 @@ void GradReducer::retire_completed() {
   }
   while (!in_flight_.empty() &&
          (!buckets_[in_flight_.front()].work || buckets_[in_flight_.front()].work->isCompleted())) {
-    retire(in_flight_.front());
-    in_flight_.pop_front();
+    retire_oldest();
   }
 }
 
 void GradReducer::wait_all() {
   while (!in_flight_.empty()) {
-    retire(in_flight_.front());
-    in_flight_.pop_front();
+    retire_oldest();
   }
   finish_host_adds();
 }
@@ -275,6 +341,8 @@ void GradReducer::retire(int64_t b) {
   });
   bucket.work.reset();
   bucket.phase = BucketPhase::kRetired;
+  in_flight_bytes_ -= bucket.in_flight_bytes;
+  bucket.in_flight_bytes = 0;
   if (layout_.ddp_in_place()) {
     return;  // reduced in place
   }

@@ -12,6 +12,7 @@
 // grad_reducer.cpp holds the way in (arrival, launch, retire), and
 // grad_accumulators.cpp the way out (accumulators, offload landing, .grad).
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <exception>
@@ -52,11 +53,27 @@ class GradReducer {
   // A parameter's gradient was accumulated into param.grad. Returns the
   // bucket whose last parameter this was (-1: none), for stage 3's release.
   int64_t on_grad_ready(int64_t i, bool sync);
-  // Retires reductions already complete, oldest first. Never waits: waiting
-  // inside a hook could deadlock with a peer that reaches this bucket only in
-  // its epilogue, after another collective of its backward (a layer used on
-  // some ranks only next to a tensor-parallel all-reduce, say).
+  // Retires reductions already complete, oldest first. Never waits.
   void retire_completed();
+  // [Note: reductions in flight]
+  // Stages 2-3 hold a bucket's staging buffer (and its reduce-scatter output)
+  // only while its reduction is in flight, so peak gradient memory in
+  // backward is the filling buckets plus the reductions in flight. Those are
+  // bounded in bytes: past the bound, the oldest reduction is retired before
+  // the backward goes on. With NCCL that wait orders the compute stream
+  // after the collective (no host wait), and the buffers are released in
+  // stream order for the caching allocator to reuse. Where a wait blocks the
+  // host (gloo), it is a bounded poll: a full wait inside a hook could
+  // deadlock with a peer that reaches this bucket only in its epilogue, after
+  // another collective of its backward (a layer used on some ranks only next
+  // to a tensor-parallel all-reduce, say), so after kHostBoundWait the bound
+  // is lifted for the rest of the backward instead (counted in bound_lifts).
+  void set_max_in_flight_bytes(int64_t bytes) { max_in_flight_bytes_ = bytes; }
+  int64_t max_in_flight_bytes() const { return max_in_flight_bytes_; }
+  int64_t bound_lifts() const { return bound_lifts_; }
+  // Most bytes of staging and reduce-scatter outputs alive at once (the
+  // gradient memory of backward outside the accumulators).
+  int64_t peak_staging_bytes() const { return peak_staging_bytes_; }
   // Epilogue: launch every bucket not yet launched (in order), then wait.
   void flush();
   void wait_all();
@@ -119,6 +136,7 @@ class GradReducer {
     at::Tensor host_landing; // offload from an accelerator: pinned copy of reduce_out
     bool host_add_pending = false;
     double host_factor = 1.0;  // applied once the landed result is on the host
+    int64_t in_flight_bytes = 0;  // staging and output held by its reduction
     int64_t waiting = 0;     // parameters not yet arrived in this round
     BucketPhase phase = BucketPhase::kFilling;
     c10::intrusive_ptr<c10d::Work> work;
@@ -129,6 +147,10 @@ class GradReducer {
   void launch_ready_buckets();
   void launch(int64_t b);
   void retire(int64_t b);  // waits one reduction and folds it in
+  void retire_oldest();
+  void bound_in_flight();
+  int64_t staging_bytes() const;
+  void note_staging_peak() { peak_staging_bytes_ = std::max(peak_staging_bytes_, staging_bytes()); }
   void fold_into_accum(BucketGrads& bucket, const at::Tensor& reduced, double factor);
   void finish_host_adds();
 
@@ -148,6 +170,19 @@ class GradReducer {
   int64_t next_launch_ = 0;
   std::deque<int64_t> in_flight_;  // launched, not yet retired, oldest first
   bool late_ = false;              // a gradient came after its bucket was launched
+  int64_t in_flight_bytes_ = 0;
+  int64_t max_in_flight_bytes_ = 0;  // 0 until the constructor sets it
+  bool host_waits_ = false;          // waits on this device's reductions block the host
+  bool bound_lifted_ = false;        // this round: a bounded host wait ran out
+  int64_t bound_lifts_ = 0;
+  int64_t peak_staging_bytes_ = 0;
+  // Reductions a broken rank stopped waiting for, kept with their buffers
+  // until done: memory is never handed back while a collective may write it.
+  struct Dropped {
+    c10::intrusive_ptr<c10d::Work> work;
+    std::vector<at::Tensor> buffers;
+  };
+  std::vector<Dropped> dropped_;
   bool host_transfers_pending_ = false;
 
   std::vector<uint8_t> local_has_grad_;

@@ -17,7 +17,10 @@ bool RankAgreement::exchange(GradReducer& reducer, UnitScheduler* units, const a
   const std::vector<int64_t> gathers = units ? units->take_gather_counts() : std::vector<int64_t>();
   const int64_t width = 2 + static_cast<int64_t>(gathers.size());
   const int64_t world = comm_.size();
-  at::Tensor mask = at::zeros({n + 2 + world * width}, at::TensorOptions().dtype(at::kFloat));
+  // Pinned when it goes to an accelerator: a pageable host-to-device copy
+  // waits for the stream, a host sync in the middle of backward.
+  const bool to_device = !device.is_cpu();
+  at::Tensor mask = at::zeros({n + 2 + world * width}, at::TensorOptions().dtype(at::kFloat).pinned_memory(to_device));
   float* data = mask.data_ptr<float>();
   const auto& local = reducer.local_has_grad();
   for (int64_t i = 0; i < n; ++i) {
@@ -34,7 +37,7 @@ bool RankAgreement::exchange(GradReducer& reducer, UnitScheduler* units, const a
   }
   // The collective runs on the parameters' device (NCCL cannot reduce CPU
   // tensors); the non-finite flag joins it there, read back with the rest.
-  at::Tensor on_device = mask.to(device);
+  at::Tensor on_device = mask.to(device, /*non_blocking=*/true);
   if (nonfinite.defined()) {
     on_device.narrow(0, n + 1, 1).copy_(nonfinite.reshape({1}));
   }
@@ -44,6 +47,7 @@ bool RankAgreement::exchange(GradReducer& reducer, UnitScheduler* units, const a
              progress.where() + ")";
     });
   }
+  // The one host read of a synced backward (see README, "Host syncs").
   mask = on_device.cpu();
   data = mask.data_ptr<float>();
   check_in_step(data + n + 2, width);

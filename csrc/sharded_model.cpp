@@ -324,6 +324,9 @@ void ShardedModel::set_skip_nonfinite(bool skip) {
 int64_t ShardedModel::begin_step() {
   std::lock_guard<std::mutex> lock(mutex_);
   round_.check_usable();
+  if (units_) {
+    units_->finish_gathers();  // the step writes shards a prefetch may still read
+  }
   return static_cast<int64_t>(gate_.decide());
 }
 
@@ -350,6 +353,11 @@ void ShardedModel::check_before_step() {
 void ShardedModel::refresh_params(bool every_bucket) {
   if (layout_.ddp_in_place()) {
     return;  // the optimizer updated the parameters themselves
+  }
+  if (units_) {
+    // A unit prefetched but not used this step may still be gathering from
+    // the shard the refresh writes.
+    units_->finish_gathers();
   }
   store_.refresh_compute_copies();
   if (layout_.replicated()) {

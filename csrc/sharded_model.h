@@ -161,6 +161,9 @@ class ShardedModel : public torch::CustomClassHolder {
   void group_broadcast_from_rank0(at::Tensor tensor, std::string what);
   void group_all_gather(at::Tensor out, at::Tensor in, std::string what);
 
+  // Bytes of gradient reductions in flight before backward waits for the
+  // oldest (stages 2-3; see [Note: reductions in flight] in grad_reducer.h).
+  void set_max_in_flight_bytes(int64_t bytes);
   // Test-only (zero_ext/_testing.py): raise at `point` on this rank.
   void set_test_fault(std::string point, int64_t step);
 

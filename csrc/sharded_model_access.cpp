@@ -120,11 +120,20 @@ c10::Dict<std::string, int64_t> ShardedModel::stats() {
   out.insert("param_bytes", store_.param_bytes());
   out.insert("master_bytes", store_.master_bytes());
   out.insert("grad_bytes", reducer_.grad_bytes());
+  out.insert("peak_staging_bytes", reducer_.peak_staging_bytes());
+  out.insert("max_in_flight_bytes", reducer_.max_in_flight_bytes());
+  out.insert("bound_lifts", reducer_.bound_lifts());
   out.insert("units", units_ ? units_->num_units() : 0);
   out.insert("gathered_units", units_ ? units_->gathered_units() : 0);
   out.insert("peak_gathered_units_forward", units_ ? units_->peak_gathered_forward() : 0);
   out.insert("peak_gathered_units_backward", units_ ? units_->peak_gathered_backward() : 0);
   return out;
+}
+
+void ShardedModel::set_max_in_flight_bytes(int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(bytes >= 0, "zero_ext: the bound on reductions in flight is a number of bytes >= 0");
+  reducer_.set_max_in_flight_bytes(bytes);
 }
 
 void ShardedModel::set_test_fault(std::string point, int64_t step) {

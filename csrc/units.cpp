@@ -303,6 +303,12 @@ void UnitScheduler::release_all() {
   for (int64_t u = 0; u < num_units(); ++u) release(u);
 }
 
+void UnitScheduler::finish_gathers() {
+  for (int64_t u = 0; u < num_units(); ++u) {
+    finish_gather(u);
+  }
+}
+
 void UnitScheduler::drop_stale() {
   for (int64_t u = 0; u < num_units(); ++u) {
     release(u, /*even_pinned=*/true);

@@ -66,6 +66,9 @@ class UnitScheduler {
   // After an optimizer step or a load: full buffers are stale. Drops them
   // all; pinned units (a step inside full_params) gather the new values.
   void drop_stale();
+  // Waits for every gather in flight (a prefetch reads the shard that an
+  // optimizer step or a load is about to overwrite).
+  void finish_gathers();
 
   // Gathers of each unit since the last call (for the divergence check).
   std::vector<int64_t> take_gather_counts();

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 import warnings
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -856,6 +857,68 @@ def user_collective_in_backward_with_rank_dependent_layer(ctx: Context) -> None:
     _mlp_training(ctx, SyncNet(branch=True), sgd, steps=2, branch_on_rank0=True)
 
 
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: a straggler rank."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class DeepNet(nn.Module):
+    """Eight layers, one gradient bucket each at BUCKET_MB."""
+
+    def __init__(self, slow_seconds: float = 0.0):
+        super().__init__()
+        g = torch.Generator().manual_seed(7)
+        self.inp = nn.Linear(IN, HIDDEN)
+        self.layers = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in range(6))
+        self.out = nn.Linear(HIDDEN, OUT)
+        self.slow_seconds = slow_seconds
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+            if self.slow_seconds:
+                h = _SlowBackward.apply(h, self.slow_seconds)
+        return self.out(h)
+
+
+def straggler_rank_bounds_reductions_in_flight(ctx: Context) -> None:
+    """Rank 1 is slow in backward, so rank 0 launches every bucket's
+    reduction long before any can complete. Stages 2-3 must still hold no
+    more than the in-flight bound of staging (plus the bucket filling), not
+    the whole model's gradient, and never lift the bound for a peer that is
+    merely slow."""
+    model = DeepNet(slow_seconds=0.03 if not ctx.reference and ctx.rank == 1 else 0.0)
+    model, opt = ctx.wrap(model, adamw(model))
+    for step in range(3):
+        mlp_loss(ctx, model, step).backward()
+        step_and_record(ctx, model, opt, step)
+    labels = ["peak staging within the in-flight bound plus one bucket", "bound never lifted"]
+    if ctx.reference:
+        ctx.record_checks(labels)
+        return
+    core = model._zero_ext.buckets
+    stats = core.stats()
+    largest = max(core.bucket_layout()[2::3]) * 4
+    ctx.record_checks(labels, [stats["peak_staging_bytes"] <= stats["max_in_flight_bytes"] + largest,
+                               stats["bound_lifts"] == 0])
+
+
+straggler_rank_bounds_reductions_in_flight.stages = (2, 3)
+
+
 def dataclass_outputs(ctx: Context) -> None:
     _blocks(ctx, build=DataclassBlocks)
 
@@ -1237,6 +1300,7 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
         units_gathered_with_nonreentrant_checkpoints,
         dataclass_inputs_with_frozen_weights,
         user_collective_in_backward_with_rank_dependent_layer,
+        straggler_rank_bounds_reductions_in_flight,
         *MIXED_PRECISION_SCENARIOS,
         fp16_output_on_another_outputs_path,
         fp16_model_applied_to_its_own_output,
