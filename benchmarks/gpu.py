@@ -11,11 +11,12 @@ Systems (default: all that apply):
   ddp                   DistributedDataParallel, bf16 autocast
   fsdp2                 fully_shard on each block, then the root; bf16 parameters, fp32 reduction
   deepspeed-1/2/3       DeepSpeed ZeRO stage N, bf16 (a row says so when deepspeed is not installed)
-  zero_ext-1/2/3        zero_ext.wrap(stage=N, mixed_precision="bf16")
+  zero_ext-1/2/3        zero_ext.wrap(stage=N, mixed_precision="bf16"), torch AdamW (fused)
   zero_ext-N-offload    the same with offload_optimizer="cpu" (zero_ext's C++ AdamW on the host)
 
 Every system trains the built-in GPT-2 of benchmarks/_models.py (pure torch,
-the same random weights everywhere) with AdamW(lr=1e-4, weight_decay=0.01) on
+the same random weights everywhere) with AdamW(lr=1e-4, weight_decay=0.01;
+fused on the GPU for every system that steps there, DeepSpeed aside) on
 the same synthetic token batches (--batch sequences of --seq tokens per rank,
 drawn from a generator seeded by the step number); the loss is the cross
 entropy of the bf16 logits, taken in fp32, against the next token.
@@ -27,7 +28,10 @@ after --system-timeout) becomes an error row while the other systems go on.
 
 Measured per rank, then combined: the median step time over --steps steps
 after --warmup steps (CUDA synchronized before each clock read; the slowest
-rank's median is reported), tokens per second per rank and in total, peak GPU
+rank's median is reported) with its forward, backward and optimizer phases
+(CUDA events, read after the step), tokens per second per rank and in total,
+model-FLOPs utilization (6N + 12 * layers * dim * seq FLOPs per token over the
+GPU's dense bf16 peak), peak GPU
 memory (max_memory_allocated and max_memory_reserved since the model and
 optimizer were built), peak host RSS (VmHWM, where offloaded optimizer state
 shows) and the final loss (mean over ranks). Prints a table and writes every
@@ -162,7 +166,8 @@ def build_trainer(job: Job, model: torch.nn.Module, rank: int) -> Trainer:
         parts = system.split("-")
         stage = int(parts[1])
         offload = "offload" in parts
-        opt = adamw(model.parameters(), job.device, fused=False)
+        # Fused like every other system's, where the optimizer steps on the GPU.
+        opt = adamw(model.parameters(), job.device, fused=not offload)
         units = {type(block) for block in blocks_of(model)} if stage == 3 else None
         model, opt = zero_ext.wrap(model, opt, stage=stage, mixed_precision="bf16", units=units,
                                    offload_optimizer="cpu" if offload else None,
@@ -210,6 +215,35 @@ def token_batches(job: Job, vocab: int, rank: int, count: int, device: torch.dev
     return batches
 
 
+class PerfMark:
+    """torch.cuda.Event's record/elapsed_time on the host clock (CPU runs)."""
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, later: "PerfMark") -> float:
+        return (later.t - self.t) * 1e3
+
+
+# Dense bf16 tensor-core peaks (no sparsity), for model-FLOPs utilization.
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "GH200": 989.0, "B200": 2250.0, "A100": 312.0,
+                    "L40S": 362.0, "A10G": 70.0}
+
+
+def peak_tflops(device_name: str) -> Optional[float]:
+    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
+        if key in device_name:
+            return PEAK_BF16_TFLOPS[key]
+    return None
+
+
+def train_flops_per_token(model: str, seq: int, n_params: int) -> float:
+    """6N for the weights' matmuls (forward 2N, backward 4N) plus attention's
+    score and value matmuls, 12 * layers * dim * seq (PaLM's appendix B)."""
+    p = PRESETS[model]
+    return 6.0 * n_params + 12.0 * p.layers * p.dim * seq
+
+
 def peak_rss_bytes() -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -237,25 +271,37 @@ def benchmark_rank(job: Job, rank: int) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     dist.barrier()  # builds take different times on different ranks
 
-    times, loss = [], None
+    # Phases are timed with events on the compute stream (host clocks on
+    # CPU): reading them adds no sync inside the step.
+    marks = (lambda: torch.cuda.Event(enable_timing=True)) if cuda else PerfMark
+    times, phases, loss = [], [], None
     for step, tokens in enumerate(batches):
         sync()
         start = time.perf_counter()
+        events = [marks() for _ in range(4)]
+        events[0].record()
         with autocast:
             logits = trainer.forward(tokens[:, :-1])
             loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        events[1].record()
         trainer.backward(loss)
+        events[2].record()
         trainer.step()
+        events[3].record()
         sync()
         if step >= job.warmup:
             times.append(time.perf_counter() - start)
+            phases.append([events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(3)])
         del logits
 
     return {
         "rank": rank,
         "status": "ok",
+        "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
         "params": n_params,
         "median_step_s": statistics.median(times),
+        "median_phase_s": {name: statistics.median(p[i] for p in phases)
+                           for i, name in enumerate(("forward", "backward", "optimizer"))},
         "step_times_s": times,
         "loss": loss.item(),
         "gpu_after_build_bytes": state_bytes,
@@ -420,8 +466,12 @@ def combine(job: Job, per_rank: List[dict]) -> dict:
         return row
     step_s = max(r["median_step_s"] for r in per_rank)  # the slowest rank sets the pace
     tokens_per_rank = job.batch * job.seq / step_s
+    peak = peak_tflops(per_rank[0].get("device_name", ""))
+    model_tflops = train_flops_per_token(job.model, job.seq, per_rank[0]["params"]) * tokens_per_rank / 1e12
+    phases = {name: 1e3 * max(r["median_phase_s"][name] for r in per_rank)
+              for name in per_rank[0]["median_phase_s"]}
 
-    def peak(key):
+    def peak_gib(key):
         values = [r[key] for r in per_rank if r[key] is not None]
         return max(values) / GiB if values else None
 
@@ -430,10 +480,12 @@ def combine(job: Job, per_rank: List[dict]) -> dict:
         precision=per_rank[0]["precision"], optimizer=per_rank[0]["optimizer"],
         ms_per_step=1e3 * step_s, tokens_per_s_per_rank=tokens_per_rank,
         tokens_per_s_total=tokens_per_rank * job.world,
-        peak_gpu_allocated_gib=peak("peak_gpu_allocated_bytes"),
-        peak_gpu_reserved_gib=peak("peak_gpu_reserved_bytes"),
-        gpu_after_build_gib=peak("gpu_after_build_bytes"),
-        peak_rss_gib=peak("peak_rss_bytes"),
+        model_tflops_per_rank=model_tflops, mfu=model_tflops / peak if peak else None,
+        forward_ms=phases["forward"], backward_ms=phases["backward"], optimizer_ms=phases["optimizer"],
+        peak_gpu_allocated_gib=peak_gib("peak_gpu_allocated_bytes"),
+        peak_gpu_reserved_gib=peak_gib("peak_gpu_reserved_bytes"),
+        gpu_after_build_gib=peak_gib("gpu_after_build_bytes"),
+        peak_rss_gib=peak_gib("peak_rss_bytes"),
         loss=statistics.mean(r["loss"] for r in per_rank),
         per_rank=per_rank,
     )
@@ -515,8 +567,8 @@ def fmt(value, spec: str) -> str:
 
 
 def print_table(rows: List[dict]) -> None:
-    header = (f"{'system':<19} {'model':<10} {'world':>5} {'ms/step':>9} {'tok/s/rank':>11} {'tok/s total':>12} "
-              f"{'GPU GiB alloc/resv':>19} {'RSS GiB':>8} {'loss':>7}  status")
+    header = (f"{'system':<19} {'model':<10} {'world':>5} {'ms/step':>9} {'fwd/bwd/opt ms':>17} {'tok/s/rank':>11} "
+              f"{'tok/s total':>12} {'MFU':>6} {'GPU GiB alloc/resv':>19} {'RSS GiB':>8} {'loss':>7}  status")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -525,8 +577,11 @@ def print_table(rows: List[dict]) -> None:
         status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r['error']}"
         if r.get("bf16_error"):
             status += " (fp32: bf16 failed on CPU)"
+        phases = "-" if r.get("forward_ms") is None else (
+            f"{r['forward_ms']:.1f}/{r['backward_ms']:.1f}/{r['optimizer_ms']:.1f}")
         print(f"{r['system']:<19} {r['model']:<10} {r['world']:>5} {fmt(r.get('ms_per_step'), '.1f'):>9} "
-              f"{fmt(r.get('tokens_per_s_per_rank'), ',.0f'):>11} {fmt(r.get('tokens_per_s_total'), ',.0f'):>12} "
+              f"{phases:>17} {fmt(r.get('tokens_per_s_per_rank'), ',.0f'):>11} "
+              f"{fmt(r.get('tokens_per_s_total'), ',.0f'):>12} {fmt(r.get('mfu'), '.1%'):>6} "
               f"{gpu:>19} {fmt(r.get('peak_rss_gib'), '.2f'):>8} {fmt(r.get('loss'), '.4f'):>7}  {status[:110]}")
 
 

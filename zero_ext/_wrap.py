@@ -164,8 +164,10 @@ def wrap(
     names = [names_by_id[id(p)] for p in ordered]
     # Groups of zero_ext's own (see _groups.py), owned by this model; stage 3
     # gathers parameters on a second one (see csrc/units.h).
+    # Even at world size 1 under torch.distributed: the collectives run as
+    # they will on more ranks (as DDP's do), so one GPU measures the real path.
     own_groups = []
-    if group is not None and world > 1:
+    if group is not None:
         own_groups = acquire_groups(group, 2 if options.stage == 3 else 1, options.timeout, ordered[0].device, model)
     core = _build_core(ordered, names, counts, unit_of_bucket, options, [g.group_name for g in own_groups])
     apply_test_fault(core, dist.get_rank(group) if group is not None and world > 1 else 0)
