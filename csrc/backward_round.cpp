@@ -50,25 +50,20 @@ void BackwardRound::run_epilogue(bool sync) {
       faults_.maybe_raise("epilogue", gate_.progress().step_index, comm_.rank());
     }
     reducer_.flush();
-    const bool check_nonfinite = !layout_.ddp_in_place() || gate_.skip_nonfinite();
-    bool any_nonfinite = agreement_.exchange(
-        reducer_, units_, check_nonfinite ? reducer_.local_nonfinite() : at::Tensor(), store_.device());
-    if (reducer_.late()) {
-      ++late_rounds_;
-      in_second_round_ = true;
-      reducer_.rerun_all();
-      in_second_round_ = false;
-      if (check_nonfinite) {
-        any_nonfinite = agreement_.any_nonfinite(reducer_.local_nonfinite(), store_.device());
-      }
+    // The exchange is read later (settle(); see [Note: host syncs] in
+    // rank_agreement.h): until then every trainable parameter shows a
+    // gradient, and late ones wait in param.grad for the next round.
+    const bool check_nonfinite = checks_nonfinite();
+    agreement_.start(reducer_, units_, check_nonfinite ? reducer_.local_nonfinite() : at::Tensor(),
+                     store_.device());
+    if (check_nonfinite) {
+      reducer_.mark_nonfinite_on_device(agreement_.last_nonfinite_sum());
     }
-    if (any_nonfinite) {
-      gate_.note_nonfinite_backward();
-      reducer_.mark_nonfinite_everywhere();
-    }
-    reducer_.publish();
+    reducer_.publish(/*provisional=*/true);
     hooks_.verify_accumulators();
-    reducer_.check_no_unreduced_grads();
+    if (!reducer_.late()) {
+      reducer_.check_no_unreduced_grads();
+    }
   } catch (...) {
     // Collectives of this backward may be in flight or skipped here while the
     // other ranks go on: this rank's sequence no longer matches theirs.
@@ -79,6 +74,44 @@ void BackwardRound::run_epilogue(bool sync) {
   }
   reducer_.start_round();
   if (units_) units_->release_after_backward(info.keep_graph);
+}
+
+bool BackwardRound::checks_nonfinite() const {
+  return !layout_.ddp_in_place() || gate_.skip_nonfinite();
+}
+
+void BackwardRound::settle(bool keep) {
+  if (!agreement_.pending()) {
+    return;
+  }
+  try {
+    const Agreed agreed = agreement_.settle(reducer_);
+    for (int64_t k = 0; k < agreed.nonfinite_backwards; ++k) {
+      gate_.note_nonfinite_backward();
+    }
+    if (!keep) {
+      return;  // the gradients are being dropped, late ones with them
+    }
+    if (agreed.late) {
+      // Collective: every rank settles at the same call (a step, clip,
+      // full_grads) and read the same flag.
+      ++late_rounds_;
+      in_second_round_ = true;
+      reducer_.rerun_all();
+      reducer_.start_round();  // the next backward's round
+      in_second_round_ = false;
+      if (checks_nonfinite() && agreement_.any_nonfinite(reducer_.local_nonfinite(), store_.device())) {
+        gate_.note_nonfinite_backward();
+        reducer_.mark_nonfinite_everywhere();
+      }
+    }
+    reducer_.publish(/*provisional=*/false);
+    reducer_.check_no_unreduced_grads();
+  } catch (...) {
+    in_second_round_ = false;
+    mark_broken();
+    throw;
+  }
 }
 
 std::exception_ptr BackwardRound::abandon(bool peers_in_step) {

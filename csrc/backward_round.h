@@ -4,9 +4,11 @@
 // done ([Note: epilogue ownership] in epilogue.h).
 //
 // The epilogue flushes the buckets not yet launched (missing gradients count
-// as zeros), waits, agrees with the other ranks on which parameters got
-// gradients and whether any was non-finite, runs a second round for late
-// gradients, publishes the results and (stage 3) releases the units. An error
+// as zeros), waits in stream order, starts the exchange with the other
+// ranks on which parameters got gradients and whether any was non-finite,
+// publishes the results provisionally and (stage 3) releases the units.
+// settle() reads the exchange later, once per step, and runs a second round
+// for late gradients then. An error
 // inside it, or inside a gradient hook, leaves this rank's collectives out of
 // step with the other ranks': the round is then broken for good, and every
 // later entry point refuses to go on. A backward that raised in the engine
@@ -57,6 +59,11 @@ class BackwardRound {
 
   // The epilogue's body. `sync`: false under no_sync() (nothing is reduced).
   void run_epilogue(bool sync);
+  // Reads what the ranks agreed on in the backwards since the last read and
+  // finishes their gradients: a second round for late ones, the final
+  // .grad (None where no rank had a gradient). Collective when `keep`; with
+  // `keep` false (zero_grad, a load) only checks that the ranks were in step.
+  void settle(bool keep);
   // Abandons a round whose backward raised before its epilogue. Returns
   // whether there was one.
   bool reset_if_stale();
@@ -80,6 +87,7 @@ class BackwardRound {
   // in flight is waited out and units are released; otherwise (this rank
   // broke) nothing waits on collectives the peers may never issue.
   std::exception_ptr abandon(bool peers_in_step);
+  bool checks_nonfinite() const;
 
   const Layout& layout_;
   ParamStore& store_;

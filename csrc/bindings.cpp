@@ -152,6 +152,7 @@ TORCH_LIBRARY(zero_ext, m) {
       .def("segments", &ShardedModel::segments)
       .def("segment_param_indices", &ShardedModel::segment_param_indices)
       .def("full_grads", &ShardedModel::full_grads)
+      .def("settle", &ShardedModel::settle)
       .def("has_grad", &ShardedModel::has_grad)
       .def("bucket_layout", &ShardedModel::bucket_layout)
       .def("stats", &ShardedModel::stats)

@@ -5,6 +5,7 @@
 #include "grad_reducer.h"
 
 #include <exception>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -98,11 +99,16 @@ void GradReducer::mark_nonfinite_everywhere() {
   }
 }
 
-void GradReducer::publish() {
+void GradReducer::publish(bool provisional) {
   const int64_t n = layout_.num_params();
+  auto has_grad = [&](int64_t i) { return provisional ? layout_.trainable(i) : global_has_grad_[i] != 0; };
   if (layout_.ddp_in_place()) {
     for (int64_t i = 0; i < n; ++i) {
-      store_.param(i).mutable_grad() = global_has_grad_[i] ? grad_views_[i] : at::Tensor();
+      at::Tensor& grad = store_.param(i).mutable_grad();
+      if (provisional && detached_[i] && grad.defined() && !same_memory(grad, grad_views_[i])) {
+        continue;  // a late gradient: added to its view when the next round takes it
+      }
+      grad = has_grad(i) ? grad_views_[i] : at::Tensor();
       detached_[i] = 0;
     }
     return;
@@ -110,11 +116,11 @@ void GradReducer::publish() {
   const auto& pieces = layout_.segments();
   const auto& segments = store_.segments();
   for (size_t s = 0; s < segments.size(); ++s) {
-    segments[s].mutable_grad() = global_has_grad_[pieces[s].param] ? segment_grads_[s] : at::Tensor();
+    segments[s].mutable_grad() = has_grad(pieces[s].param) ? segment_grads_[s] : at::Tensor();
   }
   for (int64_t i = 0; i < n; ++i) {
     at::Tensor& grad = store_.param(i).mutable_grad();
-    if (layout_.trainable(i) && !grad.defined() && global_has_grad_[i]) {
+    if (layout_.trainable(i) && !grad.defined() && has_grad(i)) {
       grad = stand_ins_[i];
     }
   }
@@ -141,6 +147,22 @@ void GradReducer::check_no_unreduced_grads() const {
                 "' holds a gradient in .grad that did not pass zero_ext's reduction "
                 "(was .grad assigned by hand during backward?). In stages 1-2 gradients "
                 "live in the optimizer's shards; use zero_ext.full_grads(model) to read them.");
+  }
+}
+
+void GradReducer::mark_nonfinite_on_device(const at::Tensor& flag) {
+  if (layout_.ddp_in_place()) {
+    return;  // the all-reduce already spread it
+  }
+  at::NoGradGuard no_grad;
+  const auto& pieces = layout_.segments();
+  for (size_t s = 0; s < segment_grads_.size(); ++s) {
+    if (layout_.trainable(pieces[s].param) && segment_grads_[s].numel() > 0) {
+      const at::Tensor& target = segment_grads_[s];
+      const at::Tensor poison = at::where(flag.gt(0), std::numeric_limits<double>::quiet_NaN(), 0.0).to(at::kFloat);
+      target.reshape(-1).narrow(0, 0, 1).add_(poison.to(target.device()));
+      return;
+    }
   }
 }
 
@@ -206,7 +228,7 @@ std::exception_ptr GradReducer::abandon(bool wait) {
   in_flight_bytes_ = 0;
   host_transfers_pending_ = false;
   if (layout_.ddp_in_place()) {
-    publish();  // param.grad views the buffers again
+    publish(/*provisional=*/false);  // param.grad views the buffers again
   }
   std::fill(detached_.begin(), detached_.end(), 0);
   start_round();

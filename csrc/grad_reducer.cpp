@@ -147,8 +147,12 @@ int64_t GradReducer::on_grad_ready(int64_t i, bool sync) {
   if (layout_.ddp_in_place()) {
     const at::Tensor& view = grad_views_[i];
     if (!same_memory(grad, view)) {
-      // param.grad was None or replaced: it holds the whole accumulated value.
-      view.copy_(grad);
+      if (detached_[i]) {
+        view.add_(grad);  // a late gradient of an earlier round, next to what that round reduced
+        detached_[i] = 0;
+      } else {
+        view.copy_(grad);  // param.grad was None or replaced: it holds the whole accumulated value
+      }
       grad = view;
     }
   } else {

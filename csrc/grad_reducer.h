@@ -90,12 +90,20 @@ class GradReducer {
   at::Tensor local_nonfinite() const;
   // Makes the local shard non-finite too (a rank sees only its shard).
   void mark_nonfinite_everywhere();
+  // The same, decided on the device: one element of the shard gets NaN
+  // added where `flag` (1 element, the sum over ranks) is positive, and 0
+  // otherwise. No host sync unless the shards live in host memory.
+  void mark_nonfinite_on_device(const at::Tensor& flag);
   // Which parameters got a gradient since the last zero_grad: here / anywhere.
   const std::vector<uint8_t>& local_has_grad() const { return local_has_grad_; }
   std::vector<uint8_t>& global_has_grad() { return global_has_grad_; }
   const std::vector<uint8_t>& global_has_grad() const { return global_has_grad_; }
-  // Sets param.grad / segment.grad from the reduced buffers.
-  void publish();
+  // Sets param.grad / segment.grad from the reduced buffers. `provisional`:
+  // before the ranks' gradient masks are read (see [Note: host syncs] in
+  // rank_agreement.h), every trainable parameter counts as having a
+  // gradient (zeros where no rank had one) and late gradients stay in
+  // param.grad for the next round.
+  void publish(bool provisional);
   void zero_grad(bool set_to_none);
   // A loaded model starts with no gradient.
   void forget_accumulated();

@@ -11,11 +11,13 @@ namespace zero_ext {
 RankAgreement::RankAgreement(const Layout& layout, Communicator& comm, const StepGate& gate)
     : layout_(layout), comm_(comm), gate_(gate) {}
 
-bool RankAgreement::exchange(GradReducer& reducer, UnitScheduler* units, const at::Tensor& nonfinite,
-                             const c10::Device& device) {
+void RankAgreement::start(const GradReducer& reducer, UnitScheduler* units, const at::Tensor& nonfinite,
+                          const c10::Device& device) {
   const int64_t n = layout_.num_params();
   const std::vector<int64_t> gathers = units ? units->take_gather_counts() : std::vector<int64_t>();
   const int64_t width = 2 + static_cast<int64_t>(gathers.size());
+  TORCH_INTERNAL_ASSERT(pending_.empty() || width == width_, "exchange rows changed width");
+  width_ = width;
   const int64_t world = comm_.size();
   // Pinned when it goes to an accelerator: a pageable host-to-device copy
   // waits for the stream, a host sync in the middle of backward.
@@ -36,27 +38,61 @@ bool RankAgreement::exchange(GradReducer& reducer, UnitScheduler* units, const a
     row[2 + u] = static_cast<float>(gathers[u]);
   }
   // The collective runs on the parameters' device (NCCL cannot reduce CPU
-  // tensors); the non-finite flag joins it there, read back with the rest.
-  at::Tensor on_device = mask.to(device, /*non_blocking=*/true);
+  // tensors); the non-finite flag joins it there.
+  Exchange exchange;
+  exchange.values = to_device ? mask.to(device, /*non_blocking=*/true) : mask;
   if (nonfinite.defined()) {
-    on_device.narrow(0, n + 1, 1).copy_(nonfinite.reshape({1}));
+    exchange.values.narrow(0, n + 1, 1).copy_(nonfinite.reshape({1}));
   }
-  if (comm_.distributed()) {
-    comm_.wait(comm_.all_reduce_sum(on_device), [&] {
-      return "exchange of which parameters got gradients (stage " + std::to_string(layout_.stage()) + ", " +
-             progress.where() + ")";
-    });
+  exchange.work = comm_.all_reduce_sum(exchange.values);
+  pending_.push_back(std::move(exchange));
+}
+
+void RankAgreement::wait(Exchange& exchange) {
+  if (exchange.waited) {
+    return;
   }
-  // The one host read of a synced backward (see README, "Host syncs").
-  mask = on_device.cpu();
-  data = mask.data_ptr<float>();
-  check_in_step(data + n + 2, width);
+  comm_.wait(exchange.work, [&] {
+    return "exchange of which parameters got gradients (stage " + std::to_string(layout_.stage()) + ", " +
+           gate_.progress().where() + ")";
+  });
+  exchange.work.reset();
+  exchange.waited = true;
+}
+
+at::Tensor RankAgreement::last_nonfinite_sum() {
+  TORCH_INTERNAL_ASSERT(!pending_.empty(), "no exchange was started");
+  wait(pending_.back());
+  return pending_.back().values.narrow(0, layout_.num_params() + 1, 1);
+}
+
+Agreed RankAgreement::settle(GradReducer& reducer) {
+  Agreed agreed;
+  if (pending_.empty()) {
+    return agreed;
+  }
+  std::vector<at::Tensor> values;
+  for (auto& exchange : pending_) {
+    wait(exchange);
+    values.push_back(exchange.values);
+  }
+  pending_.clear();
+  ++host_reads_;
+  // The one host read: every exchange since the last one, in one copy.
+  const at::Tensor all = (values.size() == 1 ? values[0] : at::stack(values)).cpu().contiguous();
+  const int64_t n = layout_.num_params();
+  const int64_t length = values[0].numel();
   auto& global = reducer.global_has_grad();
-  for (int64_t i = 0; i < n; ++i) {
-    global[i] = data[i] > 0.0f;
+  for (size_t e = 0; e < values.size(); ++e) {
+    const float* data = all.data_ptr<float>() + e * length;
+    check_in_step(data + n + 2, width_);
+    for (int64_t i = 0; i < n; ++i) {
+      global[i] = global[i] || data[i] > 0.0f;
+    }
+    agreed.late = data[n] > 0.0f;  // the last backward's counts: earlier late ones joined later rounds
+    agreed.nonfinite_backwards += data[n + 1] > 0.0f ? 1 : 0;
   }
-  reducer.set_late(data[n] > 0.0f);
-  return data[n + 1] > 0.0f;
+  return agreed;
 }
 
 bool RankAgreement::any_nonfinite(const at::Tensor& nonfinite, const c10::Device& device) {

@@ -9,10 +9,24 @@
 // gathers per unit): the sum hands every rank every row, so all of them see
 // the same divergence and raise alike instead of pairing mismatched
 // collectives.
+//
+// [Note: host syncs]
+// The exchange is issued in the backward's epilogue and read on the host
+// only when something needs it: the optimizer step, zero_grad, full_grads,
+// clip_grad_norm_ or a load (settle()). Every exchange since the last read is
+// copied to the host at once, so a step with any number of backward passes
+// costs one host sync, and none falls inside a backward. What has to happen
+// before then stays on the device: a non-finite gradient on any rank poisons
+// one element of every rank's shard (mark_nonfinite_on_device), so a check
+// that reads only local gradients (torch.amp.GradScaler's) agrees
+// everywhere. Divergence is reported at that read, not in the backward.
 
 #include <cstdint>
+#include <vector>
 
 #include <ATen/ATen.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "communicator.h"
 #include "grad_reducer.h"
@@ -22,24 +36,48 @@
 
 namespace zero_ext {
 
+// What the exchanges since the last read said, once read.
+struct Agreed {
+  bool late = false;                // the last backward left late gradients on some rank
+  int64_t nonfinite_backwards = 0;  // backwards whose reduced gradient was non-finite on some rank
+};
+
 class RankAgreement {
  public:
   RankAgreement(const Layout& layout, Communicator& comm, const StepGate& gate);
 
-  // Collective. Updates the reducer's global gradient mask and late flag;
-  // returns whether any rank's reduced shard is non-finite. `nonfinite`: this
-  // rank's 0-dim flag on the parameters' device (undefined: not checked).
-  bool exchange(GradReducer& reducer, UnitScheduler* units, const at::Tensor& nonfinite,
-                const c10::Device& device);
+  // Collective: issues this backward's exchange. `nonfinite`: this rank's
+  // 0-dim flag on the parameters' device (undefined: not checked). No host
+  // sync (the mask goes up from pinned memory).
+  void start(const GradReducer& reducer, UnitScheduler* units, const at::Tensor& nonfinite,
+             const c10::Device& device);
+  // Sum over ranks of the last exchange's non-finite flag, on the device,
+  // ordered after the exchange (a stream wait under NCCL).
+  at::Tensor last_nonfinite_sum();
+  bool pending() const { return !pending_.empty(); }
+  int64_t host_reads() const { return host_reads_; }  // settle() calls that read anything
+  // Reads every pending exchange (one host sync), checks that the ranks
+  // were in step (raises if not) and updates the reducer's global gradient
+  // mask.
+  Agreed settle(GradReducer& reducer);
   // Collective: whether any rank's flag is set (after a late second round).
   bool any_nonfinite(const at::Tensor& nonfinite, const c10::Device& device);
 
  private:
+  struct Exchange {
+    c10::intrusive_ptr<c10d::Work> work;
+    at::Tensor values;  // on the parameters' device
+    bool waited = false;
+  };
+  void wait(Exchange& exchange);
   void check_in_step(const float* rows, int64_t width) const;
 
   const Layout& layout_;
   Communicator& comm_;
   const StepGate& gate_;
+  std::vector<Exchange> pending_;
+  int64_t width_ = 0;  // row width of the pending exchanges
+  int64_t host_reads_ = 0;
 };
 
 } // namespace zero_ext

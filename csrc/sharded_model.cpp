@@ -314,7 +314,11 @@ void ShardedModel::disable_loss_scaling() {
 
 double ShardedModel::loss_scale() { return gate_.scaler().scale(); }
 bool ShardedModel::loss_scaling() { return gate_.scaler().enabled(); }
-bool ShardedModel::found_nonfinite() { return gate_.found_nonfinite(); }
+bool ShardedModel::found_nonfinite() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  round_.settle(/*keep=*/true);  // known once the exchanges are read
+  return gate_.found_nonfinite();
+}
 
 void ShardedModel::set_skip_nonfinite(bool skip) {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -324,6 +328,7 @@ void ShardedModel::set_skip_nonfinite(bool skip) {
 int64_t ShardedModel::begin_step() {
   std::lock_guard<std::mutex> lock(mutex_);
   round_.check_usable();
+  round_.settle(/*keep=*/true);  // the one host read of the step
   if (units_) {
     units_->finish_gathers();  // the step writes shards a prefetch may still read
   }
@@ -333,6 +338,7 @@ int64_t ShardedModel::begin_step() {
 void ShardedModel::check_before_step() {
   std::lock_guard<std::mutex> lock(mutex_);
   round_.reset_if_stale();
+  round_.settle(/*keep=*/true);
   hooks_.verify_accumulators();
   for (int64_t i = 0; i < layout_.num_params(); ++i) {
     if (!layout_.trainable(i)) {
@@ -415,6 +421,7 @@ void ShardedModel::zero_grad(bool set_to_none) {
   std::lock_guard<std::mutex> lock(mutex_);
   round_.check_not_running();
   round_.reset_if_stale();  // never zero buffers a collective may still write
+  round_.settle(/*keep=*/false);
   gate_.clear_nonfinite();
   reducer_.zero_grad(set_to_none);
 }

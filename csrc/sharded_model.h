@@ -106,6 +106,8 @@ class ShardedModel : public torch::CustomClassHolder {
   void disable_loss_scaling();
   double loss_scale();
   bool loss_scaling();
+  // Collective (settles first): whether a gradient since zero_grad was
+  // non-finite on some rank.
   bool found_nonfinite();
   void set_skip_nonfinite(bool skip);
   // Once per optimizer.step(): whether to skip it (StepDecision, as an int).
@@ -146,6 +148,10 @@ class ShardedModel : public torch::CustomClassHolder {
   std::vector<int64_t> bucket_layout();  // (first param, count, padded numel) triples
   std::vector<double> loss_scaler_state();
   void restore_loss_scaler(double scale, int64_t clean_steps, int64_t skipped_steps);
+  // Collective: reads what the ranks agreed on since the last read and
+  // finishes the gradients (see [Note: host syncs] in rank_agreement.h);
+  // anything that reads gradients outside the optimizer step calls it first.
+  void settle();
   // After shards were written (checkpoint load): refresh compute copies and
   // full parameters everywhere. Collective.
   void refresh_params_from_shards();

@@ -30,10 +30,13 @@ std::vector<int64_t> ShardedModel::segment_param_starts() {
 
 std::vector<at::Tensor> ShardedModel::full_grads() {
   std::lock_guard<std::mutex> lock(mutex_);
+  round_.settle(/*keep=*/true);
   return reducer_.full_grads();
 }
 
 std::vector<bool> ShardedModel::has_grad() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  round_.settle(/*keep=*/true);
   const auto& global = reducer_.global_has_grad();
   return std::vector<bool>(global.begin(), global.end());
 }
@@ -89,8 +92,15 @@ void ShardedModel::restore_loss_scaler(double scale, int64_t clean_steps, int64_
   }
 }
 
+void ShardedModel::settle() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  round_.check_usable();
+  round_.settle(/*keep=*/true);
+}
+
 void ShardedModel::refresh_params_from_shards() {
   std::lock_guard<std::mutex> lock(mutex_);
+  round_.settle(/*keep=*/false);
   reducer_.forget_accumulated();  // a loaded model starts with no gradient
   store_.forget_compute_copy_written();
   refresh_params(/*every_bucket=*/true);
@@ -104,6 +114,7 @@ c10::Dict<std::string, int64_t> ShardedModel::stats() {
   out.insert("epilogues", round_.epilogues_run());
   out.insert("synced_epilogues", round_.synced_epilogues());
   out.insert("late_rounds", round_.late_rounds());
+  out.insert("agreement_reads", agreement_.host_reads());
   out.insert("last_graph_task", round_.last_graph_task());
   out.insert("last_keep_graph", round_.last_keep_graph() ? 1 : 0);
   out.insert("collectives", comm_.collectives_issued());

@@ -620,6 +620,34 @@ def _checkpointed(ctx: Context, reentrant: bool) -> None:
         step_and_record(ctx, model, opt, step)
 
 
+def late_gradients_accumulate_over_backwards(ctx: Context) -> None:
+    """Two backward passes per step through a reentrant checkpoint that
+    reaches `mid` again after its bucket went out: the late gradient of the
+    first backward joins the second's reduction, the second's late one a
+    round at the step. Nothing is read on the host in either backward: the
+    ranks' agreement is read once, when the gradients are."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = Net()
+    model, opt = ctx.wrap(model, adamw(model))
+    for step in range(2):
+        reads = None if ctx.reference else model._zero_ext.buckets.stats()["agreement_reads"]
+        for micro in range(2):
+            loss = 0.0
+            for r, w in ctx.participants():
+                x, y = batch(step, r, ctx.world, salt=micro)
+                h = torch.tanh(model.inp(x))
+                h = checkpoint(lambda t: torch.tanh(model.mid(t)), h, use_reentrant=True)
+                h = torch.tanh(model.mid(h))
+                loss = loss + w * F.mse_loss(model.out(h), y)
+            loss.backward()
+        ctx.record_check(f"step {step}: no host read of the agreement in backward",
+                         ctx.reference or model._zero_ext.buckets.stats()["agreement_reads"] == reads)
+        step_and_record(ctx, model, opt, step)
+        ctx.record_check(f"step {step}: one host read for the step",
+                         ctx.reference or model._zero_ext.buckets.stats()["agreement_reads"] == reads + 1)
+
+
 def checkpoint_reentrant_param_used_twice(ctx: Context) -> None:
     _checkpointed(ctx, reentrant=True)
 
@@ -1285,6 +1313,7 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
         autograd_grad_is_side_effect_free,
         checkpoint_reentrant_param_used_twice,
         checkpoint_nonreentrant_param_used_twice,
+        late_gradients_accumulate_over_backwards,
         full_state_dict_round_trip,
         state_bytes_match_the_stage,
         tied_embedding_default_units,

@@ -57,6 +57,21 @@ def clip_sharded(parts: List[Tuple[object, List[torch.Tensor]]], plain: List[tor
     return total
 
 
+def settle_owners(params: List[torch.Tensor]) -> None:
+    """Finishes the gradients of every wrapped model among `params` before
+    they are read (a late second round, .grad None where no rank had one;
+    csrc/rank_agreement.h). In the same order on every rank: collective."""
+    owners = {}
+    for p in params:
+        for attr in ("_zero_ext_owner", "_zero_ext_segment_of"):
+            ref = getattr(p, attr, None)
+            state = ref() if ref is not None else None
+            if state is not None:
+                owners[id(state)] = state
+    for state in sorted(owners.values(), key=lambda s: s.names[0] if s.names else ""):
+        state.buckets.settle()
+
+
 def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max_norm: float,
                     norm_type: float = 2.0, error_if_nonfinite: bool = False,
                     foreach: Optional[bool] = None) -> torch.Tensor:
@@ -67,6 +82,7 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     among `parameters`: every rank of their group calls it. `foreach` is
     accepted for compatibility (zero_ext always uses the foreach kernels)."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    settle_owners(params)
     sharded: Dict[int, Tuple[object, set, List[torch.Tensor]]] = {}
     plain: List[torch.Tensor] = []
     for p in params:

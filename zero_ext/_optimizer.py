@@ -152,6 +152,7 @@ class ZeroExtOptimizer:
         """Clips the global gradient (every rank's shards) in place and returns
         its total norm before clipping, like torch.nn.utils.clip_grad_norm_."""
         state = self._zero_ext
+        state.buckets.settle()  # late gradients reduced, .grad final
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         if state.sharded_optimizer:
             return clip_sharded([(state, grads)], [], max_norm, norm_type, error_if_nonfinite=False)
