@@ -585,6 +585,25 @@ def print_table(rows: List[dict]) -> None:
               f"{gpu:>19} {fmt(r.get('peak_rss_gib'), '.2f'):>8} {fmt(r.get('loss'), '.4f'):>7}  {status[:110]}")
 
 
+def markdown_table(rows: List[dict], facts: dict) -> str:
+    gpus = ", ".join(sorted(set(facts.get("gpus") or []))) or "no GPU"
+    lines = [f"torch {facts.get('torch')}, CUDA {facts.get('cuda')}, {facts.get('gpu_count')} x {gpus}, "
+             f"zero_ext {(facts.get('zero_ext_commit') or 'unknown')[:10]}"
+             f"{' (dirty)' if facts.get('zero_ext_dirty') else ''}", "",
+             "| system | model | world | ms/step | fwd/bwd/opt ms | tok/s total | MFU | peak GiB alloc/resv | loss | status |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ok = r["status"] == "ok"
+        lines.append(
+            f"| {r['system']} | {r['model']} | {r['world']} | {fmt(r.get('ms_per_step'), '.1f')} | "
+            + (f"{r['forward_ms']:.1f}/{r['backward_ms']:.1f}/{r['optimizer_ms']:.1f}" if ok else "-") + " | "
+            f"{fmt(r.get('tokens_per_s_total'), ',.0f')} | {fmt(r.get('mfu'), '.1%')} | "
+            + (f"{r['peak_gpu_allocated_gib']:.2f}/{r['peak_gpu_reserved_gib']:.2f}"
+               if r.get("peak_gpu_allocated_gib") is not None else "-")
+            + f" | {fmt(r.get('loss'), '.4f')} | {r['status'] if ok else r['status'] + ': ' + str(r['error'])[:80]} |")
+    return "\n".join(lines) + "\n"
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
@@ -674,7 +693,10 @@ def main() -> None:
     print(f"torch {facts['torch']}, CUDA {facts['cuda']}, {facts['gpu_count']} x {gpus}, "
           f"zero_ext {(facts['zero_ext_commit'] or 'unknown')[:10]}{' (dirty)' if facts['zero_ext_dirty'] else ''}")
     print_table(rows)
-    print(f"\nwrote {args.out}")
+    markdown = os.path.splitext(args.out)[0] + ".md"
+    with open(markdown, "w") as f:
+        f.write(markdown_table(rows, facts))
+    print(f"\nwrote {args.out} and {markdown}")
 
 
 if __name__ == "__main__":

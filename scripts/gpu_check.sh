@@ -7,7 +7,8 @@
 #   2. scripts/setup.sh: build, self-check, and the rebuild with /usr/bin/g++
 #      if the first build crashes on C++ errors.
 #   3. tests/cuda and the compatibility subset's CPU-device-independent parts.
-#   4. benchmarks/gpu.py at world size 1 (GPT-2 124M, short).
+#   4. benchmarks/gpu.py at world size 1 (GPT-2 124M and 1.3B, short), into
+#      benchmarks/results/gpu-<date>.json and .md (copied to $OUT).
 # Prints a summary table at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,11 +50,14 @@ start=$(date +%s)
     2>&1 | tee "$OUT_DIR/pytest_cuda.log" | tail -n 15
 ROWS+=("| tests/cuda, self-check, CPU Adam | $(( $(date +%s) - start ))s | $(grep -E '(passed|failed)' "$OUT_DIR/pytest_cuda.log" | tail -1) |")
 
-echo "== 4. benchmarks/gpu.py (world 1, GPT-2 124M)"
+echo "== 4. benchmarks/gpu.py (world 1, GPT-2 124M and 1.3B)"
 start=$(date +%s)
-"$PY" benchmarks/gpu.py --world 1 --models gpt2-124m --steps 10 --warmup 3 \
-    --out "$OUT_DIR/gpu.json" 2>&1 | tee "$OUT_DIR/gpu_bench.log" | tail -n 25
-ROWS+=("| benchmarks/gpu.py | $(( $(date +%s) - start ))s | table in gpu_bench.log |")
+RESULT="benchmarks/results/gpu-$(date +%Y-%m-%d-%H%M).json"
+"$PY" benchmarks/gpu.py --world 1 --models gpt2-124m gpt2-1b --steps 10 --warmup 3 \
+    --systems plain ddp fsdp2 zero_ext-1 zero_ext-2 zero_ext-3 zero_ext-2-offload \
+    --out "$RESULT" 2>&1 | tee "$OUT_DIR/gpu_bench.log" | tail -n 25
+cp "$RESULT" "${RESULT%.json}.md" "$OUT_DIR/" 2>/dev/null
+ROWS+=("| benchmarks/gpu.py | $(( $(date +%s) - start ))s | $RESULT and ${RESULT%.json}.md |")
 
 echo
 echo "| step | time | result |"
