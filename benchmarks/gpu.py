@@ -3,6 +3,8 @@
     python benchmarks/gpu.py                                    # every GPU, gpt2-124m and gpt2-1b, all systems
     python benchmarks/gpu.py --world 1 --models gpt2-124m       # one GPU (adds the "plain" baseline)
     python benchmarks/gpu.py --systems ddp fsdp2 zero_ext-3 zero_ext-3-offload
+    torchrun --nnodes 2 --nproc-per-node 8 ... benchmarks/gpu.py --models gpt2-1b --systems zero_ext-3
+                                                                # one system over any number of GPUs
     python benchmarks/gpu.py --device cpu --models gpt2-10m --seq 64 --batch 2 \\
         --steps 2 --warmup 1 --world 2 --out /tmp/gpu_smoke.json  # CPU smoke test (gloo)
 
@@ -115,6 +117,7 @@ class Trainer:
     autocast: bool  # forward and loss under torch.autocast (plain and DDP keep fp32 weights)
     precision: str
     optimizer: str
+    collectives: str = "-"  # zero_ext: the backend of its own group ("none": no collectives run)
 
 
 def adamw(params, device: str, fused: bool) -> torch.optim.Optimizer:
@@ -172,8 +175,10 @@ def build_trainer(job: Job, model: torch.nn.Module, rank: int) -> Trainer:
         model, opt = zero_ext.wrap(model, opt, stage=stage, mixed_precision="bf16", units=units,
                                    offload_optimizer="cpu" if offload else None,
                                    timeout=job.timeout_s)
+        group = model._zero_ext.process_group
         return Trainer(model, backward, plain_step(opt), False, "bf16",
-                       "zero_ext C++ AdamW (host)" if offload else optimizer_name(opt))
+                       "zero_ext C++ AdamW (host)" if offload else optimizer_name(opt),
+                       collectives=dist.get_backend(group) if group is not None else "none")
     raise ValueError(f"unknown system {system!r}")
 
 
@@ -252,9 +257,9 @@ def peak_rss_bytes() -> int:
     return 0
 
 
-def benchmark_rank(job: Job, rank: int) -> dict:
+def benchmark_rank(job: Job, rank: int, local_rank: Optional[int] = None) -> dict:
     cuda = job.device == "cuda"
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    device = torch.device("cuda", rank if local_rank is None else local_rank) if cuda else torch.device("cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     vocab = PRESETS[job.model].vocab
 
@@ -310,6 +315,7 @@ def benchmark_rank(job: Job, rank: int) -> dict:
         "peak_rss_bytes": peak_rss_bytes(),
         "precision": trainer.precision,
         "optimizer": trainer.optimizer,
+        "collectives": trainer.collectives,
     }
 
 
@@ -478,6 +484,7 @@ def combine(job: Job, per_rank: List[dict]) -> dict:
     row.update(
         status="ok", error=None, params=per_rank[0]["params"],
         precision=per_rank[0]["precision"], optimizer=per_rank[0]["optimizer"],
+        collectives=per_rank[0]["collectives"],
         ms_per_step=1e3 * step_s, tokens_per_s_per_rank=tokens_per_rank,
         tokens_per_s_total=tokens_per_rank * job.world,
         model_tflops_per_rank=model_tflops, mfu=model_tflops / peak if peak else None,
@@ -629,9 +636,13 @@ def parse_args() -> argparse.Namespace:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device here; use --device cpu for the smoke test")
+    if under_torchrun():  # the job's ranks, on any number of nodes
+        args.world = int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", args.world))
+        args.threads = args.threads or max(1, (os.cpu_count() or 1) // local)
     if args.world is None:
         args.world = torch.cuda.device_count() if args.device == "cuda" else 1
-    if args.world < 1 or (args.device == "cuda" and args.world > torch.cuda.device_count()):
+    if not under_torchrun() and (args.world < 1 or (args.device == "cuda" and args.world > torch.cuda.device_count())):
         parser.error(f"--world {args.world}: needs at least 1 rank, and one GPU per rank with --device cuda "
                      f"({torch.cuda.device_count()} here)")
     if args.systems is None:
@@ -652,10 +663,56 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def torchrun_main(args) -> None:
+    """Under torchrun: one (model, system) over every rank of the job, on any
+    number of GPUs and nodes; rank 0 prints the row and writes --out (and
+    its .md). A failing rank raises, and torchrun ends the job."""
+    if len(args.models) != 1 or len(args.systems) != 1:
+        raise SystemExit("under torchrun, pass one --models and one --systems: a job runs one system "
+                         "(launch it again for the next)")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = args.device == "cuda"
+    torch.set_num_threads(args.threads)
+    timeout = datetime.timedelta(seconds=args.system_timeout)
+    if cuda:
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank), timeout=timeout)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+    job = Job(model=args.models[0], system=args.systems[0], device=args.device, world=world, batch=args.batch,
+              seq=args.seq, steps=args.steps, warmup=args.warmup, threads=args.threads, port=0,
+              timeout_s=args.system_timeout, result_dir="", log_prefix="torchrun")
+    if job.system == "plain" and world != 1:
+        raise SystemExit("plain runs at world size 1 only")
+    result = benchmark_rank(job, rank, local_rank)
+    results: List[Optional[dict]] = [None] * world
+    dist.all_gather_object(results, result)
+    if rank == 0:
+        row = combine(job, results)
+        facts = machine_facts(args.device)
+        facts.update(world=world, nodes=world // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        report = {"created": datetime.datetime.now().isoformat(timespec="seconds"), "args": vars(args),
+                  "machine": facts, "results": [row]}
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+        with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
+            f.write(markdown_table([row], facts))
+        print_table([row])
+        print(f"\nwrote {args.out}")
+    dist.destroy_process_group()
+
+
 def main() -> None:
     args = parse_args()
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        raise SystemExit("run this script with python, not torchrun: it spawns its own ranks per system")
+    if under_torchrun():
+        torchrun_main(args)
+        return
     out_dir = os.path.dirname(os.path.abspath(args.out))
     log_dir = os.path.splitext(os.path.abspath(args.out))[0] + "_logs"
     os.makedirs(out_dir, exist_ok=True)
