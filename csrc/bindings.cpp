@@ -161,6 +161,8 @@ TORCH_LIBRARY(zero_ext, m) {
       .def("group_all_gather", &ShardedModel::group_all_gather)
       .def("set_max_in_flight_bytes", &ShardedModel::set_max_in_flight_bytes)
       .def("set_test_fault", &ShardedModel::set_test_fault)
+      .def("log_issues", &ShardedModel::log_issues)
+      .def("take_issue_log", &ShardedModel::take_issue_log)
       // Identity: torch's fake-tensor dispatch cache compares the arguments
       // of an op (the core ops take this object) with ==.
       .def("__eq__", [](const c10::intrusive_ptr<ShardedModel>& self, const c10::intrusive_ptr<ShardedModel>& other) {

@@ -73,6 +73,7 @@ c10::intrusive_ptr<c10d::Work> Communicator::all_reduce_sum(at::Tensor& tensor) 
     return nullptr;
   }
   ++collectives_issued_;
+  note_issue("all_reduce", tensor);
   return all_reduce(group_, tensor, c10d::ReduceOp::SUM);
 }
 
@@ -81,6 +82,7 @@ c10::intrusive_ptr<c10d::Work> Communicator::all_reduce_max(at::Tensor& tensor) 
     return nullptr;
   }
   ++collectives_issued_;
+  note_issue("all_reduce_max", tensor);
   return all_reduce(group_, tensor, c10d::ReduceOp::MAX);
 }
 
@@ -95,6 +97,7 @@ c10::intrusive_ptr<c10d::Work> Communicator::reduce_scatter_sum(at::Tensor& shar
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
   ++collectives_issued_;
+  note_issue("reduce_scatter", full_in);
   return group_->_reduce_scatter_base(shard_out, full_in, opts);
 }
 
@@ -110,6 +113,7 @@ c10::intrusive_ptr<c10d::Work> Communicator::all_gather(at::Tensor& full_out,
   }
   ++collectives_issued_;
   ++all_gathers_issued_;
+  note_issue("all_gather", full_out);
   return group_->_allgather_base(full_out, shard_in, c10d::AllgatherOptions());
 }
 
@@ -121,6 +125,7 @@ c10::intrusive_ptr<c10d::Work> Communicator::broadcast_from_rank0(at::Tensor& te
   c10d::BroadcastOptions opts;
   opts.rootRank = 0;
   ++collectives_issued_;
+  note_issue("broadcast", tensor);
   return group_->broadcast(tensors, opts);
 }
 

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <c10/util/intrusive_ptr.h>
@@ -60,6 +61,13 @@ class Communicator {
   // Whether a wait on this group failed: its collectives are out of step.
   bool failed() const { return failed_; }
 
+  // Test-only: appends "<tag> <kind> <numel>" for every collective issued,
+  // to check that ranks issue the same sequence (nullptr: off).
+  void log_issues_to(std::vector<std::string>* log, std::string tag) {
+    issue_log_ = log;
+    issue_tag_ = std::move(tag);
+  }
+
   // Counters for tests and benchmarks: collectives issued and bytes sent.
   int64_t collectives_issued() const { return collectives_issued_; }
   int64_t all_gathers_issued() const { return all_gathers_issued_; }
@@ -70,6 +78,11 @@ class Communicator {
   int64_t size_ = 1;
   int64_t collectives_issued_ = 0;
   int64_t all_gathers_issued_ = 0;
+  std::vector<std::string>* issue_log_ = nullptr;
+  std::string issue_tag_;
+  void note_issue(const char* kind, const at::Tensor& tensor) {
+    if (issue_log_) issue_log_->push_back(issue_tag_ + " " + kind + " " + std::to_string(tensor.numel()));
+  }
   std::chrono::milliseconds stall_interval_{0};
   std::string stall_keys_;
   c10::intrusive_ptr<c10d::Store> store_;

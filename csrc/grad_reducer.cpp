@@ -80,6 +80,7 @@ GradReducer::GradReducer(const Layout& layout, ParamStore& store, Communicator& 
     max_in_flight_bytes_ = std::max(max_in_flight_bytes_, 2 * bytes);
   }
   host_waits_ = comm_.waits_on_host(store_.device().type());
+  launch_on_arrival_ = !layout_.params_sharded();
   arrived_.assign(n_params, 0);
   detached_.assign(n_params, 0);
   local_has_grad_.assign(n_params, 0);
@@ -183,8 +184,31 @@ int64_t GradReducer::on_grad_ready(int64_t i, bool sync) {
   if (--bucket.waiting != 0) {
     return -1;
   }
-  launch_ready_buckets();
+  if (launch_on_arrival_) {
+    launch_ready_buckets();
+  }
   return b;
+}
+
+// [Note: issue order]
+// Stage 3 issues gathers (on the gather group) and reductions (on the
+// reduction group) during backward. NCCL requires work on different
+// communicators to be issued in the same order on every rank, or kernels
+// that cannot run side by side deadlock (CUDA_DEVICE_MAX_CONNECTIONS=1 makes
+// it likely). A bucket whose last gradient arrives is a moment that differs
+// between ranks when a parameter is used on some ranks only; the end of a
+// unit's last use in backward (its UnitInputBoundary node) is not: every rank
+// runs the same units (the agreement checks it), and the gathers of the
+// backward prefetch hang off the same events. So stage 3 launches a unit's
+// buckets there, gradients not yet arrived as zeros (one that still comes is
+// late: it waits in param.grad for the next round), and the rest at the
+// epilogue, in bucket order.
+void GradReducer::launch_buckets(const std::vector<int64_t>& buckets) {
+  for (int64_t b : buckets) {
+    if (buckets_[b].phase == BucketPhase::kFilling) {
+      launch(b);
+    }
+  }
 }
 
 void GradReducer::launch_ready_buckets() {
@@ -196,8 +220,10 @@ void GradReducer::launch_ready_buckets() {
 void GradReducer::flush() {
   // Unused parameters contribute zeros, so the sequence of collectives is
   // the same on every rank.
-  for (int64_t b = next_launch_; b < layout_.num_buckets(); ++b) {
-    launch(b);
+  for (int64_t b = 0; b < layout_.num_buckets(); ++b) {
+    if (buckets_[b].phase == BucketPhase::kFilling) {
+      launch(b);
+    }
   }
   next_launch_ = layout_.num_buckets();
   wait_all();

@@ -3,10 +3,12 @@
 // optimizer's shard (see [Note: gradient layouts] in layout.h).
 //
 // A gradient arrives (on_grad_ready) and is moved into its bucket's staging
-// buffer; a bucket launches its reduction once all its parameters arrived,
-// strictly in bucket order, so every rank issues the same sequence of
-// collectives even when ranks use different parameters. The epilogue flushes
-// the rest (missing gradients count as zeros) and waits. A retired reduction
+// buffer; in stages 0-2 a bucket launches its reduction once all its
+// parameters arrived, strictly in bucket order, so every rank issues the same
+// sequence of collectives even when ranks use different parameters; stage 3
+// launches a unit's buckets when the unit's backward is over ([Note: issue
+// order] in grad_reducer.cpp). The epilogue flushes the rest (missing
+// gradients count as zeros) and waits. A retired reduction
 // is folded into the fp32 shard accumulator (offload: landed in host memory
 // and added there, never copied over it, so every backward of a step counts).
 // grad_reducer.cpp holds the way in (arrival, launch, retire), and
@@ -74,6 +76,9 @@ class GradReducer {
   // Most bytes of staging and reduce-scatter outputs alive at once (the
   // gradient memory of backward outside the accumulators).
   int64_t peak_staging_bytes() const { return peak_staging_bytes_; }
+  // Stage 3 (see [Note: issue order]): the last use of a unit in this
+  // backward is over, so its buckets launch, missing gradients as zeros.
+  void launch_buckets(const std::vector<int64_t>& buckets);
   // Epilogue: launch every bucket not yet launched (in order), then wait.
   void flush();
   void wait_all();
@@ -178,6 +183,7 @@ class GradReducer {
   int64_t next_launch_ = 0;
   std::deque<int64_t> in_flight_;  // launched, not yet retired, oldest first
   bool late_ = false;              // a gradient came after its bucket was launched
+  bool launch_on_arrival_ = true;  // stages 0-2; stage 3 launches at unit events
   int64_t in_flight_bytes_ = 0;
   int64_t max_in_flight_bytes_ = 0;  // 0 until the constructor sets it
   bool host_waits_ = false;          // waits on this device's reductions block the host

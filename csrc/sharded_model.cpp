@@ -220,14 +220,35 @@ void ShardedModel::post_backward_use(int64_t u) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!units_) return;  // stages 0-2: parameters are never released
   drain_deferred_uses();
-  units_->post_backward_use(u, units_->use_round(), round_.owner_graph_task());
+  if (units_->post_backward_use(u, units_->use_round(), round_.owner_graph_task())) {
+    launch_unit_reductions(u);
+  }
 }
 
 void ShardedModel::use_done(int64_t u, int64_t round) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!units_) return;
   drain_deferred_uses();
-  units_->post_backward_use(u, round, round_.owner_graph_task());
+  if (units_->post_backward_use(u, round, round_.owner_graph_task())) {
+    launch_unit_reductions(u);
+  }
+}
+
+void ShardedModel::launch_unit_reductions(int64_t u) {
+  // Inside a synced backward that reaches the parameters only: a use
+  // reported as its graph dies (drained later), under no_sync() or in
+  // torch.autograd.grad launches nothing.
+  if (!sync_ || current_backward().graph_task_id < 0 || !hooks_.backward_reaches_params()) {
+    return;
+  }
+  round_.check_usable();
+  try {
+    arm_epilogue();
+    reducer_.launch_buckets(units_->buckets_of(u));
+  } catch (...) {
+    round_.mark_broken();
+    throw;
+  }
 }
 
 void ShardedModel::defer_use_done(int64_t u, int64_t round) {

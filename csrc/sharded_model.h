@@ -172,6 +172,10 @@ class ShardedModel : public torch::CustomClassHolder {
   void set_max_in_flight_bytes(int64_t bytes);
   // Test-only (zero_ext/_testing.py): raise at `point` on this rank.
   void set_test_fault(std::string point, int64_t step);
+  // Test-only: record every collective of both groups in issue order
+  // ("reduce ..." / "gather ..."); take_issue_log() returns and clears it.
+  void log_issues(bool on);
+  std::vector<std::string> take_issue_log();
 
  private:
   void arm_epilogue();
@@ -180,11 +184,14 @@ class ShardedModel : public torch::CustomClassHolder {
   // prefetching in backward order, as a unit's pre-backward does).
   void hook_gather(const at::Tensor& output, int64_t unit, bool backward);
   void refresh_params(bool every_bucket);
+  // Stage 3: unit u's last use in this backward is over ([Note: issue order]).
+  void launch_unit_reductions(int64_t u);
   void drain_deferred_uses();  // under mutex_
 
   Communicator comm_;
   // Stage 3 gathers on a group of its own (see units.h).
   Communicator gather_comm_;
+  std::vector<std::string> issue_log_;
   Layout layout_;
   StepGate gate_;
   ParamStore store_;

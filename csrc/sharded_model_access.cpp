@@ -147,6 +147,19 @@ void ShardedModel::set_max_in_flight_bytes(int64_t bytes) {
   reducer_.set_max_in_flight_bytes(bytes);
 }
 
+void ShardedModel::log_issues(bool on) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  comm_.log_issues_to(on ? &issue_log_ : nullptr, "reduce");
+  gather_comm_.log_issues_to(on ? &issue_log_ : nullptr, "gather");
+}
+
+std::vector<std::string> ShardedModel::take_issue_log() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::string> out;
+  out.swap(issue_log_);
+  return out;
+}
+
 void ShardedModel::set_test_fault(std::string point, int64_t step) {
   std::lock_guard<std::mutex> lock(mutex_);
   faults_.arm(point, step);

@@ -156,15 +156,17 @@ void UnitScheduler::note_untracked_use(int64_t u) {
   unit_at(u).untracked_use = true;
 }
 
-void UnitScheduler::post_backward_use(int64_t u, int64_t round, int64_t epilogue_owner) {
+bool UnitScheduler::post_backward_use(int64_t u, int64_t round, int64_t epilogue_owner) {
   if (round != use_round_) {
-    return;  // counted in a round that release_after_backward already closed
+    return false;  // counted in a round that release_after_backward already closed
   }
   Unit& unit = unit_at(u);
   if (unit.pending_uses > 0) {
     --unit.pending_uses;
   }
+  const bool last_use = unit.pending_uses == 0 && unit.tracked_use && !unit.untracked_use;
   maybe_release_after_backward(u, epilogue_owner);
+  return last_use;
 }
 
 void UnitScheduler::release_after_backward(bool keep_graph) {

@@ -49,8 +49,11 @@ class UnitScheduler {
   // one (a graph that died later, say) no longer counts.
   int64_t add_pending_use(int64_t u);
   void note_untracked_use(int64_t u);
-  void post_backward_use(int64_t u, int64_t round, int64_t epilogue_owner);
+  // Returns whether that was the unit's last use whose inputs required grad
+  // (its reductions may launch: [Note: issue order] in grad_reducer.cpp).
+  bool post_backward_use(int64_t u, int64_t round, int64_t epilogue_owner);
   int64_t use_round() const { return use_round_; }
+  const std::vector<int64_t>& buckets_of(int64_t u) const { return units_[u].buckets; }
   // The last gradient of a bucket of unit u arrived.
   void on_bucket_complete(int64_t b, int64_t epilogue_owner);
   // The backward is over: release every unit unless its graph is kept.

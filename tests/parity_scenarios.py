@@ -947,6 +947,68 @@ def straggler_rank_bounds_reductions_in_flight(ctx: Context) -> None:
 straggler_rank_bounds_reductions_in_flight.stages = (2, 3)
 
 
+class GatedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ff = nn.Linear(DIM, DIM)
+        self.gate = nn.Linear(DIM, DIM)
+
+    def forward(self, h: torch.Tensor, gated: bool) -> torch.Tensor:
+        update = torch.tanh(self.ff(h))
+        return h + (update * torch.sigmoid(self.gate(h)) if gated else update)
+
+
+class GatedNet(nn.Module):
+    """Blocks (stage 3's default units), the second to last of which uses
+    its gate on rank 0 only: that unit's bucket misses a gradient on the
+    other ranks while the backward still gathers four units after it."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(11)
+        self.inp = nn.Linear(IN, DIM)
+        self.blocks = nn.ModuleList(GatedBlock() for _ in range(6))
+        self.out = nn.Linear(DIM, OUT)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+    def forward(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+        h = self.inp(x)
+        for i, block in enumerate(self.blocks):
+            h = block(h, gated=i != 4 or rank == 0)
+        return self.out(h)
+
+
+def issue_order_same_on_every_rank(ctx: Context) -> None:
+    """[Note: issue order] in csrc/grad_reducer.cpp: with a parameter used on
+    rank 0 only, every rank still issues its gathers and reductions (two
+    groups) in the same order, and no gradient counts as late."""
+    model = GatedNet()
+    model, opt = ctx.wrap(model, adamw(model))
+    if not ctx.reference:
+        model._zero_ext.buckets.log_issues(True)
+    for step in range(2):
+        loss = 0.0
+        for r, w in ctx.participants():
+            x, y = batch(step, r, ctx.world)
+            loss = loss + w * F.mse_loss(model(x, rank=r), y)
+        loss.backward()
+        step_and_record(ctx, model, opt, step)
+    labels = ["the same collectives in the same order on every rank", "no late gradient round"]
+    if ctx.reference:
+        ctx.record_checks(labels)
+        return
+    log = model._zero_ext.buckets.take_issue_log()
+    logs = [None] * ctx.world
+    if ctx.world > 1:
+        torch.distributed.all_gather_object(logs, log)
+    else:
+        logs = [log]
+    ctx.record_checks(labels, [all(other == logs[0] for other in logs) and (len(log) > 0 or ctx.world == 1),
+                               model._zero_ext.buckets.stats()["late_rounds"] == 0])
+
+
 def dataclass_outputs(ctx: Context) -> None:
     _blocks(ctx, build=DataclassBlocks)
 
@@ -1330,6 +1392,7 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
         dataclass_inputs_with_frozen_weights,
         user_collective_in_backward_with_rank_dependent_layer,
         straggler_rank_bounds_reductions_in_flight,
+        issue_order_same_on_every_rank,
         *MIXED_PRECISION_SCENARIOS,
         fp16_output_on_another_outputs_path,
         fp16_model_applied_to_its_own_output,
