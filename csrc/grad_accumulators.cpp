@@ -216,7 +216,9 @@ std::exception_ptr GradReducer::abandon(bool wait) {
     }
     if (bucket.work && !bucket.work->isCompleted()) {
       dropped_.push_back({bucket.work, {bucket.staging, bucket.reduce_out}});
-      if (layout_.transient_staging()) bucket.staging.reset();  // the dropped entry holds it now
+    }
+    if (layout_.transient_staging()) {
+      bucket.staging.reset();  // the round's partial gradients go (a dropped entry may still hold it)
     }
     bucket.work.reset();
     bucket.reduce_out.reset();
@@ -226,6 +228,7 @@ std::exception_ptr GradReducer::abandon(bool wait) {
   }
   in_flight_.clear();
   in_flight_bytes_ = 0;
+  filling_staging_bytes_ = 0;
   host_transfers_pending_ = false;
   if (layout_.ddp_in_place()) {
     publish(/*provisional=*/false);  // param.grad views the buffers again

@@ -79,6 +79,11 @@ GradReducer::GradReducer(const Layout& layout, ParamStore& store, Communicator& 
     const int64_t bytes = (shape.padded + shape.shard) * at::elementSize(reduce_dtype_);
     max_in_flight_bytes_ = std::max(max_in_flight_bytes_, 2 * bytes);
   }
+  if (!layout_.transient_staging()) {
+    for (const auto& bucket : buckets_) {  // persistent: the peak is all of it, always
+      peak_staging_bytes_ += bucket.staging.defined() ? bucket.staging.nbytes() : 0;
+    }
+  }
   host_waits_ = comm_.waits_on_host(store_.device().type());
   launch_on_arrival_ = !layout_.params_sharded();
   arrived_.assign(n_params, 0);
@@ -95,22 +100,9 @@ at::Tensor GradReducer::staging_region(int64_t b, int64_t i) {
 void GradReducer::ensure_staging(int64_t b) {
   if (!buckets_[b].staging.defined()) {
     buckets_[b].staging = at::empty({layout_.bucket(b).padded}, store_.bucket(b).flat.options().dtype(reduce_dtype_));
+    filling_staging_bytes_ += buckets_[b].staging.nbytes();
     note_staging_peak();
   }
-}
-
-int64_t GradReducer::staging_bytes() const {
-  int64_t bytes = 0;
-  for (const auto& bucket : buckets_) {
-    if (bucket.staging.defined()) {
-      bytes += bucket.staging.nbytes();
-    }
-    if (bucket.reduce_out.defined() && !bucket.reduce_out.is_same(bucket.accum) &&
-        !(bucket.staging.defined() && bucket.reduce_out.is_alias_of(bucket.staging))) {
-      bytes += bucket.reduce_out.nbytes();
-    }
-  }
-  return bytes;
 }
 
 void GradReducer::start_round() {
@@ -313,10 +305,10 @@ void GradReducer::launch(int64_t b) {
   bucket.phase = BucketPhase::kInFlight;
   in_flight_.push_back(b);
   if (layout_.transient_staging()) {
-    bucket.in_flight_bytes = bucket.staging.nbytes() +
-                             (bucket.reduce_out.is_alias_of(bucket.staging) || bucket.reduce_out.is_same(bucket.accum)
-                                  ? 0
-                                  : bucket.reduce_out.nbytes());
+    // The staging moves from filling to in flight, with the output it needs.
+    const bool own_output = !bucket.reduce_out.is_alias_of(bucket.staging) && !bucket.reduce_out.is_same(bucket.accum);
+    filling_staging_bytes_ -= bucket.staging.nbytes();
+    bucket.in_flight_bytes = bucket.staging.nbytes() + (own_output ? bucket.reduce_out.nbytes() : 0);
     in_flight_bytes_ += bucket.in_flight_bytes;
     note_staging_peak();
   }
@@ -330,9 +322,12 @@ void GradReducer::bound_in_flight() {
   }
   while (in_flight_.size() > 1 && in_flight_bytes_ > max_in_flight_bytes_) {
     if (host_waits_) {
-      if (bound_lifted_ || !Communicator::done_within(buckets_[in_flight_.front()].work, kHostBoundWait)) {
-        bound_lifts_ += bound_lifted_ ? 0 : 1;
+      if (bound_lifted_) {
+        return;
+      }
+      if (!Communicator::done_within(buckets_[in_flight_.front()].work, kHostBoundWait)) {
         bound_lifted_ = true;
+        ++bound_lifts_;
         return;
       }
     }

@@ -162,8 +162,11 @@ class GradReducer {
   void retire(int64_t b);  // waits one reduction and folds it in
   void retire_oldest();
   void bound_in_flight();
-  int64_t staging_bytes() const;
-  void note_staging_peak() { peak_staging_bytes_ = std::max(peak_staging_bytes_, staging_bytes()); }
+  // Kept as running counts (stages 2-3): a sum over the buckets at every
+  // launch would cost a pass over them per bucket per backward.
+  void note_staging_peak() {
+    peak_staging_bytes_ = std::max(peak_staging_bytes_, filling_staging_bytes_ + in_flight_bytes_);
+  }
   void fold_into_accum(BucketGrads& bucket, const at::Tensor& reduced, double factor);
   void finish_host_adds();
 
@@ -185,6 +188,7 @@ class GradReducer {
   bool late_ = false;              // a gradient came after its bucket was launched
   bool launch_on_arrival_ = true;  // stages 0-2; stage 3 launches at unit events
   int64_t in_flight_bytes_ = 0;
+  int64_t filling_staging_bytes_ = 0;  // staging of buckets not launched yet
   int64_t max_in_flight_bytes_ = 0;  // 0 until the constructor sets it
   bool host_waits_ = false;          // waits on this device's reductions block the host
   bool bound_lifted_ = false;        // this round: a bounded host wait ran out
