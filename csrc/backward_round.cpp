@@ -81,6 +81,7 @@ bool BackwardRound::checks_nonfinite() const {
 }
 
 void BackwardRound::settle(bool keep) {
+  reducer_.finish_host_adds();  // offload: the host gradients are read next
   if (!agreement_.pending()) {
     return;
   }
@@ -104,6 +105,11 @@ void BackwardRound::settle(bool keep) {
         gate_.note_nonfinite_backward();
         reducer_.mark_nonfinite_everywhere();
       }
+    }
+    if (agreed.nonfinite_backwards > 0) {
+      // Where the epilogue could not mark it on the device (offload:
+      // mark_nonfinite_on_device), the landed host shard is marked now.
+      reducer_.mark_nonfinite_everywhere();
     }
     reducer_.publish(/*provisional=*/false);
     reducer_.check_no_unreduced_grads();

@@ -17,7 +17,30 @@
 
 namespace zero_ext {
 
+// [Note: accumulator memory]
+// zero_grad(set_to_none=True) frees each fp32 gradient shard, as plain
+// PyTorch frees .grad: between steps (and at the forward's activation peak)
+// a rank then holds no gradient memory. The storage is shrunk in place
+// ([Note: release by resize]) so the segment views the optimizer reads stay
+// the same tensors; the first write of the next round grows it back. The
+// caching allocator hands the same block back on an accelerator; offload
+// keeps its pinned host accumulators (pinning is what costs there).
+void GradReducer::ensure_accum_memory(BucketGrads& bucket) {
+  if (bucket.accum.defined() && storage_is_released(bucket.accum)) {
+    grow_storage(bucket.accum, bucket.accum.numel() * bucket.accum.element_size());
+    bucket.accum_has_value = false;
+  }
+}
+
+void GradReducer::zero_if_released(BucketGrads& bucket) {
+  if (bucket.accum.defined() && storage_is_released(bucket.accum)) {
+    ensure_accum_memory(bucket);  // no reduction reached it since zero_grad: nothing accumulated
+    bucket.accum.zero_();
+  }
+}
+
 void GradReducer::fold_into_accum(BucketGrads& bucket, const at::Tensor& reduced, double factor) {
+  ensure_accum_memory(bucket);
   if (reduced.is_same(bucket.accum)) {
     TORCH_INTERNAL_ASSERT(factor == 1.0, "an fp32 reduction is unscaled before it runs");
   } else if (reduced.device() == bucket.accum.device()) {
@@ -30,6 +53,7 @@ void GradReducer::fold_into_accum(BucketGrads& bucket, const at::Tensor& reduced
   } else if (!bucket.accum_has_value) {
     // Offload from an accelerator: the first result lands directly in the
     // pinned accumulator, asynchronously; finish_host_adds() waits for it.
+    note_host_copy(reduced);
     bucket.accum.copy_(reduced, /*non_blocking=*/true);
     bucket.host_factor = factor;
     host_transfers_pending_ = true;
@@ -38,6 +62,7 @@ void GradReducer::fold_into_accum(BucketGrads& bucket, const at::Tensor& reduced
     if (!bucket.host_landing.defined()) {
       bucket.host_landing = at::empty({bucket.accum.numel()}, host_fp32(reduced.device()));
     }
+    note_host_copy(reduced);
     bucket.host_landing.copy_(reduced, /*non_blocking=*/true);
     bucket.host_add_pending = true;
     bucket.host_factor = factor;
@@ -46,13 +71,58 @@ void GradReducer::fold_into_accum(BucketGrads& bucket, const at::Tensor& reduced
   bucket.accum_has_value = true;
 }
 
+// [Note: offload without a host sync in backward]
+// An offloaded reduction is copied to pinned host memory asynchronously on
+// the stream it retires on, and an event is recorded after the copy. The
+// host adds and scales the landed results only when something reads the
+// host gradients: settle() (the step, clip, full_grads, zero_grad) or the
+// next backward's first landing, which reuses the buffers. By then the event
+// has normally passed, so it is queried, not waited on. The non-finite check
+// of the round reads device-side sums of the reduced results, taken before
+// the copies (local_nonfinite), so nothing in backward waits for the host.
+void GradReducer::note_host_copy(const at::Tensor& reduced) {
+  if (host_round_closed_) {
+    finish_host_adds();  // the last round's results are added before this round reuses the buffers
+  }
+  round_device_sums_.push_back(reduced.sum(at::kFloat));
+  const c10::Stream stream = c10::impl::VirtualGuardImpl(reduced.device().type()).getStream(reduced.device());
+  if (host_copy_stream_.has_value() && *host_copy_stream_ != stream) {
+    host_copies_on_several_streams_ = true;
+  }
+  host_copy_stream_ = stream;
+}
+
+void GradReducer::close_host_round() {
+  if (!host_transfers_pending_ || host_round_closed_) {
+    return;
+  }
+  if (!host_copies_on_several_streams_ && host_copy_stream_.has_value()) {
+    if (!host_copies_done_.has_value()) {
+      host_copies_done_.emplace(host_copy_stream_->device_type());
+    }
+    host_copies_done_->record(*host_copy_stream_);
+  }
+  host_round_closed_ = true;
+}
+
 void GradReducer::finish_host_adds() {
   if (!host_transfers_pending_) {
     return;
   }
-  const c10::Device device = store_.device();
-  c10::impl::VirtualGuardImpl guard(device.type());
-  guard.synchronizeStream(guard.getStream(device));  // the device-to-host copies are done
+  const bool one_event = host_round_closed_ && !host_copies_on_several_streams_ && host_copies_done_.has_value();
+  if (one_event) {
+    if (!host_copies_done_->query()) {
+      host_copies_done_->synchronize();  // the device is behind: the landed values are needed now
+    }
+  } else {
+    const c10::Device device = store_.device();
+    c10::impl::VirtualGuardImpl guard(device.type());
+    guard.synchronizeDevice(device.index());  // copies on several streams, or a round broken off
+  }
+  host_round_closed_ = false;
+  host_copies_on_several_streams_ = false;
+  host_copy_stream_.reset();
+  round_device_sums_.clear();  // those rounds were checked at their epilogues
   at::NoGradGuard no_grad;
   for (auto& bucket : buckets_) {
     if (bucket.host_add_pending) {
@@ -69,6 +139,12 @@ void GradReducer::finish_host_adds() {
 at::Tensor GradReducer::local_nonfinite() const {
   // One read of the local shards: a sum is finite iff its terms are (short
   // of a finite overflow at ~1e38, which is no usable gradient either).
+  if (!round_device_sums_.empty()) {
+    // Offload from an accelerator: this round's results, on the device
+    // ([Note: offload without a host sync in backward]); earlier rounds were
+    // checked at their own epilogues.
+    return at::logical_not(at::isfinite(at::stack(round_device_sums_).sum())).to(at::kFloat);
+  }
   std::vector<at::Tensor> sums;
   for (const auto& bucket : buckets_) {
     if (layout_.ddp_in_place() && bucket.staging.defined()) {
@@ -93,6 +169,7 @@ void GradReducer::mark_nonfinite_everywhere() {
   const auto& pieces = layout_.segments();
   for (size_t s = 0; s < segment_grads_.size(); ++s) {
     if (global_has_grad_[pieces[s].param] && segment_grads_[s].numel() > 0) {
+      zero_if_released(buckets_[pieces[s].bucket]);
       segment_grads_[s].reshape(-1).narrow(0, 0, 1).fill_(std::numeric_limits<double>::quiet_NaN());
       return;
     }
@@ -115,6 +192,9 @@ void GradReducer::publish(bool provisional) {
   }
   const auto& pieces = layout_.segments();
   const auto& segments = store_.segments();
+  for (auto& bucket : buckets_) {
+    zero_if_released(bucket);
+  }
   for (size_t s = 0; s < segments.size(); ++s) {
     segments[s].mutable_grad() = has_grad(pieces[s].param) ? segment_grads_[s] : at::Tensor();
   }
@@ -154,10 +234,14 @@ void GradReducer::mark_nonfinite_on_device(const at::Tensor& flag) {
   if (layout_.ddp_in_place()) {
     return;  // the all-reduce already spread it
   }
+  if (host_transfers_pending_) {
+    return;  // host gradients still landing: marked at settle (mark_nonfinite_everywhere)
+  }
   at::NoGradGuard no_grad;
   const auto& pieces = layout_.segments();
   for (size_t s = 0; s < segment_grads_.size(); ++s) {
     if (layout_.trainable(pieces[s].param) && segment_grads_[s].numel() > 0) {
+      zero_if_released(buckets_[pieces[s].bucket]);
       const at::Tensor& target = segment_grads_[s];
       const at::Tensor poison = at::where(flag.gt(0), std::numeric_limits<double>::quiet_NaN(), 0.0).to(at::kFloat);
       target.reshape(-1).narrow(0, 0, 1).add_(poison.to(target.device()));
@@ -167,14 +251,21 @@ void GradReducer::mark_nonfinite_on_device(const at::Tensor& flag) {
 }
 
 void GradReducer::zero_grad(bool set_to_none) {
+  finish_host_adds();  // the host accumulators are written below
   at::NoGradGuard no_grad;
   for (auto& bucket : buckets_) {
     if (layout_.ddp_in_place()) {
       bucket.staging.zero_();
     } else {
       bucket.accum_has_value = false;
-      if (!set_to_none && bucket.accum.defined()) {
+      if (!bucket.accum.defined()) {
+        continue;
+      }
+      if (!set_to_none) {
+        ensure_accum_memory(bucket);
         bucket.accum.zero_();
+      } else if (!store_.offload()) {
+        release_storage(bucket.accum);  // [Note: accumulator memory]
       }
     }
   }
@@ -229,7 +320,19 @@ std::exception_ptr GradReducer::abandon(bool wait) {
   in_flight_.clear();
   in_flight_bytes_ = 0;
   filling_staging_bytes_ = 0;
+  if (streams_.enabled()) {
+    streams_.compute_waits_for_reduction();  // what the compute stream frees next was last used there
+  }
+  if (host_transfers_pending_) {
+    // Copies into pinned memory may be in flight: the host writes it next.
+    c10::impl::VirtualGuardImpl guard(store_.device().type());
+    guard.synchronizeDevice(store_.device().index());
+  }
   host_transfers_pending_ = false;
+  host_round_closed_ = false;
+  host_copies_on_several_streams_ = false;
+  host_copy_stream_.reset();
+  round_device_sums_.clear();
   if (layout_.ddp_in_place()) {
     publish(/*provisional=*/false);  // param.grad views the buffers again
   }
@@ -282,7 +385,7 @@ int64_t GradReducer::grad_bytes() const {
   int64_t bytes = 0;
   for (const auto& bucket : buckets_) {
     if (bucket.staging.defined()) bytes += bucket.staging.nbytes();
-    if (bucket.accum.defined()) bytes += bucket.accum.nbytes();
+    if (bucket.accum.defined()) bytes += bucket.accum.storage().nbytes();  // 0 when released
   }
   return bytes;
 }

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -27,7 +28,7 @@ constexpr std::chrono::milliseconds kHostBoundWait{2000};
 
 GradReducer::GradReducer(const Layout& layout, ParamStore& store, Communicator& comm,
                          const StepGate& gate, std::optional<c10::ScalarType> reduce_dtype)
-    : layout_(layout), store_(store), comm_(comm), gate_(gate),
+    : layout_(layout), store_(store), comm_(comm), streams_(store.device()), gate_(gate),
       reduce_dtype_(reduce_dtype.value_or(at::kFloat)) {
   TORCH_INTERNAL_ASSERT(reduce_dtype_ == at::kFloat || reduce_dtype_ == at::kBFloat16 || reduce_dtype_ == at::kHalf,
                         "gradients are reduced in float32, bfloat16 or float16");
@@ -274,6 +275,15 @@ void GradReducer::launch(int64_t b) {
       bucket.staging.narrow(0, shape.numel, shape.padded - shape.numel).zero_();
     }
   }
+  if (!layout_.ddp_in_place()) {
+    ensure_accum_memory(bucket);  // on the compute stream, which frees it at zero_grad
+  }
+  // From here on the reduction stream ([Note: the reduction stream]).
+  std::optional<c10::StreamGuard> on_reduction_stream;
+  if (streams_.enabled()) {
+    streams_.reduction_waits_for_compute();
+    on_reduction_stream.emplace(streams_.reduction());
+  }
   // Pre-divide (gloo has no AVG/PREMUL_SUM everywhere), and remove the loss
   // scale in the same pass unless the reduction runs in fp16, whose range
   // the scale is there to use.
@@ -355,15 +365,28 @@ void GradReducer::wait_all() {
   while (!in_flight_.empty()) {
     retire_oldest();
   }
-  finish_host_adds();
+  close_host_round();  // no wait: see [Note: offload without a host sync in backward]
+  if (streams_.enabled()) {
+    streams_.compute_waits_for_reduction();  // the accumulators, for the optimizer and the next round
+  }
 }
 
 void GradReducer::retire(int64_t b) {
   at::NoGradGuard no_grad;
   BucketGrads& bucket = buckets_[b];
+  std::optional<c10::StreamGuard> on_reduction_stream;
+  if (streams_.enabled()) {
+    on_reduction_stream.emplace(streams_.reduction());
+  }
   comm_.wait(bucket.work, [&] {
     return "gradient reduction of " + layout_.describe_bucket(b, gate_.progress().where());
   });
+  if (streams_.enabled() && layout_.transient_staging()) {
+    // The staging was allocated on the compute stream: it frees it once
+    // the collective that read it is done ([Note: the reduction stream]).
+    ReductionStream::wait(on_reduction_stream->original_stream(), streams_.reduction());
+    bucket.staging.reset();
+  }
   bucket.work.reset();
   bucket.phase = BucketPhase::kRetired;
   in_flight_bytes_ -= bucket.in_flight_bytes;

@@ -23,11 +23,14 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
 #include <c10/core/ScalarType.h>
+#include <c10/core/Stream.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "communicator.h"
+#include "reduction_stream.h"
 #include "layout.h"
 #include "param_store.h"
 #include "step_gate.h"
@@ -82,6 +85,9 @@ class GradReducer {
   // Epilogue: launch every bucket not yet launched (in order), then wait.
   void flush();
   void wait_all();
+  // Offload from an accelerator: the host adds of landed results, done when
+  // the host gradients are read ([Note: offload without a host sync in backward]).
+  void finish_host_adds();
   // A second round for gradients that came after their bucket went out
   // (a parameter reached twice through a reentrant checkpoint, say).
   void rerun_all();
@@ -168,11 +174,17 @@ class GradReducer {
     peak_staging_bytes_ = std::max(peak_staging_bytes_, filling_staging_bytes_ + in_flight_bytes_);
   }
   void fold_into_accum(BucketGrads& bucket, const at::Tensor& reduced, double factor);
-  void finish_host_adds();
+  // Grows an accumulator zero_grad released ([Note: accumulator memory]).
+  void ensure_accum_memory(BucketGrads& bucket);
+  // Before a read or partial write: a released accumulator holds zeros.
+  void zero_if_released(BucketGrads& bucket);
+  void note_host_copy(const at::Tensor& reduced);
+  void close_host_round();
 
   const Layout& layout_;
   ParamStore& store_;
   Communicator& comm_;
+  ReductionStream streams_;
   const StepGate& gate_;
   at::ScalarType reduce_dtype_ = at::kFloat;  // staging dtype outside the DDP layout
   std::vector<BucketGrads> buckets_;
@@ -202,6 +214,12 @@ class GradReducer {
   };
   std::vector<Dropped> dropped_;
   bool host_transfers_pending_ = false;
+  // Offload from an accelerator ([Note: offload without a host sync in backward]).
+  std::vector<at::Tensor> round_device_sums_;  // this round's reduced results, summed on the device
+  std::optional<c10::Stream> host_copy_stream_;
+  bool host_copies_on_several_streams_ = false;
+  std::optional<c10::Event> host_copies_done_;
+  bool host_round_closed_ = false;  // the epilogue recorded host_copies_done_
 
   std::vector<uint8_t> local_has_grad_;
   std::vector<uint8_t> global_has_grad_;

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -62,6 +63,9 @@ ParamStore::ParamStore(std::vector<at::Tensor> params, const Layout& layout, Com
       at::Tensor mine = values.flat.narrow(0, layout_.shard_start(b), shape.shard);
       values.master = offload_ ? at::empty({shape.shard}, host_fp32(mine.device())).copy_(mine) : mine.clone();
       has_masters_ = true;
+      if (offload_ && low_precision && !mine.device().is_cpu()) {
+        values.host_compute = at::empty({shape.shard}, values.master.options().dtype(*compute_dtype));
+      }
     }
     if (low_precision) {  // parameters compute in the low-precision copy
       values.flat = values.flat.to(*compute_dtype);
@@ -74,7 +78,9 @@ ParamStore::ParamStore(std::vector<at::Tensor> params, const Layout& layout, Com
       values.shard = mine;
       continue;
     }
-    values.shard = mine.clone();
+    if (!values.master.defined() || offload_) {
+      values.shard = mine.clone();
+    }  // else a gather casts the master ([Note: compute shard from the master])
     release_storage(values.flat);
     for (int64_t i = shape.first; i < shape.first + shape.count; ++i) {
       released_[i] = unreadable_storage(
@@ -105,9 +111,15 @@ std::vector<at::Tensor> ParamStore::segment_compute_copies() const {
   const auto& pieces = layout_.segments();
   for (size_t s = 0; s < segments_.size(); ++s) {
     const BucketValues& values = values_[pieces[s].bucket];
+    if (values.host_compute.defined()) {
+      out[s] = values.host_compute.narrow(0, pieces[s].shard_offset, segments_[s].numel()).view(segments_[s].sizes());
+      continue;
+    }
+    if (!values.master.defined() || !values.shard.defined() || !values.shard.device().is_cpu()) {
+      continue;
+    }
     const auto dtype = values.shard.scalar_type();
-    if (!values.master.defined() || !values.shard.device().is_cpu() ||
-        (dtype != at::kBFloat16 && dtype != at::kHalf)) {
+    if (dtype != at::kBFloat16 && dtype != at::kHalf) {
       continue;
     }
     out[s] = values.shard.narrow(0, pieces[s].shard_offset, segments_[s].numel()).view(segments_[s].sizes());
@@ -134,6 +146,24 @@ bool ParamStore::flat_released(int64_t b) const {
   return storage_is_released(values_[b].flat);
 }
 
+// [Note: compute shard from the master]
+// Stage 3 with fp32 masters on the parameters' device keeps no shard in the
+// compute dtype beside the master: each gather casts the master into this
+// rank's slot of the (regrown) full buffer and all-gathers in place, as
+// FSDP2's copy-in does. That saves 2 bytes per parameter over the ranks
+// (bf16), all of it at world size 1, for one cast of the shard per gather.
+// Offload keeps the device shard: its master is in host memory.
+at::Tensor ParamStore::gather_input(int64_t b) {
+  BucketValues& values = values_[b];
+  if (values.shard.defined()) {
+    return values.shard;
+  }
+  at::NoGradGuard no_grad;
+  at::Tensor slot = values.flat.narrow(0, layout_.shard_start(b), layout_.bucket(b).shard);
+  slot.copy_(values.master);
+  return slot;
+}
+
 void ParamStore::bump_versions(const std::function<bool(int64_t)>& rewritten) {
   for (size_t i = 0; i < params_.size(); ++i) {
     if (rewritten(static_cast<int64_t>(i))) {
@@ -142,16 +172,53 @@ void ParamStore::bump_versions(const std::function<bool(int64_t)>& rewritten) {
   }
 }
 
+// [Note: offload refresh]
+// Offloaded from an accelerator, the masters (and, with a compute dtype, the
+// pinned host_compute shard the fused CPU Adam writes in the same pass) go
+// back to the device with asynchronous copies from pinned memory on the
+// compute stream, so the host does not wait for them; the next forward is
+// queued behind them. An event after the copies guards the sources: the
+// host writes them again (the next step, a load) only once it has passed,
+// which it has long since done by then unless the device is a whole step
+// behind. A compute-dtype cast never runs across devices.
 void ParamStore::refresh_compute_copies() {
+  at::NoGradGuard no_grad;
+  bool sent = false;
   if (!compute_copy_written_) {
-    at::NoGradGuard no_grad;
+    wait_host_sources_free();
     for (auto& values : values_) {
-      if (values.master.defined()) {
-        values.shard.copy_(values.master);
+      if (!values.master.defined() || !values.shard.defined()) {
+        continue;
+      }
+      if (values.host_compute.defined()) {
+        values.host_compute.copy_(values.master);  // cast on the host, into pinned memory
+      } else {
+        const bool pinned_same_dtype = values.master.is_pinned() && values.master.dtype() == values.shard.dtype();
+        values.shard.copy_(values.master, /*non_blocking=*/pinned_same_dtype);
+        sent = sent || pinned_same_dtype;
       }
     }
   }
+  for (auto& values : values_) {
+    if (values.host_compute.defined()) {
+      values.shard.copy_(values.host_compute, /*non_blocking=*/true);
+      sent = true;
+    }
+  }
+  if (sent) {
+    const c10::Device device = values_[0].flat.device();
+    if (!host_sources_sent_.has_value()) {
+      host_sources_sent_.emplace(device.type());
+    }
+    host_sources_sent_->record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+  }
   compute_copy_written_ = false;
+}
+
+void ParamStore::wait_host_sources_free() {
+  if (host_sources_sent_.has_value() && !host_sources_sent_->query()) {
+    host_sources_sent_->synchronize();
+  }
 }
 
 void ParamStore::all_gather_updated(const std::function<bool(int64_t)>& touched) {
@@ -172,7 +239,8 @@ void ParamStore::write_back_shards() {
   at::NoGradGuard no_grad;
   for (int64_t b = 0; b < layout_.num_buckets(); ++b) {
     // Gathered buckets only: full_params on a submodule gathers its units alone.
-    if (layout_.params_sharded() && !flat_released(b)) {
+    // Without a compute shard the caller loads the masters instead.
+    if (layout_.params_sharded() && values_[b].shard.defined() && !flat_released(b)) {
       values_[b].shard.copy_(values_[b].flat.narrow(0, layout_.shard_start(b), layout_.bucket(b).shard));
     }
   }
@@ -190,7 +258,7 @@ std::vector<at::Tensor> ParamStore::full_masters() {
       full[b] = shard.clone();  // a snapshot, not the live buffer
       continue;
     }
-    shard = shard.to(values.shard.device());
+    shard = shard.to(values.flat.device());
     full[b] = at::empty({layout_.bucket(b).padded}, shard.options());
     works[b] = comm_.all_gather(full[b], shard);
   }
@@ -207,6 +275,7 @@ std::vector<at::Tensor> ParamStore::full_masters() {
 void ParamStore::load_masters(const std::vector<at::Tensor>& full_params) {
   TORCH_INTERNAL_ASSERT(full_params.size() == params_.size(), "one tensor per parameter");
   at::NoGradGuard no_grad;
+  wait_host_sources_free();
   for (const ShardPiece& piece : layout_.local_pieces()) {
     BucketValues& values = values_[piece.bucket];
     if (values.master.defined()) {
@@ -215,9 +284,9 @@ void ParamStore::load_masters(const std::vector<at::Tensor>& full_params) {
     }
   }
   for (auto& values : values_) {
-    if (values.master.defined()) {
+    if (values.master.defined() && values.shard.defined()) {
       values.shard.copy_(values.master);
-    }
+    }  // else the next gather casts the new master
   }
 }
 
@@ -253,7 +322,7 @@ int64_t ParamStore::param_bytes() const {
   int64_t bytes = 0;
   for (const auto& values : values_) {
     bytes += values.flat.storage().nbytes();
-    if (layout_.params_sharded()) bytes += values.shard.nbytes();
+    if (layout_.params_sharded() && values.shard.defined()) bytes += values.shard.nbytes();
   }
   return bytes;
 }

@@ -3,8 +3,8 @@
 //
 //   flat    the full bucket the parameters view (stage 3: released between
 //           uses, see [Note: release by resize] in storage_release.h)
-//   shard   this rank's slice of flat (stage 3: memory of its own; replicated:
-//           the whole bucket)
+//   shard   this rank's slice of flat (stage 3: memory of its own, unless the
+//           gather casts it from the master; replicated: the whole bucket)
 //   master  fp32 shard the optimizer steps when parameters compute in lower
 //           precision or the optimizer is offloaded (host memory then)
 // Parameters compute in the "compute copy" (flat/shard), refreshed from the
@@ -17,6 +17,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
 #include <c10/core/ScalarType.h>
 #include <c10/core/Storage.h>
 
@@ -30,6 +31,10 @@ struct BucketValues {
   at::Tensor flat;
   at::Tensor shard;
   at::Tensor master;
+  // Offload from an accelerator with a compute dtype: the shard in that
+  // dtype in pinned host memory, which the fused CPU Adam writes and the
+  // refresh copies to the device asynchronously.
+  at::Tensor host_compute;
 };
 
 class ParamStore {
@@ -59,7 +64,9 @@ class ParamStore {
   void release_flat(int64_t b);
   bool flat_released(int64_t b) const;
   at::Tensor& flat_mut(int64_t b) { return values_[b].flat; }
-  at::Tensor& shard_mut(int64_t b) { return values_[b].shard; }
+  // Stage 3: what a gather of bucket b sends, in the compute dtype: the
+  // shard, or the master cast into flat's own slot (flat must be grown).
+  at::Tensor gather_input(int64_t b);
 
   // Parameters whose values were just rewritten (step, load) bump their
   // autograd version, as an in-place update in plain PyTorch would, so a
@@ -70,7 +77,12 @@ class ParamStore {
   void note_compute_copy_written() { compute_copy_written_ = true; }
   void forget_compute_copy_written() { compute_copy_written_ = false; }
   // Masters -> compute copies of the shards (unless the optimizer wrote them).
+  // Offload from an accelerator: host-to-device copies from pinned memory,
+  // not waited for ([Note: offload refresh]).
   void refresh_compute_copies();
+  // Before the host writes what the last refresh copies from (the masters,
+  // host_compute): those copies are done. Queried first; waits only if not.
+  void wait_host_sources_free();
   // Stages 1-2: all-gather the shards of the buckets `touched` says changed.
   void all_gather_updated(const std::function<bool(int64_t)>& touched);
   // After full parameters were written in place (stage 3, gathered buckets):
@@ -102,6 +114,7 @@ class ParamStore {
   std::vector<c10::Storage> released_;
   bool has_masters_ = false;
   bool offload_ = false;
+  std::optional<c10::Event> host_sources_sent_;
   bool compute_copy_written_ = false;
 };
 

@@ -360,6 +360,7 @@ void ShardedModel::check_before_step() {
   std::lock_guard<std::mutex> lock(mutex_);
   round_.reset_if_stale();
   round_.settle(/*keep=*/true);
+  store_.wait_host_sources_free();  // the optimizer writes the masters next
   hooks_.verify_accumulators();
   for (int64_t i = 0; i < layout_.num_params(); ++i) {
     if (!layout_.trainable(i)) {

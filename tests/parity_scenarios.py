@@ -696,7 +696,9 @@ def state_bytes_match_the_stage(ctx: Context) -> None:
     ctx.record_params("after step", model)
     labels = ["padding below world size per bucket", "parameter bytes: full model (stage 3: shard)",
               "gradient bytes match the stage", "optimizer state covers exactly its elements",
-              "optimizer shards tile the model exactly once"]
+              "optimizer shards tile the model exactly once",
+              "zero_grad(): the gradient shards' memory goes back (only DDP-style buckets stay)",
+              "zero_grad(set_to_none=False): zeroed gradients hold their memory again"]
     if ctx.reference:
         ctx.record_checks(labels)
         return
@@ -710,12 +712,20 @@ def state_bytes_match_the_stage(ctx: Context) -> None:
     total = torch.tensor([opt_elems])
     if ctx.stage > 0 and ctx.world > 1:
         torch.distributed.all_reduce(total)
+    # set_to_none=True frees gradients as in plain PyTorch; stages 0-1 keep
+    # their full buckets, as DDP keeps its.
+    opt.zero_grad()
+    after_zero_grad = model._zero_ext.buckets.stats()["grad_bytes"]
+    opt.zero_grad(set_to_none=False)
+    after_zeroing = model._zero_ext.buckets.stats()["grad_bytes"]
     checks = [
         n_elems <= padded < n_elems + ctx.world * stats["buckets"],
         stats["param_bytes"] == expected_params and stats["gathered_units"] == 0,
         stats["grad_bytes"] == expected_grad,
         state_elems == 2 * opt_elems,
         int(total) == n_elems,
+        after_zero_grad == {0: padded, 1: padded, 2: 0, 3: 0}[ctx.stage] * 4,
+        after_zeroing == expected_grad,
     ]
     ctx.record_checks(labels, checks)
 
@@ -1134,6 +1144,26 @@ def _mixed_training(ctx: Context, model: nn.Module, make_optimizer, loss_of_step
         ctx.record_check(f"step {step}: masters hold fp32 values", ok_precision)
         ctx.record_check(f"step {step}: parameters are the masters rounded to the compute dtype", ok_copy)
         ctx.record_check(f"step {step}: loss scale unchanged", ok_scale)
+        ctx.record_check(f"step {step}: bytes held after zero_grad()",
+                         ctx.reference or _mixed_bytes_after_zero_grad(ctx, model, precision, offload))
+
+
+def _mixed_bytes_after_zero_grad(ctx: Context, model: nn.Module, precision, offload: bool) -> bool:
+    """Between steps a rank holds what FSDP2 holds at most: no gradient
+    shard memory (stages 0-1 keep their full buckets, as DDP does; offload
+    keeps its pinned host accumulator), and in stage 3 no parameter
+    memory in the compute dtype beside the fp32 master (a gather casts the
+    master; offload keeps the compute-dtype shard on the device)."""
+    buckets = model._zero_ext.buckets
+    stats = buckets.stats()
+    padded = sum(buckets.bucket_layout()[2::3])  # (first, count, padded) per bucket
+    shard = padded if ctx.stage == 0 else padded // ctx.world
+    reduce_dtype = precision.reduce_dtype or torch.float32
+    staging = padded * reduce_dtype.itemsize if ctx.stage < 2 else 0
+    accum = 4 * shard if offload else 0
+    compute = precision.param_dtype.itemsize
+    params = (shard * compute if offload else 0) if ctx.stage == 3 else padded * compute
+    return stats["grad_bytes"] == staging + accum and stats["param_bytes"] == params
 
 
 def _mlp_mixed_loss(ctx: Context, dtype: torch.dtype):
