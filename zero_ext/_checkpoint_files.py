@@ -519,12 +519,17 @@ class Checkpoint:
         return packed_value["value"]
 
     def close(self) -> None:
-        for f in self.files.values():
-            f.close()
-        self.files.clear()
-        if self.dir_fd is not None:
-            os.close(self.dir_fd)
-            self.dir_fd = None
+        close_opened(self)
+
+
+def close_opened(owner: Any) -> None:
+    """Closes a reader's open files (owner.files) and its directory (owner.dir_fd)."""
+    for f in owner.files.values():
+        f.close()
+    owner.files.clear()
+    if owner.dir_fd is not None:
+        os.close(owner.dir_fd)
+        owner.dir_fd = None
 
 
 class PieceReader:
