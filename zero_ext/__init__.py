@@ -12,6 +12,7 @@ from ._clip import clip_grad_norm_
 from ._full_params import full_params
 from ._report import memory_report
 from ._state_dict import full_grads, full_state_dict, load_full_state_dict
+from ._weights import load_weights
 from ._wrap import wrap
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "full_state_dict",
     "load",
     "load_full_state_dict",
+    "load_weights",
     "memory_report",
     "save",
     "wrap",
