@@ -108,6 +108,7 @@ TORCH_LIBRARY(zero_ext, m) {
       .def("refresh_params_from_shards", &ShardedModel::refresh_params_from_shards)
       .def("has_masters", &ShardedModel::has_masters)
       .def("full_masters", &ShardedModel::full_masters)
+      .def("full_masters_of", &ShardedModel::full_masters_of)
       .def("load_masters", &ShardedModel::load_masters)
       // The unit actions go through their registered ops (core_ops.h).
       .def("begin_forward", &ShardedModel::begin_forward)

@@ -247,27 +247,39 @@ void ParamStore::write_back_shards() {
 }
 
 std::vector<at::Tensor> ParamStore::full_masters() {
+  std::vector<int64_t> every(layout_.num_buckets());
+  for (int64_t b = 0; b < layout_.num_buckets(); ++b) every[b] = b;
+  return full_masters_of(every);
+}
+
+std::vector<at::Tensor> ParamStore::full_masters_of(const std::vector<int64_t>& buckets) {
   at::NoGradGuard no_grad;
-  const int64_t n_buckets = layout_.num_buckets();
-  std::vector<at::Tensor> full(n_buckets);
-  std::vector<c10::intrusive_ptr<c10d::Work>> works(n_buckets);
-  for (int64_t b = 0; b < n_buckets; ++b) {
+  std::vector<at::Tensor> full(buckets.size());
+  std::vector<c10::intrusive_ptr<c10d::Work>> works(buckets.size());
+  for (size_t k = 0; k < buckets.size(); ++k) {
+    const int64_t b = buckets[k];
+    TORCH_CHECK(b >= 0 && b < layout_.num_buckets(), "zero_ext internal: no bucket ", b);
     BucketValues& values = values_[b];
     at::Tensor shard = values.master.defined() ? values.master : values.shard.to(at::kFloat);
     if (layout_.replicated()) {
-      full[b] = shard.clone();  // a snapshot, not the live buffer
+      full[k] = shard.clone();  // a snapshot, not the live buffer
       continue;
     }
     shard = shard.to(values.flat.device());
-    full[b] = at::empty({layout_.bucket(b).padded}, shard.options());
-    works[b] = comm_.all_gather(full[b], shard);
+    full[k] = at::empty({layout_.bucket(b).padded}, shard.options());
+    works[k] = comm_.all_gather(full[k], shard);
   }
-  for (int64_t b = 0; b < n_buckets; ++b) {
-    comm_.wait(works[b], [&] { return "all-gather of master weights of " + layout_.describe_bucket(b, progress_.where()); });
+  for (size_t k = 0; k < buckets.size(); ++k) {
+    comm_.wait(works[k], [&] {
+      return "all-gather of master weights of " + layout_.describe_bucket(buckets[k], progress_.where());
+    });
   }
-  std::vector<at::Tensor> out(params_.size());
-  for (size_t i = 0; i < params_.size(); ++i) {
-    out[i] = full[layout_.bucket_of(i)].narrow(0, layout_.offset(i), layout_.numel(i)).view(params_[i].sizes());
+  std::vector<at::Tensor> out;
+  for (size_t k = 0; k < buckets.size(); ++k) {
+    const BucketShape& shape = layout_.bucket(buckets[k]);
+    for (int64_t i = shape.first; i < shape.first + shape.count; ++i) {
+      out.push_back(full[k].narrow(0, layout_.offset(i), layout_.numel(i)).view(params_[i].sizes()));
+    }
   }
   return out;
 }

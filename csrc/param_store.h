@@ -91,6 +91,9 @@ class ParamStore {
 
   // Collective: each parameter's fp32 master value (flat).
   std::vector<at::Tensor> full_masters();
+  // Collective: the same for the parameters of `buckets` only, in parameter
+  // order (memory: those buckets), so a model can be written bucket by bucket.
+  std::vector<at::Tensor> full_masters_of(const std::vector<int64_t>& buckets);
   void load_masters(const std::vector<at::Tensor>& full_params);
   // Per bucket, the tensor holding this rank's values (master, else shard).
   std::vector<at::Tensor> local_value_shards() const;

@@ -138,6 +138,7 @@ class ShardedModel : public torch::CustomClassHolder {
   bool has_masters();
   bool replicated();
   std::vector<at::Tensor> full_masters();
+  std::vector<at::Tensor> full_masters_of(std::vector<int64_t> buckets);
   void load_masters(std::vector<at::Tensor> full_params);
   std::vector<at::Tensor> local_value_shards();
   // Flat (param, start in param, bucket, start in that bucket's local shard,

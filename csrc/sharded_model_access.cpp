@@ -49,6 +49,11 @@ std::vector<at::Tensor> ShardedModel::full_masters() {
   return store_.full_masters();
 }
 
+std::vector<at::Tensor> ShardedModel::full_masters_of(std::vector<int64_t> buckets) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return store_.full_masters_of(buckets);
+}
+
 void ShardedModel::load_masters(std::vector<at::Tensor> full_params) {
   std::lock_guard<std::mutex> lock(mutex_);
   store_.load_masters(full_params);

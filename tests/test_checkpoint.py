@@ -93,6 +93,30 @@ def test_convert_gives_a_plain_state_dict(saved_at_world_4, tmp_path):
     assert torch.equal(sd["out.weight"], fresh.out.weight.detach().to(torch.bfloat16))
 
 
+def test_convert_to_safetensors_matches_the_state_dict(saved_at_world_4, tmp_path):
+    """--format safetensors: the same values the .pt conversion holds, as
+    one file or in Hugging Face's sharded layout, read by the package."""
+    from safetensors.torch import load_file
+
+    ckpt = os.path.join(saved_at_world_4, "saved-stage2-bf16")
+    plain = str(tmp_path / "plain.pt")
+    convert(ckpt, plain)
+    want = torch.load(plain, weights_only=True)
+    out = str(tmp_path / "hf")
+    subprocess.run([sys.executable, "-m", "zero_ext.convert", ckpt, out, "--format", "safetensors",
+                    "--max-shard-size", "200"], check=True, capture_output=True)
+    files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
+    assert len(files) > 2 and os.path.exists(os.path.join(out, "model.safetensors.index.json"))
+    got = {}
+    for f in files:
+        got.update(load_file(os.path.join(out, f)))
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    single = str(tmp_path / "half.safetensors")
+    convert(ckpt, single, torch.bfloat16, format="safetensors")
+    half = load_file(single)
+    assert all(torch.equal(half[k], want[k].to(torch.bfloat16)) for k in want if want[k].is_floating_point())
+
+
 @pytest.mark.parametrize("fault", ["after_shards:1", "before_publish:0", "between_renames:0"])
 def test_a_crash_during_save_leaves_the_previous_checkpoint(fault, tmp_path):
     root = str(tmp_path)

@@ -154,3 +154,10 @@ def test_index_naming_a_tensor_its_file_lacks_is_refused(tmp_path):
                                    "v": "model-00001-of-00001.safetensors"}, total_size=8)
     with pytest.raises(ValueError, match="does not hold it"):
         st.SafetensorsDirectory(str(tmp_path))
+
+
+def test_shard_sizes_read_as_transformers_writes_them():
+    assert [st.parse_size(x) for x in ("200", "5GB", "500MiB", "1.5KB", 7)] == [200, 5 * 10**9, 500 * 2**20, 1500, 7]
+    for bad in ("0", "lots", "-1", True, 0, 2.5):
+        with pytest.raises(ValueError, match="max_shard_size"):
+            st.parse_size(bad)

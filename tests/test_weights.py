@@ -104,3 +104,23 @@ def test_a_source_that_is_not_weights_is_named(tmp_path):
         zero_ext.load_weights(model, str(tmp_path))
     with pytest.raises(TypeError, match="state dict, a file or a directory"):
         zero_ext.load_weights(model, 3)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_save_weights_in_every_stage_is_what_the_package_reads(world, tmp_path):
+    results = run_on_ranks(world, "weights_scenarios:save_in_every_stage", (str(tmp_path),), deadline_s=600)
+    failures = [f"rank {r} {label}: {problem}" for r, per_rank in enumerate(results)
+                for label, problem in per_rank.items() if problem]
+    assert len(results[0]) == len(CONFIGS)
+    assert not failures, "\n".join(failures)
+
+
+def test_save_weights_replaces_an_earlier_layout(tmp_path):
+    model, _ = _wrapped(stage=3)
+    out = str(tmp_path / "out")
+    zero_ext.save_weights(model, out, max_shard_size=600)
+    assert len([f for f in os.listdir(out) if f.endswith(".safetensors")]) > 2
+    zero_ext.save_weights(model, out)  # now one file: the shards and the index go
+    assert sorted(os.listdir(out)) == ["model.safetensors"]
+    with pytest.raises(ValueError, match="max_shard_size"):
+        zero_ext.save_weights(model, out, max_shard_size="lots")

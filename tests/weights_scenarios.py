@@ -131,3 +131,50 @@ def error_on_one_rank(rank: int, world: int, root: str) -> str:
     except ValueError as error:
         return str(error)
     return "no error"
+
+
+def save_in_every_stage(rank: int, world: int, root: str) -> Dict[str, Optional[str]]:
+    """save_weights in every configuration: what the safetensors package
+    reads back is the model's fp32 weights (each tied parameter once), in
+    Hugging Face's sharded layout past max_shard_size or as one file, cast
+    when asked; load_weights reads it back into a fresh wrapped model."""
+    from safetensors.torch import load_file
+
+    want = pretrained()
+    del want["head.weight"]
+    results: Dict[str, Optional[str]] = {}
+    for stage, precision, offload in CONFIGS:
+        label = f"stage{stage}-{precision or 'fp32'}{'-offload' if offload else ''}"
+        problems: List[str] = []
+        try:
+            def wrapped(seed: int):
+                model = build(seed=seed)
+                opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+                return zero_ext.wrap(model, opt, stage=stage, mixed_precision=precision, bucket_mb=0.002,
+                                     offload_optimizer="cpu" if offload else None, timeout=20)[0]
+            model = wrapped(seed=7)
+            out = os.path.join(root, label)
+            zero_ext.save_weights(model, out, max_shard_size=600)
+            single = os.path.join(root, label + "-bf16.safetensors")
+            zero_ext.save_weights(model, single, dtype=torch.bfloat16)
+            if rank == 0:
+                files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
+                if len(files) < 3 or not os.path.exists(os.path.join(out, st.INDEX)):
+                    problems.append(f"not the sharded layout: {os.listdir(out)}")
+                got = {}
+                for f in files:
+                    got.update(load_file(os.path.join(out, f)))
+                if set(got) != set(want):
+                    problems.append(f"keys {sorted(set(got) ^ set(want))} differ")
+                problems += [f"{n} differs" for n in want if n in got and not torch.equal(got[n], want[n])]
+                cast = load_file(single)
+                problems += [f"bf16 {n} differs" for n in want
+                             if not torch.equal(cast[n], want[n].to(torch.bfloat16))]
+            fresh = wrapped(seed=0)
+            zero_ext.load_weights(fresh, out)
+            full = zero_ext.full_state_dict(fresh)
+            problems += [f"round trip: {n} differs" for n in want if not torch.equal(full[n].float(), want[n])]
+        except Exception as error:  # noqa: BLE001 - reported per label
+            problems.append(f"{type(error).__name__}: {error}")
+        results[label] = "; ".join(problems) or None
+    return results

@@ -11,8 +11,9 @@ from ._checkpoint import load, save
 from ._clip import clip_grad_norm_
 from ._full_params import full_params
 from ._report import memory_report
+from ._save_weights import save_weights
 from ._state_dict import full_grads, full_state_dict, load_full_state_dict
-from ._weights import load_weights
+from ._load_weights import load_weights
 from ._wrap import wrap
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "load_weights",
     "memory_report",
     "save",
+    "save_weights",
     "wrap",
 ]
 __version__ = "0.1.0"

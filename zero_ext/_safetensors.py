@@ -23,7 +23,7 @@ import os
 import re
 import stat
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -267,6 +267,75 @@ def split_into_files(entries: Sequence[Tuple[str, torch.dtype, Sequence[int]]], 
         return [(f"{stem}.safetensors", groups[0] if groups else [])]
     k = len(groups)
     return [(f"{stem}-{g + 1:05d}-of-{k:05d}.safetensors", group) for g, group in enumerate(groups)]
+
+
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: Union[int, str], who: str = "zero_ext") -> int:
+    """Bytes from an int or a string like "5GB" / "500MiB" (Hugging Face's convention: GB = 10^9)."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(B|[KMGT]I?B)?\s*", size.upper()) if isinstance(size, str) else None
+    if not match or float(match.group(1)) <= 0:
+        raise ValueError(f"{who}: max_shard_size must be a positive number of bytes or a "
+                         f"string like '5GB' or '500MiB', got {size!r}")
+    return max(1, int(float(match.group(1)) * _UNITS[match.group(2) or "B"]))
+
+
+_WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors\Z")
+
+
+class ModelWriter:
+    """A model's tensors, given one at a time in a declared order, written as
+    one file (a path ending in .safetensors) or as a directory in Hugging
+    Face's layout: model.safetensors, or past max_bytes the numbered files
+    plus their index (written last). finish() removes weight files an
+    earlier save left that this one does not list. Memory: one tensor."""
+
+    def __init__(self, path: str, entries: Sequence[Tuple[str, torch.dtype, Sequence[int]]], max_bytes: int):
+        self.entries = list(entries)
+        self.single = path.endswith(".safetensors")
+        if self.single:
+            self.directory = os.path.dirname(os.path.abspath(path))
+            self.plan = [(os.path.basename(path), list(range(len(self.entries))))]
+        else:
+            self.directory = path
+            self.plan = split_into_files(self.entries, max_bytes)
+        self.file_of = {i: k for k, (_, group) in enumerate(self.plan) for i in group}
+        self.writers: Dict[int, SafetensorsWriter] = {}
+        os.makedirs(self.directory, exist_ok=True)
+
+    def put(self, i: int, tensor: torch.Tensor) -> None:
+        name, dtype, _ = self.entries[i]
+        k = self.file_of[i]
+        if k not in self.writers:
+            file, group = self.plan[k]
+            self.writers[k] = SafetensorsWriter(os.path.join(self.directory, file),
+                                                [self.entries[j] for j in group], {"format": "pt"})
+        self.writers[k].write(name, tensor.to(dtype))
+        if i == self.plan[k][1][-1]:
+            self.writers.pop(k).close()
+
+    def finish(self) -> None:
+        if self.writers:
+            raise RuntimeError("zero_ext internal: a weight file was left unfinished")
+        if self.single:
+            return
+        if len(self.plan) > 1:
+            total = sum(_numel(shape) * torch.empty((), dtype=dtype).element_size() for _, dtype, shape in self.entries)
+            write_index(self.directory, {self.entries[i][0]: f for f, group in self.plan for i in group}, total)
+        elif os.path.lexists(os.path.join(self.directory, INDEX)):
+            os.unlink(os.path.join(self.directory, INDEX))
+        written = {f for f, _ in self.plan}
+        for old in os.listdir(self.directory):
+            if _WEIGHT_FILE.match(old) and old not in written:
+                os.unlink(os.path.join(self.directory, old))
+
+    def abort(self) -> None:
+        for writer in self.writers.values():
+            writer.abort()
+        self.writers.clear()
 
 
 def write_index(directory: str, weight_map: Dict[str, str], total_size: int) -> None:

@@ -1,12 +1,16 @@
-"""Converts a zero_ext checkpoint into a plain PyTorch state_dict file.
+"""Converts a zero_ext checkpoint into a plain PyTorch state_dict file, or
+into safetensors (one file, or Hugging Face's sharded layout).
 
     python -m zero_ext.convert CHECKPOINT OUT.pt [--dtype fp32|bf16|fp16]
+    python -m zero_ext.convert CHECKPOINT OUT_DIR --format safetensors [--max-shard-size 5GB]
 
 The result loads with `model.load_state_dict(torch.load("OUT.pt"))` where
 zero_ext is not installed. Peak memory stays near the largest parameter, not
 the model: the output file is first written with its tensor bytes left out
 (torch.serialization.skip_data), then each parameter is assembled from the
-shard files, one at a time, and written into its place in the file.
+shard files, one at a time, and written into its place in the file. The
+safetensors output is written parameter by parameter too (each tied
+parameter once, under its first name, as Hugging Face writes them).
 
 Uses only torch and the checkpoint format module (no C++ extension).
 """
@@ -21,6 +25,7 @@ from typing import Dict, Optional
 import torch
 
 from . import _checkpoint_files as files
+from . import _safetensors as st
 
 _DTYPE_ARGS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -41,25 +46,65 @@ def _record_offsets(out: str) -> Dict[str, tuple]:
     return offsets
 
 
-def convert(checkpoint: str, out: str, dtype: Optional[torch.dtype] = None) -> None:
-    """Writes a plain state_dict of the checkpointed model to `out`
-    (parameters as fp32 masters, or cast to `dtype`; buffers as saved).
-    The checkpoint is validated first, exactly as zero_ext.load does."""
+def convert(checkpoint: str, out: str, dtype: Optional[torch.dtype] = None, format: str = "pt",
+            max_shard_size="5GB") -> None:
+    """Writes the checkpointed model's weights to `out` (parameters as fp32
+    masters, or cast to `dtype`; buffers as saved): a torch.save state_dict
+    (format="pt"), or safetensors (a file if `out` ends in .safetensors, else
+    a directory in Hugging Face's layout). The checkpoint is validated
+    first, exactly as zero_ext.load does."""
+    if format not in ("pt", "safetensors"):
+        raise ValueError(f"zero_ext.convert: format must be 'pt' or 'safetensors', got {format!r}")
+    max_bytes = st.parse_size(max_shard_size, "zero_ext.convert")
     ckpt = files.Checkpoint(os.path.abspath(checkpoint), "zero_ext.convert")
     try:
-        _convert(ckpt, out, dtype)
+        if format == "pt":
+            _convert(ckpt, out, dtype)
+        else:
+            _convert_safetensors(ckpt, out, dtype, max_bytes)
     finally:
         ckpt.close()
 
 
-def _convert(ckpt: "files.Checkpoint", out: str, dtype: Optional[torch.dtype]) -> None:
-    meta = ckpt.meta
-    reader = files.PieceReader(ckpt)
+def _buffers(ckpt: "files.Checkpoint") -> Dict[str, torch.Tensor]:
     buffers = ckpt.load_pt("buffers.pt")
     if not isinstance(buffers, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
                                                 for k, v in buffers.items()):
         raise ValueError(f"zero_ext.convert: {ckpt.path('buffers.pt')} is not a name -> tensor mapping; "
                          "restore the checkpoint from a good copy")
+    return buffers
+
+
+def _convert_safetensors(ckpt: "files.Checkpoint", out: str, dtype: Optional[torch.dtype], max_bytes: int) -> None:
+    reader = files.PieceReader(ckpt)
+    buffers = _buffers(ckpt)
+
+    def cast(stored: torch.dtype) -> torch.dtype:
+        return dtype if dtype is not None and stored.is_floating_point else stored
+
+    entries, params = [], ckpt.meta["params"]
+    for param in params:
+        entries.append((param["aliases"][0], cast(files.dtype_of(param["dtype"])), tuple(param["shape"])))
+    for name, buf in buffers.items():
+        entries.append((name, cast(buf.dtype), tuple(buf.shape)))
+    writer = st.ModelWriter(out, entries, max_bytes)
+    try:
+        for i, param in enumerate(params):
+            numel = 1
+            for d in param["shape"]:
+                numel *= d
+            writer.put(i, reader.read("param", param["name"], 0, numel).view(param["shape"]))
+        for k, buf in enumerate(buffers.values()):
+            writer.put(len(params) + k, buf)
+        writer.finish()
+    finally:
+        writer.abort()
+
+
+def _convert(ckpt: "files.Checkpoint", out: str, dtype: Optional[torch.dtype]) -> None:
+    meta = ckpt.meta
+    reader = files.PieceReader(ckpt)
+    buffers = _buffers(ckpt)
 
     # Skeleton: uninitialized tensors (never touched, so never resident);
     # tied names share one tensor, as in the model's own state_dict.
@@ -123,11 +168,16 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m zero_ext.convert", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="a directory written by zero_ext.save")
-    parser.add_argument("out", help="the state_dict file to write (torch.save format)")
+    parser.add_argument("out", help="the file to write (torch.save format), or with --format safetensors "
+                                    "a .safetensors file or a directory (Hugging Face's layout)")
     parser.add_argument("--dtype", choices=sorted(_DTYPE_ARGS), default=None,
                         help="cast floating parameters to this dtype (default: fp32 masters as saved)")
+    parser.add_argument("--format", choices=("pt", "safetensors"), default="pt")
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="safetensors into a directory: the most bytes per file (default: 5GB)")
     args = parser.parse_args(argv)
-    convert(args.checkpoint, args.out, _DTYPE_ARGS[args.dtype] if args.dtype else None)
+    convert(args.checkpoint, args.out, _DTYPE_ARGS[args.dtype] if args.dtype else None, args.format,
+            args.max_shard_size)
     print(f"wrote {args.out}")
 
 
