@@ -30,18 +30,22 @@ BASE_PY=${PYTHON:-python3}
 SUBSET=(tests/test_parity.py tests/test_errors.py tests/test_checkpoint.py tests/test_checkpoint_trust.py
         tests/test_trust.py tests/test_cpu_adam.py tests/test_mixed_precision.py tests/test_selfcheck.py
         tests/test_default_settings.py tests/test_benchmarks.py tests/test_core_ops.py tests/test_python_calls.py
-        tests/test_components.py)
+        tests/test_components.py tests/test_safetensors.py tests/test_weights.py)
 mkdir -p "$ENVS"
 
 env_torch_version() {  # the torch version a venv has, or nothing
   "$1/bin/python" -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null
 }
 
+TEST_DEPS=(pytest ninja setuptools wheel numpy safetensors)
+
 prepare_env() {  # $1 version, $2 env dir: a venv whose torch is $1
   local version=$1 env=$2
-  # Reused only if its set-up finished (the marker is written last).
+  # Reused only if its set-up finished (the marker is written last); test
+  # tools added since are installed into it (a no-op when present).
   if [ -f "$env/.complete" ] && [ "$(env_torch_version "$env")" = "$version" ]; then
     echo "[torch $version] reusing $env"
+    "$env/bin/python" -m pip install --quiet "${TEST_DEPS[@]}" >>"$env.pip.log" 2>&1 || { tail "$env.pip.log"; return 1; }
     return 0
   fi
   echo "[torch $version] creating $env"
@@ -51,7 +55,7 @@ prepare_env() {  # $1 version, $2 env dir: a venv whose torch is $1
   # Pinned: the CPU build where the registry has one (2.13.0 here), else the
   # standard wheel, which imports and runs on CPU.
   "$env/bin/python" -m pip install --quiet "torch==$version" >"$env.pip.log" 2>&1 || { tail "$env.pip.log"; return 1; }
-  "$env/bin/python" -m pip install --quiet pytest ninja setuptools wheel numpy >>"$env.pip.log" 2>&1 \
+  "$env/bin/python" -m pip install --quiet "${TEST_DEPS[@]}" >>"$env.pip.log" 2>&1 \
     || { tail "$env.pip.log"; return 1; }
   [ "$(env_torch_version "$env")" = "$version" ] && touch "$env/.complete"
 }

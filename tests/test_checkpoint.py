@@ -96,8 +96,7 @@ def test_convert_gives_a_plain_state_dict(saved_at_world_4, tmp_path):
 def test_convert_to_safetensors_matches_the_state_dict(saved_at_world_4, tmp_path):
     """--format safetensors: the same values the .pt conversion holds, as
     one file or in Hugging Face's sharded layout, read by the package."""
-    from safetensors.torch import load_file
-
+    load_file = pytest.importorskip("safetensors.torch").load_file  # installed by scripts/setup.sh
     ckpt = os.path.join(saved_at_world_4, "saved-stage2-bf16")
     plain = str(tmp_path / "plain.pt")
     convert(ckpt, plain)
