@@ -335,6 +335,15 @@ int64_t ParamStore::param_bytes() const {
   for (const auto& values : values_) {
     bytes += values.flat.storage().nbytes();
     if (layout_.params_sharded() && values.shard.defined()) bytes += values.shard.nbytes();
+    if (values.host_compute.defined()) bytes += values.host_compute.nbytes();  // pinned, in host memory
+  }
+  return bytes;
+}
+
+int64_t ParamStore::host_compute_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& values : values_) {
+    if (values.host_compute.defined()) bytes += values.host_compute.nbytes();
   }
   return bytes;
 }

@@ -105,6 +105,7 @@ class ParamStore {
 
   int64_t param_bytes() const;
   int64_t master_bytes() const;
+  int64_t host_compute_bytes() const;  // of param_bytes, in pinned host memory (offload on a GPU)
 
  private:
   const Layout& layout_;

@@ -127,7 +127,7 @@ c10::Dict<std::string, int64_t> ShardedModel::stats() {
   out.insert("param_gathers", units_ ? units_->param_gathers() : 0);
   out.insert("buckets", layout_.num_buckets());
   int64_t host_bytes = reducer_.host_bytes();
-  if (store_.offload()) host_bytes += store_.master_bytes();
+  if (store_.offload()) host_bytes += store_.master_bytes() + store_.host_compute_bytes();
   out.insert("host_bytes", host_bytes);  // offload: of the above, in host memory
   out.insert("host_landing_buffers", reducer_.host_landing_buffers());
   out.insert("nonfinite_backwards", gate_.nonfinite_backwards());

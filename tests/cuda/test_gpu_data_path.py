@@ -206,3 +206,23 @@ def test_reduction_stream_changes_no_bit(stage, offload, monkeypatch):
     with_stream, one_stream = trained(True), trained(False)
     for name, value in one_stream.items():
         assert torch.equal(with_stream[name], value), name
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offload_counts_its_pinned_compute_shard(stage):
+    """Offload on a GPU keeps a pinned bf16 copy of the shard the CPU Adam
+    writes (the source of the asynchronous refresh): stats count it in
+    param_bytes and in host_bytes, byte for byte."""
+    model = Deep(depth=4).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = zero_ext.wrap(model, opt, stage=stage, bucket_mb=4, mixed_precision="bf16",
+                               offload_optimizer="cpu", units={nn.Linear} if stage == 3 else None)
+    train(model, opt, batches(1))
+    buckets = model._zero_ext.buckets
+    stats = buckets.stats()
+    padded = sum(buckets.bucket_layout()[2::3])  # (first, count, padded) per bucket
+    shard = padded // dist.get_world_size()
+    device_params = shard * 2 if stage == 3 else padded * 2
+    pinned_compute = shard * 2
+    assert stats["param_bytes"] == device_params + pinned_compute, stats
+    assert stats["host_bytes"] >= 4 * shard + pinned_compute, stats
