@@ -17,6 +17,7 @@
 #include "layout.h"
 #include "sharded_model.h"
 #include "step_gate.h"
+#include "storage_release.h"
 
 namespace zero_ext {
 
@@ -82,10 +83,13 @@ TORCH_LIBRARY(zero_ext, m) {
       "Tensor(d!)? max_exp_avg_sq, Tensor(e!)? param_lowp, float lr, float beta1, float beta2, "
       "float eps, float weight_decay, int step, bool decoupled_weight_decay, bool amsgrad, "
       "bool maximize) -> ()");
+  m.def("unreadable_tensor(int[] size, ScalarType dtype, Device device, str message) -> Tensor",
+        &unreadable_tensor);
   m.class_<ShardedModel>("ShardedModel")
       .def(torch::init<std::vector<at::Tensor>, std::vector<std::string>, std::vector<int64_t>,
                        std::vector<int64_t>, std::vector<int64_t>, int64_t, std::string, std::string,
-                       int64_t, std::optional<c10::ScalarType>, std::optional<c10::ScalarType>, bool>())
+                       int64_t, std::optional<c10::ScalarType>, std::optional<c10::ScalarType>, bool,
+                       bool>())
       .def("enable_loss_scaling", &ShardedModel::enable_loss_scaling)
       .def("disable_loss_scaling", &ShardedModel::disable_loss_scaling)
       .def("loss_scale", &ShardedModel::loss_scale)
@@ -145,6 +149,8 @@ TORCH_LIBRARY(zero_ext, m) {
       .def("unpin_units_of", &ShardedModel::unpin_units_of)
       .def("release_all", &ShardedModel::release_all)
       .def("write_back_shards", &ShardedModel::write_back_shards)
+      .def("begin_materialize", &ShardedModel::begin_materialize)
+      .def("end_materialize", &ShardedModel::end_materialize)
       .def("set_sync", &ShardedModel::set_sync)
       .def("sync", &ShardedModel::sync)
       .def("zero_grad", &ShardedModel::zero_grad)

@@ -1,5 +1,6 @@
 #include "param_store.h"
 
+#include <algorithm>
 #include <functional>
 #include <optional>
 #include <string>
@@ -23,37 +24,24 @@ at::TensorOptions host_fp32(const c10::Device& device) {
 
 ParamStore::ParamStore(std::vector<at::Tensor> params, const Layout& layout, Communicator& comm,
                        const Progress& progress, std::optional<c10::ScalarType> compute_dtype,
-                       bool offload)
+                       bool offload, bool deferred)
     : layout_(layout), comm_(comm), progress_(progress), params_(std::move(params)), offload_(offload) {
   TORCH_INTERNAL_ASSERT(static_cast<int64_t>(params_.size()) == layout_.num_params());
   at::NoGradGuard no_grad;
   const int64_t n_buckets = layout_.num_buckets();
   values_.resize(n_buckets);
-  std::vector<c10::intrusive_ptr<c10d::Work>> broadcasts;
-  for (int64_t b = 0; b < n_buckets; ++b) {
-    const BucketShape& shape = layout_.bucket(b);
-    const auto options = params_[shape.first].options();
-    at::Tensor& flat = values_[b].flat;
-    flat = at::zeros({shape.padded}, options);
-    for (int64_t i = shape.first; i < shape.first + shape.count; ++i) {
-      TORCH_INTERNAL_ASSERT(params_[i].dtype() == options.dtype() && params_[i].device() == options.device(),
-                            "a bucket mixes dtypes or devices");
-      auto view = flat.narrow(0, layout_.offset(i), layout_.numel(i)).view(params_[i].sizes());
-      view.copy_(params_[i].detach());
-      params_[i].set_data(view);
-    }
-    broadcasts.push_back(comm_.broadcast_from_rank0(flat));
-  }
-  for (int64_t b = 0; b < n_buckets; ++b) {
-    comm_.wait(broadcasts[b], [&] {
-      return "initial broadcast of parameters from rank 0 (" + layout_.describe_bucket(b, progress_.where()) + ")";
-    });
-  }
-
+  materializing_.resize(n_buckets);
+  // A copy of `values` in `options`: empty where the values do not exist yet.
+  auto copy_of = [deferred](const at::Tensor& values, const at::TensorOptions& options) {
+    at::Tensor out = at::empty({values.numel()}, options);
+    return deferred ? out : out.copy_(values);
+  };
   if (layout_.params_sharded()) {
     released_.resize(params_.size());
   }
-  for (int64_t b = 0; b < n_buckets; ++b) {
+  // Masters, the compute copy and (stage 3) the shard of a bucket whose flat
+  // buffer holds its values; stage 3 then releases the flat buffer.
+  auto keep_what_the_stage_keeps = [&](int64_t b) {
     const BucketShape& shape = layout_.bucket(b);
     BucketValues& values = values_[b];
     const bool fp32 = values.flat.scalar_type() == at::kFloat;
@@ -61,14 +49,15 @@ ParamStore::ParamStore(std::vector<at::Tensor> params, const Layout& layout, Com
     if (low_precision || (offload_ && fp32 && shape.trainable > 0)) {
       // The master shard keeps the fp32 value the optimizer steps.
       at::Tensor mine = values.flat.narrow(0, layout_.shard_start(b), shape.shard);
-      values.master = offload_ ? at::empty({shape.shard}, host_fp32(mine.device())).copy_(mine) : mine.clone();
+      values.master = copy_of(mine, offload_ ? host_fp32(mine.device()) : mine.options());
       has_masters_ = true;
       if (offload_ && low_precision && !mine.device().is_cpu()) {
         values.host_compute = at::empty({shape.shard}, values.master.options().dtype(*compute_dtype));
       }
     }
     if (low_precision) {  // parameters compute in the low-precision copy
-      values.flat = values.flat.to(*compute_dtype);
+      values.flat = deferred ? at::zeros({shape.padded}, values.flat.options().dtype(*compute_dtype))
+                             : values.flat.to(*compute_dtype);
       for (int64_t i = shape.first; i < shape.first + shape.count; ++i) {
         params_[i].set_data(values.flat.narrow(0, layout_.offset(i), layout_.numel(i)).view(params_[i].sizes()));
       }
@@ -76,10 +65,10 @@ ParamStore::ParamStore(std::vector<at::Tensor> params, const Layout& layout, Com
     at::Tensor mine = values.flat.narrow(0, layout_.shard_start(b), shape.shard);
     if (!layout_.params_sharded()) {
       values.shard = mine;
-      continue;
+      return;
     }
     if (!values.master.defined() || offload_) {
-      values.shard = mine.clone();
+      values.shard = copy_of(mine, mine.options());
     }  // else a gather casts the master ([Note: compute shard from the master])
     release_storage(values.flat);
     for (int64_t i = shape.first; i < shape.first + shape.count; ++i) {
@@ -91,6 +80,37 @@ ParamStore::ParamStore(std::vector<at::Tensor> params, const Layout& layout, Com
           "keeps changes), or read zero_ext.full_state_dict(model).");
     }
     point_params(b, /*gathered=*/false);
+  };
+
+  std::vector<c10::intrusive_ptr<c10d::Work>> broadcasts;
+  for (int64_t b = 0; b < n_buckets; ++b) {
+    const BucketShape& shape = layout_.bucket(b);
+    const auto options = params_[shape.first].options();
+    at::Tensor& flat = values_[b].flat;
+    flat = deferred && layout_.params_sharded() ? at::empty({shape.padded}, options)
+                                                : at::zeros({shape.padded}, options);
+    for (int64_t i = shape.first; i < shape.first + shape.count; ++i) {
+      TORCH_INTERNAL_ASSERT(params_[i].dtype() == options.dtype() && params_[i].device() == options.device(),
+                            "a bucket mixes dtypes or devices");
+      auto view = flat.narrow(0, layout_.offset(i), layout_.numel(i)).view(params_[i].sizes());
+      if (!deferred) view.copy_(params_[i].detach());
+      params_[i].set_data(view);
+    }
+    if (deferred) {
+      // No values to send yet: lay the bucket out at once, so stage 3 never
+      // holds more than one bucket whole here.
+      keep_what_the_stage_keeps(b);
+    } else {
+      broadcasts.push_back(comm_.broadcast_from_rank0(flat));
+    }
+  }
+  for (size_t b = 0; b < broadcasts.size(); ++b) {
+    comm_.wait(broadcasts[b], [&] {
+      return "initial broadcast of parameters from rank 0 (" + layout_.describe_bucket(b, progress_.where()) + ")";
+    });
+  }
+  if (!deferred) {
+    for (int64_t b = 0; b < n_buckets; ++b) keep_what_the_stage_keeps(b);
   }
 
   // Replicated (stage 0), a segment is a whole parameter and keeps its shape,
@@ -104,6 +124,112 @@ ParamStore::ParamStore(std::vector<at::Tensor> params, const Layout& layout, Com
     }
     segments_.push_back(segment);
   }
+}
+
+// [Note: deferred initialization]
+// A model built on the meta device is wrapped with its buckets laid out but
+// holding no values yet; wrap() then initializes it module by module. While a
+// bucket is open its parameters view a full buffer in their own dtype (fp32
+// where masters exist, so an initializer's values reach the master unrounded):
+// the flat buffer itself when it has that dtype (regrown in stage 3), else a
+// temporary. Closing broadcasts rank 0's values, keeps this rank's master and
+// shard, and points the parameters back at the compute copy (stage 3:
+// released). Stage 3 opens one unit at a time besides the root, so no rank
+// holds the model whole; the full buffers are zero-filled, so a parameter no
+// initializer touches is zero, never garbage.
+namespace {
+
+// Points parameter `param` at `view` as set_data does, but keeps its autograd
+// accumulator (which zero_ext's hooks are on) although the dtype changes:
+// it changes only while wrap() initializes the parameter under no_grad, and
+// changes back before any backward can see it.
+void retarget(const at::Tensor& param, const at::Tensor& view) {
+  param.unsafeGetTensorImpl()->shallow_copy_from(view.getIntrusivePtr());
+}
+
+// The same into a storage without memory (stage 3 released), where a view
+// could not be made: dtype, storage and offset set directly.
+void point_into(const at::Tensor& param, const c10::Storage& storage, caffe2::TypeMeta dtype, int64_t offset) {
+  c10::TensorImpl* impl = param.unsafeGetTensorImpl();
+  const std::vector<int64_t> sizes = param.sizes().vec();
+  std::vector<int64_t> strides(sizes.size(), 1);
+  for (int64_t d = static_cast<int64_t>(sizes.size()) - 2; d >= 0; --d) {
+    strides[d] = strides[d + 1] * std::max<int64_t>(sizes[d + 1], 1);
+  }
+  impl->set_storage_and_dtype(storage, dtype);
+  impl->set_sizes_and_strides(sizes, strides, offset);
+}
+
+} // namespace
+
+void ParamStore::begin_materialize(int64_t b) {
+  TORCH_CHECK(!materializing_[b].defined(), "zero_ext internal: bucket ", b, " is already being materialized");
+  at::NoGradGuard no_grad;
+  const BucketShape& shape = layout_.bucket(b);
+  BucketValues& values = values_[b];
+  const auto own_dtype = values.master.defined() ? at::kFloat : values.flat.scalar_type();
+  at::Tensor full;
+  if (values.flat.scalar_type() == own_dtype) {
+    if (flat_released(b)) {
+      regrow_flat(b);
+      values.flat.zero_();
+    }
+    full = values.flat;
+  } else {
+    full = at::zeros({shape.padded}, values.flat.options().dtype(own_dtype));
+  }
+  for (int64_t i = shape.first; i < shape.first + shape.count; ++i) {
+    retarget(params_[i], full.narrow(0, layout_.offset(i), layout_.numel(i)).view(params_[i].sizes()));
+  }
+  materializing_[b] = full;
+}
+
+void ParamStore::end_materialize(const std::vector<int64_t>& buckets) {
+  at::NoGradGuard no_grad;
+  std::vector<c10::intrusive_ptr<c10d::Work>> broadcasts;
+  for (int64_t b : buckets) {
+    TORCH_CHECK(materializing_[b].defined(), "zero_ext internal: bucket ", b, " is not being materialized");
+    broadcasts.push_back(comm_.broadcast_from_rank0(materializing_[b]));
+  }
+  for (size_t k = 0; k < buckets.size(); ++k) {
+    comm_.wait(broadcasts[k], [&] {
+      return "broadcast of initialized parameters from rank 0 (" +
+             layout_.describe_bucket(buckets[k], progress_.where()) + ")";
+    });
+  }
+  for (int64_t b : buckets) {
+    const BucketShape& shape = layout_.bucket(b);
+    BucketValues& values = values_[b];
+    at::Tensor full = std::move(materializing_[b]);
+    materializing_[b] = at::Tensor();
+    const at::Tensor mine = full.narrow(0, layout_.shard_start(b), shape.shard);
+    if (values.master.defined()) values.master.copy_(mine);
+    const bool temporary = !full.is_same(values.flat);
+    if (layout_.params_sharded()) {
+      if (values.shard.defined()) values.shard.copy_(mine);
+      release_storage(values.flat);
+    } else if (temporary) {
+      values.flat.copy_(full);
+    }
+    for (int64_t i = shape.first; i < shape.first + shape.count && temporary; ++i) {
+      if (layout_.params_sharded()) {  // flat holds no memory: no bounds-checked view of it
+        point_into(params_[i], released_[i], values.flat.dtype(), values.flat.storage_offset() + layout_.offset(i));
+      } else {
+        retarget(params_[i], values.flat.narrow(0, layout_.offset(i), layout_.numel(i)).view(params_[i].sizes()));
+      }
+    }
+    if (layout_.params_sharded()) point_params(b, /*gathered=*/false);
+  }
+}
+
+int64_t ParamStore::materializing_bytes() const {
+  int64_t bytes = 0;
+  for (size_t b = 0; b < values_.size(); ++b) {
+    if (materializing_[b].defined() && !materializing_[b].is_same(values_[b].flat)) {
+      bytes += materializing_[b].nbytes();
+    }
+  }
+  return bytes;
 }
 
 std::vector<at::Tensor> ParamStore::segment_compute_copies() const {

@@ -41,8 +41,11 @@ class ParamStore {
  public:
   // Makes every parameter a view of its bucket's flat buffer, broadcasts
   // rank 0's values, creates the masters and (stage 3) keeps only the shard.
+  // deferred: the parameters hold no values yet (a meta-device model); the
+  // buckets are laid out empty for begin/end_materialize.
   ParamStore(std::vector<at::Tensor> params, const Layout& layout, Communicator& comm,
-             const Progress& progress, std::optional<c10::ScalarType> compute_dtype, bool offload);
+             const Progress& progress, std::optional<c10::ScalarType> compute_dtype, bool offload,
+             bool deferred);
 
   const std::vector<at::Tensor>& params() const { return params_; }
   const at::Tensor& param(int64_t i) const { return params_[i]; }
@@ -98,6 +101,15 @@ class ParamStore {
   // Per bucket, the tensor holding this rank's values (master, else shard).
   std::vector<at::Tensor> local_value_shards() const;
 
+  // Deferred initialization ([Note: deferred initialization]): bucket b's
+  // parameters view a zeroed full buffer in their own dtype until
+  // end_materialize, which (collective) broadcasts rank 0's values and keeps
+  // this rank's master and shard.
+  void begin_materialize(int64_t b);
+  void end_materialize(const std::vector<int64_t>& buckets);
+  // Of the full buffers open, the bytes of temporaries (not counted in param_bytes).
+  int64_t materializing_bytes() const;
+
   // A parameter resized after wrap() is refused by name.
   void check_shapes() const;
   // Whether parameter i still views its bucket (its .data was not replaced).
@@ -114,6 +126,8 @@ class ParamStore {
   std::vector<at::Tensor> params_;
   std::vector<BucketValues> values_;
   std::vector<at::Tensor> segments_;
+  // Per bucket: the full buffer its parameters view while being materialized.
+  std::vector<at::Tensor> materializing_;
   // Stage 3: what each parameter points at while its unit is released.
   std::vector<c10::Storage> released_;
   bool has_masters_ = false;

@@ -38,12 +38,12 @@ ShardedModel::ShardedModel(std::vector<at::Tensor> params, std::vector<std::stri
                            std::vector<int64_t> unit_of_bucket, int64_t stage, std::string group_name,
                            std::string gather_group_name, int64_t prefetch,
                            std::optional<c10::ScalarType> compute_dtype,
-                           std::optional<c10::ScalarType> reduce_dtype, bool offload)
+                           std::optional<c10::ScalarType> reduce_dtype, bool offload, bool deferred)
     : comm_(group_name),
       gather_comm_(gather_group_name.empty() ? group_name : gather_group_name),
       layout_(make_layout(params, std::move(names), std::move(trainable), params_per_bucket, unit_of_bucket,
                           stage, compute_dtype, reduce_dtype, offload, comm_)),
-      store_(std::move(params), layout_, comm_, gate_.progress(), compute_dtype, offload),
+      store_(std::move(params), layout_, comm_, gate_.progress(), compute_dtype, offload, deferred),
       reducer_(layout_, store_, comm_, gate_, reduce_dtype),
       units_(layout_.params_sharded()
                  ? std::make_unique<UnitScheduler>(layout_, store_, gather_comm_, reducer_, gate_, prefetch,

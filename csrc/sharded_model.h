@@ -48,12 +48,14 @@ class ShardedModel : public torch::CustomClassHolder {
   // gather_group_name: the group stage 3 gathers on ("" = group_name);
   // compute_dtype: mixed precision (fp32 parameters compute in it, the
   // optimizer steps fp32 masters); reduce_dtype: gradients are reduced in it
-  // (none: fp32); offload: masters and accumulators in host memory.
+  // (none: fp32); offload: masters and accumulators in host memory;
+  // deferred: the parameters hold no values yet, wrap() materializes them
+  // bucket by bucket ([Note: deferred initialization], param_store.cpp).
   ShardedModel(std::vector<at::Tensor> params, std::vector<std::string> names, std::vector<int64_t> trainable,
                std::vector<int64_t> params_per_bucket, std::vector<int64_t> unit_of_bucket, int64_t stage,
                std::string group_name, std::string gather_group_name, int64_t prefetch,
                std::optional<c10::ScalarType> compute_dtype, std::optional<c10::ScalarType> reduce_dtype,
-               bool offload);
+               bool offload, bool deferred);
 
   // --- the model's forward (one call each from its pre and post hooks) -------
   // Drops a stale backward round, checks parameter shapes, gathers the root unit.
@@ -99,6 +101,11 @@ class ShardedModel : public torch::CustomClassHolder {
   void unpin_units_of(std::vector<int64_t> param_indices);
   void release_all();
   void write_back_shards();
+  // Deferred initialization: open buckets (their parameters view zeroed full
+  // buffers), then close them (collective: rank 0's values broadcast, this
+  // rank's shards kept).
+  void begin_materialize(std::vector<int64_t> buckets);
+  void end_materialize(std::vector<int64_t> buckets);
 
   // --- loss scaling, non-finite gradients, the step ---------------------------
   void enable_loss_scaling(double initial_scale, double growth_factor, double backoff_factor,

@@ -112,6 +112,22 @@ void ShardedModel::refresh_params_from_shards() {
   store_.bump_versions([](int64_t) { return true; });
 }
 
+void ShardedModel::begin_materialize(std::vector<int64_t> buckets) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (int64_t b : buckets) {
+    TORCH_CHECK(b >= 0 && b < layout_.num_buckets(), "zero_ext internal: no bucket ", b);
+    store_.begin_materialize(b);
+  }
+}
+
+void ShardedModel::end_materialize(std::vector<int64_t> buckets) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (int64_t b : buckets) {
+    TORCH_CHECK(b >= 0 && b < layout_.num_buckets(), "zero_ext internal: no bucket ", b);
+  }
+  store_.end_materialize(buckets);
+}
+
 std::string ShardedModel::grad_layout() { return grad_layout_name(layout_.grad_layout()); }
 
 c10::Dict<std::string, int64_t> ShardedModel::stats() {
@@ -135,6 +151,7 @@ c10::Dict<std::string, int64_t> ShardedModel::stats() {
   out.insert("step_index", gate_.progress().step_index);
   out.insert("param_bytes", store_.param_bytes());
   out.insert("master_bytes", store_.master_bytes());
+  out.insert("materializing_bytes", store_.materializing_bytes());
   out.insert("grad_bytes", reducer_.grad_bytes());
   out.insert("peak_staging_bytes", reducer_.peak_staging_bytes());
   out.insert("max_in_flight_bytes", reducer_.max_in_flight_bytes());

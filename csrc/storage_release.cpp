@@ -39,10 +39,15 @@ c10::Storage unreadable_storage(c10::Device device, const std::string& message) 
 }
 
 at::Tensor unreadable_like(const at::Tensor& like, const std::string& message) {
-  at::Tensor out = at::empty({0}, like.options());
+  return unreadable_tensor(like.sizes().vec(), like.scalar_type(), like.device(), message);
+}
+
+at::Tensor unreadable_tensor(std::vector<int64_t> sizes, c10::ScalarType dtype, c10::Device device,
+                             std::string message) {
+  at::Tensor out = at::empty({0}, at::TensorOptions().dtype(dtype).device(device));
   c10::TensorImpl* impl = out.unsafeGetTensorImpl();
-  impl->set_storage_keep_dtype(unreadable_storage(like.device(), message));
-  impl->set_sizes_contiguous(like.sizes());
+  impl->set_storage_keep_dtype(unreadable_storage(device, message));
+  impl->set_sizes_contiguous(sizes);
   return out;
 }
 

@@ -19,6 +19,7 @@
 // move: views autograd saved keep the buffer's storage and see it regrown.
 
 #include <string>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <c10/core/Device.h>
@@ -39,5 +40,9 @@ void point_at(const at::Tensor& tensor, const c10::Storage& storage);
 // A tensor of `like`'s shape, dtype and device with no memory, whose data
 // access raises `message`.
 at::Tensor unreadable_like(const at::Tensor& like, const std::string& message);
+// The same from a shape: torch.ops.zero_ext.unreadable_tensor, what a meta
+// parameter becomes on its device before wrap() gives it a bucket.
+at::Tensor unreadable_tensor(std::vector<int64_t> sizes, c10::ScalarType dtype, c10::Device device,
+                             std::string message);
 
 } // namespace zero_ext

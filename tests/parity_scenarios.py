@@ -767,6 +767,64 @@ def _blocks(ctx: Context, steps: int = 3, build=None, **forward_kwargs_by_step) 
         step_and_record(ctx, model, opt, step)
 
 
+class InitBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.ff = nn.Linear(DIM, 2 * DIM)
+        self.out = nn.Linear(2 * DIM, DIM)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.out(torch.tanh(self.ff(self.norm(h))))
+
+
+class InitBlocks(nn.Module):
+    """Initialized by its modules' own reset_parameters() (no custom init),
+    with a tied output layer and a buffer: what deferred initialization
+    must reproduce from the seed."""
+
+    SCALE = torch.linspace(0.5, 1.5, DIM)
+
+    def __init__(self, n_blocks: int = 3):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(InitBlock() for _ in range(n_blocks))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, DIM))  # meta under torch.device("meta")
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens) * self.scale
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def built_deferred_or_not(ctx: Context, seed: int, build=InitBlocks) -> nn.Module:
+    """The reference constructs the model normally from `seed`; zero_ext
+    builds it under zero_ext.empty_init() and wrap() initializes it from the
+    same seed."""
+    if ctx.reference:
+        torch.manual_seed(seed)
+        return build()
+    with zero_ext.empty_init():
+        model = build()
+    torch.manual_seed(seed)
+    return model
+
+
+def deferred_init_then_training(ctx: Context) -> None:
+    """Deferred initialization gives the normally constructed values on every
+    rank, and training from them matches the reference."""
+    model = built_deferred_or_not(ctx, seed=11)
+    model, opt = ctx.wrap(model, adamw(model))
+    ctx.record_params("after wrap", model)
+    for step in range(3):
+        token_loss(ctx, model, step).backward()
+        step_and_record(ctx, model, opt, step)
+
+
 def tied_embedding_default_units(ctx: Context) -> None:
     _blocks(ctx)
 
@@ -1409,6 +1467,7 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
         full_state_dict_round_trip,
         state_bytes_match_the_stage,
         tied_embedding_default_units,
+        deferred_init_then_training,
         block_called_twice_per_forward,
         block_skipped_on_some_steps,
         frozen_block,

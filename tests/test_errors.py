@@ -278,13 +278,6 @@ def test_fp16_loss_from_parameters_directly_is_an_error():
         model[0].weight.float().square().sum().backward()
 
 
-def test_meta_model_is_refused():
-    with torch.device("meta"):
-        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
-    with pytest.raises(ValueError, match="meta device.*materialize them first"):
-        zero_ext.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
-
-
 def test_nccl_group_with_a_cpu_model_is_refused(monkeypatch, tmp_path):
     import torch.distributed as dist
 

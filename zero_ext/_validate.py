@@ -155,17 +155,13 @@ def _check_model_and_optimizer(model, optimizer, stage, mixed_precision, offload
             "zero_ext.wrap: the model has no trainable parameters (every requires_grad is False); "
             "there is nothing to shard or train"
         )
+    # A model with meta parameters is materialized on one device by wrap() (_deferred_init.py).
+    deferred = any(p.is_meta for p in model.parameters())
     devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
-    if len(devices) > 1:
+    if len(devices) > 1 and not deferred:
         raise ValueError(
             f"zero_ext.wrap: the model's tensors are on several devices {sorted(map(str, devices))}; "
             "move the whole model to one device (model.to(device)) before wrap()"
-        )
-    if devices == {torch.device("meta")}:
-        raise ValueError(
-            "zero_ext.wrap: the model's parameters are on the meta device (not materialized); "
-            "materialize them first (model.to_empty(device=...) and initialize them, or load "
-            "weights) and then call wrap()"
         )
     bad = [n for n, p in model.named_parameters() if p.requires_grad and p.dtype != torch.float32]
     if bad:

@@ -12,6 +12,8 @@ import torch.distributed as dist
 from ._api import DynamicLossScale, MixedPrecision
 from ._bucket_plan import plan_buckets
 from ._C_loader import ShardedModel
+from ._checkpoint import _Ranks
+from ._deferred_init import materialize, move_to_device, plan_deferred
 from ._groups import acquire_groups, group_timeout
 from ._module import install_forward_hooks, swap_module_class
 from ._optimizer import shard_optimizer
@@ -72,14 +74,14 @@ def _plan(model: torch.nn.Module, trainable: List[torch.nn.Parameter], options: 
 
 
 def _build_core(ordered: List[torch.nn.Parameter], names: List[str], counts: List[int],
-                unit_of_bucket: List[int], options: Options, group_names: List[str]):
+                unit_of_bucket: List[int], options: Options, group_names: List[str], deferred: bool):
     """The C++ core (torch.classes.zero_ext.ShardedModel) with its loss
     scaling and non-finite policy set."""
     precision = options.precision
     core = ShardedModel(ordered, names, [int(p.requires_grad) for p in ordered], counts, unit_of_bucket,
                         options.stage, group_names[0] if group_names else "",
                         group_names[1] if len(group_names) > 1 else "", options.prefetch,
-                        precision.compute_dtype, precision.reduce_dtype, options.offload)
+                        precision.compute_dtype, precision.reduce_dtype, options.offload, deferred)
     scale = precision.loss_scale
     if isinstance(scale, DynamicLossScale):
         core.enable_loss_scaling(float(scale.initial_scale), float(scale.growth_factor),
@@ -121,6 +123,8 @@ def wrap(
     timeout: Union[None, float, datetime.timedelta] = None,
     prefetch: int = 1,
     skip_nonfinite: bool = False,
+    device: Union[None, str, torch.device] = None,
+    param_init_fn: Optional[Callable[[torch.nn.Module], None]] = None,
 ) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
     """Makes `model` and `optimizer` ZeRO data parallel, in place.
 
@@ -150,6 +154,12 @@ def wrap(
             step whose gradients hold inf/nan on any rank; off by default,
             as in PyTorch. fp16 loss scaling skips such steps regardless.
             ``optimizer.skipped_steps`` counts the skipped steps.
+        device: a model whose parameters are on the meta device (built
+            under ``zero_ext.empty_init()``) is materialized there, shard
+            by shard (default: the current CUDA device, else the CPU).
+        param_init_fn: initializes such a model: called as fn(module) on
+            each module with meta state, in ``model.named_modules()``
+            order (default: the module's own ``reset_parameters()``).
     Returns:
         ``(model, optimizer)``, the same objects.
     Raises:
@@ -157,11 +167,14 @@ def wrap(
     """
     trainable, options = check_wrap_arguments(model, optimizer, stage, mixed_precision, offload_optimizer,
                                               units, bucket_mb, timeout, prefetch, skip_nonfinite)
+    deferred = plan_deferred(model, device, param_init_fn)
     group, world = _resolve_group(process_group)
-    check_backend(group, trainable[0].device)
+    check_backend(group, deferred.device if deferred else trainable[0].device)
     unit_list, ordered, counts, unit_of_bucket = _plan(model, trainable, options)
     names_by_id = {id(p): n for n, p in model.named_parameters()}
     names = [names_by_id[id(p)] for p in ordered]
+    if deferred:
+        move_to_device(deferred, ordered, names)
     # Groups of zero_ext's own (see _groups.py), owned by this model; stage 3
     # gathers parameters on a second one (see csrc/units.h).
     # Even at world size 1 under torch.distributed: the collectives run as
@@ -169,11 +182,11 @@ def wrap(
     own_groups = []
     if group is not None:
         own_groups = acquire_groups(group, 2 if options.stage == 3 else 1, options.timeout, ordered[0].device, model)
-    core = _build_core(ordered, names, counts, unit_of_bucket, options, [g.group_name for g in own_groups])
+    core = _build_core(ordered, names, counts, unit_of_bucket, options, [g.group_name for g in own_groups],
+                       deferred is not None)
     apply_test_fault(core, dist.get_rank(group) if group is not None and world > 1 else 0)
     if own_groups:
         _enable_stall_diagnosis(core, own_groups[0].group_name, options.timeout or group_timeout(group))
-        _broadcast_buffers(model, core)
     state = ZeroState(
         model_ref=weakref.ref(model), stage=options.stage, buckets=core,
         process_group=own_groups[0] if own_groups else None, world_size=world,
@@ -184,6 +197,11 @@ def wrap(
         cast_inputs=options.precision.cast_inputs,
         sharded_optimizer=options.stage >= 1 or core.has_masters(), offload=options.offload,
     )
+    if deferred:
+        groups_of_bucket = unit_of_bucket if options.stage == 3 else list(range(len(counts)))
+        materialize(deferred, core, _Ranks(state), ordered, groups_of_bucket)
+    if own_groups:
+        _broadcast_buffers(model, core)
     _attach(model, optimizer, state, unit_list)
     return model, optimizer
 

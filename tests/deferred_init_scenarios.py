@@ -1,0 +1,156 @@
+"""Rank-side half of tests/test_deferred_init.py: a model built under
+zero_ext.empty_init() (or torch.device("meta")) and materialized by wrap()
+in every stage, with bf16 and offload, against the same model constructed
+normally from the same seed; the bytes a rank holds while wrap() initializes
+it."""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn as nn
+
+import zero_ext
+from parity_scenarios import VOCAB, InitBlock, InitBlocks
+
+CONFIGS = [(stage, precision, offload) for stage in (0, 1, 2, 3)
+           for precision, offload in ((None, False), ("bf16", False), ("bf16", True))]
+BUILDS = ["empty_init", "meta_device", "frozen_block"]
+SEED = 5
+
+
+def build(kind: str) -> InitBlocks:
+    model = InitBlocks()
+    if kind == "frozen_block":
+        model.blocks[1].requires_grad_(False)  # stages 0-2 keep it outside the buckets
+    return model
+
+
+def deferred(kind: str) -> InitBlocks:
+    if kind == "meta_device":
+        with torch.device("meta"):
+            return build(kind)
+    with zero_ext.empty_init():
+        return build(kind)
+
+
+def unit_of(name: str) -> int:
+    return int(name.split(".")[1]) + 1 if name.startswith("blocks.") else 0
+
+
+class BytesAtEachInit:
+    """A param_init_fn that runs the module's own reset_parameters() (the
+    default's values) and records, at each call, the bytes of the full
+    buffers the model's parameters view (closed stage 3 units view storages
+    of no memory)."""
+
+    def __init__(self, model: nn.Module):
+        self.params = list(model.parameters())
+        self.seen: List[int] = []
+
+    def __call__(self, module: nn.Module) -> None:
+        storages = {p.untyped_storage()._cdata: p.untyped_storage().nbytes() for p in self.params}
+        self.seen.append(sum(storages.values()))
+        if isinstance(module, InitBlocks):  # only its buffer is meta (built under torch.device("meta"))
+            module.scale.copy_(InitBlocks.SCALE)
+        else:
+            module.reset_parameters()
+
+
+def check_values_and_bytes(rank: int, world: int) -> Dict[str, Optional[str]]:
+    """Per configuration and build: None, or what went wrong."""
+    torch.manual_seed(SEED)
+    reference = build("empty_init")
+    want = reference.state_dict()
+    tokens = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
+    expected_out = reference(tokens)
+    results: Dict[str, Optional[str]] = {}
+    for stage, precision, offload in CONFIGS:
+        for kind in BUILDS:
+            label = f"stage{stage}-{precision or 'fp32'}{'-offload' if offload else ''}-{kind}"
+            problems: List[str] = []
+            try:
+                model = deferred(kind)
+                if not all(p.is_meta for p in model.parameters()):
+                    problems.append("built with real parameters")
+                if model.scale.is_meta != (kind == "meta_device"):
+                    problems.append("the buffer is not as built")
+                opt = torch.optim.AdamW((p for p in model.parameters() if p.requires_grad), lr=0.01)
+                recorder = BytesAtEachInit(model)
+                torch.manual_seed(SEED)
+                model, opt = zero_ext.wrap(model, opt, stage=stage, mixed_precision=precision, bucket_mb=0.0005,
+                                           offload_optimizer="cpu" if offload else None, timeout=20,
+                                           units={InitBlock} if stage == 3 else None, param_init_fn=recorder)
+                full = zero_ext.full_state_dict(model)
+                problems += [f"{n} differs" for n, v in want.items() if not torch.equal(full[n].float(), v)]
+                leftovers = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+                if leftovers:
+                    problems.append(f"still on meta: {leftovers}")
+                if precision is None and not torch.equal(model(tokens), expected_out):
+                    problems.append("forward differs from the normally built model's")
+                if stage == 3:
+                    problems += _stage3_bytes(model, recorder)
+                if model._zero_ext.buckets.stats()["materializing_bytes"]:
+                    problems.append("temporary full buffers outlive wrap()")
+            except Exception as error:  # noqa: BLE001 - reported per label
+                problems.append(f"{type(error).__name__}: {error}")
+            results[label] = "; ".join(problems) or None
+    return results
+
+
+def _stage3_bytes(model, recorder: BytesAtEachInit) -> List[str]:
+    """Stage 3 holds whole, at every initializer call, at most the root unit
+    and one other unit (in fp32, the parameters' own dtype while they are
+    initialized) besides its shards; and it does hold them."""
+    state = model._zero_ext
+    layout = state.buckets.bucket_layout()  # (first, count, padded) per bucket
+    unit_bytes: Dict[int, int] = {}
+    for b in range(len(layout) // 3):
+        first, padded = layout[3 * b], layout[3 * b + 2]
+        unit = unit_of(state.bucketed_names[first])
+        unit_bytes[unit] = unit_bytes.get(unit, 0) + 4 * padded
+    bound = unit_bytes[0] + max(v for u, v in unit_bytes.items() if u != 0)
+    problems = []
+    if len(recorder.seen) < 10:
+        problems.append(f"recorded {len(recorder.seen)} initializer calls")
+    if max(recorder.seen) > bound:
+        problems.append(f"held {max(recorder.seen)} bytes whole during wrap, bound {bound} (units {unit_bytes})")
+    if max(recorder.seen) < unit_bytes[0] + min(unit_bytes.values()):
+        problems.append(f"held at most {max(recorder.seen)} bytes whole: the root and a unit never were")
+    return problems
+
+
+def init_fails_on_one_rank(rank: int, world: int) -> str:
+    """Rank 1's initializer raises in the second block: every rank raises,
+    naming it, none hangs in a broadcast."""
+    with zero_ext.empty_init():
+        model = InitBlocks()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    target = model.blocks[1].ff
+
+    def init(module: nn.Module) -> None:
+        if module is target and rank == 1:
+            raise ValueError("no weights for this layer")
+        module.reset_parameters()
+
+    try:
+        zero_ext.wrap(model, opt, stage=3, bucket_mb=0.0005, units={InitBlock}, timeout=20, param_init_fn=init)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def load_after_deferred_init(rank: int, world: int, path: str) -> Optional[str]:
+    """The pretrained flow: build under empty_init, wrap at stage 3 with no
+    initialization (param_init_fn does nothing), stream the weights in."""
+    with zero_ext.empty_init():
+        model = InitBlocks()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, opt = zero_ext.wrap(model, opt, stage=3, bucket_mb=0.0005, units={InitBlock}, timeout=20,
+                               param_init_fn=lambda module: None)
+    zero_ext.load_weights(model, path)
+    torch.manual_seed(SEED)
+    want = InitBlocks().state_dict()
+    full = zero_ext.full_state_dict(model)
+    bad = [n for n, v in want.items() if not torch.equal(full[n], v)]
+    return f"{bad} differ" if bad else None

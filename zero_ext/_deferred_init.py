@@ -1,0 +1,240 @@
+"""Deferred initialization: a model built with its parameters on the meta
+device (``zero_ext.empty_init()`` or ``torch.device("meta")``) is
+materialized by wrap() module by module, each rank keeping only what its
+stage keeps ([Note: deferred initialization], csrc/param_store.cpp).
+
+The order is ``model.named_modules()``: each module with meta state is
+initialized by ``param_init_fn(module)`` or its own ``reset_parameters()``,
+as ``Module.__init__`` runs it for ordinary modules, so the same seed gives
+the values an unsharded model built normally gets. A bucket (stage 3: a unit)
+is opened when the first module holding one of its parameters comes and
+closed after the last such module (tied parameters: the last owner), so in
+stage 3 only the root unit and the current one exist whole."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Optional, Set
+
+import torch
+
+from ._C_loader import ShardedModel  # noqa: F401  registers torch.ops.zero_ext
+
+
+@contextlib.contextmanager
+def empty_init() -> Iterator[None]:
+    """Parameters registered inside are created on the meta device (no
+    memory); buffers stay real. ``zero_ext.wrap`` then materializes and
+    initializes the model shard by shard. Build the optimizer over the meta
+    parameters as usual."""
+    register = torch.nn.Module.register_parameter
+
+    def register_on_meta(module: torch.nn.Module, name: str, param: Optional[torch.nn.Parameter]) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            meta = torch.Tensor._make_subclass(type(param), param.detach().to("meta"), param.requires_grad)
+            meta.__dict__.update(param.__dict__)
+            module._parameters[name] = meta
+
+    torch.nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def has_meta_parameters(model: torch.nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _owned_state(module: torch.nn.Module):
+    params = [(n, p) for n, p in module._parameters.items() if p is not None]
+    buffers = [(n, b) for n, b in module._buffers.items() if b is not None]
+    return params, buffers
+
+
+@dataclass
+class DeferredPlan:
+    """What wrap() materializes: the device and, per module in
+    named_modules() order, whether it is initialized."""
+
+    device: torch.device
+    param_init_fn: Optional[Callable[[torch.nn.Module], None]]
+    modules: List[torch.nn.Module]
+    names: List[str]
+    initialized: List[bool]
+
+
+def plan_deferred(model: torch.nn.Module, device, param_init_fn) -> Optional[DeferredPlan]:
+    """None for a model whose parameters are real (device and param_init_fn
+    must then be None). Raises ValueError, before any communication, for a
+    model wrap() cannot materialize: real parameters beside meta ones, or
+    modules with meta state that nothing initializes."""
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise TypeError(f"zero_ext.wrap: param_init_fn must be a callable taking a module, "
+                        f"got {type(param_init_fn).__name__}")
+    if device is not None:
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"zero_ext.wrap: device must name a torch device ('cuda:0', 'cpu'), "
+                             f"got {device!r}") from e
+        if device.type == "meta":
+            raise ValueError("zero_ext.wrap: device is where a meta model is materialized; it cannot be 'meta'")
+    if not has_meta_parameters(model):
+        if device is not None or param_init_fn is not None:
+            raise ValueError(
+                "zero_ext.wrap: device and param_init_fn apply to a model whose parameters are on the "
+                "meta device (built under zero_ext.empty_init()); this model's are real. Move it with "
+                "model.to(device) and initialize it before wrap(), or build it under empty_init()")
+        return None
+    real = [n for n, p in model.named_parameters() if not p.is_meta]
+    if real:
+        raise ValueError(
+            f"zero_ext.wrap: the model mixes meta and real parameters (real: {real[:3]}); build it "
+            "whole under zero_ext.empty_init() (or torch.device('meta')) so wrap() materializes "
+            "every parameter, or materialize it yourself before wrap()")
+    if device is None:
+        device = default_device()
+    elif device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    names, modules, initialized, orphans = [], [], [], []
+    for name, module in model.named_modules():
+        params, buffers = _owned_state(module)
+        meta = any(p.is_meta for _, p in params) or any(b.is_meta for _, b in buffers)
+        if meta and param_init_fn is None and not callable(getattr(module, "reset_parameters", None)):
+            held = [n for n, t in params + buffers if t.is_meta]
+            orphans.append(f"{name or '<root>'} ({type(module).__name__}: {', '.join(held)})")
+        names.append(name)
+        modules.append(module)
+        initialized.append(meta)
+    if orphans:
+        raise ValueError(
+            f"zero_ext.wrap: {len(orphans)} modules hold meta parameters or buffers but have no "
+            f"reset_parameters() to initialize them: {orphans[:5]}. Pass param_init_fn=fn (called "
+            "as fn(module) on every module with meta state, in model.named_modules() order; it "
+            "initializes that module's own parameters and buffers), or give those modules a "
+            "reset_parameters()")
+    return DeferredPlan(device, param_init_fn, modules, names, initialized)
+
+
+def _stand_in(param: torch.nn.Parameter, tensor: torch.Tensor) -> torch.nn.Parameter:
+    out = torch.Tensor._make_subclass(type(param), tensor, param.requires_grad)
+    out.__dict__.update(param.__dict__)
+    return out
+
+
+def move_to_device(plan: DeferredPlan, bucketed: List[torch.nn.Parameter], names: List[str]) -> None:
+    """Each bucketed meta parameter becomes (the same Python object, which the
+    optimizer holds) a tensor on the device without memory, which the core
+    then points at its bucket; reading it before that raises."""
+    for p, name in zip(bucketed, names):
+        empty = torch.ops.zero_ext.unreadable_tensor(
+            list(p.shape), p.dtype, plan.device,
+            f"zero_ext: parameter '{name}' is being materialized by zero_ext.wrap() and holds no data yet")
+        torch.utils.swap_tensors(p, _stand_in(p, empty))
+
+
+def materialize(plan: DeferredPlan, core, ranks, bucketed: List[torch.nn.Parameter],
+                groups_of_bucket: List[int]) -> None:
+    """Initializes the wrapped model in named_modules() order, opening and
+    closing buckets by group (a unit in stage 3, a bucket otherwise).
+    Collective; an initializer that raises on one rank raises on all."""
+    bucket_of: Dict[int, int] = {id(p): b for b, p in _bucket_of_param(core, bucketed)}
+    buckets_of_group: Dict[int, List[int]] = {}
+    for b, g in enumerate(groups_of_bucket):
+        buckets_of_group.setdefault(g, []).append(b)
+    touches: List[Set[int]] = []
+    last_touch: Dict[int, int] = {}
+    for k, module in enumerate(plan.modules):
+        groups = {groups_of_bucket[bucket_of[id(p)]] for _, p in _owned_state(module)[0] if id(p) in bucket_of}
+        touches.append(groups)
+        for g in groups:
+            last_touch[g] = k
+    frozen: List[torch.Tensor] = []
+    done: Set[int] = set()  # parameters an earlier module initialized
+    opened: Set[int] = set()
+    error: Optional[BaseException] = None
+    for k, module in enumerate(plan.modules):
+        newly = sorted(touches[k] - opened)
+        core.begin_materialize([b for g in newly for b in buckets_of_group[g]])
+        opened.update(newly)
+        if error is None:
+            # A failure here is kept, not raised: this rank goes on opening and
+            # closing buckets with the others (no rank is left in a broadcast)
+            # and every rank raises it at the settle below.
+            try:
+                frozen += _materialize_unbucketed(plan, module, bucket_of)
+                if plan.initialized[k]:
+                    _initialize(plan, module, done)
+            except Exception as e:  # noqa: BLE001 - raised on every rank by settle
+                error = _named(e, plan.names[k], module, plan.param_init_fn is not None)
+        closing = sorted(g for g in touches[k] if last_touch[g] == k)
+        core.end_materialize([b for g in closing for b in buckets_of_group[g]])
+    ranks.settle(error)
+    with torch.no_grad():
+        for p in frozen:
+            core.group_broadcast_from_rank0(p.detach(), "wrap(): broadcasting an initialized frozen parameter")
+
+
+def _materialize_unbucketed(plan: DeferredPlan, module: torch.nn.Module, bucket_of) -> List[torch.Tensor]:
+    """The module's buffers on the device (meta ones zero-filled, for its
+    initializer), and its frozen parameters outside the buckets (stages
+    0-2), returned for the broadcast."""
+    frozen = []
+    params, buffers = _owned_state(module)
+    for _, p in params:
+        if id(p) not in bucket_of and p.is_meta:
+            torch.utils.swap_tensors(p, _stand_in(p, torch.zeros(p.shape, dtype=p.dtype, device=plan.device)))
+            frozen.append(p)
+    for name, b in buffers:
+        if b.is_meta:
+            module._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=plan.device)
+        elif b.device != plan.device:
+            module._buffers[name] = b.to(plan.device)
+    return frozen
+
+
+def _initialize(plan: DeferredPlan, module: torch.nn.Module, done: Set[int]) -> None:
+    """Runs the module's initializer. A tied parameter keeps its first
+    owner's values, as tying after construction keeps them; a later owner
+    initializes a scratch copy, so the random stream advances as it does
+    when the model is constructed normally."""
+    tied = {name: p for name, p in module._parameters.items() if p is not None and id(p) in done}
+    for name, p in tied.items():
+        module._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=plan.device),
+                                                      requires_grad=p.requires_grad)
+    try:
+        with torch.no_grad():
+            if plan.param_init_fn is not None:
+                plan.param_init_fn(module)
+            else:
+                module.reset_parameters()
+    finally:
+        module._parameters.update(tied)
+    done.update(id(p) for p in module._parameters.values() if p is not None)
+
+
+def _bucket_of_param(core, bucketed: List[torch.nn.Parameter]):
+    layout = core.bucket_layout()  # (first, count, padded) per bucket
+    for b in range(len(layout) // 3):
+        first, count = layout[3 * b], layout[3 * b + 1]
+        for i in range(first, first + count):
+            yield b, bucketed[i]
+
+
+def _named(error: Exception, name: str, module: torch.nn.Module, custom: bool) -> Exception:
+    what = "param_init_fn" if custom else f"{type(module).__name__}.reset_parameters()"
+    message = f"zero_ext.wrap: initializing module '{name or '<root>'}' ({what}) failed: {error}"
+    try:
+        out = type(error)(message)
+    except Exception:  # noqa: BLE001 - an exception type with another constructor
+        out = RuntimeError(message)
+    out.__cause__ = error
+    return out
