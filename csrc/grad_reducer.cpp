@@ -46,7 +46,7 @@ GradReducer::GradReducer(const Layout& layout, ParamStore& store, Communicator& 
     }
     if (!layout_.ddp_in_place() && shape.trainable > 0) {
       bucket.accum = store_.offload() ? at::zeros({shape.shard}, host_fp32(options.device()))
-                                      : at::zeros({shape.shard}, options.dtype(at::kFloat));
+                                      : at::empty({shape.shard}, options.dtype(at::kFloat));
     }
   }
   if (layout_.ddp_in_place()) {
@@ -60,6 +60,11 @@ GradReducer::GradReducer(const Layout& layout, ParamStore& store, Communicator& 
       grad = grad.view(store_.param(piece.param).sizes());
     }
     segment_grads_.push_back(grad);
+  }
+  // Like after zero_grad(): no gradient memory until the first reduction
+  // lands ([Note: accumulator memory]); the segment views above keep their shape.
+  for (auto& bucket : buckets_) {
+    if (bucket.accum.defined() && !store_.offload()) release_storage(bucket.accum);
   }
   stand_ins_.resize(n_params);
   for (int64_t i = 0; i < n_params; ++i) {

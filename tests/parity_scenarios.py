@@ -691,10 +691,12 @@ def state_bytes_match_the_stage(ctx: Context) -> None:
     model = Net(branch=True)
     n_elems = sum(p.numel() for p in model.parameters())
     model, opt = ctx.wrap(model, adamw(model))
+    before_backward = None if ctx.reference else model._zero_ext.buckets.stats()["grad_bytes"]
     mlp_loss(ctx, model, 0, branch_on_rank0=True).backward()
     opt.step()
     ctx.record_params("after step", model)
-    labels = ["padding below world size per bucket", "parameter bytes: full model (stage 3: shard)",
+    labels = ["before the first backward: no gradient shard memory yet (only DDP-style buckets)",
+              "padding below world size per bucket", "parameter bytes: full model (stage 3: shard)",
               "gradient bytes match the stage", "optimizer state covers exactly its elements",
               "optimizer shards tile the model exactly once",
               "zero_grad(): the gradient shards' memory goes back (only DDP-style buckets stay)",
@@ -719,6 +721,7 @@ def state_bytes_match_the_stage(ctx: Context) -> None:
     opt.zero_grad(set_to_none=False)
     after_zeroing = model._zero_ext.buckets.stats()["grad_bytes"]
     checks = [
+        before_backward == {0: padded, 1: padded, 2: 0, 3: 0}[ctx.stage] * 4,
         n_elems <= padded < n_elems + ctx.world * stats["buckets"],
         stats["param_bytes"] == expected_params and stats["gathered_units"] == 0,
         stats["grad_bytes"] == expected_grad,

@@ -169,3 +169,30 @@ def test_a_stage3_parameter_reads_as_sharded_after_deferred_init():
         print(model[0].weight)
     with zero_ext.full_params(model):
         assert model[0].weight.abs().sum() > 0
+
+
+class NonPersistentRotary(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("inv_freq", torch.arange(2.0) + 1, persistent=False)
+        self.register_buffer("running", torch.ones(2))
+
+    def reset_parameters(self):
+        pass  # its parameters belong to proj; its buffers are left alone
+
+
+def test_a_non_persistent_meta_buffer_nothing_fills_is_refused():
+    with torch.device("meta"):
+        model = NonPersistentRotary()
+    with pytest.raises(ValueError, match=r"non-persistent buffer 'inv_freq' \(NonPersistentRotary\).*meta device"):
+        zero_ext.wrap(model, _optimizer(model), stage=3)
+    with zero_ext.empty_init():  # its buffers stay real
+        model = NonPersistentRotary()
+    model, _ = zero_ext.wrap(model, _optimizer(model), stage=3)
+    assert torch.equal(model.inv_freq, torch.tensor([1.0, 2.0])) and torch.equal(model.running, torch.ones(2))
+    with torch.device("meta"):  # a persistent buffer left unfilled is NaN until loaded: loud, not silent
+        model = NonPersistentRotary()
+    model.inv_freq = torch.ones(2)
+    model, _ = zero_ext.wrap(model, _optimizer(model), stage=3)
+    assert torch.isnan(model.running).all()

@@ -173,6 +173,7 @@ def materialize(plan: DeferredPlan, core, ranks, bucketed: List[torch.nn.Paramet
                 frozen += _materialize_unbucketed(plan, module, bucket_of)
                 if plan.initialized[k]:
                     _initialize(plan, module, done)
+                _check_buffers_filled(module)
             except Exception as e:  # noqa: BLE001 - raised on every rank by settle
                 error = _named(e, plan.names[k], module, plan.param_init_fn is not None)
         closing = sorted(g for g in touches[k] if last_touch[g] == k)
@@ -184,9 +185,9 @@ def materialize(plan: DeferredPlan, core, ranks, bucketed: List[torch.nn.Paramet
 
 
 def _materialize_unbucketed(plan: DeferredPlan, module: torch.nn.Module, bucket_of) -> List[torch.Tensor]:
-    """The module's buffers on the device (meta ones zero-filled, for its
-    initializer), and its frozen parameters outside the buckets (stages
-    0-2), returned for the broadcast."""
+    """The module's buffers on the device, and its frozen parameters outside
+    the buckets (stages 0-2), returned for the broadcast. A meta buffer
+    starts as NaN (floating) or zero, for its initializer to fill."""
     frozen = []
     params, buffers = _owned_state(module)
     for _, p in params:
@@ -195,10 +196,29 @@ def _materialize_unbucketed(plan: DeferredPlan, module: torch.nn.Module, bucket_
             frozen.append(p)
     for name, b in buffers:
         if b.is_meta:
-            module._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=plan.device)
+            fill = float("nan") if b.dtype.is_floating_point or b.dtype.is_complex else 0
+            module._buffers[name] = torch.full(b.shape, fill, dtype=b.dtype, device=plan.device)
+            module._buffers[name]._zero_ext_unfilled = True
         elif b.device != plan.device:
             module._buffers[name] = b.to(plan.device)
     return frozen
+
+
+def _check_buffers_filled(module: torch.nn.Module) -> None:
+    """A non-persistent buffer born on meta that its module's initializer
+    left NaN is an error: no checkpoint or load_weights can fill it (a
+    rotary embedding's inv_freq, say), and the model would compute NaN. A
+    persistent one may still come from load_weights; NaN makes a forgotten
+    load loud."""
+    for name, b in list(module._buffers.items()):
+        if b is None or not getattr(b, "_zero_ext_unfilled", False):
+            continue
+        del b._zero_ext_unfilled
+        if name in module._non_persistent_buffers_set and b.numel() and torch.isnan(b).all():
+            raise ValueError(
+                f"zero_ext.wrap: the non-persistent buffer '{name}' ({type(module).__name__}) was built on the "
+                "meta device and its initializer did not fill it, and no checkpoint holds it. Fill it in "
+                "param_init_fn, or build the model under zero_ext.empty_init() (buffers stay real there)")
 
 
 def _initialize(plan: DeferredPlan, module: torch.nn.Module, done: Set[int]) -> None:
