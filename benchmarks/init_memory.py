@@ -15,8 +15,9 @@ same weights.
 
 Systems:
   zero_ext           with zero_ext.empty_init(): build; wrap(stage=3,
-                     param_init_fn=no-op); zero_ext.load_weights(directory):
-                     each rank reads its own byte ranges.
+                     param_init_fn=zero_ext.skip_init): no unit whole, nothing
+                     broadcast; zero_ext.load_weights(directory): each rank
+                     reads its own byte ranges.
   zero_ext-whole     the model built normally (random init) on every rank,
                      then wrap(stage=3) and load_weights: what deferred init saves.
   deepspeed-3        with deepspeed.zero.Init(): build (initialized, then
@@ -109,7 +110,7 @@ def run_system(system: str, args, directory: str, rank: int, world: int) -> Dict
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         phase("build", t)
         t = time.perf_counter()
-        model, opt = zero_ext.wrap(model, opt, stage=3, param_init_fn=lambda module: None)
+        model, opt = zero_ext.wrap(model, opt, stage=3, param_init_fn=zero_ext.skip_init)
         phase("shard", t)
         t = time.perf_counter()
         zero_ext.load_weights(model, directory)

@@ -154,3 +154,51 @@ def load_after_deferred_init(rank: int, world: int, path: str) -> Optional[str]:
     full = zero_ext.full_state_dict(model)
     bad = [n for n, v in want.items() if not torch.equal(full[n], v)]
     return f"{bad} differ" if bad else None
+
+
+def skip_init_then_load(rank: int, world: int, path: str) -> Dict[str, Optional[str]]:
+    """zero_ext.skip_init in every configuration: no unit is opened or
+    broadcast (on more than one rank: fewer collectives than a no-op
+    initializer, by at least one per bucket), every weight is NaN until loaded (a forgotten load gives a
+    NaN output, not a silently zero model), and load_weights then gives the
+    weights exactly."""
+    torch.manual_seed(SEED)
+    reference = InitBlocks()
+    want = reference.state_dict()
+    tokens = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
+    results: Dict[str, Optional[str]] = {}
+    for stage, precision, offload in CONFIGS:
+        label = f"stage{stage}-{precision or 'fp32'}{'-offload' if offload else ''}"
+        problems: List[str] = []
+        try:
+            collectives = {}
+            for init in ("skip", "noop"):
+                with zero_ext.empty_init():
+                    model = InitBlocks()
+                opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+                model, opt = zero_ext.wrap(model, opt, stage=stage, mixed_precision=precision, bucket_mb=0.0005,
+                                           offload_optimizer="cpu" if offload else None, timeout=20,
+                                           units={InitBlock} if stage == 3 else None,
+                                           param_init_fn=zero_ext.skip_init if init == "skip" else lambda m: None)
+                collectives[init] = model._zero_ext.buckets.stats()["collectives"]
+                if init == "noop":
+                    continue
+                buckets = model._zero_ext.buckets.stats()["buckets"]
+                full = zero_ext.full_state_dict(model)
+                not_nan = [n for n in want if n != "scale" and not torch.isnan(full[n]).all()]
+                if not_nan:
+                    problems.append(f"{not_nan} hold values before any load")
+                if precision is None and not torch.isnan(model(tokens)).all():
+                    problems.append("a model never loaded computes numbers")
+                zero_ext.load_weights(model, path)
+                full = zero_ext.full_state_dict(model)
+                problems += [f"{n} differs after loading" for n, v in want.items() if not torch.equal(full[n].float(), v)]
+                if precision is None and not torch.equal(model(tokens), reference(tokens)):
+                    problems.append("forward differs after loading")
+            if world > 1 and collectives["skip"] > collectives["noop"] - buckets:
+                problems.append(f"skip_init issued {collectives['skip']} collectives, a no-op initializer "
+                                f"{collectives['noop']} ({buckets} buckets)")
+        except Exception as error:  # noqa: BLE001 - reported per label
+            problems.append(f"{type(error).__name__}: {error}")
+        results[label] = "; ".join(problems) or None
+    return results

@@ -1,6 +1,6 @@
 """Rank-side half of tests/test_hf_flow.py: the Hugging Face flow at stage 3.
 A Llama config built under zero_ext.empty_init(), wrapped without
-initialization, weights streamed in from a save_pretrained directory, a few
+initialization (zero_ext.skip_init), weights streamed in from a save_pretrained directory, a few
 training steps, then save_weights and from_pretrained of the result."""
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def train_and_save(rank: int, world: int, pretrained: str, out: str) -> Optional
         model = LlamaForCausalLM(config())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = zero_ext.wrap(model, opt, stage=3, bucket_mb=0.01, timeout=30,
-                               param_init_fn=lambda module: None)  # every weight is loaded
+                               param_init_fn=zero_ext.skip_init)  # every weight is loaded next
     loaded = zero_ext.load_weights(model, pretrained)
     # The reference: the pretrained model in one process over the global batch.
     reference = LlamaForCausalLM.from_pretrained(pretrained)

@@ -50,6 +50,22 @@ def test_pretrained_weights_stream_in_after_deferred_init(tmp_path):
         assert problems == [None] * world
 
 
+def test_skip_init_opens_nothing_is_nan_until_loaded_then_loads(tmp_path):
+    from zero_ext import _safetensors as st
+
+    torch.manual_seed(5)
+    weights = InitBlocks().state_dict()
+    del weights["head.weight"]
+    st.save_file(str(tmp_path / "model.safetensors"), weights)
+    for world in (1, 2):
+        results = run_on_ranks(world, "deferred_init_scenarios:skip_init_then_load",
+                               (str(tmp_path / "model.safetensors"),), deadline_s=300)
+        failures = [f"world {world} rank {r} {label}: {problem}" for r, per_rank in enumerate(results)
+                    for label, problem in per_rank.items() if problem]
+        assert len(results[0]) == len(CONFIGS)
+        assert not failures, "\n".join(failures)
+
+
 def _optimizer(model):
     return torch.optim.AdamW(model.parameters(), lr=0.01)
 

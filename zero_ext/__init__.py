@@ -9,7 +9,7 @@ runs in C++ inside the autograd engine; this package is the wiring.
 from ._api import DynamicLossScale, MixedPrecision
 from ._checkpoint import load, save
 from ._clip import clip_grad_norm_
-from ._deferred_init import empty_init
+from ._deferred_init import empty_init, skip_init
 from ._full_params import full_params
 from ._report import memory_report
 from ._save_weights import save_weights
@@ -31,6 +31,7 @@ __all__ = [
     "memory_report",
     "save",
     "save_weights",
+    "skip_init",
     "wrap",
 ]
 __version__ = "0.1.0"

@@ -43,6 +43,13 @@ def empty_init() -> Iterator[None]:
         torch.nn.Module.register_parameter = register
 
 
+def skip_init(module: torch.nn.Module) -> None:
+    """``wrap(..., param_init_fn=zero_ext.skip_init)``: initialize nothing,
+    because ``zero_ext.load_weights`` fills every weight next. No unit is
+    ever whole and nothing is broadcast; until loaded, floating parameters
+    are NaN, so a forgotten load is loud (a NaN loss), never silent."""
+
+
 def has_meta_parameters(model: torch.nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
@@ -142,11 +149,14 @@ def move_to_device(plan: DeferredPlan, bucketed: List[torch.nn.Parameter], names
 
 
 def materialize(plan: DeferredPlan, core, ranks, bucketed: List[torch.nn.Parameter],
-                groups_of_bucket: List[int]) -> None:
+                groups_of_bucket: List[int], local_views: Callable[[], list], params_sharded: bool) -> None:
     """Initializes the wrapped model in named_modules() order, opening and
     closing buckets by group (a unit in stage 3, a bucket otherwise).
     Collective; an initializer that raises on one rank raises on all."""
     bucket_of: Dict[int, int] = {id(p): b for b, p in _bucket_of_param(core, bucketed)}
+    if plan.param_init_fn is skip_init:
+        _fill_for_loading(plan, core, ranks, bucketed, bucket_of, local_views, params_sharded)
+        return
     buckets_of_group: Dict[int, List[int]] = {}
     for b, g in enumerate(groups_of_bucket):
         buckets_of_group.setdefault(g, []).append(b)
@@ -182,6 +192,33 @@ def materialize(plan: DeferredPlan, core, ranks, bucketed: List[torch.nn.Paramet
     with torch.no_grad():
         for p in frozen:
             core.group_broadcast_from_rank0(p.detach(), "wrap(): broadcasting an initialized frozen parameter")
+
+
+def _fill_for_loading(plan: DeferredPlan, core, ranks, bucketed, bucket_of, local_views,
+                      params_sharded: bool) -> None:
+    """skip_init: this rank's values NaN (masters or shards, the replicated
+    compute copies, frozen parameters outside the buckets), buffers on the
+    device: no unit whole, no broadcast, no gather. Buffers born on meta
+    follow the NaN rule."""
+    error: Optional[BaseException] = None
+    try:
+        with torch.no_grad():
+            for _, _, view in local_views():
+                if view.dtype.is_floating_point:
+                    view.fill_(float("nan"))
+            for p in bucketed:  # stages 0-2: the full compute copy each rank holds
+                if p.dtype.is_floating_point and p.untyped_storage().nbytes() > 0:
+                    p.detach().fill_(float("nan"))
+            for module in plan.modules:
+                for p in _materialize_unbucketed(plan, module, bucket_of):
+                    if p.dtype.is_floating_point:
+                        p.detach().fill_(float("nan"))
+                _check_buffers_filled(module)
+    except Exception as e:  # noqa: BLE001 - raised on every rank by settle
+        error = e
+    ranks.settle(error)
+    if params_sharded:
+        core.refresh_params_from_shards()  # offload's device shards from the masters; no collective in stage 3
 
 
 def _materialize_unbucketed(plan: DeferredPlan, module: torch.nn.Module, bucket_of) -> List[torch.Tensor]:

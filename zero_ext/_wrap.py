@@ -12,7 +12,7 @@ import torch.distributed as dist
 from ._api import DynamicLossScale, MixedPrecision
 from ._bucket_plan import plan_buckets
 from ._C_loader import ShardedModel
-from ._checkpoint import _Ranks
+from ._checkpoint import _local_views, _Ranks
 from ._deferred_init import materialize, move_to_device, plan_deferred
 from ._groups import acquire_groups, group_timeout
 from ._module import install_forward_hooks, swap_module_class
@@ -160,6 +160,8 @@ def wrap(
         param_init_fn: initializes such a model: called as fn(module) on
             each module with meta state, in ``model.named_modules()``
             order (default: the module's own ``reset_parameters()``).
+            ``zero_ext.skip_init``: nothing is initialized (weights come
+            from ``zero_ext.load_weights`` next; NaN until then).
     Returns:
         ``(model, optimizer)``, the same objects.
     Raises:
@@ -199,7 +201,8 @@ def wrap(
     )
     if deferred:
         groups_of_bucket = unit_of_bucket if options.stage == 3 else list(range(len(counts)))
-        materialize(deferred, core, _Ranks(state), ordered, groups_of_bucket)
+        materialize(deferred, core, _Ranks(state), ordered, groups_of_bucket, lambda: _local_views(state),
+                    params_sharded=options.stage == 3)
     if own_groups:
         _broadcast_buffers(model, core)
     _attach(model, optimizer, state, unit_list)
