@@ -226,3 +226,41 @@ def test_offload_counts_its_pinned_compute_shard(stage):
     pinned_compute = shard * 2
     assert stats["param_bytes"] == device_params + pinned_compute, stats
     assert stats["host_bytes"] >= 4 * shard + pinned_compute, stats
+
+
+@pytest.mark.parametrize("stage,offload", [(2, False), (3, False), (3, True)])
+def test_deferred_init_on_the_gpu_equals_the_model_built_there(stage, offload):
+    """empty_init + wrap(device=cuda) over NCCL: the values of the same
+    model constructed on the GPU from the same seed, the CUDA RNG used in
+    the same order; skip_init then load_weights gives the weights back."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(64, 32)
+            self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 32)) for _ in range(3))
+            self.head = nn.Linear(32, 64, bias=False)
+            self.head.weight = self.embed.weight
+
+    torch.manual_seed(3)
+    with torch.device("cuda"):
+        reference = Net()
+    with zero_ext.empty_init():
+        model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch.manual_seed(3)
+    model, opt = zero_ext.wrap(model, opt, stage=stage, mixed_precision="bf16", bucket_mb=0.001,
+                               offload_optimizer="cpu" if offload else None, device="cuda",
+                               units={nn.Sequential} if stage == 3 else None)
+    full = zero_ext.full_state_dict(model)
+    for name, value in reference.state_dict().items():
+        assert torch.equal(full[name].to(value.device), value), name
+    with zero_ext.empty_init():
+        fresh = Net()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    fresh, _ = zero_ext.wrap(fresh, fresh_opt, stage=stage, mixed_precision="bf16", bucket_mb=0.001,
+                             offload_optimizer="cpu" if offload else None, param_init_fn=zero_ext.skip_init,
+                             units={nn.Sequential} if stage == 3 else None)
+    zero_ext.load_weights(fresh, {k: v.cpu() for k, v in reference.state_dict().items()})
+    loaded = zero_ext.full_state_dict(fresh)
+    for name, value in reference.state_dict().items():
+        assert torch.equal(loaded[name].to(value.device), value), name
