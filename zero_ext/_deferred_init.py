@@ -148,12 +148,13 @@ def move_to_device(plan: DeferredPlan, bucketed: List[torch.nn.Parameter], names
         torch.utils.swap_tensors(p, _stand_in(p, empty))
 
 
-def materialize(plan: DeferredPlan, core, ranks, bucketed: List[torch.nn.Parameter],
+def materialize(plan: DeferredPlan, core, ranks, bucketed: List[torch.nn.Parameter], counts: List[int],
                 groups_of_bucket: List[int], local_views: Callable[[], list], params_sharded: bool) -> None:
     """Initializes the wrapped model in named_modules() order, opening and
     closing buckets by group (a unit in stage 3, a bucket otherwise).
     Collective; an initializer that raises on one rank raises on all."""
-    bucket_of: Dict[int, int] = {id(p): b for b, p in _bucket_of_param(core, bucketed)}
+    bucket_index = [b for b, count in enumerate(counts) for _ in range(count)]  # bucketed is in bucket order
+    bucket_of: Dict[int, int] = {id(p): b for p, b in zip(bucketed, bucket_index)}
     if plan.param_init_fn is skip_init:
         _fill_for_loading(plan, core, ranks, bucketed, bucket_of, local_views, params_sharded)
         return
@@ -180,10 +181,11 @@ def materialize(plan: DeferredPlan, core, ranks, bucketed: List[torch.nn.Paramet
             # closing buckets with the others (no rank is left in a broadcast)
             # and every rank raises it at the settle below.
             try:
-                frozen += _materialize_unbucketed(plan, module, bucket_of)
+                params_made, buffers_made = _materialize_unbucketed(plan, module, bucket_of)
+                frozen += params_made
                 if plan.initialized[k]:
                     _initialize(plan, module, done)
-                _check_buffers_filled(module)
+                _check_buffers_filled(module, buffers_made)
             except Exception as e:  # noqa: BLE001 - raised on every rank by settle
                 error = _named(e, plan.names[k], module, plan.param_init_fn is not None)
         closing = sorted(g for g in touches[k] if last_touch[g] == k)
@@ -210,10 +212,11 @@ def _fill_for_loading(plan: DeferredPlan, core, ranks, bucketed, bucket_of, loca
                 if p.dtype.is_floating_point and p.untyped_storage().nbytes() > 0:
                     p.detach().fill_(float("nan"))
             for module in plan.modules:
-                for p in _materialize_unbucketed(plan, module, bucket_of):
+                params_made, buffers_made = _materialize_unbucketed(plan, module, bucket_of)
+                for p in params_made:
                     if p.dtype.is_floating_point:
                         p.detach().fill_(float("nan"))
-                _check_buffers_filled(module)
+                _check_buffers_filled(module, buffers_made)
     except Exception as e:  # noqa: BLE001 - raised on every rank by settle
         error = e
     ranks.settle(error)
@@ -221,11 +224,12 @@ def _fill_for_loading(plan: DeferredPlan, core, ranks, bucketed, bucket_of, loca
         core.refresh_params_from_shards()  # offload's device shards from the masters; no collective in stage 3
 
 
-def _materialize_unbucketed(plan: DeferredPlan, module: torch.nn.Module, bucket_of) -> List[torch.Tensor]:
+def _materialize_unbucketed(plan: DeferredPlan, module: torch.nn.Module, bucket_of):
     """The module's buffers on the device, and its frozen parameters outside
-    the buckets (stages 0-2), returned for the broadcast. A meta buffer
-    starts as NaN (floating) or zero, for its initializer to fill."""
-    frozen = []
+    the buckets (stages 0-2), returned for the broadcast, with the names of
+    the buffers born on meta: they start as NaN (floating) or zero, for the
+    initializer to fill."""
+    frozen, born_on_meta = [], []
     params, buffers = _owned_state(module)
     for _, p in params:
         if id(p) not in bucket_of and p.is_meta:
@@ -235,22 +239,22 @@ def _materialize_unbucketed(plan: DeferredPlan, module: torch.nn.Module, bucket_
         if b.is_meta:
             fill = float("nan") if b.dtype.is_floating_point or b.dtype.is_complex else 0
             module._buffers[name] = torch.full(b.shape, fill, dtype=b.dtype, device=plan.device)
-            module._buffers[name]._zero_ext_unfilled = True
+            born_on_meta.append(name)
         elif b.device != plan.device:
             module._buffers[name] = b.to(plan.device)
-    return frozen
+    return frozen, born_on_meta
 
 
-def _check_buffers_filled(module: torch.nn.Module) -> None:
+def _check_buffers_filled(module: torch.nn.Module, born_on_meta: List[str]) -> None:
     """A non-persistent buffer born on meta that its module's initializer
     left NaN is an error: no checkpoint or load_weights can fill it (a
     rotary embedding's inv_freq, say), and the model would compute NaN. A
     persistent one may still come from load_weights; NaN makes a forgotten
     load loud."""
-    for name, b in list(module._buffers.items()):
-        if b is None or not getattr(b, "_zero_ext_unfilled", False):
+    for name in born_on_meta:
+        b = module._buffers.get(name)
+        if b is None or not b.dtype.is_floating_point:
             continue
-        del b._zero_ext_unfilled
         if name in module._non_persistent_buffers_set and b.numel() and torch.isnan(b).all():
             raise ValueError(
                 f"zero_ext.wrap: the non-persistent buffer '{name}' ({type(module).__name__}) was built on the "
@@ -276,14 +280,6 @@ def _initialize(plan: DeferredPlan, module: torch.nn.Module, done: Set[int]) -> 
     finally:
         module._parameters.update(tied)
     done.update(id(p) for p in module._parameters.values() if p is not None)
-
-
-def _bucket_of_param(core, bucketed: List[torch.nn.Parameter]):
-    layout = core.bucket_layout()  # (first, count, padded) per bucket
-    for b in range(len(layout) // 3):
-        first, count = layout[3 * b], layout[3 * b + 1]
-        for i in range(first, first + count):
-            yield b, bucketed[i]
 
 
 def _named(error: Exception, name: str, module: torch.nn.Module, custom: bool) -> Exception:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ._api import DynamicLossScale, MixedPrecision
+from ._deferred_init import has_meta_parameters
 from ._module import ZeroExtModule
 from ._optimizer import check_elementwise, check_step_not_patched
 
@@ -156,7 +157,7 @@ def _check_model_and_optimizer(model, optimizer, stage, mixed_precision, offload
             "there is nothing to shard or train"
         )
     # A model with meta parameters is materialized on one device by wrap() (_deferred_init.py).
-    deferred = any(p.is_meta for p in model.parameters())
+    deferred = has_meta_parameters(model)
     devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
     if len(devices) > 1 and not deferred:
         raise ValueError(

@@ -201,7 +201,7 @@ def wrap(
     )
     if deferred:
         groups_of_bucket = unit_of_bucket if options.stage == 3 else list(range(len(counts)))
-        materialize(deferred, core, _Ranks(state), ordered, groups_of_bucket, lambda: _local_views(state),
+        materialize(deferred, core, _Ranks(state), ordered, counts, groups_of_bucket, lambda: _local_views(state),
                     params_sharded=options.stage == 3)
     if own_groups:
         _broadcast_buffers(model, core)
