@@ -9,10 +9,11 @@ namespace zero_ext {
 
 BackwardRound::BackwardRound(const Layout& layout, ParamStore& store, GradReducer& reducer,
                              UnitScheduler* units, RankAgreement& agreement, StepGate& gate,
-                             const GradHooks& hooks, FaultInjector& faults, const Communicator& comm,
+                             const GradHooks& hooks, FaultInjector& faults, const Mesh& mesh,
                              const Communicator& gather_comm)
     : layout_(layout), store_(store), reducer_(reducer), units_(units), agreement_(agreement), gate_(gate),
-      hooks_(hooks), faults_(faults), comm_(comm), gather_comm_(gather_comm) {}
+      hooks_(hooks), faults_(faults), mesh_(mesh), comm_(mesh.shard()),
+      gather_comm_(gather_comm) {}
 
 RoundState BackwardRound::state() const {
   if (!broken_.empty()) return RoundState::kBroken;
@@ -47,7 +48,7 @@ void BackwardRound::run_epilogue(bool sync) {
     ++synced_epilogues_;
     gate_.note_synced_backward();
     if (faults_.armed()) {
-      faults_.maybe_raise("epilogue", gate_.progress().step_index, comm_.rank());
+      faults_.maybe_raise("epilogue", gate_.progress().step_index, mesh_.rank());
     }
     reducer_.flush();
     // The exchange is read later (settle(); see [Note: host syncs] in
@@ -158,11 +159,11 @@ void BackwardRound::mark_broken() {
 }
 
 void BackwardRound::check_usable() const {
-  TORCH_CHECK(!comm_.failed() && !gather_comm_.failed(), "zero_ext: rank ", comm_.rank(),
+  TORCH_CHECK(!mesh_.failed() && !gather_comm_.failed(), "zero_ext: rank ", mesh_.rank(),
               " cannot go on training: an earlier collective of this model failed (see the first "
               "error), so this rank's collectives are out of step with the other ranks'. Restart "
               "every rank from the last checkpoint.");
-  TORCH_CHECK(broken_.empty(), "zero_ext: rank ", comm_.rank(), " cannot go on training: an earlier "
+  TORCH_CHECK(broken_.empty(), "zero_ext: rank ", mesh_.rank(), " cannot go on training: an earlier "
               "error inside zero_ext's gradient hooks or reduction (", broken_, ") left this rank's "
               "collectives out of step with the other ranks', which wait for the ones it skipped "
               "and fail within the process group's timeout. Restart every rank from the last "

@@ -24,6 +24,7 @@
 
 #include "autograd_hooks.h"
 #include "communicator.h"
+#include "mesh.h"
 #include "epilogue.h"
 #include "fault_injection.h"
 #include "grad_reducer.h"
@@ -46,7 +47,7 @@ class BackwardRound {
  public:
   BackwardRound(const Layout& layout, ParamStore& store, GradReducer& reducer, UnitScheduler* units,
                 RankAgreement& agreement, StepGate& gate, const GradHooks& hooks, FaultInjector& faults,
-                const Communicator& comm, const Communicator& gather_comm);
+                const Mesh& mesh, const Communicator& gather_comm);
 
   RoundState state() const;
   // Queues `epilogue` on the running backward unless one is pending.
@@ -97,7 +98,8 @@ class BackwardRound {
   StepGate& gate_;
   const GradHooks& hooks_;
   FaultInjector& faults_;
-  const Communicator& comm_;
+  const Mesh& mesh_;
+  const Communicator& comm_;  // the shard group
   const Communicator& gather_comm_;
   Epilogue epilogue_;
   bool in_second_round_ = false;

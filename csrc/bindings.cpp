@@ -88,7 +88,7 @@ TORCH_LIBRARY(zero_ext, m) {
   m.class_<ShardedModel>("ShardedModel")
       .def(torch::init<std::vector<at::Tensor>, std::vector<std::string>, std::vector<int64_t>,
                        std::vector<int64_t>, std::vector<int64_t>, int64_t, std::string, std::string,
-                       int64_t, std::optional<c10::ScalarType>, std::optional<c10::ScalarType>, bool,
+                       std::string, int64_t, std::optional<c10::ScalarType>, std::optional<c10::ScalarType>, bool,
                        bool>())
       .def("enable_loss_scaling", &ShardedModel::enable_loss_scaling)
       .def("disable_loss_scaling", &ShardedModel::disable_loss_scaling)
@@ -166,6 +166,9 @@ TORCH_LIBRARY(zero_ext, m) {
       .def("group_all_reduce", &ShardedModel::group_all_reduce)
       .def("group_broadcast_from_rank0", &ShardedModel::group_broadcast_from_rank0)
       .def("group_all_gather", &ShardedModel::group_all_gather)
+      .def("mesh_all_reduce", &ShardedModel::mesh_all_reduce)
+      .def("mesh_broadcast_from_rank0", &ShardedModel::mesh_broadcast_from_rank0)
+      .def("mesh_all_gather", &ShardedModel::mesh_all_gather)
       .def("set_max_in_flight_bytes", &ShardedModel::set_max_in_flight_bytes)
       .def("set_test_fault", &ShardedModel::set_test_fault)
       .def("log_issues", &ShardedModel::log_issues)

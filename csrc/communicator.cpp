@@ -129,10 +129,14 @@ c10::intrusive_ptr<c10d::Work> Communicator::broadcast_from_rank0(at::Tensor& te
   return group_->broadcast(tensors, opts);
 }
 
-void Communicator::enable_stall_diagnosis(double seconds, const std::string& key_space) {
+void Communicator::enable_stall_diagnosis(double seconds, const std::string& key_space,
+                                          std::vector<int64_t> mesh_ranks) {
   if (!group_ || seconds <= 0) {
     return;
   }
+  TORCH_CHECK(static_cast<int64_t>(mesh_ranks.size()) == size_, "zero_ext internal: ", mesh_ranks.size(),
+              " mesh ranks for a group of ", size_);
+  mesh_ranks_ = std::move(mesh_ranks);
   store_ = group_->getStore();
   // A model's groups each prefix their store; the base store lets a rank
   // stalled on the gather group see one stalled on the reduction group.
@@ -145,7 +149,7 @@ void Communicator::enable_stall_diagnosis(double seconds, const std::string& key
 
 void Communicator::diagnose_stall(const c10::intrusive_ptr<c10d::Work>& work,
                                   const std::string& what) const {
-  const std::string mine = stall_keys_ + std::to_string(rank_);
+  const std::string mine = stall_keys_ + std::to_string(mesh_ranks_[rank_]);
   store_->set(mine, std::vector<uint8_t>(what.begin(), what.end()));
   // Posts are overwritten with "" once a wait completes (never deleted, so a
   // get() cannot block on a key that just vanished), and re-read each round:
@@ -159,7 +163,7 @@ void Communicator::diagnose_stall(const c10::intrusive_ptr<c10d::Work>& work,
     // (kept on failure) still says where it was.
     const bool completed = work->isCompleted();
     for (int64_t r = 0; r < size_; ++r) {
-      const std::string key = stall_keys_ + std::to_string(r);
+      const std::string key = stall_keys_ + std::to_string(mesh_ranks_[r]);
       posts[r].clear();
       if (r == rank_) {
         posts[r] = what;
@@ -180,7 +184,7 @@ void Communicator::diagnose_stall(const c10::intrusive_ptr<c10d::Work>& work,
   failed_ = true;
   std::ostringstream out;
   for (int64_t r = 0; r < size_; ++r) {
-    out << "\n  rank " << r << ": "
+    out << "\n  rank " << mesh_ranks_[r] << ": "
         << (posts[r].empty() ? std::string("not waiting in a zero_ext collective (busy, in another "
                                            "collective, or gone)")
                              : "waiting in " + posts[r]);
@@ -221,7 +225,7 @@ void Communicator::wait(const c10::intrusive_ptr<c10d::Work>& work,
                 " (a peer may have died, raised, or taken a different code path): ", e.what());
   }
   if (stalled) {
-    store_->set(stall_keys_ + std::to_string(rank_), std::vector<uint8_t>());  // no longer stalled
+    store_->set(stall_keys_ + std::to_string(mesh_ranks_[rank_]), std::vector<uint8_t>());  // no longer stalled
   }
 }
 

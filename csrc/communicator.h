@@ -55,8 +55,10 @@ class Communicator {
   // a timed wait on an NCCL work would block the host on the GPU.
   // `what` is only called on a stall or a failure: waits sit on the hot path.
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::function<std::string()>& what) const;
-  // Stall interval (0: off) and the key space shared by a model's groups.
-  void enable_stall_diagnosis(double seconds, const std::string& key_space);
+  // Stall interval (0: off), the key space shared by a model's groups, and
+  // the mesh rank of each member (by group rank): posts are keyed by mesh
+  // rank, so the groups of a hybrid mesh (rows and columns) read each other's.
+  void enable_stall_diagnosis(double seconds, const std::string& key_space, std::vector<int64_t> mesh_ranks);
 
   // Whether a wait on this group failed: its collectives are out of step.
   bool failed() const { return failed_; }
@@ -85,6 +87,7 @@ class Communicator {
   }
   std::chrono::milliseconds stall_interval_{0};
   std::string stall_keys_;
+  std::vector<int64_t> mesh_ranks_;  // of the members, by group rank
   c10::intrusive_ptr<c10d::Store> store_;
 
   mutable bool failed_ = false;

@@ -7,6 +7,7 @@
 #include <exception>
 #include <limits>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -298,20 +299,26 @@ std::exception_ptr GradReducer::abandon(bool wait) {
   std::exception_ptr failure;
   for (int64_t b = 0; b < layout_.num_buckets(); ++b) {
     BucketGrads& bucket = buckets_[b];
-    if (wait && bucket.work) {
-      try {
-        comm_.wait(bucket.work, [] { return std::string("reduction abandoned by a failed backward"); });
-      } catch (...) {
-        failure = failure ? failure : std::current_exception();
+    // A replica all-reduce not issued yet stays unissued: this rank's
+    // sequence is broken anyway, and its peers fail or diagnose the stall.
+    for (auto [work, comm] : {std::make_pair(bucket.work, &comm_), std::make_pair(bucket.replica_work, &replica_comm_)}) {
+      if (wait && work) {
+        try {
+          comm->wait(work, [] { return std::string("reduction abandoned by a failed backward"); });
+        } catch (...) {
+          failure = failure ? failure : std::current_exception();
+        }
       }
-    }
-    if (bucket.work && !bucket.work->isCompleted()) {
-      dropped_.push_back({bucket.work, {bucket.staging, bucket.reduce_out}});
+      if (work && !work->isCompleted()) {
+        dropped_.push_back({work, {bucket.staging, bucket.reduce_out}});
+      }
     }
     if (layout_.transient_staging()) {
       bucket.staging.reset();  // the round's partial gradients go (a dropped entry may still hold it)
     }
     bucket.work.reset();
+    bucket.replica_work.reset();
+    bucket.replica_pending = false;
     bucket.reduce_out.reset();
     bucket.in_flight_bytes = 0;
     bucket.host_add_pending = false;

@@ -26,9 +26,10 @@ namespace {
 constexpr std::chrono::milliseconds kHostBoundWait{2000};
 }  // namespace
 
-GradReducer::GradReducer(const Layout& layout, ParamStore& store, Communicator& comm,
+GradReducer::GradReducer(const Layout& layout, ParamStore& store, Communicator& comm, Communicator& replica_comm,
                          const StepGate& gate, std::optional<c10::ScalarType> reduce_dtype)
-    : layout_(layout), store_(store), comm_(comm), streams_(store.device()), gate_(gate),
+    : layout_(layout), store_(store), comm_(comm), replica_comm_(replica_comm), hybrid_(replica_comm.size() > 1),
+      streams_(store.device()), gate_(gate),
       reduce_dtype_(reduce_dtype.value_or(at::kFloat)) {
   TORCH_INTERNAL_ASSERT(reduce_dtype_ == at::kFloat || reduce_dtype_ == at::kBFloat16 || reduce_dtype_ == at::kHalf,
                         "gradients are reduced in float32, bfloat16 or float16");
@@ -293,7 +294,7 @@ void GradReducer::launch(int64_t b) {
   // scale in the same pass unless the reduction runs in fp16, whose range
   // the scale is there to use.
   const LossScaler& scaler = gate_.scaler();
-  double divisor = static_cast<double>(comm_.size());
+  double divisor = static_cast<double>(comm_.size() * replica_comm_.size());
   if (scaler.enabled() && reduce_dtype_ != at::kHalf) {
     divisor *= scaler.scale();
   }
@@ -319,6 +320,12 @@ void GradReducer::launch(int64_t b) {
   }
   bucket.phase = BucketPhase::kInFlight;
   in_flight_.push_back(b);
+  if (hybrid_) {
+    bucket.replica_pending = true;
+    if (!host_waits_) {
+      issue_replica_reduction(b);  // ordered after the shard's reduction on the streams: no host wait
+    }
+  }
   if (layout_.transient_staging()) {
     // The staging moves from filling to in flight, with the output it needs.
     const bool own_output = !bucket.reduce_out.is_alias_of(bucket.staging) && !bucket.reduce_out.is_same(bucket.accum);
@@ -328,6 +335,50 @@ void GradReducer::launch(int64_t b) {
     note_staging_peak();
   }
   bound_in_flight();
+}
+
+void GradReducer::issue_replica_reduction(int64_t b) {
+  BucketGrads& bucket = buckets_[b];
+  TORCH_INTERNAL_ASSERT(bucket.replica_pending, "replica reduction issued twice");
+  comm_.wait(bucket.work, [&] {
+    return "gradient reduction of " + layout_.describe_bucket(b, gate_.progress().where());
+  });
+  bucket.work.reset();
+  // Stage 0 reduces the staging itself; the others read this rank's result.
+  at::Tensor& result = bucket.reduce_out.defined() ? bucket.reduce_out : bucket.staging;
+  bucket.replica_work = replica_comm_.all_reduce_sum(result);
+  bucket.replica_pending = false;
+}
+
+void GradReducer::advance_replica_reductions() {
+  for (int64_t b : in_flight_) {
+    BucketGrads& bucket = buckets_[b];
+    if (!bucket.replica_pending) {
+      continue;
+    }
+    if (bucket.work && !bucket.work->isCompleted()) {
+      return;  // later ones wait their turn: every rank issues them in launch order
+    }
+    issue_replica_reduction(b);
+  }
+}
+
+bool GradReducer::reduction_completed(const BucketGrads& bucket) const {
+  return !bucket.replica_pending && (!bucket.work || bucket.work->isCompleted()) &&
+         (!bucket.replica_work || bucket.replica_work->isCompleted());
+}
+
+bool GradReducer::reduction_done_within(int64_t b, std::chrono::milliseconds limit) {
+  const auto until = std::chrono::steady_clock::now() + limit;
+  BucketGrads& bucket = buckets_[b];
+  if (!Communicator::done_within(bucket.work, limit)) {
+    return false;
+  }
+  if (bucket.replica_pending) {
+    issue_replica_reduction(b);  // the oldest in flight: every earlier one has retired
+  }
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+  return Communicator::done_within(bucket.replica_work, std::max(left, std::chrono::milliseconds(0)));
 }
 
 void GradReducer::bound_in_flight() {
@@ -340,7 +391,7 @@ void GradReducer::bound_in_flight() {
       if (bound_lifted_) {
         return;
       }
-      if (!Communicator::done_within(buckets_[in_flight_.front()].work, kHostBoundWait)) {
+      if (!reduction_done_within(in_flight_.front(), kHostBoundWait)) {
         bound_lifted_ = true;
         ++bound_lifts_;
         return;
@@ -357,11 +408,13 @@ void GradReducer::retire_oldest() {
 }
 
 void GradReducer::retire_completed() {
+  if (hybrid_) {
+    advance_replica_reductions();
+  }
   if (!layout_.transient_staging()) {
     return;  // only stages 2-3 free anything at retirement
   }
-  while (!in_flight_.empty() &&
-         (!buckets_[in_flight_.front()].work || buckets_[in_flight_.front()].work->isCompleted())) {
+  while (!in_flight_.empty() && reduction_completed(buckets_[in_flight_.front()])) {
     retire_oldest();
   }
 }
@@ -383,9 +436,16 @@ void GradReducer::retire(int64_t b) {
   if (streams_.enabled()) {
     on_reduction_stream.emplace(streams_.reduction());
   }
+  if (bucket.replica_pending) {
+    issue_replica_reduction(b);  // waits for the shard's reduction
+  }
   comm_.wait(bucket.work, [&] {
     return "gradient reduction of " + layout_.describe_bucket(b, gate_.progress().where());
   });
+  replica_comm_.wait(bucket.replica_work, [&] {
+    return "gradient all-reduce across replicas of " + layout_.describe_bucket(b, gate_.progress().where());
+  });
+  bucket.replica_work.reset();
   if (streams_.enabled() && layout_.transient_staging()) {
     // The staging was allocated on the compute stream: it frees it once
     // the collective that read it is done ([Note: the reduction stream]).

@@ -15,6 +15,7 @@
 // grad_accumulators.cpp the way out (accumulators, offload landing, .grad).
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <exception>
@@ -52,8 +53,10 @@ enum class BucketPhase : int8_t {
 
 class GradReducer {
  public:
-  GradReducer(const Layout& layout, ParamStore& store, Communicator& comm, const StepGate& gate,
-              std::optional<c10::ScalarType> reduce_dtype);
+  // comm: the shard group; replica_comm: across the copies of the shard
+  // (hybrid sharding, [Note: hybrid sharding] in mesh.h; none when flat).
+  GradReducer(const Layout& layout, ParamStore& store, Communicator& comm, Communicator& replica_comm,
+              const StepGate& gate, std::optional<c10::ScalarType> reduce_dtype);
 
   // A parameter's gradient was accumulated into param.grad. Returns the
   // bucket whose last parameter this was (-1: none), for stage 3's release.
@@ -158,7 +161,9 @@ class GradReducer {
     int64_t in_flight_bytes = 0;  // staging and output held by its reduction
     int64_t waiting = 0;     // parameters not yet arrived in this round
     BucketPhase phase = BucketPhase::kFilling;
-    c10::intrusive_ptr<c10d::Work> work;
+    c10::intrusive_ptr<c10d::Work> work;          // the reduction within the shard group
+    bool replica_pending = false;                 // hybrid: its replica all-reduce is not issued yet
+    c10::intrusive_ptr<c10d::Work> replica_work;  // hybrid: the all-reduce of the result across replicas
   };
 
   at::Tensor staging_region(int64_t b, int64_t i);
@@ -166,6 +171,17 @@ class GradReducer {
   void launch_ready_buckets();
   void launch(int64_t b);
   void retire(int64_t b);  // waits one reduction and folds it in
+  // Hybrid: all-reduces bucket b's shard result across the replicas, once
+  // its reduction within the shard group is done (a stream wait under NCCL,
+  // a host wait otherwise). Issued in launch order on every rank.
+  void issue_replica_reduction(int64_t b);
+  // Issues the replica all-reduces whose shard reductions completed, oldest
+  // first, stopping at the first still running. Never waits.
+  void advance_replica_reductions();
+  bool reduction_completed(const BucketGrads& bucket) const;
+  // Where waits block the host: whether bucket b's reduction (both levels)
+  // finished within `limit`.
+  bool reduction_done_within(int64_t b, std::chrono::milliseconds limit);
   void retire_oldest();
   void bound_in_flight();
   // Kept as running counts (stages 2-3): a sum over the buckets at every
@@ -184,6 +200,8 @@ class GradReducer {
   const Layout& layout_;
   ParamStore& store_;
   Communicator& comm_;
+  Communicator& replica_comm_;
+  const bool hybrid_;
   ReductionStream streams_;
   const StepGate& gate_;
   at::ScalarType reduce_dtype_ = at::kFloat;  // staging dtype outside the DDP layout

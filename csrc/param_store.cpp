@@ -22,10 +22,10 @@ at::TensorOptions host_fp32(const c10::Device& device) {
   return device.is_cpu() ? options : options.pinned_memory(true);
 }
 
-ParamStore::ParamStore(std::vector<at::Tensor> params, const Layout& layout, Communicator& comm,
+ParamStore::ParamStore(std::vector<at::Tensor> params, const Layout& layout, const Mesh& mesh,
                        const Progress& progress, std::optional<c10::ScalarType> compute_dtype,
                        bool offload, bool deferred)
-    : layout_(layout), comm_(comm), progress_(progress), params_(std::move(params)), offload_(offload) {
+    : layout_(layout), mesh_(mesh), comm_(mesh.shard()), progress_(progress), params_(std::move(params)), offload_(offload) {
   TORCH_INTERNAL_ASSERT(static_cast<int64_t>(params_.size()) == layout_.num_params());
   at::NoGradGuard no_grad;
   const int64_t n_buckets = layout_.num_buckets();
@@ -82,7 +82,7 @@ ParamStore::ParamStore(std::vector<at::Tensor> params, const Layout& layout, Com
     point_params(b, /*gathered=*/false);
   };
 
-  std::vector<c10::intrusive_ptr<c10d::Work>> broadcasts;
+  std::vector<at::Tensor> to_broadcast;
   for (int64_t b = 0; b < n_buckets; ++b) {
     const BucketShape& shape = layout_.bucket(b);
     const auto options = params_[shape.first].options();
@@ -101,12 +101,13 @@ ParamStore::ParamStore(std::vector<at::Tensor> params, const Layout& layout, Com
       // holds more than one bucket whole here.
       keep_what_the_stage_keeps(b);
     } else {
-      broadcasts.push_back(comm_.broadcast_from_rank0(flat));
+      to_broadcast.push_back(flat);
     }
   }
-  for (size_t b = 0; b < broadcasts.size(); ++b) {
-    comm_.wait(broadcasts[b], [&] {
-      return "initial broadcast of parameters from rank 0 (" + layout_.describe_bucket(b, progress_.where()) + ")";
+  if (!deferred) {
+    mesh_.broadcast_from_rank0(to_broadcast, [&](size_t b) {
+      return "initial broadcast of parameters from rank 0 (" +
+             layout_.describe_bucket(static_cast<int64_t>(b), progress_.where()) + ")";
     });
   }
   if (!deferred) {
@@ -186,17 +187,15 @@ void ParamStore::begin_materialize(int64_t b) {
 
 void ParamStore::end_materialize(const std::vector<int64_t>& buckets) {
   at::NoGradGuard no_grad;
-  std::vector<c10::intrusive_ptr<c10d::Work>> broadcasts;
+  std::vector<at::Tensor> opened;
   for (int64_t b : buckets) {
     TORCH_CHECK(materializing_[b].defined(), "zero_ext internal: bucket ", b, " is not being materialized");
-    broadcasts.push_back(comm_.broadcast_from_rank0(materializing_[b]));
+    opened.push_back(materializing_[b]);
   }
-  for (size_t k = 0; k < buckets.size(); ++k) {
-    comm_.wait(broadcasts[k], [&] {
-      return "broadcast of initialized parameters from rank 0 (" +
-             layout_.describe_bucket(buckets[k], progress_.where()) + ")";
-    });
-  }
+  mesh_.broadcast_from_rank0(opened, [&](size_t k) {
+    return "broadcast of initialized parameters from rank 0 (" +
+           layout_.describe_bucket(buckets[k], progress_.where()) + ")";
+  });
   for (int64_t b : buckets) {
     const BucketShape& shape = layout_.bucket(b);
     BucketValues& values = values_[b];

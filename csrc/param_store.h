@@ -23,6 +23,7 @@
 
 #include "communicator.h"
 #include "layout.h"
+#include "mesh.h"
 #include "step_gate.h"
 
 namespace zero_ext {
@@ -43,7 +44,9 @@ class ParamStore {
   // rank 0's values, creates the masters and (stage 3) keeps only the shard.
   // deferred: the parameters hold no values yet (a meta-device model); the
   // buckets are laid out empty for begin/end_materialize.
-  ParamStore(std::vector<at::Tensor> params, const Layout& layout, Communicator& comm,
+  // Shards over the mesh's shard group; the initial values (and a deferred
+  // model's) come from mesh rank 0 to every rank.
+  ParamStore(std::vector<at::Tensor> params, const Layout& layout, const Mesh& mesh,
              const Progress& progress, std::optional<c10::ScalarType> compute_dtype, bool offload,
              bool deferred);
 
@@ -121,7 +124,8 @@ class ParamStore {
 
  private:
   const Layout& layout_;
-  Communicator& comm_;
+  const Mesh& mesh_;
+  Communicator& comm_;  // the shard group
   const Progress& progress_;
   std::vector<at::Tensor> params_;
   std::vector<BucketValues> values_;

@@ -8,8 +8,8 @@
 
 namespace zero_ext {
 
-RankAgreement::RankAgreement(const Layout& layout, Communicator& comm, const StepGate& gate)
-    : layout_(layout), comm_(comm), gate_(gate) {}
+RankAgreement::RankAgreement(const Layout& layout, const Mesh& mesh, const StepGate& gate)
+    : layout_(layout), mesh_(mesh), gate_(gate) {}
 
 void RankAgreement::start(const GradReducer& reducer, UnitScheduler* units, const at::Tensor& nonfinite,
                           const c10::Device& device) {
@@ -18,7 +18,7 @@ void RankAgreement::start(const GradReducer& reducer, UnitScheduler* units, cons
   const int64_t width = 2 + static_cast<int64_t>(gathers.size());
   TORCH_INTERNAL_ASSERT(pending_.empty() || width == width_, "exchange rows changed width");
   width_ = width;
-  const int64_t world = comm_.size();
+  const int64_t world = mesh_.size();
   // Pinned when it goes to an accelerator: a pageable host-to-device copy
   // waits for the stream, a host sync in the middle of backward.
   const bool to_device = !device.is_cpu();
@@ -31,7 +31,7 @@ void RankAgreement::start(const GradReducer& reducer, UnitScheduler* units, cons
   data[n] = reducer.late() ? 1.0f : 0.0f;
   data[n + 1] = 0.0f;
   const Progress& progress = gate_.progress();
-  float* row = data + n + 2 + comm_.rank() * width;
+  float* row = data + n + 2 + mesh_.rank() * width;
   row[0] = static_cast<float>(progress.step_index % (int64_t{1} << 23));  // exact in a float
   row[1] = static_cast<float>(progress.synced_in_step);
   for (size_t u = 0; u < gathers.size(); ++u) {
@@ -44,19 +44,39 @@ void RankAgreement::start(const GradReducer& reducer, UnitScheduler* units, cons
   if (nonfinite.defined()) {
     exchange.values.narrow(0, n + 1, 1).copy_(nonfinite.reshape({1}));
   }
-  exchange.work = comm_.all_reduce_sum(exchange.values);
+  exchange.work = mesh_.shard().all_reduce_sum(exchange.values);
+  if (mesh_.hybrid()) {
+    exchange.replica_pending = true;
+    if (!mesh_.shard().waits_on_host(device.type())) {
+      issue_across_replicas(exchange);  // NCCL: a stream wait, no host sync
+    }
+  }
   pending_.push_back(std::move(exchange));
+}
+
+std::string RankAgreement::describe() const {
+  return "exchange of which parameters got gradients (stage " + std::to_string(layout_.stage()) + ", " +
+         gate_.progress().where() + ")";
+}
+
+void RankAgreement::issue_across_replicas(Exchange& exchange) {
+  mesh_.shard().wait(exchange.work, [&] { return describe(); });
+  exchange.work.reset();
+  exchange.replica_work = mesh_.replica().all_reduce_sum(exchange.values);
+  exchange.replica_pending = false;
 }
 
 void RankAgreement::wait(Exchange& exchange) {
   if (exchange.waited) {
     return;
   }
-  comm_.wait(exchange.work, [&] {
-    return "exchange of which parameters got gradients (stage " + std::to_string(layout_.stage()) + ", " +
-           gate_.progress().where() + ")";
-  });
+  if (exchange.replica_pending) {
+    issue_across_replicas(exchange);
+  }
+  mesh_.shard().wait(exchange.work, [&] { return describe(); });
+  mesh_.replica().wait(exchange.replica_work, [&] { return describe() + " across replicas"; });
   exchange.work.reset();
+  exchange.replica_work.reset();
   exchange.waited = true;
 }
 
@@ -97,14 +117,12 @@ Agreed RankAgreement::settle(GradReducer& reducer) {
 
 bool RankAgreement::any_nonfinite(const at::Tensor& nonfinite, const c10::Device& device) {
   at::Tensor flag = nonfinite.reshape({1}).to(device);
-  if (comm_.distributed()) {
-    comm_.wait(comm_.all_reduce_sum(flag), [] { return std::string("exchange of the non-finite gradient flag"); });
-  }
+  mesh_.all_reduce(flag, /*max=*/false, [] { return std::string("exchange of the non-finite gradient flag"); });
   return flag.item<float>() > 0.0f;
 }
 
 void RankAgreement::check_in_step(const float* rows, int64_t width) const {
-  const int64_t world = comm_.size();
+  const int64_t world = mesh_.size();
   auto ranks_where = [&](int64_t column, float value) {
     std::ostringstream out;
     const char* sep = "";

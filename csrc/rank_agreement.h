@@ -31,6 +31,7 @@
 #include "communicator.h"
 #include "grad_reducer.h"
 #include "layout.h"
+#include "mesh.h"
 #include "step_gate.h"
 #include "units.h"
 
@@ -44,7 +45,9 @@ struct Agreed {
 
 class RankAgreement {
  public:
-  RankAgreement(const Layout& layout, Communicator& comm, const StepGate& gate);
+  // Over every rank of the mesh: rows are indexed by mesh rank, and the sum
+  // runs within the shard group, then across replicas ([Note: hybrid sharding]).
+  RankAgreement(const Layout& layout, const Mesh& mesh, const StepGate& gate);
 
   // Collective: issues this backward's exchange. `nonfinite`: this rank's
   // 0-dim flag on the parameters' device (undefined: not checked). No host
@@ -65,15 +68,19 @@ class RankAgreement {
 
  private:
   struct Exchange {
-    c10::intrusive_ptr<c10d::Work> work;
+    c10::intrusive_ptr<c10d::Work> work;          // within the shard group
+    bool replica_pending = false;                 // hybrid: the sum across replicas is not issued yet
+    c10::intrusive_ptr<c10d::Work> replica_work;
     at::Tensor values;  // on the parameters' device
     bool waited = false;
   };
   void wait(Exchange& exchange);
+  void issue_across_replicas(Exchange& exchange);
+  std::string describe() const;
   void check_in_step(const float* rows, int64_t width) const;
 
   const Layout& layout_;
-  Communicator& comm_;
+  const Mesh& mesh_;
   const StepGate& gate_;
   std::vector<Exchange> pending_;
   int64_t width_ = 0;  // row width of the pending exchanges

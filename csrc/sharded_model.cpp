@@ -36,20 +36,22 @@ Layout make_layout(const std::vector<at::Tensor>& params, std::vector<std::strin
 ShardedModel::ShardedModel(std::vector<at::Tensor> params, std::vector<std::string> names,
                            std::vector<int64_t> trainable, std::vector<int64_t> params_per_bucket,
                            std::vector<int64_t> unit_of_bucket, int64_t stage, std::string group_name,
-                           std::string gather_group_name, int64_t prefetch,
+                           std::string gather_group_name, std::string replica_group_name, int64_t prefetch,
                            std::optional<c10::ScalarType> compute_dtype,
                            std::optional<c10::ScalarType> reduce_dtype, bool offload, bool deferred)
     : comm_(group_name),
       gather_comm_(gather_group_name.empty() ? group_name : gather_group_name),
+      replica_comm_(replica_group_name),
+      mesh_(comm_, replica_comm_),
       layout_(make_layout(params, std::move(names), std::move(trainable), params_per_bucket, unit_of_bucket,
                           stage, compute_dtype, reduce_dtype, offload, comm_)),
-      store_(std::move(params), layout_, comm_, gate_.progress(), compute_dtype, offload, deferred),
-      reducer_(layout_, store_, comm_, gate_, reduce_dtype),
+      store_(std::move(params), layout_, mesh_, gate_.progress(), compute_dtype, offload, deferred),
+      reducer_(layout_, store_, comm_, replica_comm_, gate_, reduce_dtype),
       units_(layout_.params_sharded()
                  ? std::make_unique<UnitScheduler>(layout_, store_, gather_comm_, reducer_, gate_, prefetch,
                                                    [this] { round_.check_usable(); })
                  : nullptr),
-      agreement_(layout_, comm_, gate_),
+      agreement_(layout_, mesh_, gate_),
       hooks_(store_.params(), layout_, reducer_,
              [this](int64_t i) {
                const at::Tensor& grad = store_.param(i).grad();
@@ -59,7 +61,7 @@ ShardedModel::ShardedModel(std::vector<at::Tensor> params, std::vector<std::stri
                  on_grad_ready(i);  // nothing to accumulate; arms the epilogue
                }
              }),
-      round_(layout_, store_, reducer_, units_.get(), agreement_, gate_, hooks_, faults_, comm_, gather_comm_) {}
+      round_(layout_, store_, reducer_, units_.get(), agreement_, gate_, hooks_, faults_, mesh_, gather_comm_) {}
 
 // --- autograd ----------------------------------------------------------------
 
@@ -86,7 +88,7 @@ void ShardedModel::on_grad_ready(int64_t i) {
   try {
     arm_epilogue();  // fallback when no forward output was hooked
     if (faults_.armed()) {
-      faults_.maybe_raise("grad_hook", gate_.progress().step_index, comm_.rank());
+      faults_.maybe_raise("grad_hook", gate_.progress().step_index, mesh_.rank());
     }
     const int64_t completed = reducer_.on_grad_ready(i, sync_);
     if (completed >= 0 && units_) {
@@ -422,12 +424,15 @@ void ShardedModel::note_compute_copy_written() {
 std::vector<at::Tensor> ShardedModel::segment_compute_copies() { return store_.segment_compute_copies(); }
 void ShardedModel::check_param_shapes() { store_.check_shapes(); }
 
-void ShardedModel::enable_stall_diagnosis(double seconds, std::string key_space) {
+void ShardedModel::enable_stall_diagnosis(double seconds, std::string key_space,
+                                          std::vector<int64_t> shard_mesh_ranks,
+                                          std::vector<int64_t> replica_mesh_ranks) {
   if (!store_.device().is_cpu()) {
     return;  // NCCL: the watchdog bounds waits; a timed wait would block the host
   }
-  comm_.enable_stall_diagnosis(seconds, key_space);
-  gather_comm_.enable_stall_diagnosis(seconds, key_space);
+  comm_.enable_stall_diagnosis(seconds, key_space, shard_mesh_ranks);
+  gather_comm_.enable_stall_diagnosis(seconds, key_space, shard_mesh_ranks);
+  replica_comm_.enable_stall_diagnosis(seconds, key_space, replica_mesh_ranks);
 }
 
 // --- training-loop controls -------------------------------------------------

@@ -34,6 +34,7 @@
 #include "fault_injection.h"
 #include "grad_reducer.h"
 #include "layout.h"
+#include "mesh.h"
 #include "param_store.h"
 #include "rank_agreement.h"
 #include "step_gate.h"
@@ -46,6 +47,8 @@ class ShardedModel : public torch::CustomClassHolder {
   // params: in bucket order; trainable: which get gradients (stage 3 also
   // shards frozen ones); unit_of_bucket: stage 3 unit of each bucket (root: 0);
   // gather_group_name: the group stage 3 gathers on ("" = group_name);
+  // replica_group_name: hybrid sharding, the group across the copies of this
+  // rank's shard ("" = flat; [Note: hybrid sharding] in mesh.h);
   // compute_dtype: mixed precision (fp32 parameters compute in it, the
   // optimizer steps fp32 masters); reduce_dtype: gradients are reduced in it
   // (none: fp32); offload: masters and accumulators in host memory;
@@ -53,7 +56,8 @@ class ShardedModel : public torch::CustomClassHolder {
   // bucket by bucket ([Note: deferred initialization], param_store.cpp).
   ShardedModel(std::vector<at::Tensor> params, std::vector<std::string> names, std::vector<int64_t> trainable,
                std::vector<int64_t> params_per_bucket, std::vector<int64_t> unit_of_bucket, int64_t stage,
-               std::string group_name, std::string gather_group_name, int64_t prefetch,
+               std::string group_name, std::string gather_group_name, std::string replica_group_name,
+               int64_t prefetch,
                std::optional<c10::ScalarType> compute_dtype, std::optional<c10::ScalarType> reduce_dtype,
                bool offload, bool deferred);
 
@@ -128,7 +132,10 @@ class ShardedModel : public torch::CustomClassHolder {
   void note_compute_copy_written();
   std::vector<at::Tensor> segment_compute_copies();
   void check_param_shapes();
-  void enable_stall_diagnosis(double seconds, std::string key_space);
+  // key_space: the same on every rank of the mesh, new for each wrap();
+  // *_mesh_ranks: the mesh rank of each member of the group, by group rank.
+  void enable_stall_diagnosis(double seconds, std::string key_space, std::vector<int64_t> shard_mesh_ranks,
+                              std::vector<int64_t> replica_mesh_ranks);
 
   // --- training-loop controls ---------------------------------------------
   void set_sync(bool sync);
@@ -174,6 +181,12 @@ class ShardedModel : public torch::CustomClassHolder {
   void group_all_reduce(at::Tensor tensor, bool max, std::string what);
   void group_broadcast_from_rank0(at::Tensor tensor, std::string what);
   void group_all_gather(at::Tensor out, at::Tensor in, std::string what);
+  // The same over every rank of the mesh (both levels; the group's when
+  // flat): checkpoint exchanges, wrap()'s broadcasts. all_gather's output
+  // is in mesh-rank order.
+  void mesh_all_reduce(at::Tensor tensor, bool max, std::string what);
+  void mesh_broadcast_from_rank0(at::Tensor tensor, std::string what);
+  void mesh_all_gather(at::Tensor out, at::Tensor in, std::string what);
 
   // Bytes of gradient reductions in flight before backward waits for the
   // oldest (stages 2-3; see [Note: reductions in flight] in grad_reducer.h).
@@ -199,6 +212,8 @@ class ShardedModel : public torch::CustomClassHolder {
   Communicator comm_;
   // Stage 3 gathers on a group of its own (see units.h).
   Communicator gather_comm_;
+  Communicator replica_comm_;
+  Mesh mesh_;
   std::vector<std::string> issue_log_;
   Layout layout_;
   StepGate gate_;

@@ -139,6 +139,9 @@ c10::Dict<std::string, int64_t> ShardedModel::stats() {
   out.insert("last_graph_task", round_.last_graph_task());
   out.insert("last_keep_graph", round_.last_keep_graph() ? 1 : 0);
   out.insert("collectives", comm_.collectives_issued());
+  out.insert("replica_collectives", replica_comm_.collectives_issued());
+  out.insert("mesh_rank", mesh_.rank());
+  out.insert("mesh_size", mesh_.size());
   out.insert("all_gathers", comm_.all_gathers_issued());
   out.insert("param_gathers", units_ ? units_->param_gathers() : 0);
   out.insert("buckets", layout_.num_buckets());
@@ -173,6 +176,7 @@ void ShardedModel::log_issues(bool on) {
   std::lock_guard<std::mutex> lock(mutex_);
   comm_.log_issues_to(on ? &issue_log_ : nullptr, "reduce");
   gather_comm_.log_issues_to(on ? &issue_log_ : nullptr, "gather");
+  replica_comm_.log_issues_to(on ? &issue_log_ : nullptr, "replicate");
 }
 
 std::vector<std::string> ShardedModel::take_issue_log() {
@@ -205,6 +209,21 @@ void ShardedModel::group_all_gather(at::Tensor out, at::Tensor in, std::string w
   std::lock_guard<std::mutex> lock(mutex_);
   auto work = comm_.all_gather(out, in);
   comm_.wait(work, [&what] { return what; });
+}
+
+void ShardedModel::mesh_all_reduce(at::Tensor tensor, bool max, std::string what) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  mesh_.all_reduce(tensor, max, [&what] { return what; });
+}
+
+void ShardedModel::mesh_broadcast_from_rank0(at::Tensor tensor, std::string what) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  mesh_.broadcast_from_rank0({tensor}, [&what](size_t) { return what; });
+}
+
+void ShardedModel::mesh_all_gather(at::Tensor out, at::Tensor in, std::string what) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  mesh_.all_gather(out, in, [&what] { return what; });
 }
 
 } // namespace zero_ext

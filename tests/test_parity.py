@@ -6,6 +6,10 @@ a scenario that raises, kills a rank or hangs fails alone: the group is ended
 and a fresh one goes on with the next scenario. Results are cached per world
 size and reported one test per scenario and stage.
 ZERO_EXT_PARITY_WORLDS=1,2 limits the world sizes (the torch-versions subset).
+
+Hybrid sharding: every scenario again at world size 4 as a 2x2 (replicate,
+shard) DeviceMesh, and a representative set on the degenerate 4x1 (replicas
+only) and 1x4 (one row: flat) meshes, against the same flat reference.
 """
 import functools
 import os
@@ -18,9 +22,27 @@ from parity_scenarios import all_items
 WORLD_SIZES = tuple(int(w) for w in os.environ.get("ZERO_EXT_PARITY_WORLDS", "1,2,4").split(","))
 
 
+# The degenerate meshes: every stage of the plain loop, accumulation,
+# no_sync, clipping, unused and rank-dependent parameters, mixed precision,
+# offload, retain_graph, state bytes, stage 3 units, deferred init.
+DEGENERATE = ["scalar_loss_outside_model", "four_backward_per_step", "no_sync_accumulation", "clip_grad_norm",
+              "unused_parameters", "branch_on_rank0_only", "mixed_precision_bf16_mlp", "offload_state_bytes",
+              "state_bytes_match_the_stage", "retain_graph_two_losses", "tied_embedding_default_units",
+              "deferred_init_then_training"]
+MESHES = {"2x2": None, "4x1": DEGENERATE, "1x4": DEGENERATE}
+HYBRID = 4 in WORLD_SIZES
+
+
+def mesh_items(mesh: str):
+    names = MESHES[mesh]
+    items = all_items(mesh=mesh)
+    return items if names is None else [i for i in items if any(i.startswith(n + "/") for n in names)]
+
+
 @functools.lru_cache(maxsize=None)
-def group_results(world: int):
-    return run_items_on_ranks(world, "parity_scenarios:run_one", all_items(), item_deadline_s=180)
+def group_results(world: int, mesh: str = ""):
+    items = mesh_items(mesh) if mesh else all_items()
+    return run_items_on_ranks(world, "parity_scenarios:run_one", items, item_deadline_s=180)
 
 
 @pytest.mark.parametrize("item", all_items())
@@ -28,3 +50,10 @@ def group_results(world: int):
 def test_parity(world, item):
     result = group_results(world)[item]
     assert_item_matched(world, result)
+
+
+@pytest.mark.skipif(not HYBRID, reason="world size 4 not in ZERO_EXT_PARITY_WORLDS")
+@pytest.mark.parametrize("item", [i for mesh in MESHES for i in mesh_items(mesh)])
+def test_hybrid_parity(item):
+    mesh = item.rsplit("/mesh", 1)[1]
+    assert_item_matched(4, group_results(4, mesh)[item])

@@ -66,9 +66,10 @@ class _Ranks:
 
     def __init__(self, state):
         self.group = state.process_group
-        self.distributed = self.group is not None and state.world_size > 1
-        self.rank = dist.get_rank(self.group) if self.distributed else 0
-        self.world = state.world_size
+        # Over every rank of the mesh (hybrid: both levels); ranks by mesh rank.
+        self.distributed = self.group is not None and state.mesh_size > 1
+        self.rank = state.mesh_rank if self.distributed else 0
+        self.world = state.mesh_size
         self.core = state.buckets
         # NCCL moves device tensors only; gloo takes host tensors.
         self.device = state.device if dist.is_initialized() and self.distributed and \
@@ -76,7 +77,7 @@ class _Ranks:
 
     def _all_gather(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
         out = torch.empty(self.world * tensor.numel(), dtype=tensor.dtype, device=self.device)
-        self.core.group_all_gather(out, tensor, what)
+        self.core.mesh_all_gather(out, tensor, what)
         return out.view(self.world, -1)
 
     def gather(self, obj: Any) -> List[Any]:
@@ -95,11 +96,11 @@ class _Ranks:
             return obj
         data = pickle.dumps(obj) if self.rank == 0 else b""
         size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
-        self.core.group_broadcast_from_rank0(size, "checkpoint: rank 0's payload size")
+        self.core.mesh_broadcast_from_rank0(size, "checkpoint: rank 0's payload size")
         buffer = torch.zeros(int(size.item()), dtype=torch.uint8, device=self.device)
         if self.rank == 0:
             buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        self.core.group_broadcast_from_rank0(buffer, "checkpoint: rank 0's payload")
+        self.core.mesh_broadcast_from_rank0(buffer, "checkpoint: rank 0's payload")
         return obj if self.rank == 0 else pickle.loads(buffer.cpu().numpy().tobytes())
 
     def settle(self, error: Optional[BaseException], payload: Any = None, action: Optional[str] = None,
@@ -259,9 +260,16 @@ def _check_target(path: str) -> None:
 
 def _write_rank_files(tmp: str, model, optimizer, state, ranks: _Ranks, token: str,
                       blobs: Dict[str, bytes]) -> Tuple[List[dict], Dict[str, int]]:
-    """This rank's files in `tmp`; returns its pieces and {file: size}."""
+    """This rank's files in `tmp`; returns its pieces and {file: size}.
+    Hybrid: the replicas of a shard each write 1/R of what it owns, so the
+    rows share the writing (and the files are named by mesh rank)."""
     rank = ranks.rank
     name = f"rank{rank}.bin"
+
+    def my_part(lo: int, hi: int) -> Tuple[int, int]:
+        step = -(-(hi - lo) // state.replicas)
+        a = min(hi, lo + state.replica_rank * step)
+        return a, min(hi, a + step)
     writer = files.ShardWriter(os.path.join(tmp, name), token)
     pieces: List[dict] = []
 
@@ -272,8 +280,8 @@ def _write_rank_files(tmp: str, model, optimizer, state, ranks: _Ranks, token: s
 
     names = state.bucketed_names
     owned = {}
-    for i, start, end in _owned_ranges(state, rank):
-        owned.setdefault(i, []).append((start, end))
+    for i, start, end in _owned_ranges(state, state.shard_rank):
+        owned.setdefault(i, []).append(my_part(start, end))
     for i, start, view in _local_views(state):
         for lo, hi in owned.get(i, []):
             a, b = max(lo, start), min(hi, start + view.numel())
@@ -293,7 +301,7 @@ def _write_rank_files(tmp: str, model, optimizer, state, ranks: _Ranks, token: s
         # Sharded, a rank's state is its own; replicated (stage 0), every
         # rank has all of it and writes its owned ranges only.
         sharded = state.sharded_optimizer and not state.buckets.replicated()
-        ranges = [(start, start + length)] if sharded else owned.get(i, [])
+        ranges = [my_part(start, start + length)] if sharded else owned.get(i, [])
         scalars = {k: _scalar(v) for k, v in st.items()}
         scalars = {k: v for k, v in scalars.items() if v is not None}
         flat = {k: v.detach().reshape(-1) for k, v in st.items()
@@ -356,7 +364,7 @@ def _metadata(model, optimizer, state, token: str, pieces: List[dict], sizes: Di
     scaler = state.buckets.loss_scaler_state()
     return {
         "format": files.FORMAT, "version": files.VERSION, "token": token,
-        "world_size": state.world_size, "stage": state.stage,
+        "world_size": state.mesh_size, "stage": state.stage,
         "compute_dtype": None if state.compute_dtype is None else files.dtype_name(state.compute_dtype),
         "offload": state.offload,
         "loss_scaler": {"scale": scaler[0], "clean_steps": int(scaler[1]), "skipped_steps": int(scaler[2])},
@@ -481,7 +489,7 @@ def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ex
     error, note = None, ""
     if ranks.rank == 0:
         try:
-            sizes = _check_written(tmp, state.world_size, gathered)
+            sizes = _check_written(tmp, state.mesh_size, gathered)
             meta = _metadata(model, optimizer, state, token, [p for ps, _ in gathered for p in ps], sizes)
         except Exception as e:  # noqa: BLE001
             shutil.rmtree(tmp, ignore_errors=True)

@@ -193,7 +193,7 @@ def materialize(plan: DeferredPlan, core, ranks, bucketed: List[torch.nn.Paramet
     ranks.settle(error)
     with torch.no_grad():
         for p in frozen:
-            core.group_broadcast_from_rank0(p.detach(), "wrap(): broadcasting an initialized frozen parameter")
+            core.mesh_broadcast_from_rank0(p.detach(), "wrap(): broadcasting an initialized frozen parameter")
 
 
 def _fill_for_loading(plan: DeferredPlan, core, ranks, bucketed, bucket_of, local_views,

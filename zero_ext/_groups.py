@@ -82,3 +82,49 @@ def acquire_groups(base: dist.ProcessGroup, count: int, timeout: Optional[dateti
     for entry in chosen:
         entry.owner = weakref.ref(owner)
     return [entry.group for entry in chosen]
+
+
+def acquire_mesh_groups(shard_base: dist.ProcessGroup, replicate_base: dist.ProcessGroup, count: int,
+                        timeout: Optional[datetime.timedelta], device: torch.device,
+                        owner: object) -> Tuple[List[dist.ProcessGroup], dist.ProcessGroup]:
+    """Hybrid sharding: `count` groups over this rank's row (`shard_base`'s
+    ranks) and one over its column (`replicate_base`'s), for `owner`;
+    collective over the whole mesh.
+
+    Free or busy is decided over the whole mesh: a row that reused pooled
+    groups while another created new ones would count its groups
+    differently, and torch names a group by that count, so the next group
+    spanning both rows would get two names and hang."""
+    timeout = timeout or group_timeout(shard_base)
+    seconds = timeout.total_seconds() if timeout else None
+    live = dist.distributed_c10d._world.pg_map
+    keys = [(f"mesh-shard:{shard_base.group_name}:{replicate_base.group_name}", seconds),
+            (f"mesh-replicate:{shard_base.group_name}:{replicate_base.group_name}", seconds)]
+    pools = []
+    for key in keys:
+        entries = [e for e in _pool.entries.get(key, []) if e.group in live]
+        _pool.entries[key] = entries
+        pools.append(entries)
+    free: List[List[_Entry]] = [[], []]
+    flags = [float(e.in_use()) for e in pools[0] + pools[1]]
+    if flags:
+        # Every rank of the mesh wrapped the same models over it, so the pools
+        # have the same length everywhere.
+        busy = torch.tensor(flags, dtype=torch.float32, device=device)
+        dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=shard_base)
+        dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=replicate_base)
+        flags = busy.tolist()
+        free[0] = [e for e, b in zip(pools[0], flags[:len(pools[0])]) if b == 0.0]
+        free[1] = [e for e, b in zip(pools[1], flags[len(pools[0]):]) if b == 0.0]
+    chosen: List[List[_Entry]] = [free[0][:count], free[1][:1]]
+    for role, (base, wanted) in enumerate(((shard_base, count), (replicate_base, 1))):
+        while len(chosen[role]) < wanted:
+            kwargs = {"timeout": timeout} if timeout is not None else {}
+            group = dist.new_group(ranks=dist.get_process_group_ranks(base), backend=dist.get_backend(base),
+                                   use_local_synchronization=True, **kwargs)
+            entry = _Entry(group)
+            pools[role].append(entry)
+            chosen[role].append(entry)
+    for entry in chosen[0] + chosen[1]:
+        entry.owner = weakref.ref(owner)
+    return [e.group for e in chosen[0]], chosen[1][0].group

@@ -3,8 +3,9 @@ core, hook the model, shard the optimizer."""
 from __future__ import annotations
 
 import datetime
+import uuid
 import weakref
-from typing import Callable, Dict, List, Optional, Set, Tuple, Union
+from typing import Callable, List, Optional, Set, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -14,30 +15,14 @@ from ._bucket_plan import plan_buckets
 from ._C_loader import ShardedModel
 from ._checkpoint import _local_views, _Ranks
 from ._deferred_init import materialize, move_to_device, plan_deferred
-from ._groups import acquire_groups, group_timeout
+from ._groups import acquire_groups, acquire_mesh_groups, group_timeout
+from ._mesh import Topology, resolve_topology
 from ._module import install_forward_hooks, swap_module_class
 from ._optimizer import shard_optimizer
 from ._testing import apply_test_fault
 from ._units import Unit, assign_parameters, resolve_units
 from ._validate import Options, check_backend, check_wrap_arguments
 from ._wrapper_state import ZeroState
-
-_stall_generation: Dict[str, int] = {}
-
-
-def _resolve_group(process_group: Optional[dist.ProcessGroup]) -> Tuple[Optional[dist.ProcessGroup], int]:
-    if process_group is None:
-        if not (dist.is_available() and dist.is_initialized()):
-            return None, 1  # notebooks: a single process, no communication
-        process_group = dist.group.WORLD
-    if dist.get_rank(process_group) < 0:
-        raise ValueError(
-            "zero_ext.wrap: this rank is not a member of the process_group passed; "
-            "call wrap() only on ranks of that group, or pass a group that contains this rank."
-        )
-    world = dist.get_world_size(process_group)
-    return process_group, world
-
 
 def _plan_units(model: torch.nn.Module, units: List[Unit]):
     """Stage 3: one bucket per unit and dtype, frozen parameters included.
@@ -74,13 +59,14 @@ def _plan(model: torch.nn.Module, trainable: List[torch.nn.Parameter], options: 
 
 
 def _build_core(ordered: List[torch.nn.Parameter], names: List[str], counts: List[int],
-                unit_of_bucket: List[int], options: Options, group_names: List[str], deferred: bool):
+                unit_of_bucket: List[int], options: Options, group_names: List[str], replica_name: str,
+                deferred: bool):
     """The C++ core (torch.classes.zero_ext.ShardedModel) with its loss
     scaling and non-finite policy set."""
     precision = options.precision
     core = ShardedModel(ordered, names, [int(p.requires_grad) for p in ordered], counts, unit_of_bucket,
                         options.stage, group_names[0] if group_names else "",
-                        group_names[1] if len(group_names) > 1 else "", options.prefetch,
+                        group_names[1] if len(group_names) > 1 else "", replica_name, options.prefetch,
                         precision.compute_dtype, precision.reduce_dtype, options.offload, deferred)
     scale = precision.loss_scale
     if isinstance(scale, DynamicLossScale):
@@ -93,29 +79,30 @@ def _build_core(ordered: List[torch.nn.Parameter], names: List[str], counts: Lis
     return core
 
 
-def _enable_stall_diagnosis(core, reduce_name: str, limit: Optional[datetime.timedelta]) -> None:
+def _enable_stall_diagnosis(core, ranks: _Ranks, topology: Topology, limit: Optional[datetime.timedelta]) -> None:
     """A wait stalled a quarter of the timeout (between 1 s and 30 s)
     compares notes with the other ranks (see communicator.h)."""
     seconds = limit.total_seconds() if limit is not None else 1800.0
-    # Per use of the (pooled) group, so a later model never reads an
-    # earlier one's posts; pools are chosen alike on every rank.
-    _stall_generation[reduce_name] = _stall_generation.get(reduce_name, 0) + 1
-    key_space = f"{reduce_name}/{_stall_generation[reduce_name]}"
-    core.enable_stall_diagnosis(min(max(seconds / 4, 1.0), 30.0), key_space)
+    # New for every wrap() and the same on every rank of the mesh: a later
+    # model (or a restarted job whose store outlived the last one, as
+    # torchrun's agent store does) never reads an earlier one's posts.
+    key_space = ranks.from_rank0(uuid.uuid4().hex)
+    core.enable_stall_diagnosis(min(max(seconds / 4, 1.0), 30.0), key_space, topology.shard_mesh_ranks(),
+                                topology.replica_mesh_ranks())
 
 
 def _broadcast_buffers(model: torch.nn.Module, core) -> None:
     """Every rank starts from rank 0's buffers."""
     with torch.no_grad():
         for name, buffer in model.named_buffers():
-            core.group_broadcast_from_rank0(buffer, f"wrap(): broadcasting buffer {name} from rank 0")
+            core.mesh_broadcast_from_rank0(buffer, f"wrap(): broadcasting buffer {name} from rank 0")
 
 
 def wrap(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     stage: int = 2,
-    process_group: Optional[dist.ProcessGroup] = None,
+    process_group: Union[None, dist.ProcessGroup, "torch.distributed.device_mesh.DeviceMesh"] = None,
     mixed_precision: Union[None, str, MixedPrecision] = None,
     offload_optimizer: Optional[str] = None,
     units: Union[None, Set[type], Callable[[torch.nn.Module], bool]] = None,
@@ -131,6 +118,10 @@ def wrap(
     Train with plain ``loss.backward(); optimizer.step(); optimizer.zero_grad()``.
     Gradients are averaged over the ranks of `process_group` (the world group
     by default; a single process if torch.distributed is not initialized).
+    A 2-D DeviceMesh (replicate, shard) shards over each row of the mesh and
+    replicates across rows (hybrid sharding, FSDP2's HSDP): gradients are
+    reduce-scattered within the row, and only the shard all-reduced across
+    rows. Shard within a node, replicate across nodes.
 
     Args:
         model: module already on its device; modified in place, same names.
@@ -170,8 +161,10 @@ def wrap(
     trainable, options = check_wrap_arguments(model, optimizer, stage, mixed_precision, offload_optimizer,
                                               units, bucket_mb, timeout, prefetch, skip_nonfinite)
     deferred = plan_deferred(model, device, param_init_fn)
-    group, world = _resolve_group(process_group)
-    check_backend(group, deferred.device if deferred else trainable[0].device)
+    model_device = deferred.device if deferred else trainable[0].device
+    topology = resolve_topology(process_group, model_device)
+    for group in (topology.shard_group, topology.replicate_group):
+        check_backend(group, model_device)
     unit_list, ordered, counts, unit_of_bucket = _plan(model, trainable, options)
     names_by_id = {id(p): n for n, p in model.named_parameters()}
     names = [names_by_id[id(p)] for p in ordered]
@@ -181,17 +174,22 @@ def wrap(
     # gathers parameters on a second one (see csrc/units.h).
     # Even at world size 1 under torch.distributed: the collectives run as
     # they will on more ranks (as DDP's do), so one GPU measures the real path.
-    own_groups = []
-    if group is not None:
-        own_groups = acquire_groups(group, 2 if options.stage == 3 else 1, options.timeout, ordered[0].device, model)
+    own_groups, replica_group = [], None
+    count = 2 if options.stage == 3 else 1
+    base = topology.shard_group
+    if topology.replicate_group is not None:
+        own_groups, replica_group = acquire_mesh_groups(base, topology.replicate_group, count, options.timeout,
+                                                        ordered[0].device, model)
+    elif base is not None:
+        own_groups = acquire_groups(base, count, options.timeout, ordered[0].device, model)
     core = _build_core(ordered, names, counts, unit_of_bucket, options, [g.group_name for g in own_groups],
-                       deferred is not None)
-    apply_test_fault(core, dist.get_rank(group) if group is not None and world > 1 else 0)
-    if own_groups:
-        _enable_stall_diagnosis(core, own_groups[0].group_name, options.timeout or group_timeout(group))
+                       replica_group.group_name if replica_group is not None else "", deferred is not None)
+    apply_test_fault(core, topology.mesh_rank if topology.mesh_size > 1 else 0)
     state = ZeroState(
         model_ref=weakref.ref(model), stage=options.stage, buckets=core,
-        process_group=own_groups[0] if own_groups else None, world_size=world,
+        process_group=own_groups[0] if own_groups else None, world_size=topology.shard_size,
+        replicate_group=replica_group, replicas=topology.replicas, shard_rank=topology.shard_rank,
+        replica_rank=topology.replica_rank,
         device=ordered[0].device, params=[p for p in ordered if p.requires_grad],
         names=[n for n, p in zip(names, ordered) if p.requires_grad],
         param_ids={id(p) for p in ordered if p.requires_grad}, bucketed=ordered,
@@ -199,6 +197,8 @@ def wrap(
         cast_inputs=options.precision.cast_inputs,
         sharded_optimizer=options.stage >= 1 or core.has_masters(), offload=options.offload,
     )
+    if own_groups:
+        _enable_stall_diagnosis(core, _Ranks(state), topology, options.timeout or group_timeout(base))
     if deferred:
         groups_of_bucket = unit_of_bucket if options.stage == 3 else list(range(len(counts)))
         materialize(deferred, core, _Ranks(state), ordered, counts, groups_of_bucket, lambda: _local_views(state),

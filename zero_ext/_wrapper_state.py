@@ -16,8 +16,12 @@ class ZeroState:
     model_ref: "weakref.ref[torch.nn.Module]"  # weak: the model holds this state
     stage: int
     buckets: object  # torch.classes.zero_ext.ShardedModel: the C++ core
-    process_group: Optional[dist.ProcessGroup]  # zero_ext's own reduction group
-    world_size: int
+    process_group: Optional[dist.ProcessGroup]  # zero_ext's own reduction group (the shard group)
+    world_size: int  # of the shard group
+    replicate_group: Optional[dist.ProcessGroup]  # hybrid sharding: across the copies of the shard (None: flat)
+    replicas: int  # rows of the mesh (1: flat)
+    shard_rank: int
+    replica_rank: int
     device: torch.device
     params: List[torch.nn.Parameter]  # trainable, in bucket order
     names: List[str]
@@ -28,6 +32,15 @@ class ZeroState:
     cast_inputs: bool  # floating forward inputs are cast to compute_dtype
     sharded_optimizer: bool  # the optimizer steps zero_ext's segments (not the parameters)
     offload: bool  # masters, gradient accumulators and optimizer state in host memory
+
+    @property
+    def mesh_size(self) -> int:
+        """Every rank the model lives on: shard group size times replicas."""
+        return self.world_size * self.replicas
+
+    @property
+    def mesh_rank(self) -> int:
+        return self.replica_rank * self.world_size + self.shard_rank
 
     def check_parameters_unchanged(self) -> None:
         """Once per step: a parameter replaced by a new object after wrap()
