@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import zero_ext
-from parity_scenarios import IN, OUT, Net
+from parity_scenarios import IN, OUT, Net, device_mesh
 
 GLOBAL = 8  # rows per step, divisible by every world size tested (1, 2, 4)
 K = 2       # steps before and after a save
@@ -25,13 +25,16 @@ def global_batch(step: int):
     return torch.randn(GLOBAL, IN, generator=g), torch.randn(GLOBAL, OUT, generator=g)
 
 
-def make(stage: Optional[int], precision: Optional[str] = None, offload: bool = False, seed: int = 0):
+def make(stage: Optional[int], precision: Optional[str] = None, offload: bool = False, seed: int = 0,
+         mesh: str = ""):
+    """Net and AdamW, wrapped at `stage` (None: plain); `mesh` "RxS": hybrid."""
     model = Net(seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, eps=1e-3)
     if stage is None:
         return model, opt
+    group = {"process_group": device_mesh(*(int(v) for v in mesh.split("x")))} if mesh else {}
     return zero_ext.wrap(model, opt, stage=stage, bucket_mb=0.0005 * (1 + stage), mixed_precision=precision,
-                         offload_optimizer="cpu" if offload else None, timeout=20)
+                         offload_optimizer="cpu" if offload else None, timeout=20, **group)
 
 
 def train(model, opt, steps: range, rank: int, world: int, dtype=torch.float32) -> None:
@@ -53,21 +56,22 @@ CONFIGS = [(stage, precision, offload) for stage in (0, 1, 2, 3)
            for precision, offload in ((None, False), ("bf16", False), (None, True), ("bf16", True))]
 
 
-def resume_equivalence(rank: int, world: int, root: str) -> Dict[str, Optional[str]]:
+def resume_equivalence(rank: int, world: int, root: str, mesh: str = "") -> Dict[str, Optional[str]]:
     """Train K, save, train K; versus load and train K: bit-identical
-    parameters (fp32 masters) and optimizer state, per configuration."""
+    parameters (fp32 masters) and optimizer state, per configuration
+    (hybrid over `mesh` if given)."""
     results = {}
     for stage, precision, offload in CONFIGS:
         label = f"stage{stage}-{precision or 'fp32'}{'-offload' if offload else ''}"
         dtype = torch.bfloat16 if precision else torch.float32
         path = os.path.join(root, label)
-        model, opt = make(stage, precision, offload)
+        model, opt = make(stage, precision, offload, mesh=mesh)
         train(model, opt, range(K), rank, world, dtype)
         zero_ext.save(path, model, opt, extra={"rank": rank, "label": label})
         train(model, opt, range(K, 2 * K), rank, world, dtype)
         want_params, want_state = zero_ext.full_state_dict(model), local_optimizer_state(opt)
 
-        model2, opt2 = make(stage, precision, offload, seed=7)  # different init: all must come from the file
+        model2, opt2 = make(stage, precision, offload, seed=7, mesh=mesh)  # different init: all must come from the file
         extra = zero_ext.load(path, model2, opt2)
         train(model2, opt2, range(K, 2 * K), rank, world, dtype)
         got_params, got_state = zero_ext.full_state_dict(model2), local_optimizer_state(opt2)
@@ -87,29 +91,34 @@ def resume_equivalence(rank: int, world: int, root: str) -> Dict[str, Optional[s
     return results
 
 
-RESHARD_SAVES = [(3, None), (1, None), (2, "bf16")]  # (stage, precision) saved at world 4
+# (stage, precision, mesh) saved at world 4: flat, and hybrid over a 2x2 mesh.
+RESHARD_SAVES = [(3, None, ""), (1, None, ""), (2, "bf16", ""), (3, None, "2x2"), (2, "bf16", "2x2")]
+
+
+def saved_name(stage: int, precision: Optional[str], mesh: str) -> str:
+    return f"saved-stage{stage}-{precision or 'fp32'}" + (f"-mesh{mesh}" if mesh else "")
 
 
 def save_for_resharding(rank: int, world: int, root: str) -> None:
-    for stage, precision in RESHARD_SAVES:
-        model, opt = make(stage, precision)
+    for stage, precision, mesh in RESHARD_SAVES:
+        model, opt = make(stage, precision, mesh=mesh)
         train(model, opt, range(K), rank, world, torch.bfloat16 if precision else torch.float32)
-        zero_ext.save(os.path.join(root, f"saved-stage{stage}-{precision or 'fp32'}"), model, opt,
-                      extra={"saved_at": world})
+        zero_ext.save(os.path.join(root, saved_name(stage, precision, mesh)), model, opt, extra={"saved_at": world})
 
 
-def load_resharded(rank: int, world: int, root: str) -> bytes:
-    """Each saved checkpoint loaded at this world size into every stage, then
-    trained K more steps; returns the full parameters (torch.save bytes: the
-    result queue cannot carry tensors out of a rank that exits)."""
+def load_resharded(rank: int, world: int, root: str, mesh: str = "") -> bytes:
+    """Each saved checkpoint loaded at this world size (hybrid over `mesh`
+    if given) into every stage, then trained K more steps; returns the full
+    parameters (torch.save bytes: the result queue cannot carry tensors out
+    of a rank that exits)."""
     out = {}
-    for stage, precision in RESHARD_SAVES:
+    for stage, precision, saved_mesh in RESHARD_SAVES:
         for new_stage in (0, 1, 2, 3):
-            model, opt = make(new_stage, precision, seed=7)
-            extra = zero_ext.load(os.path.join(root, f"saved-stage{stage}-{precision or 'fp32'}"), model, opt)
+            model, opt = make(new_stage, precision, seed=7, mesh=mesh)
+            extra = zero_ext.load(os.path.join(root, saved_name(stage, precision, saved_mesh)), model, opt)
             assert extra == {"saved_at": 4}, extra
             train(model, opt, range(K, 2 * K), rank, world, torch.bfloat16 if precision else torch.float32)
-            out[f"stage{stage}-{precision or 'fp32'}->stage{new_stage}"] = zero_ext.full_state_dict(model)
+            out[f"{saved_name(stage, precision, saved_mesh)}->stage{new_stage}"] = zero_ext.full_state_dict(model)
     buffer = io.BytesIO()
     torch.save(out, buffer)
     return buffer.getvalue()

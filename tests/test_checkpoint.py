@@ -12,22 +12,22 @@ import pytest
 import torch
 
 import zero_ext
-from checkpoint_scenarios import CONFIGS, K, RESHARD_SAVES, global_batch, make, train
+from checkpoint_scenarios import CONFIGS, K, RESHARD_SAVES, global_batch, make, saved_name, train
 from dist_harness import run_on_ranks
 from parity_scenarios import Net
 from zero_ext.convert import convert
 
 
 @functools.lru_cache(maxsize=None)
-def resume_results(world: int, root: str):
-    return run_on_ranks(world, "checkpoint_scenarios:resume_equivalence", (root,), deadline_s=600)
+def resume_results(world: int, root: str, mesh: str):
+    return run_on_ranks(world, "checkpoint_scenarios:resume_equivalence", (root, mesh), deadline_s=600)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"stage{c[0]}-{c[1] or 'fp32'}{'-offload' if c[2] else ''}")
-@pytest.mark.parametrize("world", [1, 2])
-def test_resume_is_bit_identical(world, config, tmp_path_factory):
-    root = str(tmp_path_factory.getbasetemp() / f"resume-{world}")
-    results = resume_results(world, root)
+@pytest.mark.parametrize("world,mesh", [(1, ""), (2, ""), (4, "2x2")])
+def test_resume_is_bit_identical(world, mesh, config, tmp_path_factory):
+    root = str(tmp_path_factory.getbasetemp() / f"resume-{world}{mesh}")
+    results = resume_results(world, root, mesh)
     stage, precision, offload = config
     label = f"stage{stage}-{precision or 'fp32'}{'-offload' if offload else ''}"
     for rank, per_rank in enumerate(results):
@@ -53,23 +53,26 @@ def _reference(precision, steps):
     return zero_ext.full_state_dict(model) if precision else {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_resharded_load_continues_like_one_process(world, saved_at_world_4):
+@pytest.mark.parametrize("world,mesh", [(1, ""), (2, ""), (4, ""), (4, "2x2"), (4, "4x1")])
+def test_resharded_load_continues_like_one_process(world, mesh, saved_at_world_4):
+    """Saved flat or hybrid at world 4, loaded flat at 1, 2, 4 or hybrid over
+    2x2 and 4x1, into every stage: training goes on as in one process."""
     per_rank = [torch.load(io.BytesIO(raw), weights_only=True) for raw in
-                run_on_ranks(world, "checkpoint_scenarios:load_resharded", (saved_at_world_4,), deadline_s=600)]
-    for stage, precision in RESHARD_SAVES:
+                run_on_ranks(world, "checkpoint_scenarios:load_resharded", (saved_at_world_4, mesh), deadline_s=600)]
+    for stage, precision, saved_mesh in RESHARD_SAVES:
         want = _reference(precision, 2 * K)
         rtol, atol = (2e-2, 2e-3) if precision else (1e-5, 1e-6)
         for new_stage in (0, 1, 2, 3):
-            label = f"stage{stage}-{precision or 'fp32'}->stage{new_stage}"
+            label = f"{saved_name(stage, precision, saved_mesh)}->stage{new_stage}"
             for rank, got in enumerate(per_rank):
                 for name, value in want.items():
                     assert torch.allclose(got[label][name], value, rtol=rtol, atol=atol), (rank, label, name)
 
 
-def test_convert_gives_a_plain_state_dict(saved_at_world_4, tmp_path):
+@pytest.mark.parametrize("saved", ["saved-stage3-fp32", "saved-stage3-fp32-mesh2x2"])
+def test_convert_gives_a_plain_state_dict(saved, saved_at_world_4, tmp_path):
     out = str(tmp_path / "plain.pt")
-    ckpt = os.path.join(saved_at_world_4, "saved-stage3-fp32")
+    ckpt = os.path.join(saved_at_world_4, saved)
     # No zero_ext at load time: a fresh interpreter that cannot import it.
     subprocess.run([sys.executable, "-m", "zero_ext.convert", ckpt, out], check=True, capture_output=True)
     code = (
