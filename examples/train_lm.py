@@ -6,12 +6,19 @@ Each rank reads its own slice of every batch from examples/data/corpus.txt;
 training is plain `loss.backward(); optimizer.step()`. At the end it prints,
 for each rank, the bytes of parameters, gradients and optimizer state that
 zero_ext holds at the chosen stage next to what DDP holds for the same model.
+
+Across nodes, `--mesh nodes` shards within each node and replicates across
+nodes (hybrid sharding); `--resume-dir DIR --save-every N` saves every N
+steps and, started again (by torchrun's --max-restarts after a failure, at
+the same or another world size), goes on from the last complete save. With
+--global-batch the data of a step does not depend on the world size.
 """
 from __future__ import annotations
 
 import argparse
 import math
 import os
+import signal
 import sys
 import time
 
@@ -64,14 +71,30 @@ def progress(step: int, total: int, loss: float, started: float) -> None:
     sys.stdout.flush()
 
 
-def train(args, model, opt, sched, clip, data, rank, world, show):
-    """Trains for args.steps; the global batch's loss at each step."""
+def kill_once(args, rank: int, step: int) -> None:
+    """--kill-at RANK:STEP (testing restarts): that rank dies by SIGKILL in
+    the middle of that step, after its backward, once per --resume-dir."""
+    if not args.kill_at:
+        return
+    who, when = (int(v) for v in args.kill_at.split(":"))
+    marker = os.path.join(args.resume_dir or ".", "killed-once")
+    if rank == who and step == when and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train(args, model, opt, sched, clip, data, rank, world, show, first_step=1, save=None):
+    """Trains steps first_step..args.steps; the global batch's loss at each step.
+    `save(step)` runs after every args.save_every-th step."""
     started = time.perf_counter()
     losses = []
-    for step in range(1, args.steps + 1):
+    for step in range(first_step, args.steps + 1):
         x, y = batches(data, args.context, args.batch, rank, world, step)
         loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         loss.backward()
+        kill_once(args, rank, step)
+        if args.step_seconds:
+            time.sleep(args.step_seconds)
         clip(1.0)
         opt.step()
         sched.step()
@@ -83,7 +106,24 @@ def train(args, model, opt, sched, clip, data, rank, world, show):
         losses.append(value.item())
         if show and (step % 5 == 0 or step == args.steps):
             progress(step, args.steps, losses[-1], started)
+        if save is not None and args.save_every and step % args.save_every == 0:
+            save(step)
     return losses
+
+
+def data_mesh(spec: str, world: int):
+    """--mesh: None (flat over every rank), "nodes" (shard within a node,
+    replicate across nodes) or "RxS"."""
+    if spec == "flat" or world == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if spec == "nodes":
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        shape = (world // per_node, per_node)
+    else:
+        shape = tuple(int(v) for v in spec.split("x"))
+    return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
 
 
 def ddp_losses(args, vocab, data, rank, world):
@@ -158,6 +198,19 @@ def main() -> None:
     parser.add_argument("--corpus", default=os.path.join(HERE, "data", "corpus.txt"))
     parser.add_argument("--plot", metavar="PNG",
                         help="also train the same model under torch DDP and plot both loss curves here")
+    parser.add_argument("--mesh", default="flat",
+                        help="flat (shard over every rank), nodes (shard within a node, replicate across "
+                             "nodes) or RxS (R replicas of an S-way sharding)")
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help="sequences per step over all ranks (overrides --batch; the same data at any world size)")
+    parser.add_argument("--resume-dir", default=None,
+                        help="save here every --save-every steps; if a save is there, go on from it")
+    parser.add_argument("--save-every", type=int, default=0)
+    parser.add_argument("--save-final", metavar="PT", default=None,
+                        help="rank 0 writes the trained full state_dict here (torch.save)")
+    parser.add_argument("--kill-at", metavar="RANK:STEP", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--step-seconds", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: a slower step
+    parser.add_argument("--no-report", action="store_true", help="skip the closing bytes table")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -165,6 +218,10 @@ def main() -> None:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
+    if args.global_batch:
+        if args.global_batch % world:
+            raise SystemExit(f"--global-batch {args.global_batch} does not split over {world} ranks")
+        args.batch = args.global_batch // world
 
     text = open(args.corpus, encoding="utf-8").read()
     chars = sorted(set(text))
@@ -172,15 +229,39 @@ def main() -> None:
 
     model, opt = build(args, len(chars))
     n_params = sum(p.numel() for p in model.parameters())
+    mesh = data_mesh(args.mesh, world)
     model, opt = zero_ext.wrap(model, opt, stage=args.stage, mixed_precision=args.mixed_precision,
-                               offload_optimizer="cpu" if args.offload else None)
+                               offload_optimizer="cpu" if args.offload else None, process_group=mesh)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+    first_step, save = 1, None
+    if args.resume_dir:
+        checkpoint = os.path.join(args.resume_dir, "checkpoint")
+        # Every rank must see the save (a shared filesystem); zero_ext.save
+        # publishes it atomically, so it is whole or absent.
+        if os.path.exists(os.path.join(checkpoint, "metadata.json")):
+            extra = zero_ext.load(checkpoint, model, opt)
+            sched.load_state_dict(extra["scheduler"])
+            first_step = extra["step"] + 1
+            if rank == 0:
+                print(f"resumed from {checkpoint} after step {extra['step']} at world size {world} "
+                      f"(unix time {time.time():.3f})", flush=True)
+
+        def save(step: int) -> None:
+            zero_ext.save(checkpoint, model, opt, extra={"step": step, "scheduler": sched.state_dict()})
     if rank == 0:
         precision = (args.mixed_precision or "fp32") + (", optimizer offloaded" if args.offload else "")
         print(f"zero_ext stage {args.stage} ({precision}): {n_params / 1e3:.1f}K-parameter transformer, "
-              f"{world} rank(s) x {args.batch} sequences of {args.context} characters")
+              f"{world} rank(s) x {args.batch} sequences of {args.context} characters"
+              + (f", hybrid: {mesh.mesh.shape[0]} replicas of a {mesh.mesh.shape[1]}-way sharding" if mesh else ""))
 
-    losses = train(args, model, opt, sched, opt.clip_grad_norm_, data, rank, world, show=rank == 0)
+    losses = train(args, model, opt, sched, opt.clip_grad_norm_, data, rank, world, show=rank == 0,
+                   first_step=first_step, save=save)
+    if args.save_final:
+        full = zero_ext.full_state_dict(model)  # collective
+        if rank == 0:
+            torch.save(full, args.save_final)
+    if not losses:
+        losses = [float("nan")]
     first_loss, value = losses[0], losses[-1]
     if rank == 0:
         print(f"\nloss {first_loss:.3f} -> {value:.3f} (uniform guess: {math.log(len(chars)):.3f})")
@@ -196,6 +277,10 @@ def main() -> None:
             gap = max(abs(a - b) for a, b in zip(losses, reference))
             print(f"largest loss difference against DDP over {args.steps} steps: {gap:.2e}")
 
+    if args.no_report:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return
     mine = zero_ext.memory_report(model, opt)
     theirs = ddp_bytes(args, len(chars), data, rank, world)
     rows = [None] * world
