@@ -34,7 +34,12 @@ Reported per system (mean over ranks unless said):
                all-gather (N-1) x the shard, broadcast (N-1)/N x S. Gloo runs
                a reduce-scatter as a full all-reduce (it shows up as one), so
                on gloo stages 1-2 send 3(N-1)/N x 4P and stage 3 4(N-1)/N x 4P,
-               where NCCL would send 2 and 3; "theory" is that gloo figure
+               where NCCL would send 2 and 3; "theory" is that gloo figure.
+               Hybrid systems (zero_ext-STAGE-RxS) are counted from
+               zero_ext's issue log instead, split by group: within the row
+               (as a flat run over S ranks) and across replicas, an
+               all-reduce of the reduced 1/S shard: 2(R-1)/R x 4P/S (stage 0:
+               of the full gradient, 2(R-1)/R x 4P). The ZeRO formula uses N = S
   loss         the global batch's loss at the last step
 
 Peak RSS depends on the allocator as much as on the system: glibc raises its
@@ -77,6 +82,15 @@ from zero_ext._torch_compat import profiled_ops  # noqa: E402  (torch-version di
 
 ALL_SYSTEMS = ["ddp", "fsdp2", "fsdp2-keep", "deepspeed-1", "deepspeed-2", "deepspeed-3",
                "zero_ext-0", "zero_ext-1", "zero_ext-2", "zero_ext-3"]
+# Hybrid sharding over an R x S (replicate, shard) mesh: "zero_ext-STAGE-RxS"
+# (with --world R*S), e.g. zero_ext-2-2x2 at --world 4; not run by default.
+HYBRID_SYSTEMS = [f"zero_ext-{stage}-2x2" for stage in range(4)]
+
+
+def mesh_of(system: str):
+    """(replicas, shard size) of a hybrid system, else None."""
+    parts = system.split("-")
+    return tuple(int(v) for v in parts[2].split("x")) if len(parts) == 3 and "x" in parts[2] else None
 BUCKET_MB = 25.0
 
 
@@ -94,8 +108,20 @@ def zero_formula_bytes(stage: int, numel: int, world: int) -> float:
     return {0: 4 * p, 1: 2 * p + 2 * p / world, 2: p + 3 * p / world, 3: 4 * p / world}[stage]
 
 
+def theory_sent_by_group(stage: int, numel: int, replicas: int, shard: int) -> Dict[str, float]:
+    """Hybrid on gloo, fp32: bytes a rank sends per step within its row
+    (the shard group, as a flat run of S ranks sends) and across replicas
+    (an all-reduce of the 1/S shard of the gradient; stage 0: of all of it)."""
+    within = theory_sent_bytes(f"zero_ext-{stage}", numel, shard)
+    reduced = 4.0 * numel / (1 if stage == 0 else shard)
+    return {"within_row": within, "across_replicas": 2 * (replicas - 1) / replicas * reduced}
+
+
 def theory_sent_bytes(system: str, numel: int, world: int) -> float:
     """Bytes a rank sends per step on gloo for fp32 gradients and params."""
+    mesh = mesh_of(system)
+    if mesh is not None:
+        return sum(theory_sent_by_group(stage_of(system), numel, *mesh).values())
     s = 4.0 * numel * (world - 1) / world
     if system == "ddp" or system == "zero_ext-0":
         return 2 * s  # one all-reduce
@@ -201,6 +227,25 @@ def deepspeed_state_bytes(engine) -> Dict[str, int]:
     return {"params": params, "grads": grads + other, "optimizer_state": state}
 
 
+def sent_bytes_by_group(issue_log: List[str], replicas: int, shard: int) -> Dict[str, float]:
+    """zero_ext's own count, from its issue log ("<group> <kind> <numel>",
+    fp32): bytes this rank sent within its row (reduce and gather groups, S
+    ranks) and across replicas (R ranks), under the algorithms above."""
+    out = {"within_row": 0.0, "across_replicas": 0.0}
+    for entry in issue_log:
+        group, kind, numel = entry.split()
+        n = replicas if group == "replicate" else shard
+        size = 4.0 * int(numel)
+        if kind.startswith("all_reduce"):
+            b = 2 * (n - 1) / n * size
+        elif kind == "all_gather":
+            b = (n - 1) / n * size  # the log counts the gathered output
+        else:
+            b = (n - 1) / n * size
+        out["across_replicas" if group == "replicate" else "within_row"] += b
+    return out
+
+
 def sent_bytes(ops, world: int) -> Dict[str, float]:
     """Bytes sent by this rank for the backend collectives among `ops`
     ((name, input shapes, input dtypes), from zero_ext's profiled_ops)."""
@@ -282,7 +327,12 @@ def build_system(args, system: str, world: int):
     else:
         import zero_ext
 
-        forward, opt = zero_ext.wrap(model, opt, stage=stage_of(system), bucket_mb=BUCKET_MB)
+        group = {}
+        if mesh_of(system):
+            from torch.distributed.device_mesh import init_device_mesh
+
+            group["process_group"] = init_device_mesh("cpu", mesh_of(system), mesh_dim_names=("replicate", "shard"))
+        forward, opt = zero_ext.wrap(model, opt, stage=stage_of(system), bucket_mb=BUCKET_MB, **group)
         report = lambda: zero_ext.memory_report(model, opt)  # noqa: E731
 
     def step(x, y):
@@ -292,6 +342,7 @@ def build_system(args, system: str, world: int):
         opt.step()
         return loss
 
+    step.core = getattr(getattr(model, "_zero_ext", None), "buckets", None)  # zero_ext: its issue log
     return step, report
 
 
@@ -328,10 +379,19 @@ def run_rank(rank: int, world: int, system: str, args, init_file: str, out_dir: 
         # One more step under the profiler, only to count the collectives.
         x, y = make_batch(args, rank, world, args.warmup + args.steps)
         dist.barrier()
+        core = getattr(step, "core", None)
+        if core is not None:
+            core.log_issues(True)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
             loss = step(x, y)
         losses.append(loss.item())
         result.update(sent_bytes(profiled_ops(prof), world))
+        if core is not None:
+            core.log_issues(False)
+            replicas, shard = mesh_of(system) or (1, world)
+            result["sent_by_group"] = sent_bytes_by_group(core.take_issue_log(), replicas, shard)
+            if mesh_of(system):  # the profiler cannot tell the groups apart; zero_ext's own count can
+                result["sent_bytes"] = sum(result["sent_by_group"].values())
         result.update(report())
         result.update(ms_per_step=1e3 * statistics.median(times), losses=losses,
                       baseline_rss_kib=baseline_kib, peak_rss_kib=proc_status_kib("VmHWM"))
@@ -392,8 +452,16 @@ def summarize(args, system: str, ranks: List[Dict]) -> Dict:
     numel = sum(p.numel() for p in build_model(args.model).parameters())
     ms = statistics.mean(r["ms_per_step"] for r in ranks)
     state = [r["params"] + r["grads"] + r["optimizer_state"] for r in ranks]
-    formula = zero_formula_bytes(stage_of(system), numel, args.world)
+    replicas, shard = mesh_of(system) or (1, args.world)
+    formula = zero_formula_bytes(stage_of(system), numel, shard)  # hybrid: N is the shard group's size
+    by_group = {}
+    if "sent_by_group" in ranks[0]:
+        by_group = {k: statistics.mean(r["sent_by_group"][k] for r in ranks) for k in ranks[0]["sent_by_group"]}
+        theory = (theory_sent_by_group(stage_of(system), numel, replicas, shard) if mesh_of(system) else
+                  {"within_row": theory_sent_bytes(system, numel, args.world), "across_replicas": 0.0})
+        by_group = {"measured": by_group, "theory": theory}
     return {
+        "sent_by_group": by_group,
         "ms_per_step": ms,
         "tokens_per_s": args.world * args.batch * args.seq / (ms / 1e3),
         "peak_rss_mib": max(r["peak_rss_kib"] for r in ranks) / 1024,
@@ -441,6 +509,14 @@ def print_table(args, results: Dict[str, Dict], numel: int) -> None:
               f"{r['state_vs_formula']:>6.3f} {r['sent_bytes'] / mib:>9.1f} {r['theory_sent_bytes'] / mib:>7.1f} "
               f"{r['losses'][-1]:>7.4f}")
     print("vs FSDP2: against fsdp2-keep for stages 0-2 and fsdp2-keep, against fsdp2 for stage 3.")
+    grouped = {k: r for k, r in results.items() if "error" not in r and r.get("sent_by_group")}
+    if grouped:
+        print("\nzero_ext, MiB sent per rank per step by group (counted from its issue log; theory on gloo):")
+        print(f"{'system':<16} {'within row':>11} {'theory':>7} {'across replicas':>16} {'theory':>7}")
+        for system, r in grouped.items():
+            got, want = r["sent_by_group"]["measured"], r["sent_by_group"]["theory"]
+            print(f"{system:<16} {got['within_row'] / mib:>11.2f} {want['within_row'] / mib:>7.2f} "
+                  f"{got['across_replicas'] / mib:>16.2f} {want['across_replicas'] / mib:>7.2f}")
 
 
 def plot(args, results: Dict[str, Dict], path: str) -> Optional[str]:
@@ -499,7 +575,8 @@ def main():
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--systems", nargs="+", default=ALL_SYSTEMS, choices=ALL_SYSTEMS, metavar="SYSTEM")
+    parser.add_argument("--systems", nargs="+", default=ALL_SYSTEMS, choices=ALL_SYSTEMS + HYBRID_SYSTEMS,
+                        metavar="SYSTEM")
     parser.add_argument("--system-timeout", type=float, default=900.0, help="seconds before a system's ranks are killed")
     parser.add_argument("--mmap-threshold", type=int, default=0,
                         help="fix glibc's mmap threshold in the ranks to this many bytes (see above)")

@@ -50,3 +50,31 @@ def test_stage3_sends_at_most_two_gathers_and_a_reduction(table):
     # The root unit stays gathered from forward to backward, so it is gathered once.
     r = table["results"]["zero_ext-3"]
     assert 0.5 * r["theory_sent_bytes"] < r["sent_bytes"] <= r["theory_sent_bytes"] * 1.001
+
+
+@pytest.fixture(scope="module")
+def hybrid_table(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("compare") / "hybrid")
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "compare.py"), "--world", "4", "--systems",
+           "zero_ext-2", "zero_ext-2-2x2", "zero_ext-0-2x2", "--steps", "1", "--warmup", "0", "--seq", "16",
+           "--batch", "1", "--out", out, "--system-timeout", "120", "--verbose"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "within row" in done.stdout and "across replicas" in done.stdout, done.stdout
+    with open(out + ".json") as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("system", ["zero_ext-2", "zero_ext-2-2x2", "zero_ext-0-2x2"])
+def test_hybrid_bytes_sent_by_group_and_state_follow_the_shard_size(hybrid_table, system):
+    """World 4 as 2x2: state per the ZeRO formula with N = 2, and the bytes
+    within the row and across replicas are the theory's (flat: all within)."""
+    r = hybrid_table["results"][system]
+    assert "error" not in r, r
+    assert r["state_vs_formula"] == pytest.approx(1.0, abs=0.02), r["state_breakdown_rank0"]
+    got, want = r["sent_by_group"]["measured"], r["sent_by_group"]["theory"]
+    for group in ("within_row", "across_replicas"):
+        assert got[group] == pytest.approx(want[group], rel=1e-3, abs=1.0), (group, got, want)
+    assert (got["across_replicas"] > 0) == system.endswith("2x2")
+    losses = {s: v["losses"] for s, v in hybrid_table["results"].items()}
+    assert r["losses"] == pytest.approx(losses["zero_ext-2"], rel=1e-5)
