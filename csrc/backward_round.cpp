@@ -46,7 +46,7 @@ void BackwardRound::run_epilogue(bool sync) {
       return;
     }
     ++synced_epilogues_;
-    gate_.note_synced_backward();
+    gate_.note_synced_backward(reducer_.defers_replica_sync());
     if (faults_.armed()) {
       faults_.maybe_raise("epilogue", gate_.progress().step_index, mesh_.rank());
     }
@@ -84,6 +84,9 @@ bool BackwardRound::checks_nonfinite() const {
 void BackwardRound::settle(bool keep) {
   reducer_.finish_host_adds();  // offload: the host gradients are read next
   if (!agreement_.pending()) {
+    if (keep && reducer_.has_deferred()) {
+      sync_deferred();
+    }
     return;
   }
   try {
@@ -107,6 +110,9 @@ void BackwardRound::settle(bool keep) {
         reducer_.mark_nonfinite_everywhere();
       }
     }
+    if (reducer_.has_deferred()) {
+      sync_deferred();  // after the check above: the ranks agreed they deferred alike
+    }
     if (agreed.nonfinite_backwards > 0) {
       // Where the epilogue could not mark it on the device (offload:
       // mark_nonfinite_on_device), the landed host shard is marked now.
@@ -116,6 +122,17 @@ void BackwardRound::settle(bool keep) {
     reducer_.check_no_unreduced_grads();
   } catch (...) {
     in_second_round_ = false;
+    mark_broken();
+    throw;
+  }
+}
+
+void BackwardRound::sync_deferred() {
+  // Collective across replicas: every rank of the mesh settles at the same
+  // call (a step, clip, full_grads), with the same buckets kept back.
+  try {
+    reducer_.sync_deferred();
+  } catch (...) {
     mark_broken();
     throw;
   }

@@ -89,6 +89,9 @@ class BackwardRound {
   // broke) nothing waits on collectives the peers may never issue.
   std::exception_ptr abandon(bool peers_in_step);
   bool checks_nonfinite() const;
+  // What hybrid backwards kept back from the replicas goes across now
+  // ([Note: deferred replica all-reduce] in grad_reducer.h).
+  void sync_deferred();
 
   const Layout& layout_;
   ParamStore& store_;

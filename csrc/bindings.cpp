@@ -153,6 +153,8 @@ TORCH_LIBRARY(zero_ext, m) {
       .def("end_materialize", &ShardedModel::end_materialize)
       .def("set_sync", &ShardedModel::set_sync)
       .def("sync", &ShardedModel::sync)
+      .def("set_replica_sync", &ShardedModel::set_replica_sync)
+      .def("replica_sync", &ShardedModel::replica_sync)
       .def("zero_grad", &ShardedModel::zero_grad)
       .def("after_step", &ShardedModel::after_step)
       .def("check_before_step", &ShardedModel::check_before_step)

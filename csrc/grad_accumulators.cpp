@@ -4,6 +4,7 @@
 // Arrival and reduction are in grad_reducer.cpp.
 #include "grad_reducer.h"
 
+#include <algorithm>
 #include <exception>
 #include <limits>
 #include <optional>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -30,6 +32,14 @@ void GradReducer::ensure_accum_memory(BucketGrads& bucket) {
   if (bucket.accum.defined() && storage_is_released(bucket.accum)) {
     grow_storage(bucket.accum, bucket.accum.numel() * bucket.accum.element_size());
     bucket.accum_has_value = false;
+  }
+}
+
+void GradReducer::hold_value(BucketGrads& bucket) {
+  if (!bucket.accum_has_value) {
+    ensure_accum_memory(bucket);
+    bucket.accum.zero_();
+    bucket.accum_has_value = true;  // a mark written now is added to, not copied over, by later folds
   }
 }
 
@@ -137,21 +147,73 @@ void GradReducer::finish_host_adds() {
   host_transfers_pending_ = false;
 }
 
+void GradReducer::keep_back(BucketGrads& bucket, const at::Tensor& reduced, double factor) {
+  // On the stream the reduction ran on, like the results it sums
+  // ([Note: deferred replica all-reduce]).
+  if (!bucket.unsynced.defined()) {
+    bucket.unsynced = at::empty({reduced.numel()}, reduced.options().dtype(at::kFloat));
+    bucket.unsynced.copy_(reduced);
+    if (factor != 1.0) bucket.unsynced.mul_(factor);
+  } else {
+    bucket.unsynced.add_(reduced, factor);
+  }
+}
+
+bool GradReducer::has_deferred() const {
+  return std::any_of(buckets_.begin(), buckets_.end(), [](const BucketGrads& b) { return b.unsynced.defined(); });
+}
+
+void GradReducer::sync_deferred() {
+  at::NoGradGuard no_grad;
+  std::optional<c10::StreamGuard> on_reduction_stream;
+  if (streams_.enabled()) {
+    streams_.reduction_waits_for_compute();
+    on_reduction_stream.emplace(streams_.reduction());
+  }
+  std::vector<c10::intrusive_ptr<c10d::Work>> works(buckets_.size());
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    if (buckets_[b].unsynced.defined()) {
+      works[b] = replica_comm_.all_reduce_sum(buckets_[b].unsynced);
+    }
+  }
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    BucketGrads& bucket = buckets_[b];
+    if (!bucket.unsynced.defined()) continue;
+    replica_comm_.wait(works[b], [&] {
+      return "all-reduce across replicas of deferred gradients of " +
+             layout_.describe_bucket(static_cast<int64_t>(b), gate_.progress().where());
+    });
+    fold_into_accum(bucket, bucket.unsynced, 1.0);
+    bucket.unsynced.reset();
+  }
+  close_host_round();
+  finish_host_adds();  // offload: the host gradients are read next
+  if (streams_.enabled()) {
+    streams_.compute_waits_for_reduction();
+  }
+}
+
 at::Tensor GradReducer::local_nonfinite() const {
   // One read of the local shards: a sum is finite iff its terms are (short
   // of a finite overflow at ~1e38, which is no usable gradient either).
-  if (!round_device_sums_.empty()) {
+  std::vector<at::Tensor> sums;
+  if (!round_device_sums_.empty() || (store_.offload() && !store_.device().is_cpu())) {
     // Offload from an accelerator: this round's results, on the device
     // ([Note: offload without a host sync in backward]); earlier rounds were
     // checked at their own epilogues.
-    return at::logical_not(at::isfinite(at::stack(round_device_sums_).sum())).to(at::kFloat);
+    sums = round_device_sums_;
+  } else {
+    for (const auto& bucket : buckets_) {
+      if (layout_.ddp_in_place() && bucket.staging.defined()) {
+        sums.push_back(bucket.staging.sum());  // already all-reduced: the same on every rank
+      } else if (bucket.accum.defined() && bucket.accum_has_value) {
+        sums.push_back(bucket.accum.sum());
+      }
+    }
   }
-  std::vector<at::Tensor> sums;
   for (const auto& bucket : buckets_) {
-    if (layout_.ddp_in_place() && bucket.staging.defined()) {
-      sums.push_back(bucket.staging.sum());  // already all-reduced: the same on every rank
-    } else if (bucket.accum.defined() && bucket.accum_has_value) {
-      sums.push_back(bucket.accum.sum());
+    if (bucket.unsynced.defined()) {
+      sums.push_back(bucket.unsynced.sum());  // kept back from the replicas, in this rank's shard
     }
   }
   if (sums.empty()) {
@@ -170,7 +232,7 @@ void GradReducer::mark_nonfinite_everywhere() {
   const auto& pieces = layout_.segments();
   for (size_t s = 0; s < segment_grads_.size(); ++s) {
     if (global_has_grad_[pieces[s].param] && segment_grads_[s].numel() > 0) {
-      zero_if_released(buckets_[pieces[s].bucket]);
+      hold_value(buckets_[pieces[s].bucket]);
       segment_grads_[s].reshape(-1).narrow(0, 0, 1).fill_(std::numeric_limits<double>::quiet_NaN());
       return;
     }
@@ -242,7 +304,7 @@ void GradReducer::mark_nonfinite_on_device(const at::Tensor& flag) {
   const auto& pieces = layout_.segments();
   for (size_t s = 0; s < segment_grads_.size(); ++s) {
     if (layout_.trainable(pieces[s].param) && segment_grads_[s].numel() > 0) {
-      zero_if_released(buckets_[pieces[s].bucket]);
+      hold_value(buckets_[pieces[s].bucket]);
       const at::Tensor& target = segment_grads_[s];
       const at::Tensor poison = at::where(flag.gt(0), std::numeric_limits<double>::quiet_NaN(), 0.0).to(at::kFloat);
       target.reshape(-1).narrow(0, 0, 1).add_(poison.to(target.device()));
@@ -255,6 +317,7 @@ void GradReducer::zero_grad(bool set_to_none) {
   finish_host_adds();  // the host accumulators are written below
   at::NoGradGuard no_grad;
   for (auto& bucket : buckets_) {
+    bucket.unsynced.reset();
     if (layout_.ddp_in_place()) {
       bucket.staging.zero_();
     } else {
@@ -292,6 +355,7 @@ void GradReducer::zero_grad(bool set_to_none) {
 void GradReducer::forget_accumulated() {
   for (auto& bucket : buckets_) {
     bucket.accum_has_value = false;
+    bucket.unsynced.reset();
   }
 }
 
@@ -393,6 +457,7 @@ int64_t GradReducer::grad_bytes() const {
   for (const auto& bucket : buckets_) {
     if (bucket.staging.defined()) bytes += bucket.staging.nbytes();
     if (bucket.accum.defined()) bytes += bucket.accum.storage().nbytes();  // 0 when released
+    if (bucket.unsynced.defined()) bytes += bucket.unsynced.nbytes();
   }
   return bytes;
 }

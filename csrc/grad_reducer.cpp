@@ -281,7 +281,9 @@ void GradReducer::launch(int64_t b) {
       bucket.staging.narrow(0, shape.numel, shape.padded - shape.numel).zero_();
     }
   }
-  if (!layout_.ddp_in_place()) {
+  bucket.defers = defers_replica_sync();
+  bucket.result_unscaled = false;
+  if (!layout_.ddp_in_place() && !bucket.defers) {
     ensure_accum_memory(bucket);  // on the compute stream, which frees it at zero_grad
   }
   // From here on the reduction stream ([Note: the reduction stream]).
@@ -313,14 +315,14 @@ void GradReducer::launch(int64_t b) {
     bucket.reduce_out = bucket.staging.narrow(0, layout_.shard_start(b), shape.shard);
     bucket.work = comm_.all_reduce_sum(bucket.staging);
   } else {
-    const bool direct = !bucket.accum_has_value && bucket.accum.dtype() == bucket.staging.dtype() &&
+    const bool direct = !bucket.defers && !bucket.accum_has_value && bucket.accum.dtype() == bucket.staging.dtype() &&
                         bucket.accum.device() == bucket.staging.device();
     bucket.reduce_out = direct ? bucket.accum : at::empty({shape.shard}, bucket.staging.options());
     bucket.work = comm_.reduce_scatter_sum(bucket.reduce_out, bucket.staging);
   }
   bucket.phase = BucketPhase::kInFlight;
   in_flight_.push_back(b);
-  if (hybrid_) {
+  if (hybrid_ && !bucket.defers) {
     bucket.replica_pending = true;
     if (!host_waits_) {
       issue_replica_reduction(b);  // ordered after the shard's reduction on the streams: no host wait
@@ -337,6 +339,13 @@ void GradReducer::launch(int64_t b) {
   bound_in_flight();
 }
 
+double GradReducer::result_unscale() const {
+  // Reduced in fp16 while still scaled (to use fp16's range); the scale is
+  // divided out in fp32, as the result is added into the accumulator.
+  const LossScaler& scaler = gate_.scaler();
+  return scaler.enabled() && reduce_dtype_ == at::kHalf ? 1.0 / scaler.scale() : 1.0;
+}
+
 void GradReducer::issue_replica_reduction(int64_t b) {
   BucketGrads& bucket = buckets_[b];
   TORCH_INTERNAL_ASSERT(bucket.replica_pending, "replica reduction issued twice");
@@ -346,6 +355,17 @@ void GradReducer::issue_replica_reduction(int64_t b) {
   bucket.work.reset();
   // Stage 0 reduces the staging itself; the others read this rank's result.
   at::Tensor& result = bucket.reduce_out.defined() ? bucket.reduce_out : bucket.staging;
+  if (bucket.unsynced.defined()) {
+    // Earlier backwards kept theirs back: one all-reduce carries them all
+    // ([Note: deferred replica all-reduce]), in fp32 and unscaled.
+    bucket.unsynced.add_(result, result_unscale());
+    bucket.reduce_out = std::move(bucket.unsynced);
+    bucket.unsynced = at::Tensor();
+    bucket.result_unscaled = true;
+    bucket.replica_work = replica_comm_.all_reduce_sum(bucket.reduce_out);
+    bucket.replica_pending = false;
+    return;
+  }
   bucket.replica_work = replica_comm_.all_reduce_sum(result);
   bucket.replica_pending = false;
 }
@@ -459,11 +479,12 @@ void GradReducer::retire(int64_t b) {
   if (layout_.ddp_in_place()) {
     return;  // reduced in place
   }
-  // Reduced in fp16 while still scaled (to use fp16's range); the scale is
-  // divided out in fp32, as the result is added into the accumulator.
-  const LossScaler& scaler = gate_.scaler();
-  const double unscale = scaler.enabled() && reduce_dtype_ == at::kHalf ? 1.0 / scaler.scale() : 1.0;
-  fold_into_accum(bucket, bucket.reduce_out, unscale);
+  const double unscale = bucket.result_unscaled ? 1.0 : result_unscale();
+  if (bucket.defers) {
+    keep_back(bucket, bucket.reduce_out, unscale);
+  } else {
+    fold_into_accum(bucket, bucket.reduce_out, unscale);
+  }
   bucket.reduce_out.reset();
   if (layout_.transient_staging()) {
     bucket.staging.reset();

@@ -85,6 +85,28 @@ class GradReducer {
   // Stage 3 (see [Note: issue order]): the last use of a unit in this
   // backward is over, so its buckets launch, missing gradients as zeros.
   void launch_buckets(const std::vector<int64_t>& buckets);
+  // [Note: deferred replica all-reduce]
+  // Hybrid sharding with gradient accumulation: FSDP2's
+  // set_requires_all_reduce(False). A backward that defers still reduces
+  // within the shard group (so gradients stay sharded), but keeps each
+  // bucket's result back from the replicas: it is added into the bucket's
+  // fp32 `unsynced` shard instead of the accumulator. The next bucket
+  // reduction that does go across replicas adds `unsynced` into its result
+  // first, so one all-reduce carries every deferred round, overlapped with
+  // backward as usual; whatever is still kept back when the gradients are
+  // read (step, clip, full_grads) is all-reduced then (sync_deferred). Costs
+  // one fp32 shard per bucket while anything is deferred, and the sum over
+  // replicas is the same as synced every time (fp32, one rounding later).
+  // Stage 0 reduces whole gradients and never defers: no_sync() is its
+  // accumulation tool.
+  void set_replica_sync(bool sync) { replica_sync_ = sync; }
+  bool replica_sync() const { return replica_sync_; }
+  // Whether a bucket launched now keeps its result back from the replicas.
+  bool defers_replica_sync() const { return hybrid_ && !replica_sync_ && layout_.stage() > 0; }
+  bool has_deferred() const;
+  // Collective across the replicas: all-reduces what is kept back, in bucket
+  // order, and folds it into the accumulators.
+  void sync_deferred();
   // Epilogue: launch every bucket not yet launched (in order), then wait.
   void flush();
   void wait_all();
@@ -163,6 +185,9 @@ class GradReducer {
     BucketPhase phase = BucketPhase::kFilling;
     c10::intrusive_ptr<c10d::Work> work;          // the reduction within the shard group
     bool replica_pending = false;                 // hybrid: its replica all-reduce is not issued yet
+    bool defers = false;     // this reduction's result is kept back from the replicas
+    bool result_unscaled = false;  // reduce_out already holds unscaled values (it carries `unsynced`)
+    at::Tensor unsynced;     // fp32 sum of results kept back from the replicas ([Note: deferred replica all-reduce])
     c10::intrusive_ptr<c10d::Work> replica_work;  // hybrid: the all-reduce of the result across replicas
   };
 
@@ -190,8 +215,13 @@ class GradReducer {
     peak_staging_bytes_ = std::max(peak_staging_bytes_, filling_staging_bytes_ + in_flight_bytes_);
   }
   void fold_into_accum(BucketGrads& bucket, const at::Tensor& reduced, double factor);
+  void keep_back(BucketGrads& bucket, const at::Tensor& reduced, double factor);
+  // What a reduction result is multiplied by as it is folded in.
+  double result_unscale() const;
   // Grows an accumulator zero_grad released ([Note: accumulator memory]).
   void ensure_accum_memory(BucketGrads& bucket);
+  // Before a mark that later folds must add to: the accumulator holds a value (zeros if none).
+  void hold_value(BucketGrads& bucket);
   // Before a read or partial write: a released accumulator holds zeros.
   void zero_if_released(BucketGrads& bucket);
   void note_host_copy(const at::Tensor& reduced);
@@ -202,6 +232,7 @@ class GradReducer {
   Communicator& comm_;
   Communicator& replica_comm_;
   const bool hybrid_;
+  bool replica_sync_ = true;  // set_requires_all_reduce()
   ReductionStream streams_;
   const StepGate& gate_;
   at::ScalarType reduce_dtype_ = at::kFloat;  // staging dtype outside the DDP layout

@@ -8,6 +8,12 @@
 
 namespace zero_ext {
 
+namespace {
+// A row: step, synced backwards in the step, deferred ones among them, then
+// stage 3's gathers per unit.
+constexpr int64_t kUnitColumns = 3;
+}  // namespace
+
 RankAgreement::RankAgreement(const Layout& layout, const Mesh& mesh, const StepGate& gate)
     : layout_(layout), mesh_(mesh), gate_(gate) {}
 
@@ -15,7 +21,7 @@ void RankAgreement::start(const GradReducer& reducer, UnitScheduler* units, cons
                           const c10::Device& device) {
   const int64_t n = layout_.num_params();
   const std::vector<int64_t> gathers = units ? units->take_gather_counts() : std::vector<int64_t>();
-  const int64_t width = 2 + static_cast<int64_t>(gathers.size());
+  const int64_t width = kUnitColumns + static_cast<int64_t>(gathers.size());
   TORCH_INTERNAL_ASSERT(pending_.empty() || width == width_, "exchange rows changed width");
   width_ = width;
   const int64_t world = mesh_.size();
@@ -34,8 +40,9 @@ void RankAgreement::start(const GradReducer& reducer, UnitScheduler* units, cons
   float* row = data + n + 2 + mesh_.rank() * width;
   row[0] = static_cast<float>(progress.step_index % (int64_t{1} << 23));  // exact in a float
   row[1] = static_cast<float>(progress.synced_in_step);
+  row[2] = static_cast<float>(progress.deferred_in_step);
   for (size_t u = 0; u < gathers.size(); ++u) {
-    row[2 + u] = static_cast<float>(gathers[u]);
+    row[kUnitColumns + u] = static_cast<float>(gathers[u]);
   }
   // The collective runs on the parameters' device (NCCL cannot reduce CPU
   // tensors); the non-finite flag joins it there.
@@ -136,27 +143,31 @@ void RankAgreement::check_in_step(const float* rows, int64_t width) const {
   };
   for (int64_t r = 1; r < world; ++r) {
     const float* mine = rows + r * width;
-    if (mine[0] != rows[0] || mine[1] != rows[1]) {
+    if (mine[0] != rows[0] || mine[1] != rows[1] || mine[2] != rows[2]) {
       std::ostringstream out;
       for (int64_t q = 0; q < world; ++q) {
         out << (q ? "; " : "") << "rank " << q << " at step " << rows[q * width] << " after "
             << rows[q * width + 1] << " synced backward(s) in the step";
+        if (rows[q * width + 2] > 0) {
+          out << " (" << rows[q * width + 2] << " without the all-reduce across replicas)";
+        }
       }
       TORCH_CHECK(false, "zero_ext: the ranks have diverged (stage ", layout_.stage(), "): ", out.str(),
                   ". Every rank must run the same number of backward passes between optimizer "
                   "steps and the same number of steps (a loop whose length depends on the rank's "
-                  "data, or an exception caught on some ranks only, breaks this); their "
+                  "data, or an exception caught on some ranks only, breaks this), with the same "
+                  "no_sync() and set_requires_all_reduce() settings; their "
                   "gradient reductions were paired with each other's and are discarded.");
     }
   }
-  for (int64_t u = 0; u < width - 2; ++u) {
+  for (int64_t u = 0; u < width - kUnitColumns; ++u) {
     for (int64_t r = 1; r < world; ++r) {
-      const float mine = rows[r * width + 2 + u];
-      const float first = rows[2 + u];
+      const float mine = rows[r * width + kUnitColumns + u];
+      const float first = rows[kUnitColumns + u];
       if (mine != first) {
         TORCH_CHECK(false, "zero_ext: stage 3 ", layout_.describe_unit(u), " was gathered ", first,
-                    " time(s) on rank(s) ", ranks_where(2 + u, first), " but ", mine,
-                    " time(s) on rank(s) ", ranks_where(2 + u, mine), " since the last gradient "
+                    " time(s) on rank(s) ", ranks_where(kUnitColumns + u, first), " but ", mine,
+                    " time(s) on rank(s) ", ranks_where(kUnitColumns + u, mine), " since the last gradient "
                     "exchange (", gate_.progress().where(), "): the ranks ran different modules, so "
                     "their parameter gathers were paired with each other's. In stage 3 every rank "
                     "must run the same units in each forward and backward: run a module that is "

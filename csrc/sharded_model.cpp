@@ -444,6 +444,13 @@ void ShardedModel::set_sync(bool sync) {
 
 bool ShardedModel::sync() { return sync_; }
 
+void ShardedModel::set_replica_sync(bool sync) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  reducer_.set_replica_sync(sync);
+}
+
+bool ShardedModel::replica_sync() { return reducer_.replica_sync(); }
+
 void ShardedModel::zero_grad(bool set_to_none) {
   std::lock_guard<std::mutex> lock(mutex_);
   round_.check_not_running();

@@ -140,6 +140,10 @@ class ShardedModel : public torch::CustomClassHolder {
   // --- training-loop controls ---------------------------------------------
   void set_sync(bool sync);
   bool sync();
+  // Hybrid: whether backwards all-reduce across replicas (FSDP2's
+  // set_requires_all_reduce; [Note: deferred replica all-reduce]).
+  void set_replica_sync(bool sync);
+  bool replica_sync();
   void zero_grad(bool set_to_none);
   bool reset_if_stale();
 

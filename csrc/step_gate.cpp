@@ -22,6 +22,7 @@ StepDecision StepGate::decide() {
   scaler_.update(found_nonfinite_);
   ++progress_.step_index;
   progress_.synced_in_step = 0;
+  progress_.deferred_in_step = 0;
   return decision;
 }
 

@@ -23,6 +23,7 @@ enum class StepDecision : int8_t {
 struct Progress {
   int64_t step_index = 0;      // optimizer steps taken
   int64_t synced_in_step = 0;  // synced backwards since the last step
+  int64_t deferred_in_step = 0;  // of those, hybrid ones that kept the replica all-reduce back
   std::string where() const;   // "step N, synced backward K of the step"
 };
 
@@ -35,8 +36,13 @@ class StepGate {
   void set_skip_nonfinite(bool skip) { skip_nonfinite_ = skip; }
   bool skip_nonfinite() const { return skip_nonfinite_; }
 
-  // A synced backward's reduction starts (counted for the divergence check).
-  void note_synced_backward() { ++progress_.synced_in_step; }
+  // A synced backward's reduction starts (counted for the divergence check);
+  // `deferred`: without the all-reduce across replicas ([Note: deferred
+  // replica all-reduce] in grad_reducer.h).
+  void note_synced_backward(bool deferred) {
+    ++progress_.synced_in_step;
+    progress_.deferred_in_step += deferred ? 1 : 0;
+  }
   // Some rank's reduced gradient of this backward held inf/nan.
   void note_nonfinite_backward() {
     found_nonfinite_ = true;

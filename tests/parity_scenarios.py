@@ -193,6 +193,10 @@ class Context:
     def no_sync(self, model: nn.Module):
         return contextlib.nullcontext() if self.reference else model.no_sync()
 
+    def set_requires_all_reduce(self, model: nn.Module, requires: bool) -> None:
+        if not self.reference:
+            model.set_requires_all_reduce(requires)
+
     def clip(self, model: nn.Module, opt, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         if self.reference:
             return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
@@ -417,6 +421,72 @@ def no_sync_accumulation(ctx: Context, **options) -> None:
                 mlp_loss(ctx, model, step, salt=micro).backward()
         mlp_loss(ctx, model, step, salt=3).backward()
         step_and_record(ctx, model, opt, step)
+
+
+def _replica_traffic_and_bytes(ctx: Context, model: nn.Module, collectives_before: int, backwards: int,
+                               deferring: bool = True, **options) -> List[bool]:
+    """While backwards keep the all-reduce across replicas back (hybrid,
+    stages 1-3): the replicas exchanged only each backward's small agreement,
+    and a rank holds one fp32 shard more than synced (the deferred sum).
+    `deferring` False: after a synced backward, whose all-reduce carried it
+    all, nothing is kept back any more."""
+    if ctx.reference:
+        return [True, True]
+    stats = model._zero_ext.buckets.stats()
+    defers = deferring and ctx.replicas > 1 and ctx.stage > 0
+    sent = stats["replica_collectives"] - collectives_before
+    padded = sum(model._zero_ext.buckets.bucket_layout()[2::3])  # (first, count, padded) per bucket
+    shard = padded if ctx.stage == 0 else padded // ctx.shard_size
+    staging = 4 * padded if ctx.stage < 2 else 0
+    accum = 4 * shard if ctx.stage > 0 or "offload_optimizer" in options else 0
+    traffic_ok = sent == backwards if defers else True
+    return [traffic_ok, stats["grad_bytes"] == staging + accum * (2 if defers else 1)]
+
+
+def replica_all_reduce_deferred_in_accumulation(ctx: Context, **options) -> None:
+    """set_requires_all_reduce(False) over the first backwards of each step,
+    True for the last: its all-reduce across replicas carries them all."""
+    model = Net()
+    model, opt = ctx.wrap(model, adamw(model), **options)
+    for step in range(3):
+        ctx.set_requires_all_reduce(model, False)
+        before = 0 if ctx.reference else model._zero_ext.buckets.stats()["replica_collectives"]
+        for micro in range(3):
+            mlp_loss(ctx, model, step, salt=micro).backward()
+        ctx.record_checks([f"step {step}: deferred backwards send only their agreement across replicas",
+                           f"step {step}: deferred, a rank holds one more fp32 gradient shard"],
+                          _replica_traffic_and_bytes(ctx, model, before, backwards=3, **options))
+        ctx.set_requires_all_reduce(model, True)
+        mlp_loss(ctx, model, step, salt=3).backward()
+        ctx.record_check(f"step {step}: the synced backward's all-reduce took the deferred sum along",
+                         _replica_traffic_and_bytes(ctx, model, 0, backwards=0, deferring=False, **options)[1])
+        step_and_record(ctx, model, opt, step)
+
+
+def replica_all_reduce_deferred_until_read(ctx: Context) -> None:
+    """Every backward of the step deferred (after a no_sync one): the sum
+    across replicas goes when the gradients are read, by clip (step 0),
+    optimizer.step() (step 1) or full_grads (step 2)."""
+    model = Net()
+    model, opt = ctx.wrap(model, sgd(model))
+    ctx.set_requires_all_reduce(model, False)
+    for step in range(3):
+        with ctx.no_sync(model):
+            mlp_loss(ctx, model, step, salt=0).backward()
+        for micro in (1, 2):
+            mlp_loss(ctx, model, step, salt=micro).backward()
+        if step == 0:
+            ctx.record_value("step 0: total norm", ctx.clip(model, opt, 0.05))
+        if step == 1:
+            opt.step()
+            opt.zero_grad()
+            ctx.record_params("step 1", model)
+            continue
+        step_and_record(ctx, model, opt, step)
+
+
+def offload_replica_all_reduce_deferred_in_accumulation(ctx: Context) -> None:
+    replica_all_reduce_deferred_in_accumulation(ctx, **OFFLOAD)
 
 
 # Optimizer offload (fp32): the same results as without it. Adam/AdamW run
@@ -1178,7 +1248,7 @@ FP16_SCALE = 2.0 ** 10  # no overflow in these models: parity runs see no skippe
 
 
 def _mixed_training(ctx: Context, model: nn.Module, make_optimizer, loss_of_step, steps: int,
-                    backwards: int, mixed_precision, offload: bool = False) -> None:
+                    backwards: int, mixed_precision, offload: bool = False, defer_replicas: bool = False) -> None:
     precision = mixed_precision if isinstance(mixed_precision, zero_ext.MixedPrecision) else \
         zero_ext.MixedPrecision({"bf16": torch.bfloat16, "fp16": torch.float16}[mixed_precision])
     dtype = precision.param_dtype
@@ -1196,8 +1266,12 @@ def _mixed_training(ctx: Context, model: nn.Module, make_optimizer, loss_of_step
                                    offload_optimizer="cpu" if offload else None)
     for step in range(steps):
         for micro in range(backwards):
+            if defer_replicas:  # all but the last backward keep the sum across replicas back
+                ctx.set_requires_all_reduce(model, micro == backwards - 1)
             loss = loss_of_step(model, step, micro)
             (loss * scale if ctx.reference else loss).backward()
+            if defer_replicas and micro < backwards - 1:
+                continue  # reading gradients would send the deferred sum across replicas now
             if ctx.reference:
                 grads = {n: None if p.grad is None else p.grad.float() / scale
                          for n, p in model.named_parameters()}
@@ -1280,11 +1354,11 @@ def _mixed_sgd(params):
 
 
 def _mixed_scenario(name: str, doc: str, build, make_optimizer, dtype: torch.dtype, backwards: int,
-                    mixed_precision, offload: bool = False) -> Callable[[Context], None]:
+                    mixed_precision, offload: bool = False, defer_replicas: bool = False) -> Callable[[Context], None]:
     def scenario(ctx: Context) -> None:
         loss = _token_mixed_loss(ctx) if build is Blocks else _mlp_mixed_loss(ctx, dtype)
         _mixed_training(ctx, build(), make_optimizer, loss, steps=3, backwards=backwards,
-                        mixed_precision=mixed_precision, offload=offload)
+                        mixed_precision=mixed_precision, offload=offload, defer_replicas=defer_replicas)
     scenario.__name__, scenario.__doc__ = name, doc
     return scenario
 
@@ -1307,6 +1381,10 @@ MIXED_PRECISION_SCENARIOS = [
          torch.bfloat16, 2, "bf16", True),
         ("offload_fp16_tied_blocks", "offloaded fp16 with loss scaling", Blocks, _mixed_adamw, torch.float16, 2,
          "fp16", True),
+        ("fp16_reduced_in_fp16_replicas_deferred", "scaled fp16 results kept back unscaled, in fp32", Net, _mixed_sgd,
+         torch.float16, 3, FP16_FP16, False, True),
+        ("offload_bf16_replicas_deferred", "kept back on the device, landed on the host once", Net, _mixed_adamw,
+         torch.bfloat16, 2, "bf16", True, True),
     ]
 ]
 
@@ -1478,6 +1556,9 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
         four_backward_per_step,
         varying_backward_per_step,
         no_sync_accumulation,
+        replica_all_reduce_deferred_in_accumulation,
+        replica_all_reduce_deferred_until_read,
+        offload_replica_all_reduce_deferred_in_accumulation,
         unused_parameters,
         branch_on_rank0_only,
         frozen_parameters,

@@ -24,11 +24,12 @@ WORLD_SIZES = tuple(int(w) for w in os.environ.get("ZERO_EXT_PARITY_WORLDS", "1,
 
 # The degenerate meshes: every stage of the plain loop, accumulation,
 # no_sync, clipping, unused and rank-dependent parameters, mixed precision,
-# offload, retain_graph, state bytes, stage 3 units, deferred init.
+# offload, retain_graph, state bytes, stage 3 units, deferred init, the
+# replica all-reduce deferred.
 DEGENERATE = ["scalar_loss_outside_model", "four_backward_per_step", "no_sync_accumulation", "clip_grad_norm",
               "unused_parameters", "branch_on_rank0_only", "mixed_precision_bf16_mlp", "offload_state_bytes",
               "state_bytes_match_the_stage", "retain_graph_two_losses", "tied_embedding_default_units",
-              "deferred_init_then_training"]
+              "deferred_init_then_training", "replica_all_reduce_deferred_in_accumulation"]
 MESHES = {"2x2": None, "4x1": DEGENERATE, "1x4": DEGENERATE}
 HYBRID = 4 in WORLD_SIZES
 

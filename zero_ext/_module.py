@@ -39,6 +39,20 @@ class ZeroExtModule:
         finally:
             buckets.set_sync(previous)
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool) -> None:
+        """Hybrid sharding (a 2-D mesh), as FSDP2's: with False, the backward
+        passes that follow still reduce their gradients within the shard
+        group, so they stay sharded, but keep the sum across replicas back.
+        Set it True again before the last backward of the step: its
+        all-reduce across replicas then carries every deferred backward's
+        share, overlapped with that backward. Whatever is still deferred
+        when gradients are read (optimizer.step(), clip_grad_norm_,
+        full_grads) goes across then, so results never depend on it. Costs
+        one fp32 gradient shard while anything is deferred. Every rank must
+        set it alike. No effect on a flat group, nor in stage 0, which
+        reduces whole gradients: use no_sync() there."""
+        self._zero_ext.buckets.set_replica_sync(bool(requires_all_reduce))
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         state = self._zero_ext
         state.buckets.zero_grad(set_to_none)
