@@ -32,6 +32,7 @@ class Preset:
 
 
 PRESETS = {
+    "gpt2-tiny": Preset("gpt2", 64, 2, 2, 2048, 64),  # 0.2M parameters: the benchmarks' own tests
     "gpt2-10m": Preset("gpt2", 256, 4, 4, 32000, 512),
     "gpt2-50m": Preset("gpt2", 512, 8, 8, 32000, 1024),
     "gpt2-124m": Preset("gpt2", 768, 12, 12, 50257, 1024),  # GPT-2 small

@@ -18,7 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def table(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("compare") / "cmp")
     cmd = [sys.executable, os.path.join(REPO, "benchmarks", "compare.py"), "--systems", "ddp", "zero_ext-0",
-           "zero_ext-2", "zero_ext-3", "--steps", "1", "--warmup", "0", "--seq", "16", "--batch", "1",
+           "zero_ext-2", "zero_ext-3", "--steps", "1", "--warmup", "0", "--seq", "16", "--batch", "1", "--model", "gpt2-tiny",
            "--out", out, "--system-timeout", "120", "--verbose"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -57,7 +57,7 @@ def hybrid_table(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("compare") / "hybrid")
     cmd = [sys.executable, os.path.join(REPO, "benchmarks", "compare.py"), "--world", "4", "--systems",
            "zero_ext-2", "zero_ext-2-2x2", "zero_ext-0-2x2", "--steps", "1", "--warmup", "0", "--seq", "16",
-           "--batch", "1", "--out", out, "--system-timeout", "120", "--verbose"]
+           "--batch", "1", "--model", "gpt2-tiny", "--out", out, "--system-timeout", "120", "--verbose"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "within row" in done.stdout and "across replicas" in done.stdout, done.stdout
