@@ -85,6 +85,7 @@ TORCH_LIBRARY(zero_ext, m) {
       "bool maximize) -> ()");
   m.def("unreadable_tensor(int[] size, ScalarType dtype, Device device, str message) -> Tensor",
         &unreadable_tensor);
+  m.def("cpu_adam_isa() -> str", &cpu_adam_isa);
   m.class_<ShardedModel>("ShardedModel")
       .def(torch::init<std::vector<at::Tensor>, std::vector<std::string>, std::vector<int64_t>,
                        std::vector<int64_t>, std::vector<int64_t>, int64_t, std::string, std::string,

@@ -170,4 +170,15 @@ void adam_step_(const at::Tensor& param, const at::Tensor& grad, const at::Tenso
   });
 }
 
+std::string cpu_adam_isa() {
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
+  __builtin_cpu_init();  // the same test the clones' resolver makes
+  if (__builtin_cpu_supports("x86-64-v4")) return "x86-64-v4 (AVX-512)";
+  if (__builtin_cpu_supports("x86-64-v3")) return "x86-64-v3 (AVX2, FMA)";
+  return "x86-64 baseline (SSE2)";
+#else
+  return "one copy, the compiler's default target (no ISA clones off GCC on x86-64)";
+#endif
+}
+
 } // namespace zero_ext

@@ -6,6 +6,7 @@
 // (single-tensor path), parallel over chunks, vectorized per ISA at run time.
 
 #include <optional>
+#include <string>
 
 #include <ATen/ATen.h>
 
@@ -16,5 +17,9 @@ void adam_step_(const at::Tensor& param, const at::Tensor& grad, const at::Tenso
                 const std::optional<at::Tensor>& param_lowp, double lr, double beta1, double beta2,
                 double eps, double weight_decay, int64_t step, bool decoupled_weight_decay,
                 bool amsgrad, bool maximize);
+
+// Which copy of the kernel this CPU runs (GCC's ISA clones pick at load
+// time), for the environment report.
+std::string cpu_adam_isa();
 
 } // namespace zero_ext

@@ -351,7 +351,12 @@ def test_skip_nonfinite_is_off_by_default_and_skips_when_on(stage):
             opt.step()
         after = zero_ext.full_state_dict(model)
         assert opt.skipped_steps == int(skip)
+        assert opt.step_was_skipped == skip  # accelerate reads it from every optimizer
         assert all(torch.equal(before[k], after[k]) for k in before) == skip
+        opt.zero_grad()
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        assert not opt.step_was_skipped
 
 
 def test_bad_skip_nonfinite_value():

@@ -6,16 +6,30 @@
 The gradient path (hooks, buckets, reductions, the once-per-backward epilogue)
 runs in C++ inside the autograd engine; this package is the wiring.
 """
-from ._api import DynamicLossScale, MixedPrecision
-from ._checkpoint import load, save
-from ._clip import clip_grad_norm_
-from ._deferred_init import empty_init, skip_init
-from ._full_params import full_params
-from ._report import memory_report
-from ._save_weights import save_weights
-from ._state_dict import full_grads, full_state_dict, load_full_state_dict
-from ._load_weights import load_weights
-from ._wrap import wrap
+try:
+    from ._api import DynamicLossScale, MixedPrecision
+    from ._checkpoint import load, save
+    from ._clip import clip_grad_norm_
+    from ._deferred_init import empty_init, skip_init
+    from ._full_params import full_params
+    from ._report import memory_report
+    from ._save_weights import save_weights
+    from ._state_dict import full_grads, full_state_dict, load_full_state_dict
+    from ._load_weights import load_weights
+    from ._wrap import wrap
+except ImportError as _error:
+    import sys as _sys
+
+    # While `python -m zero_ext.env` (or .selfcheck) locates its module,
+    # argv[0] is "-m" (Python's documented behaviour). A report must run when
+    # the compiled core does not load, so then the package imports without
+    # its API, and using any of it raises the error.
+    if _sys.argv[:1] != ["-m"]:
+        raise
+    _core_error = _error
+
+    def __getattr__(name: str):
+        raise ImportError(f"zero_ext.{name} is unavailable: {_core_error}") from _core_error
 
 __all__ = [
     "DynamicLossScale",

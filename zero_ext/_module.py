@@ -14,6 +14,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_iter, tree_map_only, tree_unflatten
 
 from ._class_swap import swap_class
+from ._torch_compat import outside_compile
 
 
 _NO_COPY = (
@@ -383,8 +384,8 @@ def _hook_merged_unit(buckets, u: int, members: tuple, probe: Any, model_forward
         return after_member
 
     for position, member in enumerate(members):
-        member.register_forward_pre_hook(before_member, with_kwargs=True)
-        member.register_forward_hook(make_after_member(position == last))
+        member.register_forward_pre_hook(outside_compile(before_member), with_kwargs=True)
+        member.register_forward_hook(outside_compile(make_after_member(position == last)))
 
 
 def install_forward_hooks(module: torch.nn.Module, units: List[tuple]) -> None:
@@ -461,10 +462,10 @@ def install_forward_hooks(module: torch.nn.Module, units: List[tuple]) -> None:
         model_forward.runs.clear()
         model_forward.depth = max(model_forward.depth - 1, 0)
 
-    module.register_forward_pre_hook(before_forward, with_kwargs=True)
-    module.register_forward_hook(after_forward)
+    module.register_forward_pre_hook(outside_compile(before_forward), with_kwargs=True)
+    module.register_forward_hook(outside_compile(after_forward))
     if merged:
-        module.register_forward_hook(end_forward, always_call=True)
+        module.register_forward_hook(outside_compile(end_forward), always_call=True)
 
     if merged:
         from ._units import assign_parameters
@@ -487,5 +488,5 @@ def install_forward_hooks(module: torch.nn.Module, units: List[tuple]) -> None:
         def after_unit(mod: torch.nn.Module, args: Any, output: Any, u: int = index) -> None:
             buckets.post_forward(u, _tensors(output) if torch.is_grad_enabled() else [])
 
-        members[0].register_forward_pre_hook(before_unit, with_kwargs=True)
-        members[0].register_forward_hook(after_unit)
+        members[0].register_forward_pre_hook(outside_compile(before_unit), with_kwargs=True)
+        members[0].register_forward_hook(outside_compile(after_unit))

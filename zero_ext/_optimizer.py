@@ -124,6 +124,7 @@ class ZeroExtOptimizer:
                 grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
                 if grads:
                     torch._foreach_mul_(grads, grad_scale.double().reciprocal().float().item())
+        self._zero_ext_step_was_skipped = bool(skip)
         if skip:
             if nonfinite_skip:
                 warnings.warn(
@@ -143,6 +144,12 @@ class ZeroExtOptimizer:
         """Steps skipped for non-finite gradients (skip_nonfinite=True or fp16
         loss scaling), the same count on every rank."""
         return int(self._zero_ext.buckets.stats()["skipped_steps"])
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last step() was skipped for non-finite gradients (the
+        attribute accelerate reads from every optimizer it holds)."""
+        return getattr(self, "_zero_ext_step_was_skipped", False)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._zero_ext.buckets.zero_grad(set_to_none)

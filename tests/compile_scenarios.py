@@ -1,0 +1,73 @@
+"""torch.compile with zero_ext, run by test_compile.py on spawned gloo ranks.
+
+An item "MODE/stageN" trains parity_scenarios.Blocks (3 blocks, stage 3's
+default units, a tied output layer) for a few AdamW steps twice: eagerly,
+and with MODE's compilation; it returns None or the first difference (losses
+per step, then parameters), or the graph breaks Dynamo reported.
+- blocks: each block compiled in place (block.compile(), regional
+  compilation as torchtitan does it with FSDP2); stage 3's unit hooks run
+  inside the compiled call, and no graph break at all is allowed.
+- whole: the whole model compiled (model.compile()); zero_ext's hooks run
+  eagerly (torch.compiler.disable), so Dynamo breaks around them.
+Backend aot_eager: Dynamo and AOTAutograd, the parts that meet zero_ext's
+hooks, storage release and autograd nodes, without a C++ compile per graph.
+"""
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+import zero_ext
+from parity_scenarios import BATCH, SEQ, VOCAB, Blocks
+
+BACKEND = "aot_eager"
+STEPS = 3
+MODES = ("blocks", "whole")
+
+
+def _train(stage: int, rank: int, world: int, mode: Optional[str]) -> Tuple[List[float], Dict[str, torch.Tensor]]:
+    model = Blocks()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    model, opt = zero_ext.wrap(model, opt, stage=stage, bucket_mb=0.0005)
+    if mode == "blocks":
+        for block in model.blocks:
+            block.compile(backend=BACKEND)  # FSDP2's idiom: zero_ext's unit hooks are inside what is compiled
+    elif mode == "whole":
+        model.compile(backend=BACKEND)
+    losses = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(700 + step)
+        tokens = torch.randint(0, VOCAB, (world * BATCH, SEQ + 1), generator=g)[rank * BATCH:(rank + 1) * BATCH]
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, zero_ext.full_state_dict(model)
+
+
+def run_one(rank: int, world: int, item: str) -> Optional[str]:
+    from torch._dynamo.utils import counters
+
+    mode, stage = item.split("/stage")
+    torch._dynamo.reset()
+    eager_losses, eager_params = _train(int(stage), rank, world, None)
+    counters.clear()
+    losses, params = _train(int(stage), rank, world, mode)
+    breaks = dict(counters["graph_break"])
+    if mode == "blocks" and breaks:
+        return f"graph breaks with each block compiled: {breaks}"
+    if mode == "whole" and not counters["stats"]["unique_graphs"]:
+        return "nothing was compiled"
+    for step, (a, b) in enumerate(zip(eager_losses, losses)):
+        if abs(a - b) > 1e-5 * max(1.0, abs(a)):
+            return f"step {step}: loss {b} compiled, {a} eager"
+    for name, p in eager_params.items():
+        if not torch.allclose(params[name], p, rtol=1e-5, atol=1e-6):
+            return f"{name}: max abs diff {(params[name] - p).abs().max().item()} after {STEPS} steps"
+    return None
+
+
+def all_items() -> List[str]:
+    return [f"{mode}/stage{stage}" for mode in MODES for stage in (0, 1, 2, 3)]
