@@ -4,6 +4,7 @@
 #include <string>
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 
 namespace zero_ext {
 
@@ -22,6 +23,7 @@ RoundState BackwardRound::state() const {
 }
 
 void BackwardRound::run_epilogue(bool sync) {
+  RECORD_USER_SCOPE("zero_ext::epilogue");
   epilogue_.fired();
   const auto info = current_backward();
   last_graph_task_ = info.graph_task_id;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/variable.h>
@@ -234,6 +235,9 @@ void GradReducer::rerun_all() {
 }
 
 void GradReducer::launch(int64_t b) {
+  RECORD_USER_SCOPE(std::string(layout_.replicated() || layout_.ddp_in_place() ? "zero_ext::all_reduce bucket "
+                                                                              : "zero_ext::reduce_scatter bucket ") +
+                    std::to_string(b));  // a profiler label; free when none runs
   const BucketShape& shape = layout_.bucket(b);
   BucketGrads& bucket = buckets_[b];
   at::NoGradGuard no_grad;
@@ -349,6 +353,7 @@ double GradReducer::result_unscale() const {
 void GradReducer::issue_replica_reduction(int64_t b) {
   BucketGrads& bucket = buckets_[b];
   TORCH_INTERNAL_ASSERT(bucket.replica_pending, "replica reduction issued twice");
+  RECORD_USER_SCOPE("zero_ext::all_reduce across replicas bucket " + std::to_string(b));
   comm_.wait(bucket.work, [&] {
     return "gradient reduction of " + layout_.describe_bucket(b, gate_.progress().where());
   });

@@ -5,6 +5,7 @@
 #   bash scripts/test_torch_versions.sh                # the whole matrix
 #   bash scripts/test_torch_versions.sh 2.11.0         # one version
 #   ZERO_EXT_TORCH_ENVS=/big/disk bash scripts/test_torch_versions.sh 2.14.1
+#   ZERO_EXT_VERSION_TESTS="tests/test_compile.py" bash scripts/test_torch_versions.sh 2.11.0
 #
 # Each version gets a virtual environment under $ZERO_EXT_TORCH_ENVS
 # (default ~/.cache/zero_ext/torch-envs/torch-VERSION), reused while its torch
@@ -31,7 +32,9 @@ SUBSET=(tests/test_parity.py tests/test_errors.py tests/test_checkpoint.py tests
         tests/test_trust.py tests/test_cpu_adam.py tests/test_mixed_precision.py tests/test_selfcheck.py
         tests/test_default_settings.py tests/test_benchmarks.py tests/test_core_ops.py tests/test_python_calls.py
         tests/test_components.py tests/test_safetensors.py tests/test_weights.py tests/test_deferred_init.py
-        tests/test_hf_flow.py)
+        tests/test_hf_flow.py tests/test_compile.py tests/test_env.py tests/test_profiler.py)
+# ZERO_EXT_VERSION_TESTS="tests/test_compile.py ..." runs those instead.
+[ -n "${ZERO_EXT_VERSION_TESTS:-}" ] && read -r -a SUBSET <<< "$ZERO_EXT_VERSION_TESTS"
 mkdir -p "$ENVS"
 
 env_torch_version() {  # the torch version a venv has, or nothing

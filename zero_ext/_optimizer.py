@@ -103,6 +103,10 @@ class ZeroExtOptimizer:
     _step_supports_amp_scaling = True
 
     def step(self, closure=None):
+        with torch.profiler.record_function("zero_ext::step"):  # a label in profiler traces
+            return self._zero_ext_step(closure)
+
+    def _zero_ext_step(self, closure=None):
         buckets = self._zero_ext.buckets
         skip = buckets.begin_step()  # fp16 overflow or skip_nonfinite, on some rank (updates the scale)
         nonfinite_skip = skip and not buckets.loss_scaling()
