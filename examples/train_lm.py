@@ -83,10 +83,21 @@ def kill_once(args, rank: int, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def log_line(step: int, total: int, loss: float, norm: float, tokens_per_s: float, held: dict) -> str:
+    """One --log-every line: the step, the global batch's loss, the gradient
+    norm before clipping, throughput over every rank, and the bytes this rank
+    holds (zero_ext.memory_report)."""
+    mib = {k: v / 2 ** 20 for k, v in held.items()}
+    return (f"step {step}/{total} | loss {loss:.4f} | grad norm {norm:.4f} | {tokens_per_s:.0f} tok/s | "
+            f"held {sum(mib.values()):.2f} MiB (params {mib['params']:.2f}, grads {mib['grads']:.2f}, "
+            f"optimizer {mib['optimizer_state']:.2f})")
+
+
 def train(args, model, opt, sched, clip, data, rank, world, show, first_step=1, save=None):
     """Trains steps first_step..args.steps; the global batch's loss at each step.
     `save(step)` runs after every args.save_every-th step."""
     started = time.perf_counter()
+    interval_start, interval_steps = started, 0
     losses = []
     for step in range(first_step, args.steps + 1):
         x, y = batches(data, args.context, args.batch, rank, world, step)
@@ -95,7 +106,7 @@ def train(args, model, opt, sched, clip, data, rank, world, show, first_step=1, 
         kill_once(args, rank, step)
         if args.step_seconds:
             time.sleep(args.step_seconds)
-        clip(1.0)
+        norm = clip(1.0)
         opt.step()
         sched.step()
         opt.zero_grad()
@@ -104,7 +115,15 @@ def train(args, model, opt, sched, clip, data, rank, world, show, first_step=1, 
             dist.all_reduce(value)
             value /= world
         losses.append(value.item())
-        if show and (step % 5 == 0 or step == args.steps):
+        interval_steps += 1
+        if args.log_every and (step % args.log_every == 0 or step == args.steps):
+            if show:
+                held = zero_ext.memory_report(model, opt)  # rank 0's, between steps (after zero_grad)
+                now = time.perf_counter()
+                rate = interval_steps * world * args.batch * args.context / max(now - interval_start, 1e-9)
+                print(log_line(step, args.steps, losses[-1], float(norm), rate, held), flush=True)
+            interval_start, interval_steps = time.perf_counter(), 0
+        elif show and not args.log_every and (step % 5 == 0 or step == args.steps):
             progress(step, args.steps, losses[-1], started)
         if save is not None and args.save_every and step % args.save_every == 0:
             save(step)
@@ -211,6 +230,9 @@ def main() -> None:
     parser.add_argument("--kill-at", metavar="RANK:STEP", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--step-seconds", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: a slower step
     parser.add_argument("--no-report", action="store_true", help="skip the closing bytes table")
+    parser.add_argument("--log-every", type=int, default=0, metavar="N",
+                        help="every N steps, rank 0 logs loss, grad norm, tokens/s and bytes held "
+                             "(default: a progress bar)")
     args = parser.parse_args()
 
     torch.set_num_threads(1)

@@ -1,0 +1,30 @@
+"""The demo (examples/train_lm.py) under torchrun with 2 CPU ranks: its
+--log-every lines on rank 0 carry the loss, the gradient norm, throughput
+and the bytes held, and agree with what the run prints at its end."""
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LINE = re.compile(r"^step (\d+)/(\d+) \| loss ([\d.]+) \| grad norm ([\d.]+) \| (\d+) tok/s \| held ([\d.]+) MiB "
+                  r"\(params ([\d.]+), grads ([\d.]+), optimizer ([\d.]+)\)$", re.M)
+
+
+def test_log_every_reports_loss_norm_throughput_and_memory(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29671",
+           os.path.join(ROOT, "examples", "train_lm.py"), "--stage", "3", "--steps", "6", "--log-every", "3",
+           "--context", "16", "--batch", "2", "--no-report"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = LINE.findall(done.stdout)
+    assert [(int(s), int(t)) for s, t, *_ in lines] == [(3, 6), (6, 6)], done.stdout
+    final = float(re.search(r"loss [\d.]+ -> ([\d.]+)", done.stdout).group(1))
+    assert abs(float(lines[-1][2]) - final) < 1e-3  # the last logged loss is the run's last loss
+    for _, _, loss, norm, rate, held, params, grads, opt in lines:
+        assert float(norm) > 0 and int(rate) > 0
+        # Stage 3 between steps: each rank holds half the fp32 parameters, no
+        # gradient, and Adam's two moments of its half.
+        assert float(grads) == 0 and abs(float(opt) - 2 * float(params)) < 0.02
+        assert abs(float(held) - (float(params) + float(grads) + float(opt))) < 0.02
