@@ -485,6 +485,24 @@ def replica_all_reduce_deferred_until_read(ctx: Context) -> None:
         step_and_record(ctx, model, opt, step)
 
 
+def step_with_closure(ctx: Context) -> None:
+    """optimizer.step(closure), as Lightning and LBFGS-style loops call it:
+    the closure's backward is reduced before the update uses it."""
+    model = Net()
+    model, opt = ctx.wrap(model, adamw(model))
+    for step in range(3):
+        losses = []
+
+        def closure():
+            opt.zero_grad()
+            losses.append(mlp_loss(ctx, model, step))
+            losses[-1].backward()
+            return losses[-1]
+        returned = opt.step(closure)
+        ctx.record_check(f"step {step}: step() returns the closure's loss", returned is losses[-1])
+        ctx.record_params(f"step {step}", model)
+
+
 def offload_replica_all_reduce_deferred_in_accumulation(ctx: Context) -> None:
     replica_all_reduce_deferred_in_accumulation(ctx, **OFFLOAD)
 
@@ -1559,6 +1577,7 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
         replica_all_reduce_deferred_in_accumulation,
         replica_all_reduce_deferred_until_read,
         offload_replica_all_reduce_deferred_in_accumulation,
+        step_with_closure,
         unused_parameters,
         branch_on_rank0_only,
         frozen_parameters,

@@ -104,9 +104,16 @@ class ZeroExtOptimizer:
 
     def step(self, closure=None):
         with torch.profiler.record_function("zero_ext::step"):  # a label in profiler traces
-            return self._zero_ext_step(closure)
+            loss = None
+            if closure is not None:
+                # Its backward must be reduced before the step reads gradients,
+                # so it runs first (as torch's optimizers run it before updating).
+                with torch.enable_grad():
+                    loss = closure()
+            result = self._zero_ext_step()
+            return loss if closure is not None else result
 
-    def _zero_ext_step(self, closure=None):
+    def _zero_ext_step(self):
         buckets = self._zero_ext.buckets
         skip = buckets.begin_step()  # fp16 overflow or skip_nonfinite, on some rank (updates the scale)
         nonfinite_skip = skip and not buckets.loss_scaling()
@@ -137,8 +144,8 @@ class ZeroExtOptimizer:
                     f"learning rate, clip gradients, or look for a bad batch.")
             return None
         if self._zero_ext_cpu_adam:
-            return self._zero_ext_cpu_adam_step(closure)
-        return super().step(closure)
+            return self._zero_ext_cpu_adam_step()
+        return super().step()
 
     # The same pre/post hooks as the torch optimizer's own step.
     _zero_ext_cpu_adam_step = torch.optim.Optimizer.profile_hook_step(_cpu_adam_step)
