@@ -6,7 +6,10 @@ import re
 import subprocess
 import sys
 
+import zero_ext
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(zero_ext.__file__)))  # the zero_ext under test
 LINE = re.compile(r"^step (\d+)/(\d+) \| loss ([\d.]+) \| grad norm ([\d.]+) \| (\d+) tok/s \| held ([\d.]+) MiB "
                   r"\(params ([\d.]+), grads ([\d.]+), optimizer ([\d.]+)\)$", re.M)
 
@@ -16,7 +19,7 @@ def test_log_every_reports_loss_norm_throughput_and_memory(tmp_path):
            os.path.join(ROOT, "examples", "train_lm.py"), "--stage", "3", "--steps", "6", "--log-every", "3",
            "--context", "16", "--batch", "2", "--no-report"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
-                          env={**os.environ, "PYTHONPATH": ROOT})
+                          env={**os.environ, "PYTHONPATH": PACKAGE_ROOT})
     assert done.returncode == 0, done.stdout + done.stderr
     lines = LINE.findall(done.stdout)
     assert [(int(s), int(t)) for s, t, *_ in lines] == [(3, 6), (6, 6)], done.stdout

@@ -8,12 +8,16 @@ import sys
 import torch
 import torch.distributed as dist
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import zero_ext
+
+# The zero_ext this test imports (the checkout, or the copy the torch-versions
+# script built against another torch), and its sources.
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(zero_ext.__file__)))
 
 
 def report(*args, env=None):
-    done = subprocess.run([sys.executable, "-m", "zero_ext.env", *args], capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": REPO, **(env or {})}, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "zero_ext.env", *args], capture_output=True, text=True, cwd=PACKAGE_ROOT,
+                          env={**os.environ, "PYTHONPATH": PACKAGE_ROOT, **(env or {})}, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
@@ -46,9 +50,9 @@ def test_lines_are_aligned_and_a_core_that_cannot_load_is_reported(tmp_path):
     # A build made for another torch: reported, not raised.
     fake = tmp_path / "zero_ext"
     fake.mkdir()
-    for name in os.listdir(os.path.join(REPO, "zero_ext")):
+    for name in os.listdir(os.path.join(PACKAGE_ROOT, "zero_ext")):
         if name.endswith(".py"):
-            os.symlink(os.path.join(REPO, "zero_ext", name), fake / name)
+            os.symlink(os.path.join(PACKAGE_ROOT, "zero_ext", name), fake / name)
     (fake / "_build_info.json").write_text(json.dumps({"torch": "1.0.0", "cxx": "/usr/bin/c++"}))
     done = subprocess.run([sys.executable, "-m", "zero_ext.env", "--json"], capture_output=True, text=True,
                           cwd=str(tmp_path), env={**os.environ, "PYTHONPATH": str(tmp_path)}, timeout=120)
