@@ -384,6 +384,10 @@ std::exception_ptr GradReducer::abandon(bool wait) {
     bucket.replica_work.reset();
     bucket.replica_pending = false;
     bucket.reduce_out.reset();
+    // Kept-back results go too, on every rank: whether this round's share
+    // was folded in already depends on timing, so keeping them could leave
+    // ranks with different buckets to send ([Note: deferred replica all-reduce]).
+    bucket.unsynced.reset();
     bucket.in_flight_bytes = 0;
     bucket.host_add_pending = false;
     bucket.host_factor = 1.0;

@@ -376,3 +376,29 @@ def test_checks_that_need_several_ranks():
         for stage in range(4):
             assert per_stage[f"stage{stage}"] == {"skipped": 1, "unchanged": True, "warned": True,
                                                  "then_trained": True}, (rank, stage)
+
+
+def test_lbfgs_at_stage_0_calls_its_closure_as_in_pytorch():
+    """LBFGS calls the closure itself, several times per step: at stage 0
+    zero_ext passes it through, and the result is plain PyTorch's."""
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+    results = []
+    for wrapped in (False, True):
+        model, _ = make()
+        opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+        if wrapped:
+            model, opt = zero_ext.wrap(model, opt, stage=0)
+        calls = []
+
+        def closure():
+            opt.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            calls.append(loss.item())
+            return loss
+        for _ in range(2):
+            opt.step(closure)
+        results.append((calls, [p.detach().clone() for p in model.parameters()]))
+    (calls, params), (zcalls, zparams) = results
+    assert len(zcalls) == len(calls) > 2
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(params, zparams))

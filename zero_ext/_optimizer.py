@@ -104,16 +104,20 @@ class ZeroExtOptimizer:
 
     def step(self, closure=None):
         with torch.profiler.record_function("zero_ext::step"):  # a label in profiler traces
-            loss = None
-            if closure is not None:
-                # Its backward must be reduced before the step reads gradients,
-                # so it runs first (as torch's optimizers run it before updating).
-                with torch.enable_grad():
-                    loss = closure()
-            result = self._zero_ext_step()
-            return loss if closure is not None else result
+            if closure is None or self._zero_ext.stage == 0:
+                # Stage 0's gradients are reduced in place by the backward
+                # itself, so the optimizer may call the closure as it likes
+                # (LBFGS, several times).
+                return self._zero_ext_step(closure)
+            # Stages 1-3 (elementwise optimizers, which call a closure once,
+            # first): the closure's backward must be reduced and settled
+            # before the step reads gradients, so it runs before settling.
+            with torch.enable_grad():
+                loss = closure()
+            self._zero_ext_step(None)
+            return loss
 
-    def _zero_ext_step(self):
+    def _zero_ext_step(self, closure=None):
         buckets = self._zero_ext.buckets
         skip = buckets.begin_step()  # fp16 overflow or skip_nonfinite, on some rank (updates the scale)
         nonfinite_skip = skip and not buckets.loss_scaling()
@@ -144,8 +148,8 @@ class ZeroExtOptimizer:
                     f"learning rate, clip gradients, or look for a bad batch.")
             return None
         if self._zero_ext_cpu_adam:
-            return self._zero_ext_cpu_adam_step()
-        return super().step()
+            return self._zero_ext_cpu_adam_step(closure)
+        return super().step(closure)
 
     # The same pre/post hooks as the torch optimizer's own step.
     _zero_ext_cpu_adam_step = torch.optim.Optimizer.profile_hook_step(_cpu_adam_step)
