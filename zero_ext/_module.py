@@ -48,7 +48,10 @@ class ZeroExtModule:
         all-reduce across replicas then carries every deferred backward's
         share, overlapped with that backward. Whatever is still deferred
         when gradients are read (optimizer.step(), clip_grad_norm_,
-        full_grads) goes across then, so results never depend on it. Costs
+        full_grads) goes across then, so results never depend on it, with
+        one exception: torch.amp.GradScaler's unscale_ reads gradients by
+        itself, so with a GradScaler set it True before the step's last
+        backward, as FSDP2 requires of every use. Costs
         one fp32 gradient shard while anything is deferred. Every rank must
         set it alike. No effect on a flat group, nor in stage 0, which
         reduces whole gradients: use no_sync() there."""
