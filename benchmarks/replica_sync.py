@@ -24,6 +24,7 @@ Reported per stage and mode (rank 0; every rank sends the same):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -86,7 +87,7 @@ def run_mode(args, mesh, replicas: int, shard: int, stage: int, mode: str, rank:
             if last and measured:
                 result["grad_bytes"] = held_grad_bytes(model)
             x, y = tokens(args, rank, world, step, micro)
-            with model.no_sync() if mode == "no_sync" and not last else _nothing():
+            with model.no_sync() if mode == "no_sync" and not last else contextlib.nullcontext():
                 F.cross_entropy(model(x).float().flatten(0, 1), y.flatten()).backward()
         opt.step()
         opt.zero_grad()
@@ -98,14 +99,6 @@ def run_mode(args, mesh, replicas: int, shard: int, stage: int, mode: str, rank:
             times.append(elapsed)
     result["ms_per_step"] = 1e3 * statistics.median(times)
     return result
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def body(args, rank: int, world: int) -> Dict:

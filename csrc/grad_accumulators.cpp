@@ -151,8 +151,7 @@ void GradReducer::keep_back(BucketGrads& bucket, const at::Tensor& reduced, doub
   // On the stream the reduction ran on, like the results it sums
   // ([Note: deferred replica all-reduce]).
   if (!bucket.unsynced.defined()) {
-    bucket.unsynced = at::empty({reduced.numel()}, reduced.options().dtype(at::kFloat));
-    bucket.unsynced.copy_(reduced);
+    bucket.unsynced = reduced.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);  // never a view of staging
     if (factor != 1.0) bucket.unsynced.mul_(factor);
   } else {
     bucket.unsynced.add_(reduced, factor);

@@ -9,6 +9,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -359,19 +360,16 @@ void GradReducer::issue_replica_reduction(int64_t b) {
   });
   bucket.work.reset();
   // Stage 0 reduces the staging itself; the others read this rank's result.
-  at::Tensor& result = bucket.reduce_out.defined() ? bucket.reduce_out : bucket.staging;
+  at::Tensor* result = bucket.reduce_out.defined() ? &bucket.reduce_out : &bucket.staging;
   if (bucket.unsynced.defined()) {
     // Earlier backwards kept theirs back: one all-reduce carries them all
     // ([Note: deferred replica all-reduce]), in fp32 and unscaled.
-    bucket.unsynced.add_(result, result_unscale());
-    bucket.reduce_out = std::move(bucket.unsynced);
-    bucket.unsynced = at::Tensor();
+    bucket.unsynced.add_(*result, result_unscale());
+    bucket.reduce_out = std::exchange(bucket.unsynced, at::Tensor());
     bucket.result_unscaled = true;
-    bucket.replica_work = replica_comm_.all_reduce_sum(bucket.reduce_out);
-    bucket.replica_pending = false;
-    return;
+    result = &bucket.reduce_out;
   }
-  bucket.replica_work = replica_comm_.all_reduce_sum(result);
+  bucket.replica_work = replica_comm_.all_reduce_sum(*result);
   bucket.replica_pending = false;
 }
 
