@@ -1,0 +1,125 @@
+"""zero_ext in an `accelerate` training loop.
+
+    accelerator = Accelerator(gradient_accumulation_steps=2)
+    model, optimizer, scheduler = zero_ext.integrations.accelerate.prepare(
+        accelerator, model, optimizer, scheduler, stage=3)
+    dataloader = accelerator.prepare(dataloader)
+    for batch in dataloader:
+        with accelerator.accumulate(model):
+            accelerator.backward(loss_fn(model(batch)))
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)  # the true global norm
+            optimizer.step(); scheduler.step(); optimizer.zero_grad()
+    accelerator.save_state(path)   # model and optimizer through zero_ext.save
+    accelerator.load_state(path)   # ... and zero_ext.load, at any world size
+
+accelerate has no plugin registry for a sharding system (its DistributedType
+is a closed enum), so zero_ext takes the objects out of accelerate's hands:
+  - the model is marked prepared, so accelerate never wraps it in DDP;
+    `accumulate()` then reaches `model.no_sync()` itself;
+  - the optimizer is wrapped in accelerate's AcceleratedOptimizer (which skips
+    step/zero_grad on micro-steps that do not sync) and reports zero_ext's own
+    skipped steps; accelerate's GradScaler and autocast are switched off, since
+    zero_ext casts and scales itself (the accelerator's mixed_precision
+    becomes zero_ext's);
+  - `accelerator.clip_grad_norm_` clips with `zero_ext.clip_grad_norm_`
+    (torch's own, which accelerate calls, sees only this rank's shards);
+  - save_state/load_state write and read the model and optimizer as a
+    zero_ext checkpoint in `zero_ext/` (`zero_ext_1/`, ... for more models)
+    inside the state directory; accelerate keeps the rest (schedulers,
+    dataloaders, RNG). Every rank calls them, as accelerate asks anyway.
+"""
+from __future__ import annotations
+
+import os
+import types
+from typing import Any, List, Optional, Tuple
+
+import torch
+
+from .._checkpoint import load as zero_ext_load
+from .._checkpoint import save as zero_ext_save
+from .._clip import clip_grad_norm_ as zero_ext_clip_grad_norm_
+from ._common import check_wrap_options, library_mixed_precision, wrap_once
+
+_REFUSED = ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA")
+
+
+def checkpoint_dir_name(index: int) -> str:
+    return "zero_ext" if index == 0 else f"zero_ext_{index}"
+
+
+def prepare(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            scheduler: Optional[Any] = None, **wrap_options: Any) -> Tuple[Any, ...]:
+    """Wraps `model` and `optimizer` with zero_ext (``wrap_options`` are
+    zero_ext.wrap's) and hands them to `accelerator` without letting it
+    wrap them again. Collective: every rank calls it. Returns ``(model,
+    optimizer)``, or ``(model, optimizer, scheduler)`` when a scheduler of
+    that optimizer is given (stepped as accelerate steps its own). Prepare
+    dataloaders with ``accelerator.prepare`` as usual."""
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.scheduler import AcceleratedScheduler
+
+    where = "zero_ext.integrations.accelerate.prepare"
+    kind = getattr(accelerator.distributed_type, "name", str(accelerator.distributed_type))
+    if kind in _REFUSED:
+        raise ValueError(f"{where}: the Accelerator is set up for {kind}, another sharding system; "
+                         "launch without its plugin/config (plain multi-process) and let zero_ext shard")
+    options = check_wrap_options(wrap_options, where)
+    options = library_mixed_precision(str(accelerator.mixed_precision), options, where)
+    if getattr(accelerator, "_zero_ext_models", None) is None:
+        _take_over(accelerator)
+    model, optimizer = wrap_once(model, optimizer, options)
+    model._is_accelerate_prepared = True
+    if all(m is not model for m, _ in accelerator._zero_ext_models):
+        accelerator._zero_ext_models.append((model, optimizer))
+
+    class ZeroExtAcceleratedOptimizer(AcceleratedOptimizer):
+        @property
+        def step_was_skipped(self) -> bool:  # zero_ext's fp16 overflow / skip_nonfinite skips
+            return bool(getattr(self.optimizer, "step_was_skipped", False))
+
+    accelerated = ZeroExtAcceleratedOptimizer(optimizer, device_placement=False, scaler=None)
+    accelerated._is_accelerate_prepared = True
+    if scheduler is None:
+        return model, accelerated
+    if getattr(scheduler, "optimizer", None) is not optimizer:
+        raise ValueError(f"{where}: the scheduler steps another optimizer than the one given")
+    stepped = AcceleratedScheduler(scheduler, [accelerated], step_with_optimizer=accelerator.step_scheduler_with_optimizer,
+                                   split_batches=accelerator.split_batches)
+    stepped._is_accelerate_prepared = True
+    accelerator._schedulers.append(stepped)  # saved and loaded by save_state/load_state as accelerate's own
+    return model, accelerated, stepped
+
+
+def _take_over(accelerator: Any) -> None:
+    """Once per Accelerator: zero_ext's checkpoint hooks, clip and precision."""
+    accelerator._zero_ext_models: List[Tuple[torch.nn.Module, torch.optim.Optimizer]] = []
+    # zero_ext casts parameters and scales fp16 losses itself: accelerate's
+    # scaler would scale gradients nothing unscales, its autocast recast them.
+    accelerator.scaler = None
+    accelerator.native_amp = False
+
+    def clip_grad_norm_(self: Any, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        return zero_ext_clip_grad_norm_(parameters, max_norm, norm_type)
+
+    clip_grad_norm_.__doc__ = ("zero_ext.clip_grad_norm_: the global norm over every rank's shards "
+                               "(installed by zero_ext.integrations.accelerate.prepare)")
+    accelerator.clip_grad_norm_ = types.MethodType(clip_grad_norm_, accelerator)
+
+    def save_hook(models: Any, weights: Any, output_dir: str) -> None:
+        os.makedirs(output_dir, exist_ok=True)  # every rank may arrive before the main process made it
+        for i, (model, optimizer) in enumerate(accelerator._zero_ext_models):
+            zero_ext_save(os.path.join(output_dir, checkpoint_dir_name(i)), model, optimizer)
+
+    def load_hook(models: Any, input_dir: str) -> None:
+        for i, (model, optimizer) in enumerate(accelerator._zero_ext_models):
+            path = os.path.join(input_dir, checkpoint_dir_name(i))
+            if not os.path.isdir(path):
+                raise FileNotFoundError(f"accelerator.load_state: {input_dir} has no zero_ext checkpoint "
+                                        f"{checkpoint_dir_name(i)}/ for the zero_ext model #{i}; it was not saved "
+                                        "by accelerator.save_state after zero_ext.integrations.accelerate.prepare")
+            zero_ext_load(path, model, optimizer)
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
