@@ -100,6 +100,8 @@ TORCH_LIBRARY(zero_ext, m) {
       .def("begin_step", &ShardedModel::begin_step)
       .def("set_skip_nonfinite", &ShardedModel::set_skip_nonfinite)
       .def("enable_stall_diagnosis", &ShardedModel::enable_stall_diagnosis)
+      .def("stall_queries", &ShardedModel::stall_queries)
+      .def("post_whereabouts", &ShardedModel::post_whereabouts)
       .def("note_compute_copy_written", &ShardedModel::note_compute_copy_written)
       .def("segment_compute_copies", &ShardedModel::segment_compute_copies)
       .def("replicated", &ShardedModel::replicated)

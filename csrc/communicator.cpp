@@ -145,18 +145,65 @@ void Communicator::enable_stall_diagnosis(double seconds, const std::string& key
   }
   stall_interval_ = std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
   stall_keys_ = "zero_ext_stall/" + key_space + "/rank";
+  query_key_ = "zero_ext_stall/" + key_space + "/query";
+  whereabouts_keys_ = "zero_ext_stall/" + key_space + "/where";
+}
+
+int64_t Communicator::stall_queries() const {
+  if (!store_ || size_ < 2) {
+    return 0;
+  }
+  return store_->add(query_key_, 0);  // reads the counter (made at 0 if absent)
+}
+
+void Communicator::post_whereabouts(int64_t query, bool blocked, const std::string& where) const {
+  if (!store_ || size_ < 2) {
+    return;
+  }
+  const std::string answer = std::to_string(query) + (blocked ? "|1|" : "|0|") + where;
+  store_->set(whereabouts_keys_ + std::to_string(mesh_ranks_[rank_]),
+              std::vector<uint8_t>(answer.begin(), answer.end()));
+}
+
+bool Communicator::read_whereabouts(const std::vector<std::string>& posts, int64_t query,
+                                    std::vector<std::string>& whereabouts) const {
+  bool any = false;
+  for (int64_t r = 0; r < size_; ++r) {
+    if (r == rank_ || !posts[r].empty()) {
+      continue;  // stalled in zero_ext: the posts speak for it
+    }
+    const std::string key = whereabouts_keys_ + std::to_string(mesh_ranks_[r]);
+    if (!store_->check({key})) {
+      return false;
+    }
+    const auto bytes = store_->get(key);
+    const std::string answer(bytes.begin(), bytes.end());
+    const auto bar = answer.find('|');
+    // Only an answer to this query (or a later one) says where the rank is now.
+    if (bar == std::string::npos || answer.size() < bar + 3 || std::stoll(answer.substr(0, bar)) < query ||
+        answer[bar + 1] != '1') {
+      return false;
+    }
+    whereabouts[r] = answer.substr(bar + 3);
+    any = true;
+  }
+  return any;
 }
 
 void Communicator::diagnose_stall(const c10::intrusive_ptr<c10d::Work>& work,
                                   const std::string& what) const {
   const std::string mine = stall_keys_ + std::to_string(mesh_ranks_[rank_]);
   store_->set(mine, std::vector<uint8_t>(what.begin(), what.end()));
+  const int64_t query = store_->add(query_key_, 1);  // see [Note: whereabouts]
+  std::vector<std::string> whereabouts(size_);
+  bool stranded = false;  // every rank not in a zero_ext wait is blocked in a world collective
   // Posts are overwritten with "" once a wait completes (never deleted, so a
   // get() cannot block on a key that just vanished), and re-read each round:
   // only ranks stalled right now count.
   std::vector<std::string> posts(size_);
   bool differ = false;
-  const auto until = std::chrono::steady_clock::now() + stall_interval_;
+  // Long enough for the answering threads (one poll a second) to answer.
+  const auto until = std::chrono::steady_clock::now() + std::max(stall_interval_, std::chrono::milliseconds(2500));
   while (true) {
     // Completion is read before the posts: a peer that found the difference
     // first may already have failed this collective by leaving, and its post
@@ -173,15 +220,32 @@ void Communicator::diagnose_stall(const c10::intrusive_ptr<c10d::Work>& work,
       }
       differ = differ || (!posts[r].empty() && posts[r] != what);
     }
-    if (differ || completed || std::chrono::steady_clock::now() >= until) {
+    stranded = read_whereabouts(posts, query, whereabouts);
+    if (differ || stranded || completed || std::chrono::steady_clock::now() >= until) {
       break;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  if (!differ || (work->isCompleted() && !work->exception())) {
+  if ((!differ && !stranded) || (work->isCompleted() && !work->exception())) {
     return;  // everyone stalls on this collective, some rank is busy elsewhere, or it matched
   }
   failed_ = true;
+  if (stranded && !differ) {
+    std::ostringstream out;
+    for (int64_t r = 0; r < size_; ++r) {
+      if (r != rank_ && posts[r].empty()) {
+        out << "\n  rank " << mesh_ranks_[r] << ": " << whereabouts[r];
+      }
+    }
+    TORCH_CHECK(false, "zero_ext: ", what, " waits for ranks that are not running this model:", out.str(),
+                "\nA model wrapped by zero_ext is used collectively: at stage 3 every forward (generate() "
+                "too), state_dict() and save_pretrained() gather the parameters from every rank, so a "
+                "call made on one rank only (`if rank == 0: ...`) can never complete. Make the call on "
+                "every rank (and write files on rank 0 only), read weights with `with "
+                "zero_ext.full_params(model):` or zero_ext.full_state_dict(model) on every rank, or save "
+                "with zero_ext.save_weights(model, path) on every rank. This rank stops here instead of "
+                "waiting out the timeout.");
+  }
   std::ostringstream out;
   for (int64_t r = 0; r < size_; ++r) {
     out << "\n  rank " << mesh_ranks_[r] << ": "
@@ -210,7 +274,25 @@ void Communicator::wait(const c10::intrusive_ptr<c10d::Work>& work,
     }
   }
   if (stalled) {
-    diagnose_stall(work, what());  // raises if the ranks are stalled in different collectives
+    // Raises if the ranks are stalled in different collectives or the ones
+    // missing are stuck elsewhere; asks again after 2x, 4x, ... the interval,
+    // as a rank busy at the first look may be stuck by the next.
+    const std::string described = what();
+    auto pause = stall_interval_;
+    while (true) {
+      diagnose_stall(work, described);
+      if (work->isCompleted()) {
+        break;
+      }
+      pause *= 2;
+      try {
+        work->wait(pause);
+      } catch (const std::exception&) {
+      }
+      if (work->isCompleted()) {
+        break;
+      }
+    }
   }
   try {
     work->wait();

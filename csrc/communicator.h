@@ -60,6 +60,19 @@ class Communicator {
   // rank, so the groups of a hybrid mesh (rows and columns) read each other's.
   void enable_stall_diagnosis(double seconds, const std::string& key_space, std::vector<int64_t> mesh_ranks);
 
+  // [Note: whereabouts] A rank stalled in a collective also asks the ranks
+  // that posted nothing (not waiting in zero_ext) where they are: each rank
+  // runs a thread (zero_ext/_whereabouts.py) that polls the query counter
+  // once a second and answers with what its main thread is doing. If every
+  // such rank is blocked in a torch.distributed collective of the whole world
+  // (`if rank == 0: model.generate(...)` followed by `dist.barrier()`), they
+  // can never join this one: it raises at once, naming the fix. Nothing is
+  // exchanged unless a wait stalls; the answering thread reads one counter.
+  // The count of queries so far (0: none, or no diagnosis here).
+  int64_t stall_queries() const;
+  // This rank's answer to query `query`: blocked in a world collective, where.
+  void post_whereabouts(int64_t query, bool blocked, const std::string& where) const;
+
   // Whether a wait on this group failed: its collectives are out of step.
   bool failed() const { return failed_; }
 
@@ -87,6 +100,8 @@ class Communicator {
   }
   std::chrono::milliseconds stall_interval_{0};
   std::string stall_keys_;
+  std::string query_key_;
+  std::string whereabouts_keys_;
   std::vector<int64_t> mesh_ranks_;  // of the members, by group rank
   c10::intrusive_ptr<c10d::Store> store_;
 
@@ -95,6 +110,10 @@ class Communicator {
   // Posts `what` and reads the other ranks' posts until `work` completes or
   // another interval passes; raises if a rank is stalled elsewhere.
   void diagnose_stall(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) const;
+  // True when every rank that posted no stall answered `query` (or later)
+  // as blocked in a world collective; fills `whereabouts` with their answers.
+  bool read_whereabouts(const std::vector<std::string>& posts, int64_t query,
+                        std::vector<std::string>& whereabouts) const;
 };
 
 } // namespace zero_ext

@@ -435,6 +435,17 @@ void ShardedModel::enable_stall_diagnosis(double seconds, std::string key_space,
   replica_comm_.enable_stall_diagnosis(seconds, key_space, replica_mesh_ranks);
 }
 
+int64_t ShardedModel::stall_queries() const {
+  // The groups share one key space; a group of one (a flat world of 1, the
+  // rows of an Nx1 mesh) has no store and reads 0.
+  return std::max(comm_.stall_queries(), replica_comm_.stall_queries());
+}
+
+void ShardedModel::post_whereabouts(int64_t query, bool blocked, std::string where) const {
+  comm_.post_whereabouts(query, blocked, where);  // keyed by mesh rank: the same key for both groups
+  replica_comm_.post_whereabouts(query, blocked, where);
+}
+
 // --- training-loop controls -------------------------------------------------
 
 void ShardedModel::set_sync(bool sync) {

@@ -136,6 +136,10 @@ class ShardedModel : public torch::CustomClassHolder {
   // *_mesh_ranks: the mesh rank of each member of the group, by group rank.
   void enable_stall_diagnosis(double seconds, std::string key_space, std::vector<int64_t> shard_mesh_ranks,
                               std::vector<int64_t> replica_mesh_ranks);
+  // [Note: whereabouts] in communicator.h: called from the answering thread,
+  // touch only the store (never the model's state), so they need no lock.
+  int64_t stall_queries() const;
+  void post_whereabouts(int64_t query, bool blocked, std::string where) const;
 
   // --- training-loop controls ---------------------------------------------
   void set_sync(bool sync);

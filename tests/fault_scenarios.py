@@ -188,3 +188,37 @@ def foreign_group_and_one_sided_nonfinite(rank: int, world: int) -> dict:
         out[f"stage{stage}"]["then_trained"] = not all(
             torch.equal(after[k], v) for k, v in zero_ext.full_state_dict(model).items())
     return out
+
+
+def used_on_rank0_only(rank: int, world: int, use: str) -> str:
+    """After a normal step, rank 0 alone runs the stage 3 model (a no-grad
+    forward, or state_dict() as save_pretrained does) while the others wait
+    in dist.barrier(): the Hugging Face `if rank == 0:` idiom. Rank 0 must
+    raise within seconds, not at zero_ext's 120 s timeout."""
+    import torch.distributed as dist
+
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = zero_ext.wrap(model, opt, stage=3, timeout=120.0)
+    loss_of(model, 0, rank).backward()
+    opt.step()
+    opt.zero_grad()
+    outcome = "released"
+    if use == "late" and rank != 0:
+        time.sleep(9.0)  # busy past the stall interval (5 s), then joins: no error is right
+        with torch.no_grad():
+            loss_of(model, 1, rank)
+        outcome = "joined late"
+    if rank == 0:
+        started = time.monotonic()
+        try:
+            if use in ("forward", "late"):
+                with torch.no_grad():
+                    loss_of(model, 1, rank)
+            else:
+                model.state_dict()
+            outcome = "completed"
+        except RuntimeError as error:
+            outcome = f"raised after {time.monotonic() - started:.1f} s: {error}"
+    dist.barrier()  # rank 0 joins the others' barrier once it is out
+    return outcome

@@ -9,6 +9,7 @@ fault to each rank's exit are printed (pytest -s shows them).
 """
 import pytest
 
+from dist_harness import run_on_ranks
 from fault_harness import run_with_fault
 
 TIMEOUT = 8.0  # zero_ext's own groups; the stall diagnosis starts after TIMEOUT / 4
@@ -114,3 +115,25 @@ def test_soak_1000_steps_stage3_nothing_accumulates(tmp_path):
         # one as a wrapper is replaced, is not a leak.
         assert late["tensors"] <= early["tensors"] + 2, (early, late)
         assert late["rss_kib"] == pytest.approx(early["rss_kib"], rel=0.01), (early, late)
+
+
+@pytest.mark.parametrize("use", ["forward", "state_dict"])
+def test_stage3_model_used_on_rank0_only_raises_within_seconds(use):
+    """`if rank == 0: model.generate(...)` / save_pretrained at stage 3 while
+    the other ranks wait in dist.barrier(): rank 0 raises at once, naming the
+    fix, instead of waiting out zero_ext's timeout (120 s here)."""
+    rank0, rank1 = run_on_ranks(2, "fault_scenarios:used_on_rank0_only", (use,), deadline_s=200)
+    assert rank0.startswith("raised after"), rank0
+    seconds = float(rank0.split()[2])
+    assert seconds < 15, rank0
+    assert "not running this model" in rank0 and "torch.distributed.barrier()" in rank0, rank0
+    assert "zero_ext.full_params" in rank0 and "zero_ext.save_weights" in rank0, rank0
+    assert rank1 == "released"
+
+
+def test_stage3_forward_waiting_for_a_busy_rank_is_not_refused():
+    """The other side of the test above: rank 1 is busy (sleeping) past the
+    stall interval and then runs the same forward; rank 0's forward waits
+    for it and completes."""
+    rank0, rank1 = run_on_ranks(2, "fault_scenarios:used_on_rank0_only", ("late",), deadline_s=200)
+    assert rank0 == "completed" and rank1 == "joined late", (rank0, rank1)

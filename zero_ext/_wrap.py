@@ -17,6 +17,7 @@ from ._checkpoint import _local_views, _Ranks
 from ._deferred_init import materialize, move_to_device, plan_deferred
 from ._groups import acquire_groups, acquire_mesh_groups, group_timeout
 from ._mesh import Topology, resolve_topology
+from . import _whereabouts as whereabouts
 from ._module import install_forward_hooks, swap_module_class
 from ._optimizer import shard_optimizer
 from ._testing import apply_test_fault
@@ -80,14 +81,14 @@ def _build_core(ordered: List[torch.nn.Parameter], names: List[str], counts: Lis
 
 
 def _enable_stall_diagnosis(core, ranks: _Ranks, topology: Topology, limit: Optional[datetime.timedelta]) -> None:
-    """A wait stalled a quarter of the timeout (between 1 s and 30 s)
+    """A wait stalled a quarter of the timeout (between 1 s and 5 s)
     compares notes with the other ranks (see communicator.h)."""
     seconds = limit.total_seconds() if limit is not None else 1800.0
     # New for every wrap() and the same on every rank of the mesh: a later
     # model (or a restarted job whose store outlived the last one, as
     # torchrun's agent store does) never reads an earlier one's posts.
     key_space = ranks.from_rank0(uuid.uuid4().hex)
-    core.enable_stall_diagnosis(min(max(seconds / 4, 1.0), 30.0), key_space, topology.shard_mesh_ranks(),
+    core.enable_stall_diagnosis(min(max(seconds / 4, 1.0), 5.0), key_space, topology.shard_mesh_ranks(),
                                 topology.replica_mesh_ranks())
 
 
@@ -199,6 +200,8 @@ def wrap(
     )
     if own_groups:
         _enable_stall_diagnosis(core, _Ranks(state), topology, options.timeout or group_timeout(base))
+        if state.device.type == "cpu":  # host waits only, as the stall diagnosis (communicator.h)
+            whereabouts.start(model, core)
     if deferred:
         groups_of_bucket = unit_of_bucket if options.stage == 3 else list(range(len(counts)))
         materialize(deferred, core, _Ranks(state), ordered, counts, groups_of_bucket, lambda: _local_views(state),
