@@ -402,3 +402,24 @@ def test_lbfgs_at_stage_0_calls_its_closure_as_in_pytorch():
     (calls, params), (zcalls, zparams) = results
     assert len(zcalls) == len(calls) > 2
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(params, zparams))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_optimizer_state_dict_is_refused_where_it_is_a_shard(stage):
+    """In stages 1-3 torch's optimizer.state_dict() would hold this rank's
+    slice in zero_ext's layout (accelerate's save_state writes rank 0's for
+    every rank): refused, naming zero_ext.save/load. Stage 0 steps whole
+    parameters: torch's own round trip holds."""
+    model, _ = make()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    zero_ext.wrap(model, opt, stage=stage)
+    train_step(model, opt)
+    if stage == 0:
+        saved = opt.state_dict()
+        shapes = [tuple(p.shape) for p in model.parameters()]
+        assert [tuple(saved["state"][i]["exp_avg"].shape) for i in range(4)] == shapes
+        opt.load_state_dict(saved)
+        return
+    for call in (opt.state_dict, lambda: opt.load_state_dict({"state": {}, "param_groups": []})):
+        with pytest.raises(RuntimeError, match=r"optimizer\.(load_)?state_dict\(\) is refused.*zero_ext\.save"):
+            call()

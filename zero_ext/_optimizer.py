@@ -169,6 +169,29 @@ class ZeroExtOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._zero_ext.buckets.zero_grad(set_to_none)
 
+    # In stages 1-3 (and under mixed precision) the optimizer steps zero_ext's
+    # segments of this rank's shard, not the parameters: torch's state_dict()
+    # would hold one rank's slice in zero_ext's layout, which loads silently
+    # wrong on any other rank, world size or stage (accelerate's save_state
+    # writes rank 0's for every rank).
+    def _refuse_sharded_state(self, call: str) -> None:
+        state = self._zero_ext
+        if state.sharded_optimizer:
+            raise RuntimeError(
+                f"zero_ext: optimizer.{call}() is refused: at stage {state.stage} the optimizer's state lives in "
+                f"this rank's shard, so it cannot be saved or loaded per rank. Save and load the model and "
+                f"optimizer together with zero_ext.save(path, model, optimizer) / zero_ext.load(path, model, "
+                f"optimizer) on every rank (any world size or stage); with accelerate, use "
+                f"zero_ext.integrations.accelerate.prepare so save_state/load_state do this.")
+
+    def state_dict(self):  # type: ignore[override]
+        self._refuse_sharded_state("state_dict")
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict) -> None:  # type: ignore[override]
+        self._refuse_sharded_state("load_state_dict")
+        super().load_state_dict(state_dict)
+
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the global gradient (every rank's shards) in place and returns
