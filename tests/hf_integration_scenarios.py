@@ -192,6 +192,15 @@ def save_dir_of(accelerator) -> str:
 
 
 def compare_accelerate(out: str, problems: list, figures: dict) -> None:
+    from accelerate import Accelerator
+
+    import zero_ext
+
+    # accelerator.prepare on a model zero_ext already wrapped leaves it alone (no DDP).
+    model = fresh_model()
+    model, _ = zero_ext.wrap(model, torch.optim.AdamW(model.parameters()), stage=2)
+    if Accelerator(cpu=True).prepare(model) is not model:
+        problems.append("accelerator.prepare wrapped a zero_ext model again")
     _, ddp_losses, ddp_norms, ddp_weights = train_with_accelerate()
     if not all(n > 0.5 for n in ddp_norms[1:]):
         problems.append(f"accelerate: clipping never bit: grad norms {ddp_norms}")

@@ -221,5 +221,8 @@ def _attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: Zer
         p._zero_ext_owner = weakref.ref(state)  # zero_ext.clip_grad_norm_ and full_params find it
     swap_module_class(model)
     model._zero_ext = state
+    # accelerate's prepare() leaves a model so marked alone: DDP on top of
+    # zero_ext would reduce every gradient a second time.
+    model._is_accelerate_prepared = True
     install_forward_hooks(model, unit_list)
     shard_optimizer(optimizer, state, state.bucketed, group_of)
