@@ -10,9 +10,10 @@
 # Each version gets a virtual environment under $ZERO_EXT_TORCH_ENVS
 # (default ~/.cache/zero_ext/torch-envs/torch-VERSION), reused while its torch
 # is the right one. torch is always installed pinned (torch==VERSION): pip
-# never resolves it on its own. The extension is built out of tree in that
-# environment's src/ (incrementally, with ninja), so the checkout's own build
-# (against the default torch) is left alone, and the tests import that copy.
+# never resolves it on its own. zero_ext is built as a wheel in that
+# environment's src/ (incrementally, with ninja) and installed non-editable
+# into it, so the checkout's own build (against the default torch) is left
+# alone, the tests import the installed copy, and the install is tested.
 #
 # The subset: parity at world sizes 1 and 2, errors, checkpoints, CPU Adam,
 # mixed precision, the build self-check, the benchmarks' smoke test, the
@@ -68,7 +69,7 @@ sources_hash() {
   (cd "$REPO" && cat setup.py pyproject.toml csrc/* | sha256sum | cut -c1-16)
 }
 
-build_in_env() {  # $1 env dir: builds the checkout's sources against its torch
+build_in_env() {  # $1 env dir: builds a wheel of the checkout's sources against its torch and installs it
   local env=$1 src=$1/src
   mkdir -p "$src"
   # Copy only what the build and the package need; keep src/build for ninja.
@@ -76,23 +77,30 @@ build_in_env() {  # $1 env dir: builds the checkout's sources against its torch
   cp -r "$REPO/zero_ext" "$REPO/csrc" "$REPO/setup.py" "$REPO/pyproject.toml" "$src/"
   find "$src/zero_ext" -name '*.so' -delete
   rm -f "$src/zero_ext/_build_info.json"
-  # The last build of these very sources: its extension and build record back in place.
-  if [ "$(cat "$env/built/hash" 2>/dev/null)" = "$(sources_hash)" ] \
-      && cp "$env"/built/_C*.so "$env/built/_build_info.json" "$src/zero_ext/" 2>/dev/null; then
-    echo "[reusing the build of these sources]"
-    "$env/bin/python" "$src/zero_ext/selfcheck.py"
-    return
+  # A non-editable install, as users get it: `pip wheel` builds the wheel
+  # (in the source tree, so ninja rebuilds only what changed) and pip installs
+  # it into the environment's site-packages; the tests import that copy.
+  if [ "$(cat "$env/built/hash" 2>/dev/null)" = "$(sources_hash)" ] && ls "$env"/built/zero_ext-*.whl >/dev/null 2>&1; then
+    echo "[reusing the wheel of these sources]"
+  else
+    rm -rf "$env/wheel"
+    if ! (cd "$src" && MAX_JOBS=${MAX_JOBS:-2} "$env/bin/python" -m pip wheel --no-build-isolation --no-deps \
+          -w "$env/wheel" .) >"$env/build.log" 2>&1; then
+      grep -E "error|Error" "$env/build.log" | head -n 30
+      echo "[build failed: $env/build.log]"
+      return 1
+    fi
+    rm -rf "$env/built" && mkdir -p "$env/built"
+    cp "$env"/wheel/zero_ext-*.whl "$env/built/" && sources_hash > "$env/built/hash"
   fi
-  if ! (cd "$src" && MAX_JOBS=${MAX_JOBS:-2} "$env/bin/python" setup.py -q build_ext --inplace) \
-      >"$env/build.log" 2>&1; then
-    grep -E "error|Error" "$env/build.log" | head -n 30
-    echo "[build failed: $env/build.log]"
-    return 1
-  fi
-  rm -rf "$env/built" && mkdir -p "$env/built"
-  cp "$src"/zero_ext/_C*.so "$src/zero_ext/_build_info.json" "$env/built/" && sources_hash > "$env/built/hash"
-  # The build checks itself: a C++ error must reach Python as RuntimeError.
-  "$env/bin/python" "$src/zero_ext/selfcheck.py"
+  "$env/bin/python" -m pip install --quiet --no-deps --force-reinstall "$env"/built/zero_ext-*.whl \
+    >>"$env/build.log" 2>&1 || { tail "$env/build.log"; return 1; }
+  # Run from the env, never the checkout: the installed package must be whole
+  # (every subpackage in the wheel) and check itself: a C++ error must reach
+  # Python as RuntimeError.
+  (cd "$env" && "$env/bin/python" -c "import zero_ext, zero_ext.integrations.accelerate, zero_ext.integrations.transformers; \
+print('installed:', zero_ext.__file__)") || return 1
+  (cd "$env" && "$env/bin/python" -W "ignore::RuntimeWarning" -m zero_ext.selfcheck)
 }
 
 ROWS=()
@@ -109,9 +117,9 @@ for version in "${VERSIONS[@]}"; do
   fi
   build_s=$(( $(date +%s) - built_at ))
   log=$env/pytest.log
-  # Run from the env, not the checkout: `import zero_ext` must find the copy
-  # built against this torch, never the checkout's own build.
-  (cd "$env" && PYTHONPATH="$env/src" ZERO_EXT_PARITY_WORLDS=1,2 "$env/bin/python" -m pytest -q \
+  # Run from the env, not the checkout: `import zero_ext` must find the wheel
+  # installed for this torch, never the checkout's own build.
+  (cd "$env" && ZERO_EXT_PARITY_WORLDS=1,2 "$env/bin/python" -m pytest -q \
       -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml" \
       "${SUBSET[@]/#/$REPO/}" 2>&1 | tee "$log" | tail -n 40)
   [ "${PIPESTATUS[0]}" -eq 0 ] || STATUS=1

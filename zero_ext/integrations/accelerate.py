@@ -31,6 +31,7 @@ is a closed enum), so zero_ext takes the objects out of accelerate's hands:
 """
 from __future__ import annotations
 
+import functools
 import os
 import types
 from typing import Any, List, Optional, Tuple
@@ -57,7 +58,6 @@ def prepare(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Opt
     optimizer)``, or ``(model, optimizer, scheduler)`` when a scheduler of
     that optimizer is given (stepped as accelerate steps its own). Prepare
     dataloaders with ``accelerator.prepare`` as usual."""
-    from accelerate.optimizer import AcceleratedOptimizer
     from accelerate.scheduler import AcceleratedScheduler
 
     where = "zero_ext.integrations.accelerate.prepare"
@@ -74,12 +74,7 @@ def prepare(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Opt
     if all(m is not model for m, _ in accelerator._zero_ext_models):
         accelerator._zero_ext_models.append((model, optimizer))
 
-    class ZeroExtAcceleratedOptimizer(AcceleratedOptimizer):
-        @property
-        def step_was_skipped(self) -> bool:  # zero_ext's fp16 overflow / skip_nonfinite skips
-            return bool(getattr(self.optimizer, "step_was_skipped", False))
-
-    accelerated = ZeroExtAcceleratedOptimizer(optimizer, device_placement=False, scaler=None)
+    accelerated = _accelerated_optimizer_class()(optimizer, device_placement=False, scaler=None)
     accelerated._is_accelerate_prepared = True
     if scheduler is None:
         return model, accelerated
@@ -90,6 +85,20 @@ def prepare(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Opt
     stepped._is_accelerate_prepared = True
     accelerator._schedulers.append(stepped)  # saved and loaded by save_state/load_state as accelerate's own
     return model, accelerated, stepped
+
+
+@functools.lru_cache(maxsize=None)
+def _accelerated_optimizer_class() -> type:
+    """accelerate's optimizer wrapper (it skips step/zero_grad on micro-steps
+    that do not sync), reporting zero_ext's own skipped steps."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    class ZeroExtAcceleratedOptimizer(AcceleratedOptimizer):
+        @property
+        def step_was_skipped(self) -> bool:  # fp16 overflow or skip_nonfinite, the same on every rank
+            return bool(getattr(self.optimizer, "step_was_skipped", False))
+
+    return ZeroExtAcceleratedOptimizer
 
 
 def _take_over(accelerator: Any) -> None:
