@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Sets up a fresh machine: torch (CPU build 2.13.0 only if no torch is present,
 # so pip never resolves a multi-GB CUDA torch), test tools (pytest; safetensors to
-# check zero_ext's own reader against; transformers and accelerate for the Hugging
-# Face flow and integration tests),
+# check zero_ext's own reader against; transformers, accelerate and lightning for the
+# Hugging Face flow and the integration tests),
 # and zero_ext built
 # against that torch. Then the build checks itself (zero_ext/selfcheck.py): a
 # C++ error must reach Python as RuntimeError. If the check's child crashes
@@ -14,7 +14,7 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install --quiet torch==2.13.0
 fi
-"$PY" -m pip install --quiet pytest ninja setuptools wheel safetensors transformers accelerate
+"$PY" -m pip install --quiet pytest ninja setuptools wheel safetensors transformers accelerate lightning
 
 build() {
   "$PY" -m pip install --quiet --no-build-isolation --no-deps -e .

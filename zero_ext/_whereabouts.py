@@ -13,10 +13,10 @@ normal path: the thread sleeps, and its read is one store round trip a second.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
-import time
 import weakref
 from typing import Optional, Tuple
 
@@ -30,6 +30,11 @@ COLLECTIVES = frozenset({
     "broadcast", "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather",
     "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single",
 })
+# Set at interpreter exit: the threads stop and are joined before Python
+# finalizes, which would otherwise end a daemon thread inside a store call
+# (C++ that cannot unwind: the process aborts).
+_STOP = threading.Event()
+_THREADS: "list[threading.Thread]" = []
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _C10D_FILE = os.path.join(_TORCH_DIR, "distributed", "distributed_c10d.py")
 
@@ -76,8 +81,7 @@ def start(model: torch.nn.Module, core: object) -> Optional[threading.Thread]:
 
     def answer() -> None:
         seen = 0
-        while True:
-            time.sleep(POLL_S)
+        while not _STOP.wait(POLL_S):
             if model_ref() is None:
                 return
             try:
@@ -91,4 +95,12 @@ def start(model: torch.nn.Module, core: object) -> Optional[threading.Thread]:
 
     thread = threading.Thread(target=answer, name="zero_ext-whereabouts", daemon=True)
     thread.start()
+    _THREADS[:] = [t for t in _THREADS if t.is_alive()] + [thread]
     return thread
+
+
+@atexit.register
+def _stop_all() -> None:
+    _STOP.set()
+    for thread in _THREADS:
+        thread.join(timeout=5.0)  # a store call takes milliseconds; a dead store is not waited out
