@@ -423,3 +423,27 @@ def test_optimizer_state_dict_is_refused_where_it_is_a_shard(stage):
     for call in (opt.state_dict, lambda: opt.load_state_dict({"state": {}, "param_groups": []})):
         with pytest.raises(RuntimeError, match=r"optimizer\.(load_)?state_dict\(\) is refused.*zero_ext\.save"):
             call()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_step_with_a_closure_skips_on_the_closures_nonfinite_gradients(stage):
+    """Lightning passes its forward+backward as step(closure): the non-finite
+    check (skip_nonfinite, like fp16's overflow check) must see that
+    backward's gradients, at stage 0 too, and skip instead of stepping on
+    inf."""
+    model, _ = make()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    zero_ext.wrap(model, opt, stage=stage, skip_nonfinite=True)
+    train_step(model, opt)
+    before = {k: v.clone() for k, v in zero_ext.full_state_dict(model).items()}
+
+    def closure():
+        loss = model(torch.randn(3, 4)).square().mean() * float("inf")
+        loss.backward()
+        return loss
+
+    with pytest.warns(UserWarning, match="optimizer step skipped"):
+        opt.step(closure)
+    assert opt.skipped_steps == 1 and opt.step_was_skipped
+    after = zero_ext.full_state_dict(model)
+    assert all(torch.equal(after[k], v) for k, v in before.items())

@@ -35,13 +35,17 @@ ELEMENTWISE_OPTIMIZERS = {
 }
 
 
+def is_elementwise(cls: type) -> bool:
+    if getattr(cls, "zero_ext_elementwise", False):
+        return True
+    return cls.__module__.startswith("torch.optim") and cls.__name__ in ELEMENTWISE_OPTIMIZERS
+
+
 def check_elementwise(optimizer: torch.optim.Optimizer, stage: int) -> None:
     if stage == 0:
         return  # replicated: segments are whole parameters
     cls = type(optimizer)
-    if getattr(cls, "zero_ext_elementwise", False):
-        return
-    if cls.__module__.startswith("torch.optim") and cls.__name__ in ELEMENTWISE_OPTIMIZERS:
+    if is_elementwise(cls):
         return
     raise TypeError(
         f"zero_ext stage {stage} shards the optimizer elementwise, and {cls.__name__} is not "
@@ -104,14 +108,15 @@ class ZeroExtOptimizer:
 
     def step(self, closure=None):
         with torch.profiler.record_function("zero_ext::step"):  # a label in profiler traces
-            if closure is None or self._zero_ext.stage == 0:
-                # Stage 0's gradients are reduced in place by the backward
-                # itself, so the optimizer may call the closure as it likes
-                # (LBFGS, several times).
+            if closure is None or not is_elementwise(type(self).__bases__[1]):
+                # Only stage 0 takes other optimizers: its gradients are
+                # reduced in place by the backward itself, so the optimizer
+                # may call the closure as it likes (LBFGS, several times).
                 return self._zero_ext_step(closure)
-            # Stages 1-3 (elementwise optimizers, which call a closure once,
-            # first): the closure's backward must be reduced and settled
-            # before the step reads gradients, so it runs before settling.
+            # Elementwise optimizers call a closure once, first: its backward
+            # must be reduced and settled, and its overflow or non-finite
+            # gradients found, before the step decides and reads gradients,
+            # so it runs before settling (Lightning always passes one).
             with torch.enable_grad():
                 loss = closure()
             self._zero_ext_step(None)
