@@ -238,13 +238,15 @@ void Communicator::diagnose_stall(const c10::intrusive_ptr<c10d::Work>& work,
       }
     }
     TORCH_CHECK(false, "zero_ext: ", what, " waits for ranks that are not running this model:", out.str(),
-                "\nA model wrapped by zero_ext is used collectively: at stage 3 every forward (generate() "
-                "too), state_dict() and save_pretrained() gather the parameters from every rank, so a "
-                "call made on one rank only (`if rank == 0: ...`) can never complete. Make the call on "
-                "every rank (and write files on rank 0 only), read weights with `with "
-                "zero_ext.full_params(model):` or zero_ext.full_state_dict(model) on every rank, or save "
-                "with zero_ext.save_weights(model, path) on every rank. This rank stops here instead of "
-                "waiting out the timeout.");
+                "\nThose ranks wait in a collective of their own, which needs this rank: neither can go on. "
+                "Every rank must make the same calls on a model wrapped by zero_ext. Typical causes: a call "
+                "made on one rank only (`if rank == 0: ...`) of what gathers at stage 3 (every forward, "
+                "generate() too, state_dict(), save_pretrained()): make the call on every rank (and write "
+                "files on rank 0 only), read weights with `with zero_ext.full_params(model):` or "
+                "zero_ext.full_state_dict(model) on every rank, save with zero_ext.save_weights(model, path) "
+                "on every rank; or ranks running a different number of steps (uneven data: one rank ran out "
+                "of batches and waits in a barrier): give every rank the same number of batches (drop_last, "
+                "a DistributedSampler). This rank stops here instead of waiting out the timeout.");
   }
   std::ostringstream out;
   for (int64_t r = 0; r < size_; ++r) {

@@ -51,7 +51,7 @@ class Communicator {
   // the group's store and reads what the other ranks posted: ranks stalled in
   // different collectives took different paths, and every rank raises at
   // once with each rank's position instead of sitting out the timeout.
-  // Nothing touches the store unless a wait stalls. Host (gloo) waits only:
+  // Nothing else touches the store unless a wait stalls. Host (gloo) waits only:
   // a timed wait on an NCCL work would block the host on the GPU.
   // `what` is only called on a stall or a failure: waits sit on the hot path.
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::function<std::string()>& what) const;
@@ -67,7 +67,13 @@ class Communicator {
   // such rank is blocked in a torch.distributed collective of the whole world
   // (`if rank == 0: model.generate(...)` followed by `dist.barrier()`), they
   // can never join this one: it raises at once, naming the fix. Nothing is
-  // exchanged unless a wait stalls; the answering thread reads one counter.
+  // exchanged unless a wait stalls, but for the answering thread's read of
+  // one counter a second. Limit: a rank that issued this very collective
+  // asynchronously and then blocked in a world collective counts as missing,
+  // so a zero_ext collective slower than the interval (5 s at most) plus 2.5 s
+  // overlapping such a wait would raise; zero_ext waits on its own work
+  // before returning to user code, so this needs a stage 3 prefetch or
+  // bucket left in flight across a user collective.
   // The count of queries so far (0: none, or no diagnosis here).
   int64_t stall_queries() const;
   // This rank's answer to query `query`: blocked in a world collective, where.

@@ -66,7 +66,9 @@ prepare_env() {  # $1 version, $2 env dir: a venv whose torch is $1
 }
 
 sources_hash() {
-  (cd "$REPO" && cat setup.py pyproject.toml csrc/* | sha256sum | cut -c1-16)
+  # Everything the wheel holds: a change to the Python package alone must
+  # build a new wheel too, or the tests would run the previous code.
+  (cd "$REPO" && cat setup.py pyproject.toml csrc/* $(find zero_ext -name '*.py' | LC_ALL=C sort) | sha256sum | cut -c1-16)
 }
 
 build_in_env() {  # $1 env dir: builds a wheel of the checkout's sources against its torch and installs it

@@ -224,6 +224,31 @@ def compare_accelerate(out: str, problems: list, figures: dict) -> None:
     compare_series("accelerate resumed losses", losses, ddp_losses[2:], problems, figures)
 
 
+def check_best_model_from_weights_only(out: str, problems: list, figures: dict) -> None:
+    """load_best_model_at_end with save_only_model=True: the checkpoints hold
+    only save_weights' safetensors, which the trained model loads back."""
+    from transformers import GPT2LMHeadModel, TrainingArguments
+
+    from zero_ext.integrations.transformers import ZeroExtTrainer
+
+    run_dir = os.path.join(out, "trainer-best")
+    args = TrainingArguments(
+        output_dir=run_dir, per_device_train_batch_size=4, max_steps=4, learning_rate=3e-3, use_cpu=True, seed=0,
+        report_to=[], disable_tqdm=True, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+        save_only_model=True, load_best_model_at_end=True, metric_for_best_model="loss",
+        greater_is_better=True)  # the higher eval loss, checkpoint-2's: loading it really changes the model
+    trainer = ZeroExtTrainer(model=fresh_model(), args=args, train_dataset=dataset(), eval_dataset=dataset()[:8],
+                             zero_ext={"stage": 3, "bucket_mb": 0.01})
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    if best is None or not best.endswith("checkpoint-2") or os.path.isdir(os.path.join(best, "zero_ext")):
+        problems.append(f"best model: expected a weights-only best checkpoint, got {best}")
+        return
+    loaded = GPT2LMHeadModel.from_pretrained(best).state_dict()
+    compare_weights(f"model after load_best_model_at_end ({os.path.basename(best)})", full_weights(trainer.model),
+                    loaded, problems, figures, rtol=0, atol=0)
+
+
 def main() -> None:
     mode, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
@@ -239,6 +264,7 @@ def main() -> None:
         reference = torch.load(os.path.join(out, "stage3-final.pt"), weights_only=True)
         compare_weights("trainer saved at world 2, resumed at world 1", resumed, reference, problems, figures,
                         rtol=1e-4, atol=1e-5)
+        check_best_model_from_weights_only(out, problems, figures)
     else:
         raise SystemExit(f"unknown mode {mode}")
     if mode == "compare" and dist.get_rank() == 0:

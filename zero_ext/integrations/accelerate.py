@@ -74,16 +74,21 @@ def prepare(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Opt
     if all(m is not model for m, _ in accelerator._zero_ext_models):
         accelerator._zero_ext_models.append((model, optimizer))
 
-    accelerated = _accelerated_optimizer_class()(optimizer, device_placement=False, scaler=None)
-    accelerated._is_accelerate_prepared = True
+    accelerated = next((o for o in accelerator._optimizers if getattr(o, "optimizer", None) is optimizer), None)
+    if accelerated is None:
+        accelerated = _accelerated_optimizer_class()(optimizer, device_placement=False, scaler=None)
+        accelerated._is_accelerate_prepared = True
+        accelerator._optimizers.append(accelerated)
     if scheduler is None:
         return model, accelerated
     if getattr(scheduler, "optimizer", None) is not optimizer:
         raise ValueError(f"{where}: the scheduler steps another optimizer than the one given")
-    stepped = AcceleratedScheduler(scheduler, [accelerated], step_with_optimizer=accelerator.step_scheduler_with_optimizer,
-                                   split_batches=accelerator.split_batches)
-    stepped._is_accelerate_prepared = True
-    accelerator._schedulers.append(stepped)  # saved and loaded by save_state/load_state as accelerate's own
+    stepped = next((s for s in accelerator._schedulers if getattr(s, "scheduler", None) is scheduler), None)
+    if stepped is None:
+        stepped = AcceleratedScheduler(scheduler, [accelerated], split_batches=accelerator.split_batches,
+                                       step_with_optimizer=accelerator.step_scheduler_with_optimizer)
+        stepped._is_accelerate_prepared = True
+        accelerator._schedulers.append(stepped)  # saved and loaded by save_state/load_state as accelerate's own
     return model, accelerated, stepped
 
 
@@ -97,6 +102,15 @@ def _accelerated_optimizer_class() -> type:
         @property
         def step_was_skipped(self) -> bool:  # fp16 overflow or skip_nonfinite, the same on every rank
             return bool(getattr(self.optimizer, "step_was_skipped", False))
+
+        # Registered with the accelerator (so optimizer_step_was_skipped and
+        # prepare(scheduler) see it), save_state/load_state call these; the
+        # state itself travels in the zero_ext/ checkpoint the hooks write.
+        def state_dict(self) -> dict:
+            return {"zero_ext": "this optimizer's state is in the zero_ext checkpoint of the state directory"}
+
+        def load_state_dict(self, state_dict: dict) -> None:
+            pass  # restored by zero_ext.load in the load_state hook, before this is called
 
     return ZeroExtAcceleratedOptimizer
 

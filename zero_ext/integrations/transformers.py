@@ -29,10 +29,12 @@ from typing import Any, Dict, Optional
 import torch
 from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from .._checkpoint import load as zero_ext_load
 from .._checkpoint import save as zero_ext_save
 from .._clip import clip_grad_norm_ as zero_ext_clip_grad_norm_
+from .._load_weights import load_weights
 from .._save_weights import save_weights
 from ._common import check_wrap_options, is_wrapped, library_mixed_precision, wrap_once
 
@@ -134,7 +136,17 @@ class ZeroExtTrainer(Trainer):
         if not is_wrapped(self.model):
             return super()._load_best_model()
         best = self.state.best_model_checkpoint
-        path = os.path.join(best, CHECKPOINT_DIR) if best else None
-        if path is None or not os.path.isdir(path):
-            raise FileNotFoundError(f"ZeroExtTrainer: the best checkpoint {best} has no zero_ext checkpoint to load")
-        zero_ext_load(path, self.model, self.optimizer)
+        if best and os.path.isdir(os.path.join(best, CHECKPOINT_DIR)):
+            zero_ext_load(os.path.join(best, CHECKPOINT_DIR), self.model, self.optimizer)
+            return
+        # save_only_model=True: only the weights save_weights wrote (every rank reads its ranges).
+        weights = None
+        if best:
+            for name in (SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME):
+                if os.path.isfile(os.path.join(best, name)):
+                    weights = best if name == SAFE_WEIGHTS_INDEX_NAME else os.path.join(best, name)
+                    break
+        if weights is None:
+            raise FileNotFoundError(f"ZeroExtTrainer: the best checkpoint {best} has neither a zero_ext checkpoint "
+                                    "nor safetensors weights to load")
+        load_weights(self.model, weights)
