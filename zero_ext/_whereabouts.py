@@ -77,7 +77,7 @@ def start(model: torch.nn.Module, core: object) -> Optional[threading.Thread]:
         return None
     model_ref = weakref.ref(model)
     main_thread = threading.get_ident()  # the thread that wraps is the one that trains
-    core_ref = core  # the core outlives nothing: the model holds it
+    # The thread holds the core (not the model) until it sees the model gone.
 
     def answer() -> None:
         seen = 0
@@ -85,10 +85,10 @@ def start(model: torch.nn.Module, core: object) -> Optional[threading.Thread]:
             if model_ref() is None:
                 return
             try:
-                query = core_ref.stall_queries()
+                query = core.stall_queries()
                 if query > seen:
                     blocked, where = describe(main_thread)
-                    core_ref.post_whereabouts(query, blocked, where)
+                    core.post_whereabouts(query, blocked, where)
                     seen = query
             except Exception:  # noqa: BLE001 - the store is gone (group destroyed): nothing left to answer
                 return

@@ -21,8 +21,9 @@ def check_wrap_options(options: Dict[str, Any], where: str) -> Dict[str, Any]:
     return dict(options)
 
 
-def is_wrapped(model: torch.nn.Module) -> bool:
-    return getattr(model, "_zero_ext", None) is not None
+def is_wrapped(obj: Any) -> bool:
+    """Whether zero_ext.wrap took this model or optimizer (None: no)."""
+    return getattr(obj, "_zero_ext", None) is not None
 
 
 def wrap_once(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -30,7 +31,7 @@ def wrap_once(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     """zero_ext.wrap, unless this model and optimizer already are (a second
     train() call, or a model the user wrapped before handing it over)."""
     model_wrapped = is_wrapped(model)
-    optimizer_wrapped = getattr(optimizer, "_zero_ext", None) is not None
+    optimizer_wrapped = is_wrapped(optimizer)
     if model_wrapped and optimizer_wrapped:
         return model, optimizer
     if model_wrapped or optimizer_wrapped:

@@ -62,15 +62,12 @@ from .._checkpoint import load as zero_ext_load
 from .._checkpoint import save as zero_ext_save
 from .._state_dict import load_full_state_dict
 from .._wrap import wrap
+from ._common import is_wrapped
 
 # Lightning's own state lives under this key of zero_ext.save's `extra`.
 LIGHTNING_STATE_KEY = "lightning"
 # What zero_ext.save holds itself: Lightning's copies are left out of `extra`.
 _SAVED_BY_ZERO_EXT = ("state_dict", "optimizer_states")
-
-
-def _is_wrapped(obj: Any) -> bool:
-    return obj is not None and getattr(obj, "_zero_ext", None) is not None
 
 
 def _lightning_state(checkpoint: Dict[str, Any], hparams_keys: Tuple[str, ...],
@@ -138,14 +135,14 @@ def _define(pl: Any) -> Tuple[type, type]:
 
         def clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
             optimizer = plain_optimizer(optimizer)
-            if not _is_wrapped(optimizer):
+            if not is_wrapped(optimizer):
                 return super().clip_grad_by_norm(optimizer, clip_val)
             # The norm of the global gradient: every rank's shards (collective).
             optimizer.clip_grad_norm_(clip_val)
 
         def clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
             optimizer = plain_optimizer(optimizer)
-            if _is_wrapped(optimizer):
+            if is_wrapped(optimizer):
                 # Elementwise, so clipping the shards this rank steps is right
                 # once the gradients are final: late reductions settled first.
                 optimizer._zero_ext.buckets.settle()
@@ -248,13 +245,13 @@ def _define(pl: Any) -> Tuple[type, type]:
             self.accelerator.setup(trainer)
             module = self.lightning_module
             fitting = trainer.state.fn == TrainerFn.FITTING
-            if fitting and self._layer_sync and not _is_wrapped(module):
+            if fitting and self._layer_sync and not is_wrapped(module):
                 self.model = self._layer_sync.apply(self.model)
             self.precision_plugin.convert_module(self.model)
             self.model_to_device()
             if fitting:
                 self.setup_optimizers(trainer)
-            elif not _is_wrapped(module):
+            elif not is_wrapped(module):
                 # Evaluation of a plain module: rank 0's weights everywhere, as DDPStrategy does.
                 sync_module_states(self.model)
             self.setup_precision_plugin()
@@ -269,7 +266,7 @@ def _define(pl: Any) -> Tuple[type, type]:
 
         def setup_optimizers(self, trainer: Any) -> None:
             module = self.lightning_module
-            if _is_wrapped(module):
+            if is_wrapped(module):
                 raise RuntimeError(
                     "ZeroExtStrategy: this LightningModule is already wrapped by zero_ext (by an earlier fit, or by a "
                     "zero_ext.wrap call of its own), and a wrapped model cannot take the new optimizer "
@@ -291,7 +288,7 @@ def _define(pl: Any) -> Tuple[type, type]:
 
         def _zero_ext_optimizer(self) -> torch.optim.Optimizer:
             optimizer = plain_optimizer(self.optimizers[0]) if self.optimizers else None
-            if not _is_wrapped(optimizer):
+            if not is_wrapped(optimizer):
                 raise RuntimeError("ZeroExtStrategy: no zero_ext optimizer yet; checkpoints are saved and loaded "
                                    "by trainer.fit, once the module and its optimizer are wrapped")
             return optimizer
@@ -303,7 +300,7 @@ def _define(pl: Any) -> Tuple[type, type]:
             """Gradient accumulation: the backward passes before a step's last
             keep their gradients local; the last one reduces them all."""
             module = self.lightning_module
-            if _is_wrapped(module):
+            if is_wrapped(module):
                 with module.no_sync():
                     yield None
             else:
@@ -320,12 +317,12 @@ def _define(pl: Any) -> Tuple[type, type]:
             return False  # zero_ext.load restored it (LR schedulers are still Lightning's)
 
         def lightning_module_state_dict(self) -> Dict[str, Any]:
-            if _is_wrapped(self.lightning_module):
+            if is_wrapped(self.lightning_module):
                 return {}  # zero_ext.save writes the weights, as shards
             return super().lightning_module_state_dict()
 
         def optimizer_state(self, optimizer: Any) -> Dict[str, Any]:
-            if _is_wrapped(plain_optimizer(optimizer)):
+            if is_wrapped(plain_optimizer(optimizer)):
                 return {}  # zero_ext.save writes the optimizer state, as shards
             return super().optimizer_state(optimizer)
 
@@ -337,7 +334,7 @@ def _define(pl: Any) -> Tuple[type, type]:
                 raise TypeError("ZeroExtStrategy.save_checkpoint(..., storage_options=...) is not supported: "
                                 "zero_ext.save writes the checkpoint, not Lightning's CheckpointIO")
             module = self.lightning_module
-            if not _is_wrapped(module):
+            if not is_wrapped(module):
                 raise RuntimeError(
                     "ZeroExtStrategy saves checkpoints of the model it trains: call trainer.save_checkpoint during "
                     "or after trainer.fit (zero_ext.save needs the wrapped module and its optimizer)")
@@ -362,12 +359,12 @@ def _define(pl: Any) -> Tuple[type, type]:
                         "start from its weights, load them into the module before fit, e.g. module.load_state_dict("
                         "torch.load(path, weights_only=True)['state_dict']), and fit without ckpt_path.")
                 return super().load_checkpoint(path, weights_only=True)
-            if fitting and _is_wrapped(module):
+            if fitting and is_wrapped(module):
                 extra = zero_ext_load(path, module, self._zero_ext_optimizer(), strict=module.strict_loading)
             else:
                 extra = _saved_extra(path, self.global_rank)
                 weights = _full_weights(path)
-                if _is_wrapped(module):
+                if is_wrapped(module):
                     load_full_state_dict(module, weights)
                 else:
                     module.load_state_dict(weights, strict=module.strict_loading)
@@ -392,7 +389,7 @@ def _define(pl: Any) -> Tuple[type, type]:
         # --- teardown ---------------------------------------------------------
 
         def teardown(self) -> None:
-            if not _is_wrapped(self.lightning_module):
+            if not is_wrapped(self.lightning_module):
                 return super().teardown()
             # A wrapped module and its optimizer stay where they are: zero_ext's
             # buffers and groups are fixed to the device (moving them to the
