@@ -58,7 +58,7 @@ def tokens(args, rank: int, world: int, step: int, micro: int):
 def held_grad_bytes(model) -> int:
     """zero_ext's gradient buffers plus what param.grad holds on its own
     (no_sync's whole local gradients)."""
-    own = model._zero_ext.buckets.stats()["grad_bytes"]
+    own = model._zero_ext.core.stats()["grad_bytes"]
     extra = 0
     for p in model.parameters():
         g = p.grad
@@ -71,7 +71,7 @@ def run_mode(args, mesh, replicas: int, shard: int, stage: int, mode: str, rank:
     model = build_model(args.model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = zero_ext.wrap(model, opt, stage=stage, process_group=mesh)
-    core = model._zero_ext.buckets
+    core = model._zero_ext.core
     times: List[float] = []
     result: Dict = {}
     for step in range(args.warmup + args.steps + 1):

@@ -288,8 +288,8 @@ def main() -> None:
     if rank == 0:
         print(f"\nloss {first_loss:.3f} -> {value:.3f} (uniform guess: {math.log(len(chars)):.3f})")
         if args.mixed_precision == "fp16":
-            stats = model._zero_ext.buckets.stats()
-            print(f"fp16 loss scale {model._zero_ext.buckets.loss_scale():g}, "
+            stats = model._zero_ext.core.stats()
+            print(f"fp16 loss scale {model._zero_ext.core.loss_scale():g}, "
                   f"{stats['skipped_steps']} step(s) skipped on overflow")
 
     if args.plot:

@@ -346,16 +346,16 @@ def _retain_graph(ctx: Context, zero_between: bool) -> None:
         total = l1 + out_sq
         l1.backward(retain_graph=True)
         ctx.record_check(f"step {step}: keep_graph seen from C++",
-                         ctx.reference or model._zero_ext.buckets.stats()["last_keep_graph"] == 1)
+                         ctx.reference or model._zero_ext.core.stats()["last_keep_graph"] == 1)
         ctx.record_grads(f"step {step} after first backward", model)
         if zero_between:
             opt.zero_grad()
-        gathers = None if ctx.reference else model._zero_ext.buckets.stats()["param_gathers"]
+        gathers = None if ctx.reference else model._zero_ext.core.stats()["param_gathers"]
         total.backward()  # goes through l1's retained graph a second time
         ctx.record_check(f"step {step}: no parameter all-gather in the second backward",
-                         ctx.reference or model._zero_ext.buckets.stats()["param_gathers"] == gathers)
+                         ctx.reference or model._zero_ext.core.stats()["param_gathers"] == gathers)
         ctx.record_check(f"step {step}: second backward did not keep graph",
-                         ctx.reference or model._zero_ext.buckets.stats()["last_keep_graph"] == 0)
+                         ctx.reference or model._zero_ext.core.stats()["last_keep_graph"] == 0)
         ctx.record_grads(f"step {step} after second backward", model)
         opt.step()
         opt.zero_grad()
@@ -385,10 +385,10 @@ def nonscalar_backward_retained_twice(ctx: Context) -> None:
         out, grad = torch.cat(outs), torch.cat(grads)
         out.backward(grad, retain_graph=True)
         ctx.record_grads(f"step {step} first", model)
-        gathers = None if ctx.reference else model._zero_ext.buckets.stats()["param_gathers"]
+        gathers = None if ctx.reference else model._zero_ext.core.stats()["param_gathers"]
         out.backward(grad, retain_graph=True)
         ctx.record_check(f"step {step}: no parameter all-gather in the second backward",
-                         ctx.reference or model._zero_ext.buckets.stats()["param_gathers"] == gathers)
+                         ctx.reference or model._zero_ext.core.stats()["param_gathers"] == gathers)
         step_and_record(ctx, model, opt, step)
 
 
@@ -432,10 +432,10 @@ def _replica_traffic_and_bytes(ctx: Context, model: nn.Module, collectives_befor
     all, nothing is kept back any more."""
     if ctx.reference:
         return [True, True]
-    stats = model._zero_ext.buckets.stats()
+    stats = model._zero_ext.core.stats()
     defers = deferring and ctx.replicas > 1 and ctx.stage > 0
     sent = stats["replica_collectives"] - collectives_before
-    padded = sum(model._zero_ext.buckets.bucket_layout()[2::3])  # (first, count, padded) per bucket
+    padded = sum(model._zero_ext.core.bucket_layout()[2::3])  # (first, count, padded) per bucket
     shard = padded if ctx.stage == 0 else padded // ctx.shard_size
     staging = 4 * padded if ctx.stage < 2 else 0
     accum = 4 * shard if ctx.stage > 0 or "offload_optimizer" in options else 0
@@ -450,7 +450,7 @@ def replica_all_reduce_deferred_in_accumulation(ctx: Context, **options) -> None
     model, opt = ctx.wrap(model, adamw(model), **options)
     for step in range(3):
         ctx.set_requires_all_reduce(model, False)
-        before = 0 if ctx.reference else model._zero_ext.buckets.stats()["replica_collectives"]
+        before = 0 if ctx.reference else model._zero_ext.core.stats()["replica_collectives"]
         for micro in range(3):
             mlp_loss(ctx, model, step, salt=micro).backward()
         ctx.record_checks([f"step {step}: deferred backwards send only their agreement across replicas",
@@ -687,11 +687,11 @@ def autograd_grad_is_side_effect_free(ctx: Context) -> None:
         mlp_loss(ctx, model, step).backward()
         ctx.record_grads(f"step {step} before autograd.grad", model)
         # Only returns gradients: .grad, optimizer gradients and comm state stay.
-        reductions = None if ctx.reference else model._zero_ext.buckets.stats()["synced_epilogues"]
+        reductions = None if ctx.reference else model._zero_ext.core.stats()["synced_epilogues"]
         g = torch.autograd.grad(mlp_loss(ctx, model, step, salt=5), [model.inp.weight])[0]
         ctx.record_check(f"step {step} autograd.grad returned a gradient", g.abs().sum() > 0)
         ctx.record_check(f"step {step} autograd.grad reduced no gradient",
-                         ctx.reference or model._zero_ext.buckets.stats()["synced_epilogues"] == reductions)
+                         ctx.reference or model._zero_ext.core.stats()["synced_epilogues"] == reductions)
         ctx.record_grads(f"step {step} after autograd.grad", model)
         opt.step()
         opt.zero_grad()
@@ -729,7 +729,7 @@ def late_gradients_accumulate_over_backwards(ctx: Context) -> None:
     model = Net()
     model, opt = ctx.wrap(model, adamw(model))
     for step in range(2):
-        reads = None if ctx.reference else model._zero_ext.buckets.stats()["agreement_reads"]
+        reads = None if ctx.reference else model._zero_ext.core.stats()["agreement_reads"]
         for micro in range(2):
             loss = 0.0
             for r, w in ctx.participants():
@@ -740,10 +740,10 @@ def late_gradients_accumulate_over_backwards(ctx: Context) -> None:
                 loss = loss + w * F.mse_loss(model.out(h), y)
             loss.backward()
         ctx.record_check(f"step {step}: no host read of the agreement in backward",
-                         ctx.reference or model._zero_ext.buckets.stats()["agreement_reads"] == reads)
+                         ctx.reference or model._zero_ext.core.stats()["agreement_reads"] == reads)
         step_and_record(ctx, model, opt, step)
         ctx.record_check(f"step {step}: one host read for the step",
-                         ctx.reference or model._zero_ext.buckets.stats()["agreement_reads"] == reads + 1)
+                         ctx.reference or model._zero_ext.core.stats()["agreement_reads"] == reads + 1)
 
 
 def checkpoint_reentrant_param_used_twice(ctx: Context) -> None:
@@ -789,7 +789,7 @@ def state_bytes_match_the_stage(ctx: Context) -> None:
     model = Net(branch=True)
     n_elems = sum(p.numel() for p in model.parameters())
     model, opt = ctx.wrap(model, adamw(model))
-    before_backward = None if ctx.reference else model._zero_ext.buckets.stats()["grad_bytes"]
+    before_backward = None if ctx.reference else model._zero_ext.core.stats()["grad_bytes"]
     mlp_loss(ctx, model, 0, branch_on_rank0=True).backward()
     opt.step()
     ctx.record_params("after step", model)
@@ -802,8 +802,8 @@ def state_bytes_match_the_stage(ctx: Context) -> None:
     if ctx.reference:
         ctx.record_checks(labels)
         return
-    stats = model._zero_ext.buckets.stats()
-    padded = sum(model._zero_ext.buckets.bucket_layout()[2::3])
+    stats = model._zero_ext.core.stats()
+    padded = sum(model._zero_ext.core.bucket_layout()[2::3])
     shard = padded // ctx.shard_size
     expected_grad = {0: padded, 1: padded + shard, 2: shard, 3: shard}[ctx.stage] * 4
     expected_params = (shard if ctx.stage == 3 else padded) * 4
@@ -815,9 +815,9 @@ def state_bytes_match_the_stage(ctx: Context) -> None:
     # set_to_none=True frees gradients as in plain PyTorch; stages 0-1 keep
     # their full buckets, as DDP keeps its.
     opt.zero_grad()
-    after_zero_grad = model._zero_ext.buckets.stats()["grad_bytes"]
+    after_zero_grad = model._zero_ext.core.stats()["grad_bytes"]
     opt.zero_grad(set_to_none=False)
-    after_zeroing = model._zero_ext.buckets.stats()["grad_bytes"]
+    after_zeroing = model._zero_ext.core.stats()["grad_bytes"]
     checks = [
         before_backward == {0: padded, 1: padded, 2: 0, 3: 0}[ctx.stage] * 4,
         n_elems <= padded < n_elems + ctx.shard_size * stats["buckets"],
@@ -845,8 +845,8 @@ def offload_state_bytes(ctx: Context) -> None:
     if ctx.reference:
         ctx.record_checks(labels)
         return
-    stats = model._zero_ext.buckets.stats()
-    padded = sum(model._zero_ext.buckets.bucket_layout()[2::3])
+    stats = model._zero_ext.core.stats()
+    padded = sum(model._zero_ext.core.bucket_layout()[2::3])
     shard = padded if ctx.stage == 0 else padded // ctx.shard_size  # stage 0: replicated
     state_elems = sum(t.numel() for st in opt.state.values() for k, t in st.items() if k != "step")
     opt_elems = sum(p.numel() for g in opt.param_groups for p in g["params"])
@@ -962,7 +962,7 @@ def _units_gathered(ctx: Context, build, checkpointing=None) -> None:
     model, opt = ctx.wrap(model, adamw(model))
     grad_bytes = []
     if not ctx.reference:
-        stats = model._zero_ext.buckets.stats
+        stats = model._zero_ext.core.stats
         for block in model.blocks:  # sees the state as the block's backward starts
             block.register_full_backward_pre_hook(lambda mod, grad: grad_bytes.append(stats()["grad_bytes"]))
     for step in range(2):
@@ -979,7 +979,7 @@ def _units_gathered(ctx: Context, build, checkpointing=None) -> None:
     # Reductions are retired during backward only once complete (never waited
     # for in a hook), so the bound is exact only with no communication.
     if not ctx.reference and ctx.stage >= 2 and ctx.world == 1:
-        layout = model._zero_ext.buckets.bucket_layout()
+        layout = model._zero_ext.core.bucket_layout()
         biggest = max(layout[2::3]) * 4
         accum = sum(layout[2::3]) // ctx.world * 4
         ctx.record_check("backward: full gradients of at most 3 buckets alive",
@@ -1107,7 +1107,7 @@ def straggler_rank_bounds_reductions_in_flight(ctx: Context) -> None:
     if ctx.reference:
         ctx.record_checks(labels)
         return
-    core = model._zero_ext.buckets
+    core = model._zero_ext.core
     stats = core.stats()
     largest = max(core.bucket_layout()[2::3]) * 4
     # The bound is enforced after each launch, so the bucket being launched
@@ -1159,7 +1159,7 @@ def issue_order_same_on_every_rank(ctx: Context) -> None:
     model = GatedNet()
     model, opt = ctx.wrap(model, adamw(model))
     if not ctx.reference:
-        model._zero_ext.buckets.log_issues(True)
+        model._zero_ext.core.log_issues(True)
     for step in range(2):
         loss = 0.0
         for r, w in ctx.participants():
@@ -1171,7 +1171,7 @@ def issue_order_same_on_every_rank(ctx: Context) -> None:
     if ctx.reference:
         ctx.record_checks(labels)
         return
-    log = model._zero_ext.buckets.take_issue_log()
+    log = model._zero_ext.core.take_issue_log()
     if ctx.mesh is not None:
         # Hybrid on gloo: a replica all-reduce is issued once its reduction
         # within the row is seen done, a moment that differs between ranks;
@@ -1184,7 +1184,7 @@ def issue_order_same_on_every_rank(ctx: Context) -> None:
     else:
         logs = [log]
     ctx.record_checks(labels, [all(other == logs[0] for other in logs) and (len(log) > 0 or ctx.world == 1),
-                               model._zero_ext.buckets.stats()["late_rounds"] == 0])
+                               model._zero_ext.core.stats()["late_rounds"] == 0])
 
 
 def dataclass_outputs(ctx: Context) -> None:
@@ -1312,7 +1312,7 @@ def _mixed_training(ctx: Context, model: nn.Module, make_optimizer, loss_of_step
             ok_precision = any(not torch.equal(full[n], full[n].to(dtype).float()) for n in names)
             ok_copy = all(compute[n].dtype == dtype and torch.equal(compute[n].cpu(), full[n].to(dtype))
                           for n in names)
-            ok_scale = model._zero_ext.buckets.loss_scale() == scale  # no step was skipped
+            ok_scale = model._zero_ext.core.loss_scale() == scale  # no step was skipped
         ctx.record_check(f"step {step}: masters hold fp32 values", ok_precision)
         ctx.record_check(f"step {step}: parameters are the masters rounded to the compute dtype", ok_copy)
         ctx.record_check(f"step {step}: loss scale unchanged", ok_scale)
@@ -1326,9 +1326,9 @@ def _mixed_bytes_after_zero_grad(ctx: Context, model: nn.Module, precision, offl
     keeps its pinned host accumulator), and in stage 3 no parameter
     memory in the compute dtype beside the fp32 master (a gather casts the
     master; offload keeps the compute-dtype shard on the device)."""
-    buckets = model._zero_ext.buckets
-    stats = buckets.stats()
-    padded = sum(buckets.bucket_layout()[2::3])  # (first, count, padded) per bucket
+    core = model._zero_ext.core
+    stats = core.stats()
+    padded = sum(core.bucket_layout()[2::3])  # (first, count, padded) per bucket
     shard = padded if ctx.stage == 0 else padded // ctx.shard_size
     reduce_dtype = precision.reduce_dtype or torch.float32
     staging = padded * reduce_dtype.itemsize if ctx.stage < 2 else 0
@@ -1487,7 +1487,7 @@ def fp16_overflow_skips_the_step_on_every_rank(ctx: Context) -> None:
     model, opt = zero_ext.wrap(model, _mixed_adamw(model.parameters()), stage=ctx.stage, bucket_mb=BUCKET_MB,
                                mixed_precision=zero_ext.MixedPrecision(torch.float16, loss_scale=policy),
                                **ctx.group_kwargs())
-    buckets = model._zero_ext.buckets
+    core = model._zero_ext.core
     armed = {"on": False}
     _inf_on_rank0(ctx, model.out.bias, armed)
     loss = _mlp_mixed_loss(ctx, torch.float16)
@@ -1497,17 +1497,17 @@ def fp16_overflow_skips_the_step_on_every_rank(ctx: Context) -> None:
         loss(model, step, 0).backward()
         before = zero_ext.full_state_dict(model)
         if step == 1:
-            results["found"] = buckets.found_nonfinite()
+            results["found"] = core.found_nonfinite()
             results["local"] = any(not torch.isfinite(p.grad).all()
                                    for g in opt.param_groups for p in g["params"] if p.grad is not None)
         opt.step()
         opt.zero_grad()
         after = zero_ext.full_state_dict(model)
         same = all(torch.equal(before[k], after[k]) for k in before)
-        results[step] = (same, buckets.loss_scale())
+        results[step] = (same, core.loss_scale())
     checks = [results[1][0], results[1][1] == 2.0 ** 9, results["found"], results["local"],
               not results[2][0] and not results[3][0], results[2][1] == 2.0 ** 9 and results[3][1] == 2.0 ** 10,
-              buckets.stats()["skipped_steps"] == 1]
+              core.stats()["skipped_steps"] == 1]
     ctx.record_checks(labels, checks)
 
 
@@ -1554,7 +1554,7 @@ def fp16_hands_scaling_to_a_grad_scaler(ctx: Context) -> None:
             scaler.update()
             opt.zero_grad()
     full = zero_ext.full_state_dict(model)
-    checks = [model._zero_ext.buckets.loss_scale() == 1.0,
+    checks = [model._zero_ext.core.loss_scale() == 1.0,
               any("GradScaler drives this optimizer" in str(w.message) for w in caught),
               all(torch.isfinite(full[n]).all() and not torch.equal(full[n], initial[n]) for n in initial)]
     ctx.record_checks(labels, checks)

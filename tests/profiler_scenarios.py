@@ -29,8 +29,8 @@ def run_one(rank: int, world: int, item: str) -> Optional[str]:
         F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
         opt.step()
     names = {e.name for e in prof.events()}
-    buckets = len(model._zero_ext.buckets.bucket_layout()) // 3
-    units = model._zero_ext.buckets.stats()["units"]
+    buckets = len(model._zero_ext.core.bucket_layout()) // 3
+    units = model._zero_ext.core.stats()["units"]
     missing = [label for label in expected(stage, buckets, units) if label not in names]
     if missing:
         return f"labels missing from the trace: {missing}; zero_ext's there: {sorted(n for n in names if 'zero_ext' in n)}"

@@ -162,7 +162,7 @@ def test_unit_input_boundary_passes_gradients_and_reports_the_use():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     reference = copy.deepcopy(model)
     zero_ext.wrap(model, torch.optim.SGD(model.parameters(), lr=0.0), stage=3, units={nn.Linear})
-    core = model._zero_ext.buckets
+    core = model._zero_ext.core
     x = torch.randn(3, 4, requires_grad=True)
     frozen = torch.randn(3, 4)
     passed = core.track_unit_inputs(1, [x, frozen])

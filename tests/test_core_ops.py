@@ -28,7 +28,7 @@ def tiny(stage: int, **options):
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
     plain = copy.deepcopy(model)
     model, opt = zero_ext.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=stage, **options)
-    return model, plain, model._zero_ext.buckets
+    return model, plain, model._zero_ext.core
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMAS))

@@ -70,7 +70,7 @@ class _Ranks:
         self.distributed = self.group is not None and state.mesh_size > 1
         self.rank = state.mesh_rank if self.distributed else 0
         self.world = state.mesh_size
-        self.core = state.buckets
+        self.core = state.core
         # NCCL moves device tensors only; gloo takes host tensors.
         self.device = state.device if dist.is_initialized() and self.distributed and \
             dist.get_backend(self.group) == "nccl" else torch.device("cpu")
@@ -138,7 +138,7 @@ class _Ranks:
 def _owned_ranges(state, rank: int) -> List[Tuple[int, int, int]]:
     """(param index, start, end) this rank writes: its equal slice of each
     bucket (the core's layout knows the arithmetic)."""
-    raw = state.buckets.owned_ranges(rank)
+    raw = state.core.owned_ranges(rank)
     return [tuple(raw[k:k + 3]) for k in range(0, len(raw), 3)]
 
 
@@ -148,8 +148,8 @@ def _local_views(state) -> List[Tuple[int, int, torch.Tensor]]:
     masters the parameters themselves."""
     if not state.sharded_optimizer:
         return [(i, 0, p.detach().view(-1)) for i, p in enumerate(state.bucketed)]
-    shards = state.buckets.local_value_shards()
-    raw = state.buckets.local_pieces()  # (param, start in param, bucket, start in its shard, length)
+    shards = state.core.local_value_shards()
+    raw = state.core.local_pieces()  # (param, start in param, bucket, start in its shard, length)
     return [(i, start, shards[b][at:at + length])
             for i, start, b, at, length in (raw[k:k + 5] for k in range(0, len(raw), 5))]
 
@@ -162,9 +162,9 @@ def _optimizer_pieces(state, optimizer) -> List[Tuple[torch.Tensor, int, int]]:
     if not state.sharded_optimizer:
         index = {id(p): i for i, p in enumerate(state.bucketed)}
         return [(p, index[id(p)], 0) for p in listed if id(p) in index]
-    segments = state.buckets.segments()
-    owners = state.buckets.segment_param_indices()
-    starts = state.buckets.segment_param_starts()
+    segments = state.core.segments()
+    owners = state.core.segment_param_indices()
+    starts = state.core.segment_param_starts()
     by_id = {id(s): (i, st) for s, i, st in zip(segments, owners, starts)}
     return [(p, *by_id[id(p)]) for p in listed]
 
@@ -300,7 +300,7 @@ def _write_rank_files(tmp: str, model, optimizer, state, ranks: _Ranks, token: s
         length = tensor.numel()
         # Sharded, a rank's state is its own; replicated (stage 0), every
         # rank has all of it and writes its owned ranges only.
-        sharded = state.sharded_optimizer and not state.buckets.replicated()
+        sharded = state.sharded_optimizer and not state.core.replicated()
         ranges = [my_part(start, start + length)] if sharded else owned.get(i, [])
         scalars = {k: _scalar(v) for k, v in st.items()}
         scalars = {k: v for k, v in scalars.items() if v is not None}
@@ -337,7 +337,7 @@ def _stored_dtypes(model, state, pieces: List[dict]) -> Dict[str, str]:
     one (no pieces), what a piece of it would have been."""
     out = {p["name"]: p["dtype"] for p in pieces if p["kind"] == "param"}
     bucketed = {id(p) for p in state.bucketed}
-    masters = state.buckets.has_masters()
+    masters = state.core.has_masters()
     for n, p in model.named_parameters():
         if n not in out:
             out[n] = files.dtype_name(torch.float32 if masters and id(p) in bucketed else p.dtype)
@@ -361,7 +361,7 @@ def _metadata(model, optimizer, state, token: str, pieces: List[dict], sizes: Di
             "name": n, "aliases": aliases[id(p)], "shape": list(p.shape), "dtype": dtypes[n],
             "trainable": p.requires_grad, "group": group_of.get(i) if i is not None else None,
         })
-    scaler = state.buckets.loss_scaler_state()
+    scaler = state.core.loss_scaler_state()
     return {
         "format": files.FORMAT, "version": files.VERSION, "token": token,
         "world_size": state.mesh_size, "stage": state.stage,
@@ -634,10 +634,10 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     finally:
         if checkpoint is not None:
             checkpoint.close()
-    state.buckets.zero_grad(True)
-    state.buckets.refresh_params_from_shards()  # collective: every rank got here
+    state.core.zero_grad(True)
+    state.core.refresh_params_from_shards()  # collective: every rank got here
     scaler = meta["loss_scaler"]
-    state.buckets.restore_loss_scaler(float(scaler["scale"]), int(scaler["clean_steps"]), int(scaler["skipped_steps"]))
+    state.core.restore_loss_scaler(float(scaler["scale"]), int(scaler["clean_steps"]), int(scaler["skipped_steps"]))
     return extra
 
 
@@ -660,7 +660,7 @@ def _load_optimizer(where: str, reader, state, optimizer, groups: List[dict], lo
         for key in keys:
             st[key] = reader.read("state", name, start, length, key=key).view(tensor.shape).to(tensor.device)
         for key in reader.keys("whole", name):
-            if state.sharded_optimizer and not state.buckets.replicated():
+            if state.sharded_optimizer and not state.core.replicated():
                 raise RuntimeError(
                     f"zero_ext.load: optimizer state '{key}' of '{name}' in {where} is not "
                     "elementwise and cannot be sharded; load it at stage 0")

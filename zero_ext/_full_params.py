@@ -31,24 +31,24 @@ def full_params(module: torch.nn.Module, writeback: bool = False) -> Iterator[No
     state = owner_state(module)
     position = {id(p): i for i, p in enumerate(state.bucketed)}
     mine: List[int] = sorted({position[id(p)] for p in module.parameters() if id(p) in position})
-    buckets = state.buckets
+    core = state.core
     before: List[torch.Tensor] = []
-    if writeback and buckets.has_masters():
-        before = buckets.full_masters()  # collective in stages 1-3
+    if writeback and core.has_masters():
+        before = core.full_masters()  # collective in stages 1-3
     if state.stage == 3:
-        buckets.gather_units_of(mine)
+        core.gather_units_of(mine)
     try:
         yield
         if writeback:
             _write_back(state, mine, before)
     finally:
         if state.stage == 3:
-            buckets.unpin_units_of(mine)  # released unless an enclosing context holds them
+            core.unpin_units_of(mine)  # released unless an enclosing context holds them
 
 
 @torch.no_grad()
 def _write_back(state, mine: List[int], before: List[torch.Tensor]) -> None:
-    buckets = state.buckets
+    core = state.core
     params = state.bucketed
     changed = []
     if before:
@@ -62,10 +62,10 @@ def _write_back(state, mine: List[int], before: List[torch.Tensor]) -> None:
                 masters[i] = p.detach().to(torch.float32).reshape(masters[i].shape)
                 changed.append(i)
         if changed:
-            buckets.load_masters(masters)
+            core.load_masters(masters)
     elif state.stage == 3:
         changed = list(mine)
     if state.stage == 3:
-        buckets.write_back_shards()  # this rank's shard of the (gathered) full values
+        core.write_back_shards()  # this rank's shard of the (gathered) full values
     for i in changed:
         torch.autograd.graph.increment_version(params[i])

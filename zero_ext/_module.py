@@ -32,13 +32,13 @@ class ZeroExtModule:
     def no_sync(self) -> Iterator[None]:
         """Backward calls inside accumulate gradients locally, with no
         communication; the next backward outside reduces them all."""
-        buckets = self._zero_ext.buckets
-        previous = buckets.sync()
-        buckets.set_sync(False)
+        core = self._zero_ext.core
+        previous = core.sync()
+        core.set_sync(False)
         try:
             yield
         finally:
-            buckets.set_sync(previous)
+            core.set_sync(previous)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool) -> None:
         """Hybrid sharding (a 2-D mesh), as FSDP2's: with False, the backward
@@ -55,11 +55,11 @@ class ZeroExtModule:
         one fp32 gradient shard while anything is deferred. Every rank must
         set it alike. No effect on a flat group, nor in stage 0, which
         reduces whole gradients: use no_sync() there."""
-        self._zero_ext.buckets.set_replica_sync(bool(requires_all_reduce))
+        self._zero_ext.core.set_replica_sync(bool(requires_all_reduce))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         state = self._zero_ext
-        state.buckets.zero_grad(set_to_none)
+        state.core.zero_grad(set_to_none)
         # zero_ext's parameters are done; the rest (frozen ones that got a
         # gradient anyway) as nn.Module.zero_grad would.
         for p in self.parameters():
@@ -101,26 +101,26 @@ class ZeroExtModule:
     def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         if self._zero_ext.stage != 3:
             return super().state_dict(*args, **kwargs)  # type: ignore[misc]
-        buckets = self._zero_ext.buckets
-        buckets.gather_all()
+        core = self._zero_ext.core
+        core.gather_all()
         try:
             sd = super().state_dict(*args, **kwargs)  # type: ignore[misc]
             return type(sd)((k, v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in sd.items())
         finally:
-            buckets.release_all()
+            core.release_all()
 
     def load_state_dict(self, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
         if self._zero_ext.stage != 3:
             result = super().load_state_dict(state_dict, *args, **kwargs)  # type: ignore[misc]
             self._load_masters(state_dict)
             return result
-        buckets = self._zero_ext.buckets
-        buckets.gather_all()
+        core = self._zero_ext.core
+        core.gather_all()
         try:
             result = super().load_state_dict(state_dict, *args, **kwargs)  # type: ignore[misc]
-            buckets.write_back_shards()
+            core.write_back_shards()
         finally:
-            buckets.release_all()
+            core.release_all()
         self._load_masters(state_dict)
         return result
 
@@ -128,14 +128,14 @@ class ZeroExtModule:
         """Mixed precision: fp32 values from the state_dict become the master
         weights (the parameters hold them rounded to the compute dtype)."""
         state = self._zero_ext
-        if not state.buckets.has_masters():
+        if not state.core.has_masters():
             return
         missing = [n for n in state.bucketed_names if n not in state_dict]
         # strict=False: a parameter the state_dict lacks keeps its master.
-        kept = state.buckets.full_masters() if missing else [None] * len(state.bucketed)
+        kept = state.core.full_masters() if missing else [None] * len(state.bucketed)
         full = [state_dict[n].detach().to(p.device, torch.float32) if n in state_dict else kept[i]
                 for i, (n, p) in enumerate(zip(state.bucketed_names, state.bucketed))]
-        state.buckets.load_masters(full)
+        state.core.load_masters(full)
 
 
 def swap_module_class(module: torch.nn.Module) -> None:
@@ -182,7 +182,7 @@ class _UnitUse:
     __slots__ = ("__weakref__",)
 
 
-def _enter_use(buckets, u: int, args: tuple, kwargs: dict, spent: List[Any], gather: bool) -> Any:
+def _enter_use(core, u: int, args: tuple, kwargs: dict, spent: List[Any], gather: bool) -> Any:
     """One use of stage 3 unit `u` begins: gathers it (`gather`) and, with
     grad enabled, passes its inputs that require grad through a C++ boundary
     node whose backward reports the use over (autograd_boundaries.h; [Note:
@@ -192,12 +192,12 @@ def _enter_use(buckets, u: int, args: tuple, kwargs: dict, spent: List[Any], gat
     Python multi-grad hook."""
     if not torch.is_grad_enabled():
         if gather:
-            buckets.pre_forward(u)
+            core.pre_forward(u)
         return None
     if not kwargs and all(type(a) is torch.Tensor for a in args):  # the usual call: plain tensors, positional
         positions = [k for k, a in enumerate(args) if a.requires_grad]
         tensors = [args[k] for k in positions]
-        passed = buckets.enter_unit(u, tensors) if gather else buckets.track_unit_inputs(u, tensors)
+        passed = core.enter_unit(u, tensors) if gather else core.track_unit_inputs(u, tensors)
         if not positions:
             return None
         replaced = list(args)
@@ -211,10 +211,10 @@ def _enter_use(buckets, u: int, args: tuple, kwargs: dict, spent: List[Any], gat
     hidden = _tensors(opaque) if opaque else []
     if hidden:
         if gather:
-            buckets.pre_forward(u)
-        _track_unit_inputs(buckets, u, tensors + hidden, spent)
+            core.pre_forward(u)
+        _track_unit_inputs(core, u, tensors + hidden, spent)
         return None
-    passed = buckets.enter_unit(u, tensors) if gather else buckets.track_unit_inputs(u, tensors)
+    passed = core.enter_unit(u, tensors) if gather else core.track_unit_inputs(u, tensors)
     if not positions:
         return None
     for k, t in zip(positions, passed):
@@ -222,7 +222,7 @@ def _enter_use(buckets, u: int, args: tuple, kwargs: dict, spent: List[Any], gat
     return tree_unflatten(flat, spec)
 
 
-def _track_unit_inputs(buckets, unit: int, inputs: List[torch.Tensor], spent: List[Any]) -> None:
+def _track_unit_inputs(core, unit: int, inputs: List[torch.Tensor], spent: List[Any]) -> None:
     """The fallback of _enter_use. Reports when this use's backward is over: a multi-grad hook fires once
     the gradients of all the unit's inputs are computed (see the note at
     [Note: when a unit's backward is over] in csrc/units.cpp). If the graph is dropped without a
@@ -236,15 +236,15 @@ def _track_unit_inputs(buckets, unit: int, inputs: List[torch.Tensor], spent: Li
     on the engine: not from inside the hook, while the engine runs it), or
     else at the next forward. `inputs`: the use's inputs that require grad."""
     if not inputs:
-        buckets.note_untracked_use(unit)
+        core.note_untracked_use(unit)
         return
-    buckets.add_pending_use(unit)
+    core.add_pending_use(unit)
     use, reported, handle = _UnitUse(), [False], []
 
     def report(*_: Any) -> None:
         if not reported[0]:
             reported[0] = True
-            buckets.post_backward_use(unit)
+            core.post_backward_use(unit)
             spent.extend(handle)
             if torch._C._current_graph_task_id() != -1:
                 torch.autograd.Variable._execution_engine.queue_callback(lambda: _remove_spent(spent))
@@ -319,15 +319,15 @@ class _ModelForward:
         self.runs: List[Any] = []  # (unit, _Run), in the order opened
 
 
-def _close_run(buckets, u: int, run: _Run, outputs: List[torch.Tensor]) -> None:
+def _close_run(core, u: int, run: _Run, outputs: List[torch.Tensor]) -> None:
     """Hooks the run's outputs for backward (one call for all of them; each
     is kept alive until then, as the next member's saved input mostly is
     anyway) and releases the unit."""
     to_hook, hold = run.to_hook, run.hold
     run.reset()
     if to_hook:
-        buckets.hook_regather(to_hook, u)
-    buckets.post_forward(u, [] if hold else outputs)  # grad enabled, no outputs: C++ keeps a trainable unit
+        core.hook_regather(to_hook, u)
+    core.post_forward(u, [] if hold else outputs)  # grad enabled, no outputs: C++ keeps a trainable unit
 
 
 def _grad_inputs(args: tuple, kwargs: dict) -> List[torch.Tensor]:
@@ -348,7 +348,7 @@ def _fed_by(inputs: List[torch.Tensor], previous: List[torch.Tensor]) -> bool:
     return bool(inputs)
 
 
-def _hook_merged_unit(buckets, u: int, members: tuple, probe: Any, model_forward: _ModelForward,
+def _hook_merged_unit(core, u: int, members: tuple, probe: Any, model_forward: _ModelForward,
                       spent: List[Any]) -> None:
     """Hooks the members of merged unit `u`; see [Note: merged units]."""
     run = _Run()
@@ -358,26 +358,26 @@ def _hook_merged_unit(buckets, u: int, members: tuple, probe: Any, model_forward
         if spent:
             _remove_spent(spent)
         if model_forward.depth == 0:  # called on its own: a use like any unit's
-            return _enter_use(buckets, u, args, kwargs, spent, gather=True)
+            return _enter_use(core, u, args, kwargs, spent, gather=True)
         if run.open and probe is not None and probe.untyped_storage().nbytes() > 0:  # still gathered
             if torch.is_grad_enabled() and not _fed_by(_grad_inputs(args, kwargs), run.outputs):
-                return _enter_use(buckets, u, args, kwargs, spent, gather=False)
+                return _enter_use(core, u, args, kwargs, spent, gather=False)
             return None
-        buckets.pre_forward(u)
+        core.pre_forward(u)
         if not run.open:
             run.open = True
             model_forward.runs.append((u, run))
-        return _enter_use(buckets, u, args, kwargs, spent, gather=False)
+        return _enter_use(core, u, args, kwargs, spent, gather=False)
 
     def make_after_member(is_last: bool):
         def after_member(mod: torch.nn.Module, args: Any, output: Any) -> None:
             grad = torch.is_grad_enabled()
             outputs = _tensors(output) if grad else []
             if model_forward.depth == 0 or not run.open:
-                buckets.post_forward(u, outputs)
+                core.post_forward(u, outputs)
                 return
             if is_last:
-                _close_run(buckets, u, run, outputs)
+                _close_run(core, u, run, outputs)
                 return
             if outputs:
                 run.to_hook.extend(outputs)
@@ -400,7 +400,7 @@ def install_forward_hooks(module: torch.nn.Module, units: List[tuple]) -> None:
     gather it again before its backward. `units`: root first, each a tuple of
     its member modules (several for a merged unit; see [Note: merged units]).
     """
-    buckets = module._zero_ext.buckets
+    core = module._zero_ext.core
 
     cast_to = module._zero_ext.compute_dtype if module._zero_ext.cast_inputs else None
 
@@ -409,7 +409,7 @@ def install_forward_hooks(module: torch.nn.Module, units: List[tuple]) -> None:
         # tensor from before its scaling boundary, or the gradient would be
         # scaled once per pass through it.
         unscaled = getattr(t, "_zero_ext_unscaled", None)
-        if unscaled is not None and unscaled[0] is buckets:
+        if unscaled is not None and unscaled[0] is core:
             t = unscaled[1]
         if cast_to is not None and t.is_floating_point():
             t = t.to(cast_to)  # mixed precision: floating inputs compute in it too
@@ -420,7 +420,7 @@ def install_forward_hooks(module: torch.nn.Module, units: List[tuple]) -> None:
     model_forward = _ModelForward()
 
     def before_forward(mod: torch.nn.Module, args: tuple, kwargs: dict):
-        buckets.begin_forward()  # stale round dropped, shapes checked, root unit gathered
+        core.begin_forward()  # stale round dropped, shapes checked, root unit gathered
         _remove_spent(spent)
         if merged:
             if model_forward.runs:
@@ -429,19 +429,19 @@ def install_forward_hooks(module: torch.nn.Module, units: List[tuple]) -> None:
                 # gathered is released by its next run or the epilogue.
                 for u, run in model_forward.runs:
                     if run.to_hook:
-                        buckets.hook_regather(run.to_hook, u)
+                        core.hook_regather(run.to_hook, u)
                     run.reset()
                 model_forward.runs.clear()
             model_forward.depth += 1
-        if cast_to is not None or buckets.loss_scaling():
+        if cast_to is not None or core.loss_scaling():
             return tree_map_only(torch.Tensor, inner, (args, kwargs))
         return None
 
     def scale_boundary(t: torch.Tensor) -> torch.Tensor:
         # fp16: a C++ node whose backward applies the loss scale (see
         # csrc/autograd_boundaries.h); fp16 outputs come out in fp32.
-        out = buckets.scale_outputs([t])[0]
-        out._zero_ext_unscaled = (buckets, t)
+        out = core.scale_outputs([t])[0]
+        out._zero_ext_unscaled = (core, t)
         return out
 
     def after_forward(mod: torch.nn.Module, args: Any, output: Any) -> Any:
@@ -449,12 +449,12 @@ def install_forward_hooks(module: torch.nn.Module, units: List[tuple]) -> None:
             for u, run in model_forward.runs:
                 if run.open:  # its last member did not run
                     with torch.set_grad_enabled(run.grad):
-                        _close_run(buckets, u, run, run.outputs)
+                        _close_run(core, u, run, run.outputs)
             model_forward.runs.clear()
         replaced = None
-        if torch.is_grad_enabled() and buckets.loss_scaling():
+        if torch.is_grad_enabled() and core.loss_scaling():
             output = replaced = _map_outputs(output, scale_boundary)
-        buckets.end_forward(_tensors(output) if torch.is_grad_enabled() else [])
+        core.end_forward(_tensors(output) if torch.is_grad_enabled() else [])
         return replaced
 
     def end_forward(mod: torch.nn.Module, args: Any, output: Any) -> None:
@@ -481,15 +481,15 @@ def install_forward_hooks(module: torch.nn.Module, units: List[tuple]) -> None:
 
     for index, members in enumerate(units[1:], start=1):
         if len(members) > 1:
-            _hook_merged_unit(buckets, index, members, probes.get(index), model_forward, spent)
+            _hook_merged_unit(core, index, members, probes.get(index), model_forward, spent)
             continue
 
         def before_unit(mod: torch.nn.Module, args: tuple, kwargs: dict, u: int = index) -> Any:
             _remove_spent(spent)  # units may run without the root (called directly)
-            return _enter_use(buckets, u, args, kwargs, spent, gather=True)
+            return _enter_use(core, u, args, kwargs, spent, gather=True)
 
         def after_unit(mod: torch.nn.Module, args: Any, output: Any, u: int = index) -> None:
-            buckets.post_forward(u, _tensors(output) if torch.is_grad_enabled() else [])
+            core.post_forward(u, _tensors(output) if torch.is_grad_enabled() else [])
 
         members[0].register_forward_pre_hook(outside_compile(before_unit), with_kwargs=True)
         members[0].register_forward_hook(outside_compile(after_unit))

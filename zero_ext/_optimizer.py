@@ -3,7 +3,7 @@
 The optimizer object, its class, its param_groups' hyperparameters and any LR
 scheduler already attached to it all stay; what changes:
   - stages 1-3: each group's "params" become views of this rank's shard of the
-    flat buckets, cut at parameter boundaries ("segments"), so per-parameter
+    flat core, cut at parameter boundaries ("segments"), so per-parameter
     semantics hold exactly: a parameter with no gradient on any rank has
     grad None and is skipped, with its own step count, as in PyTorch;
   - step() is followed by an all-gather of the updated shards (a post hook,
@@ -95,7 +95,7 @@ def _cpu_adam_step(self, closure=None):
                 max_exp_avg_sq=state.get("max_exp_avg_sq"), param_lowp=copies.get(id(p)),
             )
     if copies and len(copies) == sum(len(g["params"]) for g in self.param_groups):
-        self._zero_ext.buckets.note_compute_copy_written()
+        self._zero_ext.core.note_compute_copy_written()
     return loss
 
 
@@ -123,19 +123,19 @@ class ZeroExtOptimizer:
             return loss
 
     def _zero_ext_step(self, closure=None):
-        buckets = self._zero_ext.buckets
-        skip = buckets.begin_step()  # fp16 overflow or skip_nonfinite, on some rank (updates the scale)
-        nonfinite_skip = skip and not buckets.loss_scaling()
+        core = self._zero_ext.core
+        skip = core.begin_step()  # fp16 overflow or skip_nonfinite, on some rank (updates the scale)
+        nonfinite_skip = skip and not core.loss_scaling()
         found_inf = getattr(self, "found_inf", None)  # set by torch.amp.GradScaler.step()
         if found_inf is not None:
             grad_scale = getattr(self, "grad_scale", None)
             self.found_inf = self.grad_scale = None  # handled here, not by a fused step
-            if buckets.loss_scaling():
+            if core.loss_scaling():
                 warnings.warn(
                     "zero_ext: torch.amp.GradScaler drives this optimizer, so zero_ext's own fp16 "
                     "loss scaling is now off (both would scale the gradient). To silence this, pass "
                     "mixed_precision=zero_ext.MixedPrecision(torch.float16, loss_scale=1.0).")
-                buckets.disable_loss_scaling()
+                core.disable_loss_scaling()
             # GradScaler's overflow check read this rank's shards, which
             # zero_ext marks non-finite whenever any rank's are.
             # (A plain 0 when this rank's optimizer holds no gradient at all.)
@@ -163,7 +163,7 @@ class ZeroExtOptimizer:
     def skipped_steps(self) -> int:
         """Steps skipped for non-finite gradients (skip_nonfinite=True or fp16
         loss scaling), the same count on every rank."""
-        return int(self._zero_ext.buckets.stats()["skipped_steps"])
+        return int(self._zero_ext.core.stats()["skipped_steps"])
 
     @property
     def step_was_skipped(self) -> bool:
@@ -172,7 +172,7 @@ class ZeroExtOptimizer:
         return getattr(self, "_zero_ext_step_was_skipped", False)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._zero_ext.buckets.zero_grad(set_to_none)
+        self._zero_ext.core.zero_grad(set_to_none)
 
     # In stages 1-3 (and under mixed precision) the optimizer steps zero_ext's
     # segments of this rank's shard, not the parameters: torch's state_dict()
@@ -202,7 +202,7 @@ class ZeroExtOptimizer:
         """Clips the global gradient (every rank's shards) in place and returns
         its total norm before clipping, like torch.nn.utils.clip_grad_norm_."""
         state = self._zero_ext
-        state.buckets.settle()  # late gradients reduced, .grad final
+        state.core.settle()  # late gradients reduced, .grad final
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         if state.sharded_optimizer:
             return clip_sharded([(state, grads)], [], max_norm, norm_type, error_if_nonfinite=False)
@@ -213,8 +213,8 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, state, ordered_params: Lis
                     group_of: Dict[int, int]) -> None:
     """Re-points `optimizer` at this rank's segments and installs the hooks."""
     if state.sharded_optimizer:
-        segments = state.buckets.segments()
-        owners = state.buckets.segment_param_indices()
+        segments = state.core.segments()
+        owners = state.core.segment_param_indices()
         for segment in segments:  # zero_ext.clip_grad_norm_ over the optimizer's tensors finds them
             segment._zero_ext_segment_of = weakref.ref(state)
         # A parameter listed twice in a group is stepped twice, as torch.optim
@@ -237,16 +237,16 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, state, ordered_params: Lis
     optimizer._zero_ext_cpu_adam = cpu_adam
     optimizer._zero_ext_compute_copies = {}
     if optimizer._zero_ext_cpu_adam:
-        copies = state.buckets.segment_compute_copies()
+        copies = state.core.segment_compute_copies()
         optimizer._zero_ext_compute_copies = {
-            id(seg): copy for seg, copy in zip(state.buckets.segments(), copies) if copy is not None}
+            id(seg): copy for seg, copy in zip(state.core.segments(), copies) if copy is not None}
     _route_scheduler_wrapper(optimizer)
 
     managed = {id(t) for group in optimizer.param_groups for t in group["params"]}
 
     def before_step(opt, args, kwargs) -> None:
         state.check_parameters_unchanged()
-        state.buckets.check_before_step()
+        state.core.check_before_step()
         foreign = [t for group in opt.param_groups for t in group["params"] if id(t) not in managed]
         if foreign:
             raise ValueError(
@@ -256,7 +256,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, state, ordered_params: Lis
                 f"diverge. Add every parameter group before wrap(), or wrap the model that owns them.")
 
     def after_step(opt, args, kwargs) -> None:
-        state.buckets.after_step()
+        state.core.after_step()
 
     optimizer.register_step_pre_hook(before_step)
     optimizer.register_step_post_hook(after_step)

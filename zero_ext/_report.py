@@ -26,7 +26,7 @@ def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> D
     masters = 0
     state = getattr(model, "_zero_ext", None)
     if state is not None:
-        stats = state.buckets.stats()
+        stats = state.core.stats()
         params = stats["param_bytes"] + sum(
             p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad
         )

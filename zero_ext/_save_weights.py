@@ -31,7 +31,7 @@ def _entries(model, state, dtype: Optional[torch.dtype]):
         return dtype if dtype is not None and t_dtype.is_floating_point else t_dtype
 
     # Without mixed precision the model's own dtype; with it, the masters' (fp32).
-    masters = state.buckets.has_masters()
+    masters = state.core.has_masters()
     out: List[Tuple[str, torch.dtype, Tuple[int, ...], object]] = []
     for i, (name, p) in enumerate(zip(state.bucketed_names, state.bucketed)):
         out.append((name, cast(torch.float32 if masters else p.dtype), tuple(p.shape), ("bucketed", i)))
@@ -72,10 +72,10 @@ def save_weights(model: torch.nn.Module, path, dtype: Optional[torch.dtype] = No
         except BaseException as e:  # noqa: BLE001 - reported to every rank below
             error = e
 
-    layout = state.buckets.bucket_layout()  # (first, count, padded) per bucket
+    layout = state.core.bucket_layout()  # (first, count, padded) per bucket
     for b in range(len(layout) // 3):
         first, count = layout[3 * b], layout[3 * b + 1]
-        values = state.buckets.full_masters_of([b])  # collective: every rank gathers this bucket
+        values = state.core.full_masters_of([b])  # collective: every rank gathers this bucket
         for k in range(count):
             put(first + k, values[k])
         del values

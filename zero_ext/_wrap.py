@@ -187,7 +187,7 @@ def wrap(
                        replica_group.group_name if replica_group is not None else "", deferred is not None)
     apply_test_fault(core, topology.mesh_rank if topology.mesh_size > 1 else 0)
     state = ZeroState(
-        model_ref=weakref.ref(model), stage=options.stage, buckets=core,
+        model_ref=weakref.ref(model), stage=options.stage, core=core,
         process_group=own_groups[0] if own_groups else None, world_size=topology.shard_size,
         replicate_group=replica_group, replicas=topology.replicas, shard_rank=topology.shard_rank,
         replica_rank=topology.replica_rank,

@@ -15,7 +15,7 @@ class ZeroState:
 
     model_ref: "weakref.ref[torch.nn.Module]"  # weak: the model holds this state
     stage: int
-    buckets: object  # torch.classes.zero_ext.ShardedModel: the C++ core
+    core: object  # torch.classes.zero_ext.ShardedModel: the C++ core
     process_group: Optional[dist.ProcessGroup]  # zero_ext's own reduction group (the shard group)
     world_size: int  # of the shard group
     replicate_group: Optional[dist.ProcessGroup]  # hybrid sharding: across the copies of the shard (None: flat)

@@ -104,7 +104,7 @@ def test_gradient_memory_in_backward_is_bounded_by_the_buckets(stage):
     F.mse_loss(model(x), y).backward()
     torch.cuda.synchronize()
     added = torch.cuda.max_memory_allocated() - before
-    stats = model._zero_ext.buckets.stats()
+    stats = model._zero_ext.core.stats()
     bucket = WIDTH * (WIDTH + 1) * 4
     model_grad = DEPTH * bucket
     assert stats["peak_staging_bytes"] <= stats["max_in_flight_bytes"] + 2 * bucket, stats
@@ -218,9 +218,9 @@ def test_offload_counts_its_pinned_compute_shard(stage):
     model, opt = zero_ext.wrap(model, opt, stage=stage, bucket_mb=4, mixed_precision="bf16",
                                offload_optimizer="cpu", units={nn.Linear} if stage == 3 else None)
     train(model, opt, batches(1))
-    buckets = model._zero_ext.buckets
-    stats = buckets.stats()
-    padded = sum(buckets.bucket_layout()[2::3])  # (first, count, padded) per bucket
+    core = model._zero_ext.core
+    stats = core.stats()
+    padded = sum(core.bucket_layout()[2::3])  # (first, count, padded) per bucket
     shard = padded // dist.get_world_size()
     device_params = shard * 2 if stage == 3 else padded * 2
     pinned_compute = shard * 2

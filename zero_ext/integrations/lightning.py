@@ -145,7 +145,7 @@ def _define(pl: Any) -> Tuple[type, type]:
             if is_wrapped(optimizer):
                 # Elementwise, so clipping the shards this rank steps is right
                 # once the gradients are final: late reductions settled first.
-                optimizer._zero_ext.buckets.settle()
+                optimizer._zero_ext.core.settle()
             super().clip_grad_by_value(optimizer, clip_val)
 
     def check_precision(plugin: Any) -> Any:
