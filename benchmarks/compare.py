@@ -248,8 +248,11 @@ def sent_bytes_by_group(issue_log: List[str], replicas: int, shard: int) -> Dict
 
 def sent_bytes(ops, world: int) -> Dict[str, float]:
     """Bytes sent by this rank for the backend collectives among `ops`
-    ((name, input shapes, input dtypes), from zero_ext's profiled_ops)."""
-    sent, count, by_kind = 0.0, 0, {}
+    ((name, input shapes, input dtypes), from zero_ext's profiled_ops).
+    zero_ext's sequence-check headers (int64 all-gathers on groups of their
+    own, collective_sequence.h) are counted apart, as `header_bytes`: the
+    theory counts the data."""
+    sent, count, by_kind, headers = 0.0, 0, {}, 0.0
     for name, shapes, dtypes in ops:
         if not (name.startswith("gloo:") or name.startswith("nccl:")):
             continue
@@ -258,6 +261,9 @@ def sent_bytes(ops, world: int) -> Dict[str, float]:
             continue
         numel = sum(math.prod(s) for s in shapes if s)
         dtype = (dtypes or ["float"])[0]
+        if dtype == "long int" and ("all_gather" in kind or "allgather" in kind):
+            headers += (world - 1) * numel * 8
+            continue
         size = numel * {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8,
                         "int": 4}.get(dtype, 4)
         if "all_reduce" in kind or "allreduce" in kind:
@@ -269,7 +275,7 @@ def sent_bytes(ops, world: int) -> Dict[str, float]:
         sent += b
         count += 1
         by_kind[kind] = by_kind.get(kind, 0) + b
-    return {"sent_bytes": sent, "collectives": count, "sent_by_kind": by_kind}
+    return {"sent_bytes": sent, "collectives": count, "sent_by_kind": by_kind, "header_bytes": headers}
 
 
 # --- one system on one rank -------------------------------------------------------
@@ -342,7 +348,7 @@ def build_system(args, system: str, world: int):
         opt.step()
         return loss
 
-    step.core = getattr(getattr(model, "_zero_ext", None), "buckets", None)  # zero_ext: its issue log
+    step.core = getattr(getattr(model, "_zero_ext", None), "core", None)  # zero_ext: its issue log
     return step, report
 
 

@@ -62,7 +62,9 @@ def held_grad_bytes(model) -> int:
     extra = 0
     for p in model.parameters():
         g = p.grad
-        if g is not None and g.untyped_storage().nbytes() > 0:
+        # A stand-in for a sharded gradient claims its size but holds no memory
+        # ([Note: gradient stand-ins]): its storage is never resizable.
+        if g is not None and g.untyped_storage().resizable():
             extra += g.untyped_storage().nbytes()
     return own + extra
 

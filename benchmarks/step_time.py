@@ -5,7 +5,11 @@
     python benchmarks/step_time.py --systems zero_ext-2 zero_ext-2-bf16 zero_ext-2-offload
 
 A zero_ext system is zero_ext-STAGE, optionally followed by -bf16 or -fp16
-(mixed precision) and -offload (offload_optimizer="cpu").
+(mixed precision), -offload (offload_optimizer="cpu") and -unchecked (without
+the collective sequence checks, to measure what they cost: see [Note:
+collectives that prove what they are] in csrc/collective_sequence.h).
+
+    python benchmarks/step_time.py --systems zero_ext-3 zero_ext-3-unchecked --steps 40
 
 Every system trains the same transformer on the same token batches in the same
 group of processes; the systems take their steps in turn (round-robin), each
@@ -61,9 +65,11 @@ def build_system(args, system, world):
     else:
         parts = system.split("-")
         precision = next((p for p in parts if p in ("bf16", "fp16")), None)
+        os.environ["ZERO_EXT_COLLECTIVE_CHECKS"] = "0" if "unchecked" in parts else "1"
         trained, opt = zero_ext.wrap(model, opt, stage=int(parts[1]), bucket_mb=args.bucket_mb,
                                      mixed_precision=precision,
                                      offload_optimizer="cpu" if "offload" in parts else None)
+        os.environ.pop("ZERO_EXT_COLLECTIVE_CHECKS")
     return model, trained, opt
 
 

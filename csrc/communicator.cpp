@@ -13,9 +13,12 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include "collective_sequence.h"
+
 namespace zero_ext {
 
-Communicator::Communicator(const std::string& group_name) {
+Communicator::Communicator(const std::string& group_name, GroupSlot slot, std::shared_ptr<IssueCounts> counts)
+    : slot_(slot), counts_(counts ? std::move(counts) : std::make_shared<IssueCounts>()) {
   if (group_name.empty()) {
     return;
   }
@@ -24,6 +27,102 @@ Communicator::Communicator(const std::string& group_name) {
               "' is not registered; pass a group created by torch.distributed");
   rank_ = group_->getRank();
   size_ = group_->getSize();
+}
+
+Communicator::~Communicator() {
+  if (sequence_) {
+    sequence_->detach();  // a header's completion callback may still hold the sequence
+  }
+}
+
+void Communicator::enable_sequence_checks(
+    const std::string& header_group_name, std::shared_ptr<SequenceOrder> order, bool in_order,
+    std::function<std::string(const CollectiveId&, const std::string&)> describe,
+    std::function<Progress()> progress) {
+  if (!group_ || size_ < 2 || header_group_name.empty()) {
+    return;  // a single rank cannot disagree with itself
+  }
+  static const char* const kDescriptions[] = {"the gradient reduction group", "the parameter gather group (stage 3)",
+                                              "the group across replicas"};
+  const int slot = static_cast<int>(slot_);
+  TORCH_INTERNAL_ASSERT(slot < 3, "sequence checks are for data groups");
+  sequence_ = std::make_shared<CollectiveSequence>(*this, kDescriptions[slot], header_group_name,
+                                                   static_cast<GroupSlot>(slot + 3), counts_, std::move(order),
+                                                   in_order, std::move(describe), std::move(progress));
+}
+
+void Communicator::begin_round(int64_t key, const std::string& label) {
+  if (sequence_) {
+    sequence_->begin_round(key, label);
+  }
+}
+
+bool Communicator::failed() const {
+  return failed_ || (sequence_ && (sequence_->failed() || sequence_->headers().failed()));
+}
+
+int64_t Communicator::blocking_headers() const { return sequence_ ? sequence_->blocking_headers() : 0; }
+int64_t Communicator::ahead_headers() const { return sequence_ ? sequence_->ahead_headers() : 0; }
+
+c10::intrusive_ptr<c10d::Work> Communicator::issue_now(
+    const char* kind, int64_t numel, const std::function<c10::intrusive_ptr<c10d::Work>()>& issue) {
+  const int64_t seq = issued_++;
+  ++collectives_issued_;
+  (*counts_)[static_cast<int>(slot_)] = seq + 1;
+  if (IssueLog* log = issue_log_.load()) {
+    std::lock_guard<std::mutex> lock(log->mutex);
+    log->lines.push_back(issue_tag_ + " " + kind + " " + std::to_string(numel));
+  }
+  c10::intrusive_ptr<c10d::Work> work = issue();
+  if (work && store_) {  // positions matter only to the stall diagnosis
+    std::lock_guard<std::mutex> lock(seq_mutex_);
+    if (in_flight_seq_.size() > 4096) {
+      in_flight_seq_.pop_front();
+    }
+    in_flight_seq_.emplace_back(work.get(), seq);
+  }
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> Communicator::submit(CollectiveOp op, Purpose purpose, int64_t subject,
+                                                    const at::Tensor& sent, const std::string& label,
+                                                    const char* kind, const at::Tensor& logged,
+                                                    std::function<c10::intrusive_ptr<c10d::Work>()> issue) {
+  if (!group_) {
+    return nullptr;
+  }
+  const int64_t numel = logged.numel();
+  if (!sequence_) {
+    return issue_now(kind, numel, issue);
+  }
+  CollectiveId id;
+  id.purpose = purpose;
+  id.subject = subject;
+  id.op = op;
+  id.numel = sent.numel();
+  id.dtype = static_cast<int64_t>(sent.scalar_type());
+  return sequence_->submit(id, label, sent.device(),
+                           [this, kind, numel, issue = std::move(issue)] { return issue_now(kind, numel, issue); });
+}
+
+int64_t Communicator::seq_of(const c10::intrusive_ptr<c10d::Work>& work) const {
+  std::lock_guard<std::mutex> lock(seq_mutex_);
+  for (auto it = in_flight_seq_.rbegin(); it != in_flight_seq_.rend(); ++it) {
+    if (it->first == work.get()) {
+      return it->second;
+    }
+  }
+  return -1;
+}
+
+void Communicator::forget_seq(const c10::intrusive_ptr<c10d::Work>& work) const {
+  std::lock_guard<std::mutex> lock(seq_mutex_);
+  for (auto it = in_flight_seq_.begin(); it != in_flight_seq_.end(); ++it) {
+    if (it->first == work.get()) {
+      in_flight_seq_.erase(it);
+      return;
+    }
+  }
 }
 
 bool Communicator::waits_on_host(c10::DeviceType device_type) const {
@@ -68,41 +167,40 @@ c10::intrusive_ptr<c10d::Work> all_reduce(const c10::intrusive_ptr<c10d::Process
 
 } // namespace
 
-c10::intrusive_ptr<c10d::Work> Communicator::all_reduce_sum(at::Tensor& tensor) {
-  if (!group_) {
-    return nullptr;
-  }
-  ++collectives_issued_;
-  note_issue("all_reduce", tensor);
-  return all_reduce(group_, tensor, c10d::ReduceOp::SUM);
+c10::intrusive_ptr<c10d::Work> Communicator::all_reduce_sum(at::Tensor& tensor, Purpose purpose, int64_t subject,
+                                                            const std::string& label) {
+  auto group = group_;
+  return submit(CollectiveOp::kAllReduceSum, purpose, subject, tensor, label, "all_reduce", tensor,
+                [group, tensor] { return all_reduce(group, const_cast<at::Tensor&>(tensor), c10d::ReduceOp::SUM); });
 }
 
-c10::intrusive_ptr<c10d::Work> Communicator::all_reduce_max(at::Tensor& tensor) {
-  if (!group_) {
-    return nullptr;
-  }
-  ++collectives_issued_;
-  note_issue("all_reduce_max", tensor);
-  return all_reduce(group_, tensor, c10d::ReduceOp::MAX);
+c10::intrusive_ptr<c10d::Work> Communicator::all_reduce_max(at::Tensor& tensor, Purpose purpose, int64_t subject,
+                                                            const std::string& label) {
+  auto group = group_;
+  return submit(CollectiveOp::kAllReduceMax, purpose, subject, tensor, label, "all_reduce_max", tensor,
+                [group, tensor] { return all_reduce(group, const_cast<at::Tensor&>(tensor), c10d::ReduceOp::MAX); });
 }
 
-c10::intrusive_ptr<c10d::Work> Communicator::reduce_scatter_sum(at::Tensor& shard_out,
-                                                                at::Tensor& full_in) {
+c10::intrusive_ptr<c10d::Work> Communicator::reduce_scatter_sum(at::Tensor& shard_out, at::Tensor& full_in,
+                                                                Purpose purpose, int64_t subject) {
   TORCH_CHECK(full_in.numel() == shard_out.numel() * size_,
               "zero_ext internal: reduce-scatter input is not world_size shards");
   if (!group_) {
     shard_out.copy_(full_in);
     return nullptr;
   }
-  c10d::ReduceScatterOptions opts;
-  opts.reduceOp = c10d::ReduceOp::SUM;
-  ++collectives_issued_;
-  note_issue("reduce_scatter", full_in);
-  return group_->_reduce_scatter_base(shard_out, full_in, opts);
+  auto group = group_;
+  return submit(CollectiveOp::kReduceScatter, purpose, subject, full_in, {}, "reduce_scatter", full_in,
+                [group, shard_out, full_in] {
+                  c10d::ReduceScatterOptions opts;
+                  opts.reduceOp = c10d::ReduceOp::SUM;
+                  at::Tensor out = shard_out, in = full_in;
+                  return group->_reduce_scatter_base(out, in, opts);
+                });
 }
 
-c10::intrusive_ptr<c10d::Work> Communicator::all_gather(at::Tensor& full_out,
-                                                        at::Tensor& shard_in) {
+c10::intrusive_ptr<c10d::Work> Communicator::all_gather(at::Tensor& full_out, at::Tensor& shard_in, Purpose purpose,
+                                                        int64_t subject, const std::string& label) {
   TORCH_CHECK(full_out.numel() == shard_in.numel() * size_,
               "zero_ext internal: all-gather output is not world_size shards");
   if (!group_) {
@@ -111,42 +209,93 @@ c10::intrusive_ptr<c10d::Work> Communicator::all_gather(at::Tensor& full_out,
     }
     return nullptr;
   }
-  ++collectives_issued_;
   ++all_gathers_issued_;
-  note_issue("all_gather", full_out);
-  return group_->_allgather_base(full_out, shard_in, c10d::AllgatherOptions());
+  auto group = group_;
+  return submit(CollectiveOp::kAllGather, purpose, subject, shard_in, label, "all_gather", full_out,
+                [group, full_out, shard_in] {
+                  at::Tensor out = full_out, in = shard_in;
+                  return group->_allgather_base(out, in, c10d::AllgatherOptions());
+                });
 }
 
-c10::intrusive_ptr<c10d::Work> Communicator::broadcast_from_rank0(at::Tensor& tensor) {
-  if (!group_) {
-    return nullptr;
-  }
-  std::vector<at::Tensor> tensors{tensor};
-  c10d::BroadcastOptions opts;
-  opts.rootRank = 0;
-  ++collectives_issued_;
-  note_issue("broadcast", tensor);
-  return group_->broadcast(tensors, opts);
+c10::intrusive_ptr<c10d::Work> Communicator::broadcast_from_rank0(at::Tensor& tensor, Purpose purpose,
+                                                                  int64_t subject, const std::string& label) {
+  auto group = group_;
+  return submit(CollectiveOp::kBroadcast, purpose, subject, tensor, label, "broadcast", tensor, [group, tensor] {
+    std::vector<at::Tensor> tensors{tensor};
+    c10d::BroadcastOptions opts;
+    opts.rootRank = 0;
+    return group->broadcast(tensors, opts);
+  });
 }
 
 void Communicator::enable_stall_diagnosis(double seconds, const std::string& key_space,
-                                          std::vector<int64_t> mesh_ranks) {
-  if (!group_ || seconds <= 0) {
+                                          std::vector<int64_t> mesh_ranks, int64_t replicas, int64_t shard_size,
+                                          bool timed_waits) {
+  if (!group_) {
     return;
   }
   TORCH_CHECK(static_cast<int64_t>(mesh_ranks.size()) == size_, "zero_ext internal: ", mesh_ranks.size(),
               " mesh ranks for a group of ", size_);
+  if (sequence_) {  // header waits are host waits (gloo) whatever the data's device
+    sequence_->headers().enable_stall_diagnosis(seconds, key_space, mesh_ranks, replicas, shard_size, true);
+  }
   mesh_ranks_ = std::move(mesh_ranks);
+  replicas_ = replicas;
+  shard_size_ = shard_size;
   store_ = group_->getStore();
   // A model's groups each prefix their store; the base store lets a rank
   // stalled on the gather group see one stalled on the reduction group.
   if (auto prefixed = c10::dynamic_intrusive_pointer_cast<c10d::PrefixStore>(store_)) {
     store_ = prefixed->getUnderlyingNonPrefixStore();
   }
-  stall_interval_ = std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+  stall_interval_ = std::chrono::milliseconds(timed_waits ? static_cast<int64_t>(seconds * 1000) : 0);
   stall_keys_ = "zero_ext_stall/" + key_space + "/rank";
   query_key_ = "zero_ext_stall/" + key_space + "/query";
   whereabouts_keys_ = "zero_ext_stall/" + key_space + "/where";
+  report_key_ = "zero_ext_stall/" + key_space + "/report";
+}
+
+std::vector<int64_t> Communicator::members_of(int slot, int64_t mesh_rank) const {
+  std::vector<int64_t> out;
+  const bool across_replicas = slot == static_cast<int>(GroupSlot::kReplica) ||
+                               slot == static_cast<int>(GroupSlot::kReplicaHeaders);
+  const int64_t row = mesh_rank / shard_size_;
+  const int64_t column = mesh_rank % shard_size_;
+  if (across_replicas) {
+    for (int64_t r = 0; r < replicas_; ++r) out.push_back(r * shard_size_ + column);
+  } else {
+    for (int64_t s = 0; s < shard_size_; ++s) out.push_back(row * shard_size_ + s);
+  }
+  return out;
+}
+
+void Communicator::post_report(const std::string& report) const {
+  failed_ = true;
+  if (store_ && !report_key_.empty()) {
+    try {
+      if (!store_->check({report_key_})) {  // the first report names the first difference
+        store_->set(report_key_, std::vector<uint8_t>(report.begin(), report.end()));
+      }
+    } catch (const std::exception&) {
+      // The store is gone with rank 0: this rank's own error still says it all.
+    }
+  }
+}
+
+std::string Communicator::posted_report() const {
+  if (!store_ || report_key_.empty()) {
+    return {};
+  }
+  try {
+    if (!store_->check({report_key_})) {
+      return {};
+    }
+    const auto bytes = store_->get(report_key_);
+    return std::string(bytes.begin(), bytes.end());
+  } catch (const std::exception&) {
+    return {};
+  }
 }
 
 int64_t Communicator::stall_queries() const {
@@ -190,50 +339,132 @@ bool Communicator::read_whereabouts(const std::vector<std::string>& posts, int64
   return any;
 }
 
-void Communicator::diagnose_stall(const c10::intrusive_ptr<c10d::Work>& work,
+namespace {
+
+// What a stalled rank posts: the group and position it waits at, how many
+// collectives it issued on each of the model's groups, and what it waits in.
+struct StallPost {
+  bool present = false;
+  int slot = -1;
+  int64_t seq = -1;
+  std::array<int64_t, kGroupSlots> issued{};
+  std::string what;
+};
+
+std::string format_post(int slot, int64_t seq, const int64_t* issued, const std::string& what) {
+  std::ostringstream out;
+  out << slot << ' ' << seq;
+  for (int g = 0; g < kGroupSlots; ++g) out << ' ' << issued[g];
+  out << '|' << what;
+  return out.str();
+}
+
+StallPost parse_post(const std::string& text) {
+  StallPost post;
+  const auto bar = text.find('|');
+  if (text.empty() || bar == std::string::npos) {
+    return post;
+  }
+  std::istringstream in(text.substr(0, bar));
+  in >> post.slot >> post.seq;
+  for (auto& n : post.issued) in >> n;
+  post.present = static_cast<bool>(in);
+  post.what = text.substr(bar + 1);
+  return post;
+}
+
+const char* slot_name(int slot) {
+  static const char* const kNames[] = {"gradient reductions", "parameter gathers", "across replicas",
+                                       "headers of gradient reductions", "headers of parameter gathers",
+                                       "headers across replicas"};
+  return slot >= 0 && slot < kGroupSlots ? kNames[slot] : "?";
+}
+
+} // namespace
+
+void Communicator::diagnose_stall(const c10::intrusive_ptr<c10d::Work>& work, int64_t seq,
                                   const std::string& what) const {
-  const std::string mine = stall_keys_ + std::to_string(mesh_ranks_[rank_]);
-  store_->set(mine, std::vector<uint8_t>(what.begin(), what.end()));
+  const int64_t me = mesh_ranks_[rank_];
+  const int64_t world = replicas_ * shard_size_;
+  int64_t issued[kGroupSlots];
+  for (int g = 0; g < kGroupSlots; ++g) issued[g] = (*counts_)[g].load();
+  const std::string mine = format_post(static_cast<int>(slot_), seq, issued, what);
+  store_->set(stall_keys_ + std::to_string(me), std::vector<uint8_t>(mine.begin(), mine.end()));
   const int64_t query = store_->add(query_key_, 1);  // see [Note: whereabouts]
+  std::vector<StallPost> posts(world);
+  std::vector<std::string> group_posts(size_);  // this group's members, by group rank
   std::vector<std::string> whereabouts(size_);
+  std::vector<bool> stuck(world);
+  bool deadlock = false;
   bool stranded = false;  // every rank not in a zero_ext wait is blocked in a world collective
-  // Posts are overwritten with "" once a wait completes (never deleted, so a
-  // get() cannot block on a key that just vanished), and re-read each round:
-  // only ranks stalled right now count.
-  std::vector<std::string> posts(size_);
-  bool differ = false;
   // Long enough for the answering threads (one poll a second) to answer.
   const auto until = std::chrono::steady_clock::now() + std::max(stall_interval_, std::chrono::milliseconds(2500));
   while (true) {
-    // Completion is read before the posts: a peer that found the difference
-    // first may already have failed this collective by leaving, and its post
-    // (kept on failure) still says where it was.
     const bool completed = work->isCompleted();
-    for (int64_t r = 0; r < size_; ++r) {
-      const std::string key = stall_keys_ + std::to_string(mesh_ranks_[r]);
-      posts[r].clear();
-      if (r == rank_) {
-        posts[r] = what;
+    const std::string report = posted_report();
+    if (!report.empty()) {
+      failed_ = true;  // a sequence check on another rank found the difference
+      TORCH_CHECK(false, report);
+    }
+    // Posts are overwritten with "" once a wait completes (never deleted, so
+    // a get() cannot block on a key that just vanished), and re-read each
+    // round: only ranks stalled right now count.
+    for (int64_t m = 0; m < world; ++m) {
+      const std::string key = stall_keys_ + std::to_string(m);
+      std::string text;
+      if (m == me) {
+        text = mine;
       } else if (store_->check({key})) {
         auto bytes = store_->get(key);
-        posts[r].assign(bytes.begin(), bytes.end());
+        text.assign(bytes.begin(), bytes.end());
       }
-      differ = differ || (!posts[r].empty() && posts[r] != what);
+      posts[m] = parse_post(text);
     }
-    stranded = read_whereabouts(posts, query, whereabouts);
-    if (differ || stranded || completed || std::chrono::steady_clock::now() >= until) {
+    for (int64_t r = 0; r < size_; ++r) {
+      group_posts[r] = posts[mesh_ranks_[r]].present ? posts[mesh_ranks_[r]].what : std::string();
+    }
+    // The stuck set ([Note: stall diagnosis]): a stalled rank waits for the members of its
+    // group that have not issued its collective yet. It is stuck if every one
+    // of those is stalled and stuck itself (a rank that posted nothing may
+    // still come). The stuck set is the largest one closed under that rule:
+    // if this rank is in it, the ranks wait for each other and none can go
+    // on. A rank merely behind (its wait is on a collective the others
+    // already issued) never counts, however slow it is.
+    for (int64_t m = 0; m < world; ++m) stuck[m] = posts[m].present;
+    for (bool changed = true; changed;) {
+      changed = false;
+      for (int64_t m = 0; m < world; ++m) {
+        if (!stuck[m]) continue;
+        bool waits_for_someone = false;
+        bool could_come = false;
+        for (int64_t q : members_of(posts[m].slot, m)) {
+          if (q == m) continue;
+          const bool issued = posts[q].present && posts[q].issued[posts[m].slot] > posts[m].seq;
+          if (issued) continue;
+          waits_for_someone = true;
+          could_come = could_come || !stuck[q];
+        }
+        if (!waits_for_someone || could_come) {
+          stuck[m] = false;
+          changed = true;
+        }
+      }
+    }
+    deadlock = stuck[me];
+    stranded = read_whereabouts(group_posts, query, whereabouts);
+    if (deadlock || stranded || completed || std::chrono::steady_clock::now() >= until) {
       break;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  if ((!differ && !stranded) || (work->isCompleted() && !work->exception())) {
-    return;  // everyone stalls on this collective, some rank is busy elsewhere, or it matched
+  if ((!deadlock && !stranded) || (work->isCompleted() && !work->exception())) {
+    return;  // some rank is busy elsewhere or merely behind, or it matched
   }
   failed_ = true;
-  if (stranded && !differ) {
+  if (!deadlock) {
     std::ostringstream out;
     for (int64_t r = 0; r < size_; ++r) {
-      if (r != rank_ && posts[r].empty()) {
+      if (r != rank_ && group_posts[r].empty()) {
         out << "\n  rank " << mesh_ranks_[r] << ": " << whereabouts[r];
       }
     }
@@ -249,23 +480,42 @@ void Communicator::diagnose_stall(const c10::intrusive_ptr<c10d::Work>& work,
                 "a DistributedSampler). This rank stops here instead of waiting out the timeout.");
   }
   std::ostringstream out;
-  for (int64_t r = 0; r < size_; ++r) {
-    out << "\n  rank " << mesh_ranks_[r] << ": "
-        << (posts[r].empty() ? std::string("not waiting in a zero_ext collective (busy, in another "
-                                           "collective, or gone)")
-                             : "waiting in " + posts[r]);
+  for (int64_t m = 0; m < world; ++m) {
+    out << "\n  rank " << m << ": ";
+    if (!posts[m].present) {
+      out << "not waiting in a zero_ext collective (busy, in another collective, or gone)";
+      continue;
+    }
+    out << "waiting in " << posts[m].what << " (collective #" << posts[m].seq << " of the "
+        << slot_name(posts[m].slot) << "; it has issued";
+    const char* sep = " ";
+    for (int g = 0; g < kGroupSlots; ++g) {
+      if (posts[m].issued[g] > 0) {
+        out << sep << posts[m].issued[g] << " on the " << slot_name(g);
+        sep = ", ";
+      }
+    }
+    out << ")";
   }
-  TORCH_CHECK(false, "zero_ext: the ranks are stalled in different collectives, so they took "
-              "different paths through the training loop (a different number of backward passes "
-              "or steps, or modules run on some ranks only):", out.str(),
-              "\nEvery rank must issue the same collectives in the same order; this rank stops "
-              "here instead of waiting out the timeout.");
+  TORCH_CHECK(false, "zero_ext: the ranks are stalled waiting for each other in collectives that none of them "
+              "can finish, so they took different paths through the training loop (a different number of "
+              "forward or backward passes or steps, or modules run on some ranks only):", out.str(),
+              "\nThis rank stops here instead of waiting out the timeout. ", divergence_causes());
 }
 
-void Communicator::wait(const c10::intrusive_ptr<c10d::Work>& work,
+void Communicator::wait(const c10::intrusive_ptr<c10d::Work>& submitted,
                         const std::function<std::string()>& what) const {
-  if (!work) {
+  if (!submitted) {
     return;
+  }
+  c10::intrusive_ptr<c10d::Work> work = submitted;
+  if (sequence_) {
+    // A collective that waits for its headers: wait for them first (the
+    // header group's own bounded, diagnosed waits), then for it.
+    work = sequence_->issued_work(submitted, what);
+    if (!work) {
+      return;
+    }
   }
   bool stalled = false;
   if (store_ && stall_interval_.count() > 0 && !work->isCompleted()) {
@@ -276,13 +526,14 @@ void Communicator::wait(const c10::intrusive_ptr<c10d::Work>& work,
     }
   }
   if (stalled) {
-    // Raises if the ranks are stalled in different collectives or the ones
-    // missing are stuck elsewhere; asks again after 2x, 4x, ... the interval,
-    // as a rank busy at the first look may be stuck by the next.
+    // Raises if the ranks wait for each other, or the ones missing are
+    // stuck elsewhere; asks again after 2x, 4x, ... the interval, as a rank
+    // busy at the first look may be stuck by the next.
     const std::string described = what();
+    const int64_t seq = seq_of(work);
     auto pause = stall_interval_;
     while (true) {
-      diagnose_stall(work, described);
+      diagnose_stall(work, seq, described);
       if (work->isCompleted()) {
         break;
       }
@@ -298,16 +549,19 @@ void Communicator::wait(const c10::intrusive_ptr<c10d::Work>& work,
   }
   try {
     work->wait();
-  } catch (const c10::Error& e) {
-    failed_ = true;
-    TORCH_CHECK(false, "zero_ext: ", what(), " failed on rank ", rank_, " of ", size_,
-                " (a peer may have died, raised, or taken a different code path): ",
-                e.what_without_backtrace());
   } catch (const std::exception& e) {
     failed_ = true;
+    forget_seq(work);
+    // A rank whose sequence check found the difference posted it before
+    // leaving: that, not the broken connection, is the cause.
+    const std::string report = posted_report();
+    TORCH_CHECK(report.empty(), report);
+    const auto* error = dynamic_cast<const c10::Error*>(&e);
     TORCH_CHECK(false, "zero_ext: ", what(), " failed on rank ", rank_, " of ", size_,
-                " (a peer may have died, raised, or taken a different code path): ", e.what());
+                " (a peer may have died, raised, or taken a different code path): ",
+                error ? error->what_without_backtrace() : e.what());
   }
+  forget_seq(work);
   if (stalled) {
     store_->set(stall_keys_ + std::to_string(mesh_ranks_[rank_]), std::vector<uint8_t>());  // no longer stalled
   }

@@ -8,9 +8,15 @@
 // torch.distributed) is a real mode, not a special case at call sites: the
 // collectives degrade to local copies.
 
+#include <array>
+#include <atomic>
 #include <chrono>
+#include <deque>
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -19,12 +25,37 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include "collective_id.h"
+#include "step_gate.h"
+
 namespace zero_ext {
+
+class CollectiveSequence;
+class SequenceOrder;
+
+// The groups of one model, each a slot in the issue counts a stalled rank
+// posts ([Note: stall diagnosis]): the data groups, then their header groups
+// ([Note: collectives that prove what they are] in collective_sequence.h).
+enum class GroupSlot : int { kShard = 0, kGather, kReplica, kShardHeaders, kGatherHeaders, kReplicaHeaders };
+constexpr int kGroupSlots = 6;
+// Collectives may be issued from a header's completion callback (a gloo
+// thread; collective_sequence.h), so what they count is shared safely.
+using IssueCounts = std::array<std::atomic<int64_t>, kGroupSlots>;
+
+// Test-only: every collective issued, in order ("<tag> <kind> <numel>").
+struct IssueLog {
+  std::mutex mutex;
+  std::vector<std::string> lines;
+};
 
 class Communicator {
  public:
-  // group_name "" means no process group: rank 0 of 1.
-  explicit Communicator(const std::string& group_name);
+  // group_name "" means no process group: rank 0 of 1. `slot`: which of
+  // the model's groups this is; `counts`: the model's issue counts, shared
+  // by its communicators (null: counted here only).
+  explicit Communicator(const std::string& group_name, GroupSlot slot = GroupSlot::kShard,
+                        std::shared_ptr<IssueCounts> counts = nullptr);
+  ~Communicator();
 
   int64_t rank() const { return rank_; }
   int64_t size() const { return size_; }
@@ -39,26 +70,69 @@ class Communicator {
 
   // Each returns the in-flight work, or nullptr when the result is already
   // in place (single process). Inputs must stay alive until wait().
-  c10::intrusive_ptr<c10d::Work> all_reduce_sum(at::Tensor& tensor);
-  c10::intrusive_ptr<c10d::Work> all_reduce_max(at::Tensor& tensor);
-  c10::intrusive_ptr<c10d::Work> reduce_scatter_sum(at::Tensor& shard_out, at::Tensor& full_in);
-  c10::intrusive_ptr<c10d::Work> all_gather(at::Tensor& full_out, at::Tensor& shard_in);
-  c10::intrusive_ptr<c10d::Work> broadcast_from_rank0(at::Tensor& tensor);
+  // `purpose`, `subject` (and `label`, for kPython) say what it is: with
+  // sequence checks on, every rank's collective at this position must be
+  // the same one before it is issued (collective_sequence.h), or every
+  // rank raises. The work returned may then stand for a collective issued
+  // later, once its headers are verified: never blocks here.
+  c10::intrusive_ptr<c10d::Work> all_reduce_sum(at::Tensor& tensor, Purpose purpose, int64_t subject = 0,
+                                                const std::string& label = {});
+  c10::intrusive_ptr<c10d::Work> all_reduce_max(at::Tensor& tensor, Purpose purpose, int64_t subject = 0,
+                                                const std::string& label = {});
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_sum(at::Tensor& shard_out, at::Tensor& full_in, Purpose purpose,
+                                                    int64_t subject = 0);
+  c10::intrusive_ptr<c10d::Work> all_gather(at::Tensor& full_out, at::Tensor& shard_in, Purpose purpose,
+                                            int64_t subject = 0, const std::string& label = {});
+  c10::intrusive_ptr<c10d::Work> broadcast_from_rank0(at::Tensor& tensor, Purpose purpose, int64_t subject = 0,
+                                                      const std::string& label = {});
+
+  // [Note: collectives that prove what they are] Turns the checks on:
+  // headers go over the group named `header_group_name` (a gloo group over
+  // the same ranks); `describe` renders a collective for error messages,
+  // `progress` reads where training is (step, synced backwards) for headers.
+  // `order`: shared by the model's groups; `in_order`: this group's
+  // collectives go out in the model's submission order across groups.
+  void enable_sequence_checks(const std::string& header_group_name, std::shared_ptr<SequenceOrder> order,
+                              bool in_order,
+                              std::function<std::string(const CollectiveId&, const std::string&)> describe,
+                              std::function<Progress()> progress);
+  bool sequence_checked() const { return static_cast<bool>(sequence_); }
+  // The caller enters a new phase (a forward, a backward, a step, a call
+  // from Python): the next collective starts a round of this kind. Free
+  // when no collective follows.
+  void begin_round(int64_t key, const std::string& label);
+  // Collectives issued on this group so far.
+  int64_t issued() const { return issued_; }
+  // Marks this group failed and posts the report a sequence check composed
+  // to the stall diagnosis' store, where the other ranks' stalled waits
+  // read it; see collective_sequence.h.
+  void post_report(const std::string& report) const;
 
   // Waits (within the group's timeout); on failure raises naming `what`.
   // [Note: stall diagnosis] A host wait still blocked after the stall
-  // interval posts `what` (which collective, at which step and backward) to
-  // the group's store and reads what the other ranks posted: ranks stalled in
-  // different collectives took different paths, and every rank raises at
-  // once with each rank's position instead of sitting out the timeout.
-  // Nothing else touches the store unless a wait stalls. Host (gloo) waits only:
-  // a timed wait on an NCCL work would block the host on the GPU.
-  // `what` is only called on a stall or a failure: waits sit on the hot path.
+  // interval posts what it waits in, its position in this group's sequence
+  // and how many collectives it issued on each of the model's groups, to the
+  // group's store, and reads what the other ranks posted. A stalled rank
+  // waits for the members of its group that have not issued its collective
+  // yet; when every rank it waits for is stalled waiting in turn for ranks
+  // that have not issued theirs (the stuck set, a fixpoint in
+  // communicator.cpp), none can go on and every rank raises at once with
+  // each rank's position instead of sitting out the timeout. A rank that is
+  // merely slow (its collective was issued by everyone) is never taken for
+  // a divergence. A report another rank's sequence check posted is raised
+  // as it is. Nothing else touches the store unless a wait stalls. Host
+  // (gloo) waits only: a timed wait on an NCCL work would block the host on
+  // the GPU. `what` is only called on a stall or a failure: waits sit on the
+  // hot path.
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::function<std::string()>& what) const;
   // Stall interval (0: off), the key space shared by a model's groups, and
   // the mesh rank of each member (by group rank): posts are keyed by mesh
   // rank, so the groups of a hybrid mesh (rows and columns) read each other's.
-  void enable_stall_diagnosis(double seconds, const std::string& key_space, std::vector<int64_t> mesh_ranks);
+  // `replicas` x `shard_size`: the mesh's shape (a flat group: 1 x size),
+  // so a rank can tell which ranks each posted wait needs.
+  // `timed_waits` false (NCCL): no timed waits, only the keys for reports.
+  void enable_stall_diagnosis(double seconds, const std::string& key_space, std::vector<int64_t> mesh_ranks,
+                              int64_t replicas, int64_t shard_size, bool timed_waits);
 
   // [Note: whereabouts] A rank stalled in a collective also asks the ranks
   // that posted nothing (not waiting in zero_ext) where they are: each rank
@@ -79,43 +153,71 @@ class Communicator {
   // This rank's answer to query `query`: blocked in a world collective, where.
   void post_whereabouts(int64_t query, bool blocked, const std::string& where) const;
 
-  // Whether a wait on this group failed: its collectives are out of step.
-  bool failed() const { return failed_; }
+  // Whether a wait on this group failed, or a sequence check found the
+  // ranks apart: its collectives are out of step.
+  bool failed() const;
 
   // Test-only: appends "<tag> <kind> <numel>" for every collective issued,
   // to check that ranks issue the same sequence (nullptr: off).
-  void log_issues_to(std::vector<std::string>* log, std::string tag) {
-    issue_log_ = log;
+  void log_issues_to(IssueLog* log, std::string tag) {
     issue_tag_ = std::move(tag);
+    issue_log_ = log;
   }
 
   // Counters for tests and benchmarks: collectives issued and bytes sent.
   int64_t collectives_issued() const { return collectives_issued_; }
   int64_t all_gathers_issued() const { return all_gathers_issued_; }
+  // Sequence checks: header exchanges that blocked, and the ones sent ahead.
+  int64_t blocking_headers() const;
+  int64_t ahead_headers() const;
 
  private:
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   int64_t rank_ = 0;
   int64_t size_ = 1;
-  int64_t collectives_issued_ = 0;
-  int64_t all_gathers_issued_ = 0;
-  std::vector<std::string>* issue_log_ = nullptr;
+  std::atomic<int64_t> collectives_issued_{0};
+  std::atomic<int64_t> all_gathers_issued_{0};
+  std::atomic<IssueLog*> issue_log_{nullptr};
   std::string issue_tag_;
-  void note_issue(const char* kind, const at::Tensor& tensor) {
-    if (issue_log_) issue_log_->push_back(issue_tag_ + " " + kind + " " + std::to_string(tensor.numel()));
-  }
+  GroupSlot slot_;
+  std::shared_ptr<IssueCounts> counts_;
+  std::atomic<int64_t> issued_{0};
+  std::shared_ptr<CollectiveSequence> sequence_;
+  // Works in flight and their position in this group's sequence, for the
+  // stall diagnosis (pruned at wait; bounded).
+  mutable std::mutex seq_mutex_;
+  mutable std::deque<std::pair<const c10d::Work*, int64_t>> in_flight_seq_;
+  int64_t replicas_ = 1;
+  int64_t shard_size_ = 1;
+  // Issues a collective through the sequence checks (now or once its headers
+  // are verified), counted and logged when it goes out; nullptr without a group.
+  c10::intrusive_ptr<c10d::Work> submit(CollectiveOp op, Purpose purpose, int64_t subject,
+                                        const at::Tensor& sent, const std::string& label, const char* kind,
+                                        const at::Tensor& logged,
+                                        std::function<c10::intrusive_ptr<c10d::Work>()> issue);
+  // The collective goes out now: counted, logged, its position noted.
+  c10::intrusive_ptr<c10d::Work> issue_now(const char* kind, int64_t numel,
+                                           const std::function<c10::intrusive_ptr<c10d::Work>()>& issue);
+  int64_t seq_of(const c10::intrusive_ptr<c10d::Work>& work) const;
+  void forget_seq(const c10::intrusive_ptr<c10d::Work>& work) const;
+  // The mesh ranks of the group a rank waiting on `slot` waits with.
+  std::vector<int64_t> members_of(int slot, int64_t mesh_rank) const;
   std::chrono::milliseconds stall_interval_{0};
   std::string stall_keys_;
   std::string query_key_;
   std::string whereabouts_keys_;
+  std::string report_key_;
   std::vector<int64_t> mesh_ranks_;  // of the members, by group rank
   c10::intrusive_ptr<c10d::Store> store_;
 
   mutable bool failed_ = false;
 
-  // Posts `what` and reads the other ranks' posts until `work` completes or
-  // another interval passes; raises if a rank is stalled elsewhere.
-  void diagnose_stall(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) const;
+  // Posts `what` (with this rank's position in every group) and reads the
+  // other ranks' posts until `work` completes or another interval passes;
+  // raises if the stalled ranks wait for each other.
+  void diagnose_stall(const c10::intrusive_ptr<c10d::Work>& work, int64_t seq, const std::string& what) const;
+  // A sequence check's report another rank posted, if any.
+  std::string posted_report() const;
   // True when every rank that posted no stall answered `query` (or later)
   // as blocked in a world collective; fills `whereabouts` with their answers.
   bool read_whereabouts(const std::vector<std::string>& posts, int64_t query,

@@ -172,7 +172,7 @@ void GradReducer::sync_deferred() {
   std::vector<c10::intrusive_ptr<c10d::Work>> works(buckets_.size());
   for (size_t b = 0; b < buckets_.size(); ++b) {
     if (buckets_[b].unsynced.defined()) {
-      works[b] = replica_comm_.all_reduce_sum(buckets_[b].unsynced);
+      works[b] = replica_comm_.all_reduce_sum(buckets_[b].unsynced, Purpose::kDeferredSync, static_cast<int64_t>(b));
     }
   }
   for (size_t b = 0; b < buckets_.size(); ++b) {
@@ -442,7 +442,7 @@ std::vector<at::Tensor> GradReducer::full_grads() {
     }
     shard = shard.to(store_.bucket(b).flat.device());  // offloaded: collectives run on the device
     full[b] = at::empty({shape.padded}, shard.options());
-    works[b] = comm_.all_gather(full[b], shard);
+    works[b] = comm_.all_gather(full[b], shard, Purpose::kFullGrads, b);
   }
   for (int64_t b = 0; b < n_buckets; ++b) {
     comm_.wait(works[b], [&] {

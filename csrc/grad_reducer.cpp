@@ -309,21 +309,21 @@ void GradReducer::launch(int64_t b) {
     bucket.staging.div_(divisor);
   }
   if (layout_.ddp_in_place()) {
-    bucket.work = comm_.all_reduce_sum(bucket.staging);
+    bucket.work = comm_.all_reduce_sum(bucket.staging, Purpose::kGradReduce, b);
   } else if (layout_.replicated()) {
     bucket.reduce_out = bucket.staging;
-    bucket.work = comm_.all_reduce_sum(bucket.staging);
+    bucket.work = comm_.all_reduce_sum(bucket.staging, Purpose::kGradReduce, b);
   } else if (comm_.distributed() && bucket.staging.device().is_cpu()) {
     // Gloo runs a reduce-scatter as an all-reduce plus a copy made inside
     // wait(), where no bounded wait (see communicator.h) can see it finish.
     // The same all-reduce issued here, in place, then read at this rank's shard.
     bucket.reduce_out = bucket.staging.narrow(0, layout_.shard_start(b), shape.shard);
-    bucket.work = comm_.all_reduce_sum(bucket.staging);
+    bucket.work = comm_.all_reduce_sum(bucket.staging, Purpose::kGradReduce, b);
   } else {
     const bool direct = !bucket.defers && !bucket.accum_has_value && bucket.accum.dtype() == bucket.staging.dtype() &&
                         bucket.accum.device() == bucket.staging.device();
     bucket.reduce_out = direct ? bucket.accum : at::empty({shape.shard}, bucket.staging.options());
-    bucket.work = comm_.reduce_scatter_sum(bucket.reduce_out, bucket.staging);
+    bucket.work = comm_.reduce_scatter_sum(bucket.reduce_out, bucket.staging, Purpose::kGradReduce, b);
   }
   bucket.phase = BucketPhase::kInFlight;
   in_flight_.push_back(b);
@@ -369,7 +369,7 @@ void GradReducer::issue_replica_reduction(int64_t b) {
     bucket.result_unscaled = true;
     result = &bucket.reduce_out;
   }
-  bucket.replica_work = replica_comm_.all_reduce_sum(*result);
+  bucket.replica_work = replica_comm_.all_reduce_sum(*result, Purpose::kReplicaReduce, b);
   bucket.replica_pending = false;
 }
 

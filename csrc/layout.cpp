@@ -128,15 +128,17 @@ std::string Layout::describe_bucket(int64_t b, const std::string& where) const {
   const BucketShape& bucket = buckets_[b];
   std::ostringstream out;
   out << "bucket " << b << " of " << buckets_.size() << " (stage " << stage_ << ", " << bucket.count
-      << " parameters from '" << names_[bucket.first] << "', " << bucket.padded << " elements; "
-      << where << ")";
+      << " parameters from '" << names_[bucket.first] << "', " << bucket.padded << " elements"
+      << (where.empty() ? "" : "; ") << where << ")";
   return out.str();
 }
 
 std::string Layout::describe_unit(int64_t u) const {
   std::ostringstream out;
   out << "unit " << u;
-  if (u < num_units() && !unit_buckets_[u].empty()) {
+  if (u < static_cast<int64_t>(unit_names_.size())) {
+    out << " '" << (unit_names_[u].empty() ? std::string("(the root)") : unit_names_[u]) << "'";
+  } else if (u < num_units() && !unit_buckets_[u].empty()) {
     out << " (parameters from '" << names_[buckets_[unit_buckets_[u].front()].first] << "')";
   }
   return out.str();

@@ -104,6 +104,8 @@ class Layout {
 
   std::string describe_bucket(int64_t b, const std::string& where) const;
   std::string describe_unit(int64_t u) const;
+  // Stage 3: each unit's module path (root ""), for messages only.
+  void set_unit_names(std::vector<std::string> names) { unit_names_ = std::move(names); }
 
  private:
   std::vector<ShardPiece> pieces_of(int64_t rank, int64_t shard_elements_per_rank, bool trainable_only) const;
@@ -121,6 +123,7 @@ class Layout {
   std::vector<BucketShape> buckets_;
   std::vector<ShardPiece> segments_;
   std::vector<std::vector<int64_t>> unit_buckets_;
+  std::vector<std::string> unit_names_;
 };
 
 } // namespace zero_ext

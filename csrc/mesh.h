@@ -43,13 +43,16 @@ class Mesh {
   bool failed() const { return shard_.failed() || replica_.failed(); }
 
   // Every rank ends with mesh rank 0's values, in place. `what(k)` names
-  // tensor k in errors.
-  void broadcast_from_rank0(std::vector<at::Tensor> tensors,
-                            const std::function<std::string(size_t)>& what) const;
+  // tensor k in errors; `subjects[k]` is its subject (empty: k), and
+  // `label` the description a sequence check shows (kPython).
+  void broadcast_from_rank0(std::vector<at::Tensor> tensors, Purpose purpose, const std::vector<int64_t>& subjects,
+                            const std::function<std::string(size_t)>& what, const std::string& label = {}) const;
   // Sum (or max) over every rank, in place.
-  void all_reduce(at::Tensor& tensor, bool max, const std::function<std::string()>& what) const;
+  void all_reduce(at::Tensor& tensor, bool max, Purpose purpose, const std::string& label,
+                  const std::function<std::string()>& what) const;
   // `out` gets size() blocks of `in`'s numel, in mesh-rank order.
-  void all_gather(at::Tensor& out, at::Tensor& in, const std::function<std::string()>& what) const;
+  void all_gather(at::Tensor& out, at::Tensor& in, Purpose purpose, const std::string& label,
+                  const std::function<std::string()>& what) const;
 
  private:
   Communicator& shard_;

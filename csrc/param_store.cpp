@@ -73,7 +73,7 @@ ParamStore::ParamStore(std::vector<at::Tensor> params, const Layout& layout, con
     release_storage(values.flat);
     for (int64_t i = shape.first; i < shape.first + shape.count; ++i) {
       released_[i] = unreadable_storage(
-          values.flat.device(),
+          values.flat.device(), (values.flat.storage_offset() + shape.padded) * values.flat.element_size(),
           "zero_ext: parameter '" + layout_.name(i) + "' is sharded (stage 3) and holds no data "
           "outside its unit's forward and backward. Read or change it inside `with "
           "zero_ext.full_params(model):` (collective: every rank enters it; writeback=True "
@@ -105,7 +105,7 @@ ParamStore::ParamStore(std::vector<at::Tensor> params, const Layout& layout, con
     }
   }
   if (!deferred) {
-    mesh_.broadcast_from_rank0(to_broadcast, [&](size_t b) {
+    mesh_.broadcast_from_rank0(to_broadcast, Purpose::kInitBroadcast, {}, [&](size_t b) {
       return "initial broadcast of parameters from rank 0 (" +
              layout_.describe_bucket(static_cast<int64_t>(b), progress_.where()) + ")";
     });
@@ -192,7 +192,7 @@ void ParamStore::end_materialize(const std::vector<int64_t>& buckets) {
     TORCH_CHECK(materializing_[b].defined(), "zero_ext internal: bucket ", b, " is not being materialized");
     opened.push_back(materializing_[b]);
   }
-  mesh_.broadcast_from_rank0(opened, [&](size_t k) {
+  mesh_.broadcast_from_rank0(opened, Purpose::kMaterialize, buckets, [&](size_t k) {
     return "broadcast of initialized parameters from rank 0 (" +
            layout_.describe_bucket(buckets[k], progress_.where()) + ")";
   });
@@ -350,7 +350,7 @@ void ParamStore::all_gather_updated(const std::function<bool(int64_t)>& touched)
   std::vector<c10::intrusive_ptr<c10d::Work>> works(values_.size());
   for (size_t b = 0; b < values_.size(); ++b) {
     if (touched(static_cast<int64_t>(b))) {
-      works[b] = comm_.all_gather(values_[b].flat, values_[b].shard);
+      works[b] = comm_.all_gather(values_[b].flat, values_[b].shard, Purpose::kStepGather, static_cast<int64_t>(b));
     }
   }
   for (size_t b = 0; b < values_.size(); ++b) {
@@ -392,7 +392,7 @@ std::vector<at::Tensor> ParamStore::full_masters_of(const std::vector<int64_t>& 
     }
     shard = shard.to(values.flat.device());
     full[k] = at::empty({layout_.bucket(b).padded}, shard.options());
-    works[k] = comm_.all_gather(full[k], shard);
+    works[k] = comm_.all_gather(full[k], shard, Purpose::kMasters, b);
   }
   for (size_t k = 0; k < buckets.size(); ++k) {
     comm_.wait(works[k], [&] {

@@ -51,7 +51,7 @@ void RankAgreement::start(const GradReducer& reducer, UnitScheduler* units, cons
   if (nonfinite.defined()) {
     exchange.values.narrow(0, n + 1, 1).copy_(nonfinite.reshape({1}));
   }
-  exchange.work = mesh_.shard().all_reduce_sum(exchange.values);
+  exchange.work = mesh_.shard().all_reduce_sum(exchange.values, Purpose::kAgreement);
   if (mesh_.hybrid()) {
     exchange.replica_pending = true;
     if (!mesh_.shard().waits_on_host(device.type())) {
@@ -69,7 +69,7 @@ std::string RankAgreement::describe() const {
 void RankAgreement::issue_across_replicas(Exchange& exchange) {
   mesh_.shard().wait(exchange.work, [&] { return describe(); });
   exchange.work.reset();
-  exchange.replica_work = mesh_.replica().all_reduce_sum(exchange.values);
+  exchange.replica_work = mesh_.replica().all_reduce_sum(exchange.values, Purpose::kAgreement);
   exchange.replica_pending = false;
 }
 
@@ -124,7 +124,8 @@ Agreed RankAgreement::settle(GradReducer& reducer) {
 
 bool RankAgreement::any_nonfinite(const at::Tensor& nonfinite, const c10::Device& device) {
   at::Tensor flag = nonfinite.reshape({1}).to(device);
-  mesh_.all_reduce(flag, /*max=*/false, [] { return std::string("exchange of the non-finite gradient flag"); });
+  mesh_.all_reduce(flag, /*max=*/false, Purpose::kNonfiniteFlag, {},
+                   [] { return std::string("exchange of the non-finite gradient flag"); });
   return flag.item<float>() > 0.0f;
 }
 

@@ -39,9 +39,11 @@ ShardedModel::ShardedModel(std::vector<at::Tensor> params, std::vector<std::stri
                            std::string gather_group_name, std::string replica_group_name, int64_t prefetch,
                            std::optional<c10::ScalarType> compute_dtype,
                            std::optional<c10::ScalarType> reduce_dtype, bool offload, bool deferred)
-    : comm_(group_name),
-      gather_comm_(gather_group_name.empty() ? group_name : gather_group_name),
-      replica_comm_(replica_group_name),
+    : issue_counts_(std::make_shared<IssueCounts>()),
+      comm_(group_name, GroupSlot::kShard, issue_counts_),
+      gather_comm_(stage == 3 ? (gather_group_name.empty() ? group_name : gather_group_name) : std::string(),
+                   GroupSlot::kGather, issue_counts_),
+      replica_comm_(replica_group_name, GroupSlot::kReplica, issue_counts_),
       mesh_(comm_, replica_comm_),
       layout_(make_layout(params, std::move(names), std::move(trainable), params_per_bucket, unit_of_bucket,
                           stage, compute_dtype, reduce_dtype, offload, comm_)),
@@ -73,12 +75,36 @@ void ShardedModel::arm_epilogue() {
   if (round_.armed()) {
     return;
   }
+  enter_backward_round();
   round_.arm([model = self()]() { dispatch::run_epilogue(model); });
+}
+
+void ShardedModel::enter_backward_round() {
+  // Once per backward (its epilogue ends it), not per graph task: a
+  // reentrant checkpoint's inner backward is no boundary, since buckets and
+  // replica all-reduces may go out on either side of it, differently per rank.
+  if (in_backward_round_ || current_backward().graph_task_id < 0 || !hooks_.backward_reaches_params()) {
+    return;
+  }
+  in_backward_round_ = true;
+  begin_round(RoundKind::kBackward);
+}
+
+void ShardedModel::begin_round(RoundKind kind, int64_t detail, const std::string& label) {
+  const int64_t key = round_key(kind, detail);
+  comm_.begin_round(key, label);
+  gather_comm_.begin_round(key, label);
+  replica_comm_.begin_round(key, label);
+}
+
+void ShardedModel::begin_python_round(const std::string& what) {
+  begin_round(RoundKind::kPython, static_cast<int64_t>(hash_text(what)), what);
 }
 
 void ShardedModel::run_epilogue() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (units_) drain_deferred_uses();
+  in_backward_round_ = false;  // what follows is no longer this backward's
   round_.run_epilogue(sync_);
 }
 
@@ -151,6 +177,12 @@ void ShardedModel::attach_output_hook(const at::Tensor& output) {
 void ShardedModel::begin_forward() {
   reset_if_stale();
   check_param_shapes();
+  if (current_backward().graph_task_id < 0) {  // a checkpoint's recompute stays in its backward's round
+    std::lock_guard<std::mutex> lock(mutex_);
+    in_backward_round_ = false;  // a backward that raised before its epilogue is over
+    const bool grad = at::GradMode::is_enabled();
+    begin_round(RoundKind::kForward, grad ? 1 : 0);
+  }
   if (units_) {
     dispatch::gather_unit(self(), 0, /*backward=*/false);  // the root unit
   }
@@ -170,6 +202,7 @@ void ShardedModel::end_forward(std::vector<at::Tensor> outputs) {
 void ShardedModel::pre_forward(int64_t u) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!units_) return;  // stages 0-2: parameters are never released
+  enter_backward_round();  // a checkpoint's recompute
   drain_deferred_uses();
   units_->pre_forward(u);
 }
@@ -208,6 +241,7 @@ void ShardedModel::post_forward(int64_t u, std::vector<at::Tensor> outputs) {
 void ShardedModel::pre_backward(int64_t u) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!units_) return;  // stages 0-2: parameters are never released
+  enter_backward_round();
   drain_deferred_uses();
   units_->pre_backward(u);
 }
@@ -283,12 +317,14 @@ void ShardedModel::note_untracked_use(int64_t u) {
 void ShardedModel::gather_all() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!units_) return;  // stages 0-2: parameters are never released
+  begin_round(RoundKind::kInspect);
   units_->gather_all();
 }
 
 void ShardedModel::gather_units_of(std::vector<int64_t> param_indices) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!units_) return;  // stages 0-2: parameters are never released
+  begin_round(RoundKind::kInspect);
   units_->gather_units_of(param_indices);
 }
 
@@ -339,6 +375,7 @@ double ShardedModel::loss_scale() { return gate_.scaler().scale(); }
 bool ShardedModel::loss_scaling() { return gate_.scaler().enabled(); }
 bool ShardedModel::found_nonfinite() {
   std::lock_guard<std::mutex> lock(mutex_);
+  begin_round(RoundKind::kSettle);
   round_.settle(/*keep=*/true);  // known once the exchanges are read
   return gate_.found_nonfinite();
 }
@@ -351,6 +388,7 @@ void ShardedModel::set_skip_nonfinite(bool skip) {
 int64_t ShardedModel::begin_step() {
   std::lock_guard<std::mutex> lock(mutex_);
   round_.check_usable();
+  begin_round(RoundKind::kStep);
   round_.settle(/*keep=*/true);  // the one host read of the step
   if (units_) {
     units_->finish_gathers();  // the step writes shards a prefetch may still read
@@ -427,12 +465,64 @@ void ShardedModel::check_param_shapes() { store_.check_shapes(); }
 void ShardedModel::enable_stall_diagnosis(double seconds, std::string key_space,
                                           std::vector<int64_t> shard_mesh_ranks,
                                           std::vector<int64_t> replica_mesh_ranks) {
-  if (!store_.device().is_cpu()) {
-    return;  // NCCL: the watchdog bounds waits; a timed wait would block the host
+  std::lock_guard<std::mutex> lock(mutex_);
+  // NCCL: the watchdog bounds waits, and a timed wait would block the host;
+  // the stores still carry reports, and header waits are host waits.
+  const bool timed = comm_.waits_on_host(store_.device().type());
+  const int64_t replicas = replica_comm_.size();
+  const int64_t shard_size = comm_.size();
+  comm_.enable_stall_diagnosis(seconds, key_space, shard_mesh_ranks, replicas, shard_size, timed);
+  gather_comm_.enable_stall_diagnosis(seconds, key_space, shard_mesh_ranks, replicas, shard_size, timed);
+  replica_comm_.enable_stall_diagnosis(seconds, key_space, replica_mesh_ranks, replicas, shard_size, timed);
+}
+
+void ShardedModel::enable_collective_checks(std::string shard_headers, std::string gather_headers,
+                                            std::string replica_headers) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto describe = [this](const CollectiveId& id, const std::string& label) {
+    return describe_collective(id, label);
+  };
+  auto progress = [this] { return gate_.progress(); };
+  auto order = std::make_shared<SequenceOrder>();
+  // Across replicas on gloo, a bucket's all-reduce is submitted when a host
+  // poll sees its reduction done, a moment that differs between ranks: it
+  // keeps its own group's order only (collective_sequence.h).
+  const bool replicas_in_order = !comm_.waits_on_host(store_.device().type());
+  comm_.enable_sequence_checks(shard_headers, order, true, describe, progress);
+  gather_comm_.enable_sequence_checks(gather_headers, order, true, describe, progress);
+  replica_comm_.enable_sequence_checks(replica_headers, order, replicas_in_order, describe, progress);
+}
+
+void ShardedModel::set_unit_names(std::vector<std::string> names) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  layout_.set_unit_names(std::move(names));
+}
+
+std::string ShardedModel::describe_collective(const CollectiveId& id, const std::string& label) const {
+  const std::string op = op_name(id.op);
+  const bool bucket = id.subject >= 0 && id.subject < layout_.num_buckets();
+  auto bucket_text = [&] {
+    return bucket ? layout_.describe_bucket(id.subject, "") : "bucket " + std::to_string(id.subject);
+  };
+  switch (id.purpose) {
+    case Purpose::kUnitGather:
+      return "the " + op + " of the parameters of " +
+             (bucket ? layout_.describe_unit(layout_.bucket(id.subject).unit) : std::string("a unit")) +
+             " (bucket " + std::to_string(id.subject) + ")";
+    case Purpose::kGradReduce: return "the gradient " + op + " of " + bucket_text();
+    case Purpose::kReplicaReduce: return "the " + op + " across replicas of the gradient of " + bucket_text();
+    case Purpose::kDeferredSync: return "the " + op + " across replicas of deferred gradients of " + bucket_text();
+    case Purpose::kAgreement: return "the exchange of which parameters got gradients";
+    case Purpose::kNonfiniteFlag: return "the exchange of the non-finite gradient flag";
+    case Purpose::kStepGather: return "the " + op + " of updated parameters of " + bucket_text();
+    case Purpose::kInitBroadcast: return "wrap()'s " + op + " of " + bucket_text();
+    case Purpose::kMaterialize: return "the " + op + " of initialized parameters of " + bucket_text();
+    case Purpose::kMasters: return "the " + op + " of master weights of " + bucket_text();
+    case Purpose::kFullGrads: return "the " + op + " of gradients for full_grads() of " + bucket_text();
+    case Purpose::kPython: return "the " + op + " for " + (label.empty() ? std::string("a Python call") : label);
+    case Purpose::kHeader: break;
   }
-  comm_.enable_stall_diagnosis(seconds, key_space, shard_mesh_ranks);
-  gather_comm_.enable_stall_diagnosis(seconds, key_space, shard_mesh_ranks);
-  replica_comm_.enable_stall_diagnosis(seconds, key_space, replica_mesh_ranks);
+  return op + " (" + std::to_string(id.numel) + " elements)";
 }
 
 int64_t ShardedModel::stall_queries() const {
@@ -465,6 +555,7 @@ bool ShardedModel::replica_sync() { return reducer_.replica_sync(); }
 void ShardedModel::zero_grad(bool set_to_none) {
   std::lock_guard<std::mutex> lock(mutex_);
   round_.check_not_running();
+  begin_round(RoundKind::kZeroGrad);
   round_.reset_if_stale();  // never zero buffers a collective may still write
   round_.settle(/*keep=*/false);
   gate_.clear_nonfinite();

@@ -30,6 +30,7 @@
 
 #include "autograd_hooks.h"
 #include "backward_round.h"
+#include "collective_sequence.h"
 #include "communicator.h"
 #include "fault_injection.h"
 #include "grad_reducer.h"
@@ -136,6 +137,13 @@ class ShardedModel : public torch::CustomClassHolder {
   // *_mesh_ranks: the mesh rank of each member of the group, by group rank.
   void enable_stall_diagnosis(double seconds, std::string key_space, std::vector<int64_t> shard_mesh_ranks,
                               std::vector<int64_t> replica_mesh_ranks);
+  // [Note: collectives that prove what they are] (collective_sequence.h):
+  // header groups (gloo, "" where none) for the shard, gather and replica
+  // groups. Before enable_stall_diagnosis.
+  void enable_collective_checks(std::string shard_headers, std::string gather_headers,
+                                std::string replica_headers);
+  // Stage 3: each unit's module path, for messages.
+  void set_unit_names(std::vector<std::string> names);
   // [Note: whereabouts] in communicator.h: called from the answering thread,
   // touch only the store (never the model's state), so they need no lock.
   int64_t stall_queries() const;
@@ -159,6 +167,9 @@ class ShardedModel : public torch::CustomClassHolder {
   std::vector<bool> has_grad();
   bool has_masters();
   bool replicated();
+  // Whether a collective of this model failed or its ranks were found apart:
+  // its groups are out of step for good (never to be reused).
+  bool failed();
   std::vector<at::Tensor> full_masters();
   std::vector<at::Tensor> full_masters_of(std::vector<int64_t> buckets);
   void load_masters(std::vector<at::Tensor> full_params);
@@ -208,6 +219,14 @@ class ShardedModel : public torch::CustomClassHolder {
 
  private:
   void arm_epilogue();
+  // The next collective on each group starts a round of this kind.
+  void begin_round(RoundKind kind, int64_t detail = 0, const std::string& label = {});
+  // Inside a backward that reaches the parameters, its first event begins a
+  // backward round, whatever that event is (the order of hooks on one
+  // tensor differs between ranks whose graphs differ).
+  void enter_backward_round();
+  void begin_python_round(const std::string& what);
+  std::string describe_collective(const CollectiveId& id, const std::string& label) const;
   c10::intrusive_ptr<ShardedModel> self();
   // Before `output`'s gradient flows into the unit, gather it (backward:
   // prefetching in backward order, as a unit's pre-backward does).
@@ -217,12 +236,13 @@ class ShardedModel : public torch::CustomClassHolder {
   void launch_unit_reductions(int64_t u);
   void drain_deferred_uses();  // under mutex_
 
+  std::shared_ptr<IssueCounts> issue_counts_;  // shared by the communicators below
   Communicator comm_;
   // Stage 3 gathers on a group of its own (see units.h).
   Communicator gather_comm_;
   Communicator replica_comm_;
   Mesh mesh_;
-  std::vector<std::string> issue_log_;
+  IssueLog issue_log_;
   Layout layout_;
   StepGate gate_;
   ParamStore store_;
@@ -233,6 +253,7 @@ class ShardedModel : public torch::CustomClassHolder {
   FaultInjector faults_;
   BackwardRound round_;
   bool sync_ = true;
+  bool in_backward_round_ = false;  // a backward round began and its epilogue has not run
   std::mutex mutex_;
   std::mutex deferred_mutex_;  // guards only deferred_uses_
   std::vector<std::pair<int64_t, int64_t>> deferred_uses_;  // (unit, round)

@@ -30,6 +30,7 @@ std::vector<int64_t> ShardedModel::segment_param_starts() {
 
 std::vector<at::Tensor> ShardedModel::full_grads() {
   std::lock_guard<std::mutex> lock(mutex_);
+  begin_round(RoundKind::kSettle, 1);
   round_.settle(/*keep=*/true);
   return reducer_.full_grads();
 }
@@ -46,11 +47,13 @@ bool ShardedModel::replicated() { return layout_.replicated(); }
 
 std::vector<at::Tensor> ShardedModel::full_masters() {
   std::lock_guard<std::mutex> lock(mutex_);
+  begin_round(RoundKind::kInspect, 1);
   return store_.full_masters();
 }
 
 std::vector<at::Tensor> ShardedModel::full_masters_of(std::vector<int64_t> buckets) {
   std::lock_guard<std::mutex> lock(mutex_);
+  begin_round(RoundKind::kInspect, 2);
   return store_.full_masters_of(buckets);
 }
 
@@ -100,11 +103,13 @@ void ShardedModel::restore_loss_scaler(double scale, int64_t clean_steps, int64_
 void ShardedModel::settle() {
   std::lock_guard<std::mutex> lock(mutex_);
   round_.check_usable();
+  begin_round(RoundKind::kSettle);
   round_.settle(/*keep=*/true);
 }
 
 void ShardedModel::refresh_params_from_shards() {
   std::lock_guard<std::mutex> lock(mutex_);
+  begin_round(RoundKind::kLoad);
   round_.settle(/*keep=*/false);
   reducer_.forget_accumulated();  // a loaded model starts with no gradient
   store_.forget_compute_copy_written();
@@ -130,12 +135,17 @@ void ShardedModel::end_materialize(std::vector<int64_t> buckets) {
 
 std::string ShardedModel::grad_layout() { return grad_layout_name(layout_.grad_layout()); }
 
+bool ShardedModel::failed() { return mesh_.failed() || gather_comm_.failed(); }
+
 c10::Dict<std::string, int64_t> ShardedModel::stats() {
   c10::Dict<std::string, int64_t> out;
   out.insert("epilogues", round_.epilogues_run());
   out.insert("synced_epilogues", round_.synced_epilogues());
   out.insert("late_rounds", round_.late_rounds());
   out.insert("agreement_reads", agreement_.host_reads());
+  out.insert("blocking_headers", comm_.blocking_headers() + gather_comm_.blocking_headers() +
+                                     replica_comm_.blocking_headers());
+  out.insert("ahead_headers", comm_.ahead_headers() + gather_comm_.ahead_headers() + replica_comm_.ahead_headers());
   out.insert("last_graph_task", round_.last_graph_task());
   out.insert("last_keep_graph", round_.last_keep_graph() ? 1 : 0);
   out.insert("collectives", comm_.collectives_issued());
@@ -180,9 +190,9 @@ void ShardedModel::log_issues(bool on) {
 }
 
 std::vector<std::string> ShardedModel::take_issue_log() {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(issue_log_.mutex);
   std::vector<std::string> out;
-  out.swap(issue_log_);
+  out.swap(issue_log_.lines);
   return out;
 }
 
@@ -193,37 +203,47 @@ void ShardedModel::set_test_fault(std::string point, int64_t step) {
 
 // --- Python's collectives on zero_ext's own group ----------------------------
 
+// Each call is a round of its own (see [Note: collectives that prove what
+// they are] in collective_sequence.h), keyed by its description.
 void ShardedModel::group_all_reduce(at::Tensor tensor, bool max, std::string what) {
   std::lock_guard<std::mutex> lock(mutex_);
-  auto work = max ? comm_.all_reduce_max(tensor) : comm_.all_reduce_sum(tensor);
+  begin_python_round(what);
+  const auto subject = static_cast<int64_t>(hash_text(what));
+  auto work = max ? comm_.all_reduce_max(tensor, Purpose::kPython, subject, what)
+                  : comm_.all_reduce_sum(tensor, Purpose::kPython, subject, what);
   comm_.wait(work, [&what] { return what; });
 }
 
 void ShardedModel::group_broadcast_from_rank0(at::Tensor tensor, std::string what) {
   std::lock_guard<std::mutex> lock(mutex_);
-  auto work = comm_.broadcast_from_rank0(tensor);
+  begin_python_round(what);
+  auto work = comm_.broadcast_from_rank0(tensor, Purpose::kPython, static_cast<int64_t>(hash_text(what)), what);
   comm_.wait(work, [&what] { return what; });
 }
 
 void ShardedModel::group_all_gather(at::Tensor out, at::Tensor in, std::string what) {
   std::lock_guard<std::mutex> lock(mutex_);
-  auto work = comm_.all_gather(out, in);
+  begin_python_round(what);
+  auto work = comm_.all_gather(out, in, Purpose::kPython, static_cast<int64_t>(hash_text(what)), what);
   comm_.wait(work, [&what] { return what; });
 }
 
 void ShardedModel::mesh_all_reduce(at::Tensor tensor, bool max, std::string what) {
   std::lock_guard<std::mutex> lock(mutex_);
-  mesh_.all_reduce(tensor, max, [&what] { return what; });
+  begin_python_round(what);
+  mesh_.all_reduce(tensor, max, Purpose::kPython, what, [&what] { return what; });
 }
 
 void ShardedModel::mesh_broadcast_from_rank0(at::Tensor tensor, std::string what) {
   std::lock_guard<std::mutex> lock(mutex_);
-  mesh_.broadcast_from_rank0({tensor}, [&what](size_t) { return what; });
+  begin_python_round(what);
+  mesh_.broadcast_from_rank0({tensor}, Purpose::kPython, {}, [&what](size_t) { return what; }, what);
 }
 
 void ShardedModel::mesh_all_gather(at::Tensor out, at::Tensor in, std::string what) {
   std::lock_guard<std::mutex> lock(mutex_);
-  mesh_.all_gather(out, in, [&what] { return what; });
+  begin_python_round(what);
+  mesh_.all_gather(out, in, Purpose::kPython, what, [&what] { return what; });
 }
 
 } // namespace zero_ext

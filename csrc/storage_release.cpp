@@ -30,11 +30,12 @@ bool storage_is_released(const at::Tensor& tensor) {
   return tensor.storage().nbytes() == 0;
 }
 
-c10::Storage unreadable_storage(c10::Device device, const std::string& message) {
+c10::Storage unreadable_storage(c10::Device device, size_t nbytes, const std::string& message) {
   auto impl = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), 0,
                                                     at::DataPtr(nullptr, device), nullptr,
                                                     /*resizable=*/false);
   impl->release_data_and_set_meta_custom_data_ptr_error_msg_(message);
+  impl->set_nbytes(nbytes);  // views are bounds-checked against it: see the note
   return c10::Storage(std::move(impl));
 }
 
@@ -45,8 +46,10 @@ at::Tensor unreadable_like(const at::Tensor& like, const std::string& message) {
 at::Tensor unreadable_tensor(std::vector<int64_t> sizes, c10::ScalarType dtype, c10::Device device,
                              std::string message) {
   at::Tensor out = at::empty({0}, at::TensorOptions().dtype(dtype).device(device));
+  int64_t numel = 1;
+  for (int64_t d : sizes) numel *= d;
   c10::TensorImpl* impl = out.unsafeGetTensorImpl();
-  impl->set_storage_keep_dtype(unreadable_storage(device, message));
+  impl->set_storage_keep_dtype(unreadable_storage(device, numel * c10::elementSize(dtype), message));
   impl->set_sizes_contiguous(sizes);
   return out;
 }

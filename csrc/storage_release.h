@@ -17,6 +17,11 @@
 // access (torch's custom data-pointer error, the mechanism fake tensors use);
 // gathering points it back at the unit's buffer. Only the parameter tensors
 // move: views autograd saved keep the buffer's storage and see it regrown.
+// The storage claims the bytes the tensor needs: views are bounds-checked
+// against the storage's size before any data is read (F.linear transposes
+// the weight first), so a storage of 0 bytes would end such an op in torch's
+// "out of bounds for storage of size 0" instead of the message. Such a
+// storage is never resizable, which is how Python tells it apart.
 
 #include <string>
 #include <vector>
@@ -33,8 +38,8 @@ void release_storage(const at::Tensor& tensor);
 // allocator, so this works for any device without device-specific code.
 void grow_storage(const at::Tensor& tensor, size_t nbytes);
 bool storage_is_released(const at::Tensor& tensor);
-// A storage of no memory whose data access raises `message`.
-c10::Storage unreadable_storage(c10::Device device, const std::string& message);
+// A storage of no memory that claims `nbytes` and whose data access raises `message`.
+c10::Storage unreadable_storage(c10::Device device, size_t nbytes, const std::string& message);
 // Points `tensor` at `storage`, keeping its sizes, strides, offset and version counter.
 void point_at(const at::Tensor& tensor, const c10::Storage& storage);
 // A tensor of `like`'s shape, dtype and device with no memory, whose data

@@ -59,7 +59,7 @@ void UnitScheduler::start_gather(int64_t u) {
   for (int64_t b : unit.buckets) {
     store_.regrow_flat(b);
     at::Tensor input = store_.gather_input(b);
-    gather_work_[b] = gather_comm_.all_gather(store_.flat_mut(b), input);
+    gather_work_[b] = gather_comm_.all_gather(store_.flat_mut(b), input, Purpose::kUnitGather, b);
     ++param_gathers_;
   }
   if (u < static_cast<int64_t>(gathers_since_exchange_.size()) && !unit.buckets.empty()) {

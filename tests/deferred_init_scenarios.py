@@ -41,15 +41,16 @@ def unit_of(name: str) -> int:
 class BytesAtEachInit:
     """A param_init_fn that runs the module's own reset_parameters() (the
     default's values) and records, at each call, the bytes of the full
-    buffers the model's parameters view (closed stage 3 units view storages
-    of no memory)."""
+    buffers the model's parameters view (closed stage 3 units view
+    unreadable storages of no memory, never resizable)."""
 
     def __init__(self, model: nn.Module):
         self.params = list(model.parameters())
         self.seen: List[int] = []
 
     def __call__(self, module: nn.Module) -> None:
-        storages = {p.untyped_storage()._cdata: p.untyped_storage().nbytes() for p in self.params}
+        storages = {p.untyped_storage()._cdata: p.untyped_storage().nbytes() for p in self.params
+                    if p.untyped_storage().resizable()}
         self.seen.append(sum(storages.values()))
         if isinstance(module, InitBlocks):  # only its buffer is meta (built under torch.device("meta"))
             module.scale.copy_(InitBlocks.SCALE)

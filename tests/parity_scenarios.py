@@ -423,6 +423,27 @@ def no_sync_accumulation(ctx: Context, **options) -> None:
         step_and_record(ctx, model, opt, step)
 
 
+def ddp_require_backward_grad_sync(ctx: Context) -> None:
+    """nanoGPT's DDP idiom: `model.require_backward_grad_sync = (micro ==
+    last)` instead of no_sync(); the micro-steps before the last reduce
+    nothing (no collective on any group) and accumulate like one process."""
+    model = Net()
+    model, opt = ctx.wrap(model, sgd(model))
+    quiet = []
+    for step in range(2):
+        for micro in range(4):
+            if not ctx.reference:
+                model.require_backward_grad_sync = micro == 3
+                before = model._zero_ext.core.stats()["collectives"]
+            mlp_loss(ctx, model, step, salt=micro).backward()
+            if not ctx.reference and micro < 3:
+                quiet.append(model._zero_ext.core.stats()["collectives"] == before)
+        step_and_record(ctx, model, opt, step)
+    ctx.record_check("no collective in the micro-steps with require_backward_grad_sync False",
+                     ctx.reference or all(quiet))
+    ctx.record_check("require_backward_grad_sync reads back", ctx.reference or model.require_backward_grad_sync)
+
+
 def _replica_traffic_and_bytes(ctx: Context, model: nn.Module, collectives_before: int, backwards: int,
                                deferring: bool = True, **options) -> List[bool]:
     """While backwards keep the all-reduce across replicas back (hybrid,
@@ -1574,6 +1595,7 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
         four_backward_per_step,
         varying_backward_per_step,
         no_sync_accumulation,
+        ddp_require_backward_grad_sync,
         replica_all_reduce_deferred_in_accumulation,
         replica_all_reduce_deferred_until_read,
         offload_replica_all_reduce_deferred_in_accumulation,

@@ -37,6 +37,9 @@ STAGE3_READS = textwrap.dedent("""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     zero_ext.wrap(model, opt, stage=3, units={nn.Linear})
     w = model[0].weight
+    F = torch.nn.functional
+    x = torch.randn(3, 4)
+    compiled_linear = torch.compile(lambda x, w: F.linear(x, w), backend="eager")
     reads = {
         "print": lambda: print(w),
         "norm": lambda: w.norm(),
@@ -45,6 +48,18 @@ STAGE3_READS = textwrap.dedent("""
         "numpy": lambda: w.detach().numpy().sum(),
         "data": lambda: w.data.sum(),
         "ema": lambda: [p.detach().mul(0.9) for p in model.parameters()],
+        # Ops that view the weight before reading it (a transpose, a reshape):
+        # bounds-checked against the storage first.
+        "linear": lambda: F.linear(x, w),
+        "matmul": lambda: x @ w.t(),
+        "mm": lambda: torch.mm(w, x.t()),
+        "bmm": lambda: torch.bmm(w.unsqueeze(0), x.t().unsqueeze(0)),
+        "embedding": lambda: F.embedding(torch.tensor([0, 1]), w),
+        "conv1d": lambda: F.conv1d(torch.randn(1, 4, 5), w.unsqueeze(-1)),
+        "layer_norm": lambda: F.layer_norm(x, (4,), weight=w[0]),
+        "indexing": lambda: w[2, 1:].sum(),
+        "view": lambda: w.view(-1)[:3].sum(),
+        "compiled": lambda: compiled_linear(x, w),
     }
     for when in ("right after wrap", "after a step"):
         for name, read in reads.items():
@@ -70,7 +85,42 @@ def test_stage3_reads_outside_forward_raise_instead_of_crashing():
     done = subprocess.run([sys.executable, "-c", STAGE3_READS], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
     assert "NO ERROR" not in done.stdout, done.stdout
-    assert done.stdout.count("refused") == 14 and "full_params ok" in done.stdout, done.stdout
+    assert done.stdout.count("refused") == 2 * 17 and "full_params ok" in done.stdout, done.stdout
+
+
+PARENT_CALLS_A_UNITS_WEIGHT = textwrap.dedent("""
+    import torch, torch.nn as nn, torch.nn.functional as F, zero_ext
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x):
+            # The unit's forward never runs: its weight is read here directly.
+            return self.head(F.linear(x, self.proj.weight, self.proj.bias))
+
+    model = Model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    zero_ext.wrap(model, opt, stage=3, units={nn.Linear})
+    try:
+        model(torch.randn(3, 4))
+        print("NO ERROR")
+    except RuntimeError as error:
+        assert "zero_ext.full_params" in str(error) and "'proj." in str(error), str(error)
+        print("refused")
+""")
+
+
+def test_a_units_parameter_read_outside_its_forward_raises_zero_ext_error():
+    """A units= entry whose forward never runs (the parent reads its weight
+    with F.linear): zero_ext's message naming the parameter and
+    full_params, not torch's "out of bounds for storage of size 0"."""
+    done = subprocess.run([sys.executable, "-c", PARENT_CALLS_A_UNITS_WEIGHT], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    assert done.stdout.strip() == "refused", done.stdout
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

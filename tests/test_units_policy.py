@@ -1,7 +1,8 @@
 """Stage 3's default units policy: consecutive small blocks merge into units of
 at least bucket_mb (explicit units= never merge), parameters go to the right
-unit, and merged units train exactly like one process (world sizes 1 and 2,
-tests/units_scenarios.py)."""
+unit, only modules that run a forward of their own on every rank are chosen
+(no MoE experts, no ModuleDict/ModuleList), and merged units train exactly
+like one process (world sizes 1 and 2, tests/units_scenarios.py)."""
 import functools
 import os
 
@@ -95,29 +96,166 @@ def test_explicit_units_are_never_merged():
     assert wrapped._zero_ext.core.stats()["units"] == 22
 
 
+# --- only modules that run a forward of their own on every rank every step ---------
+
+def test_experts_inside_blocks_stay_in_their_block():
+    from units_scenarios import TinyMoeModel  # named like transformers' Qwen2MoeModel: /moe/ in the owner's class
+
+    model = TinyMoeModel()
+    units = resolve_units(model, None, min_bytes=0)
+    assert units[1:] == [(layer,) for layer in model.blocks]
+    owner = assign_parameters(model, units)
+    for i, layer in enumerate(model.blocks):
+        assert all(owner[id(p)] == 1 + i for p in layer.mlp.experts.parameters())
+    merged = resolve_units(model, None, min_bytes=MiB)
+    assert merged[1:] == [tuple(model.blocks)]  # small blocks still merge; nothing below them is a unit
+
+
 class Expert(nn.Module):
     def __init__(self):
         super().__init__()
         self.w = nn.Linear(8, 8)
 
+    def forward(self, x):
+        return self.w(x)
 
-class MoEBlock(nn.Module):
+
+class FFN(Expert):
+    pass
+
+
+class MoELayer(nn.Module):
+    def __init__(self, attribute: str, expert: type):
+        super().__init__()
+        self.router = nn.Linear(8, 4)
+        setattr(self, attribute, nn.ModuleList(expert() for _ in range(4)))
+
+
+class Router(MoELayer):
+    pass
+
+
+@pytest.mark.parametrize("layer", [
+    lambda: Router("experts", FFN),  # the attribute's name
+    lambda: Router("ffns", Expert),  # the experts' class
+    lambda: MoELayer("ffns", FFN),  # the owner's class
+], ids=["attribute", "expert_class", "owner_class"])
+def test_experts_of_an_moe_outside_any_block_are_no_units(layer):
+    model = nn.Module()
+    model.embed = nn.Linear(8, 8)
+    model.moe = layer()
+    assert resolve_units(model, None, min_bytes=0) == [(model,)]
+
+
+class DictBlocksModel(nn.Module):
     def __init__(self):
         super().__init__()
-        self.attn = nn.Linear(8, 8)
-        self.experts = nn.ModuleList(Expert() for _ in range(4))
+        self.layers = nn.ModuleList(
+            nn.ModuleDict({"act": nn.GELU(), "attn": nn.Linear(8, 8), "mlp": nn.Linear(8, 8)}) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer["mlp"](layer["act"](layer["attn"](x)))
+        return x
 
 
-def test_nested_module_lists_merge_at_each_level():
-    model = nn.Module()
-    model.blocks = nn.ModuleList(MoEBlock() for _ in range(3))
-    units = resolve_units(model, None, min_bytes=MiB)
-    assert units[1] == tuple(model.blocks)
-    assert units[2:] == [tuple(b.experts) for b in model.blocks]
+def test_a_block_kept_as_a_module_dict_is_one_unit_of_its_parts():
+    model = DictBlocksModel()
+    for min_bytes in (0, MiB):  # never merged with its neighbours
+        units = resolve_units(model, None, min_bytes=min_bytes)
+        assert units[1:] == [(layer["attn"], layer["mlp"]) for layer in model.layers]
     owner = assign_parameters(model, units)
-    for i, block in enumerate(model.blocks):
-        assert owner[id(block.attn.weight)] == 1
-        assert all(owner[id(p)] == 2 + i for p in block.experts.parameters())
+    for i, layer in enumerate(model.layers):
+        assert all(owner[id(p)] == 1 + i for p in layer.parameters())
+
+
+class ParallelLists(nn.Module):
+    """Norms and linears in parallel lists, in a ModuleList the parent indexes."""
+
+    def __init__(self):
+        super().__init__()
+        self.stacks = nn.ModuleList([nn.ModuleList(nn.LayerNorm(8) for _ in range(3)),
+                                     nn.ModuleList(nn.Linear(8, 8) for _ in range(3))])
+
+    def forward(self, x):
+        for norm, linear in zip(*self.stacks):
+            x = x + torch.tanh(linear(norm(x)))
+        return x
+
+
+class PairLists(nn.Module):
+    """A ModuleList of [LayerNorm, Linear] pairs."""
+
+    def __init__(self):
+        super().__init__()
+        self.pairs = nn.ModuleList(nn.ModuleList([nn.LayerNorm(8), nn.Linear(8, 8)]) for _ in range(3))
+
+    def forward(self, x):
+        for norm, linear in self.pairs:
+            x = x + torch.tanh(linear(norm(x)))
+        return x
+
+
+class NestedDicts(nn.Module):
+    """A block holding a forward-less container with parameters: no unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.ModuleDict({"attn": nn.Linear(8, 8), "mlps": nn.ModuleList([nn.Linear(8, 8)])})
+                                    for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer["mlps"][0](layer["attn"](x))
+        return x
+
+
+@pytest.mark.parametrize("build,expected", [
+    (ParallelLists, lambda model: [tuple(stack) for stack in model.stacks]),
+    (PairLists, lambda model: [tuple(pair) for pair in model.pairs]),
+    (NestedDicts, lambda model: []),
+], ids=["parallel_lists", "pair_lists", "nested_dicts"])
+def test_no_container_without_forward_is_a_unit_and_training_works(build, expected):
+    import copy
+
+    torch.manual_seed(0)
+    model = build()
+    units = resolve_units(model, None, min_bytes=25 * MiB)
+    assert all(type(m).forward is not nn.Module.forward for unit in units[1:] for m in unit)
+    assert units[1:] == expected(model)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    zero_ext.wrap(model, opt, stage=3)
+    for step in range(2):
+        x = torch.randn(4, 8)
+        for m, o in ((model, opt), (reference, ref_opt)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    full = zero_ext.full_state_dict(model)
+    for name, p in reference.state_dict().items():
+        assert torch.equal(full[name], p), name
+
+
+@pytest.mark.parametrize("policy", [lambda m: isinstance(m, nn.ModuleDict), {nn.ModuleDict}])
+def test_explicit_units_without_a_forward_are_refused_by_path(policy):
+    model = DictBlocksModel()
+    with pytest.raises(ValueError, match=r"'layers\.0'.*pass the classes of the blocks inside it, or leave units=None"):
+        zero_ext.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3, units=policy)
+
+
+def test_transformers_moe_models_keep_their_layers_as_units():
+    """Qwen2MoeModel's class matches /moe/, yet its layers (each holding an
+    MoE) are no expert list: the owner-class rule must not skip them."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=16,
+                                         moe_intermediate_size=8, shared_expert_intermediate_size=8,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                         num_experts=4, num_experts_per_tok=1)
+    model = transformers.Qwen2MoeForCausalLM(config)
+    units = resolve_units(model, None, min_bytes=0)
+    assert units[1:] == [(layer,) for layer in model.model.layers]
 
 
 def test_tied_weights_belong_to_the_closest_common_unit():

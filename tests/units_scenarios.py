@@ -7,7 +7,11 @@ policy merges all blocks of a model into one unit (see
 zero_ext/_module.py, [Note: merged units]): the parity suite's Blocks
 scenarios run again that way, plus the cases merging adds (members skipped or
 out of order, called on their own, fed from outside the chain, hidden states
-with a loss of their own, no-grad forwards, nested merged units).
+with a loss of their own, no-grad forwards, experts inside blocks). One more
+keeps one unit per block and checks what the default policy must not choose
+(see zero_ext/_units.py): blocks kept as ModuleDicts, which have no forward of
+their own. MoE experts that routing skips differently per rank:
+tests/real_models_scenarios.py.
 """
 from __future__ import annotations
 
@@ -20,13 +24,17 @@ import torch.nn.functional as F
 import parity_scenarios as ps
 import zero_ext
 from parity_scenarios import BATCH, DIM, SEQ, VOCAB, Block, Blocks
+from real_models_scenarios import MoE
 
 
 class MergedContext(ps.Context):
     """The parity Context with wrap() at stage 3 and the default bucket_mb
-    and units policy (Blocks: every block in one merged unit)."""
+    and units policy (Blocks: every block in one merged unit). A scenario
+    that passes its own bucket_mb checks its units itself."""
 
     def wrap(self, model: nn.Module, opt: torch.optim.Optimizer, **options):
+        if "bucket_mb" in options:
+            return (model, opt) if self.reference else zero_ext.wrap(model, opt, stage=3, **options)
         blocks = sum(1 for m in model.modules() if isinstance(m, ps.Block))
         if self.reference:
             self.record_check("blocks merged into fewer units", True)
@@ -193,7 +201,7 @@ def no_grad_forwards_release_their_units(ctx: ps.Context) -> None:
 
 
 class Experts(nn.Module):
-    """A block of two small experts in a ModuleList: nested merged units."""
+    """A block of two small experts in a ModuleList, all run every step."""
 
     def __init__(self):
         super().__init__()
@@ -217,10 +225,74 @@ class ExpertBlocks(Blocks):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
 
 
-def nested_merged_units(ctx: ps.Context) -> None:
-    """Blocks merged into one unit, each holding its experts merged into a
-    unit of their own, inside it."""
+def experts_stay_in_their_block(ctx: ps.Context) -> None:
+    """Blocks merged into one unit; the experts inside them are no units of
+    their own (the default policy never looks below a block)."""
     ps._blocks(ctx, build=ExpertBlocks)
+
+
+# --- what the default policy must not choose ---------------------------------
+
+ONE_UNIT_PER_BLOCK_MB = 1e-4  # ~100 bytes: no two blocks merge
+
+
+class MoeDecoderLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.Linear(DIM, DIM)  # stands for attention: runs every step
+        self.mlp = MoE()  # experts in a ModuleList, skipped when no token picks them
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + torch.tanh(self.attn(h))
+        return h + self.mlp(h)
+
+
+class TinyMoeModel(Blocks):
+    """Decoder layers holding an MoE each. The class name matches /moe/ as
+    transformers' Qwen2MoeModel does: its layers are still the units."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(11)
+        self.blocks = nn.ModuleList(MoeDecoderLayer() for _ in range(3))
+        with torch.no_grad():
+            for p in self.blocks.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+
+
+def _units_per_block(ctx: ps.Context, model: nn.Module) -> None:
+    ctx.record_check("one unit per block", ctx.reference or
+                     model._zero_ext.core.stats()["units"] == 1 + len(model.blocks))
+
+
+class DictBlocks(Blocks):
+    """Blocks kept as ModuleDicts, their parts called by the parent: each
+    ModuleDict is one unit of its parts (attn, mlp; not the activation)."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(12)
+        self.blocks = nn.ModuleList(nn.ModuleDict({"attn": nn.Linear(DIM, DIM), "act": nn.Tanh(), "mlp": Block()})
+                                    for _ in range(3))
+        with torch.no_grad():
+            for p in self.blocks.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        h = self.embed(tokens)
+        for layer in self.blocks:
+            h = h + layer["act"](layer["attn"](h))
+            h = layer["mlp"](h)
+        return self.head(h)
+
+
+def module_dict_blocks(ctx: ps.Context) -> None:
+    model = DictBlocks()
+    model, opt = ctx.wrap(model, ps.adamw(model), bucket_mb=ONE_UNIT_PER_BLOCK_MB)
+    _units_per_block(ctx, model)
+    for step in range(3):
+        ps.token_loss(ctx, model, step).backward()
+        ps.step_and_record(ctx, model, opt, step)
 
 
 class SequentialMLP(nn.Sequential):
@@ -284,11 +356,14 @@ SCENARIOS: Dict[str, Callable[[ps.Context], None]] = {
         members_in_parallel,
         members_called_on_their_own,
         no_grad_forwards_release_their_units,
-        nested_merged_units,
+        experts_stay_in_their_block,
         sequential_with_activations,
         _merged_mixed("mixed_precision_bf16_tied_blocks"),
         _merged_mixed("mixed_precision_fp16_tied_blocks"),
         _merged_mixed("offload_fp16_tied_blocks"),
+        # what the default policy must not choose (one unit per block, not merged);
+        # MoE experts skipped by routing: tests/real_models_scenarios.py
+        module_dict_blocks,
     ]
 }
 

@@ -209,7 +209,7 @@ def _fill_for_loading(plan: DeferredPlan, core, ranks, bucketed, bucket_of, loca
                 if view.dtype.is_floating_point:
                     view.fill_(float("nan"))
             for p in bucketed:  # stages 0-2: the full compute copy each rank holds
-                if p.dtype.is_floating_point and p.untyped_storage().nbytes() > 0:
+                if p.dtype.is_floating_point and p.untyped_storage().resizable():  # not released
                     p.detach().fill_(float("nan"))
             for module in plan.modules:
                 params_made, buffers_made = _materialize_unbucketed(plan, module, bucket_of)

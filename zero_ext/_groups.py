@@ -41,9 +41,10 @@ def group_timeout(group: dist.ProcessGroup) -> Optional[datetime.timedelta]:
 class _Entry:
     group: dist.ProcessGroup
     owner: Optional["weakref.ref"] = None
+    broken: bool = False  # its model's collectives failed: some may still be pending on it
 
     def in_use(self) -> bool:
-        return self.owner is not None and self.owner() is not None
+        return self.broken or (self.owner is not None and self.owner() is not None)
 
 
 @dataclass
@@ -54,11 +55,41 @@ class _Pool:
 _pool = _Pool()
 
 
+def retire_if_failed(core, groups: List[dist.ProcessGroup]) -> None:
+    """Called once a model is gone: if its collectives failed (a peer died, the
+    ranks took different paths), collectives may be pending on its groups
+    forever, so they are never handed to another model. Every rank of a
+    failed model fails (a collective error reaches every rank), so every rank
+    keeps them busy alike."""
+    try:
+        failed = core.failed()
+    except Exception:  # noqa: BLE001 - a core that cannot answer is not trusted either
+        failed = True
+    if not failed:
+        return
+    ids = {id(g) for g in groups}
+    for entries in _pool.entries.values():
+        for entry in entries:
+            if id(entry.group) in ids:
+                entry.broken = True
+
+
+def pooled_groups() -> int:
+    """Groups this process holds in the pool, alive: the same on every rank
+    that wrapped the same models before (wrap() checks it: the pools' busy
+    flags are exchanged in one collective whose size is this count)."""
+    live = dist.distributed_c10d._world.pg_map
+    return sum(1 for entries in _pool.entries.values() for e in entries if e.group in live)
+
+
 def acquire_groups(base: dist.ProcessGroup, count: int, timeout: Optional[datetime.timedelta],
-                   device: torch.device, owner: object) -> List[dist.ProcessGroup]:
-    """`count` groups over `base`'s ranks for `owner`; collective over `base`."""
+                   device: torch.device, owner: object, backend: Optional[str] = None) -> List[dist.ProcessGroup]:
+    """`count` groups over `base`'s ranks for `owner`; collective over `base`.
+    `backend`: the groups' backend (default: `base`'s; the header groups of
+    the sequence checks are gloo whatever the data's backend)."""
     timeout = timeout or group_timeout(base)
-    key = (base.group_name, timeout.total_seconds() if timeout else None)
+    backend = backend or dist.get_backend(base)
+    key = (f"{backend}:{base.group_name}", timeout.total_seconds() if timeout else None)
     live = dist.distributed_c10d._world.pg_map
     # Groups from before a destroy_process_group() are gone: forget them.
     entries = [e for e in _pool.entries.get(key, []) if e.group in live]
@@ -73,7 +104,7 @@ def acquire_groups(base: dist.ProcessGroup, count: int, timeout: Optional[dateti
     while len(chosen) < count:
         kwargs = {"timeout": timeout} if timeout is not None else {}
         group = dist.new_group(
-            ranks=dist.get_process_group_ranks(base), backend=dist.get_backend(base),
+            ranks=dist.get_process_group_ranks(base), backend=backend,
             use_local_synchronization=base is not dist.group.WORLD, **kwargs,
         )
         entry = _Entry(group)
@@ -85,8 +116,8 @@ def acquire_groups(base: dist.ProcessGroup, count: int, timeout: Optional[dateti
 
 
 def acquire_mesh_groups(shard_base: dist.ProcessGroup, replicate_base: dist.ProcessGroup, count: int,
-                        timeout: Optional[datetime.timedelta], device: torch.device,
-                        owner: object) -> Tuple[List[dist.ProcessGroup], dist.ProcessGroup]:
+                        timeout: Optional[datetime.timedelta], device: torch.device, owner: object,
+                        backend: Optional[str] = None) -> Tuple[List[dist.ProcessGroup], dist.ProcessGroup]:
     """Hybrid sharding: `count` groups over this rank's row (`shard_base`'s
     ranks) and one over its column (`replicate_base`'s), for `owner`;
     collective over the whole mesh.
@@ -97,9 +128,10 @@ def acquire_mesh_groups(shard_base: dist.ProcessGroup, replicate_base: dist.Proc
     spanning both rows would get two names and hang."""
     timeout = timeout or group_timeout(shard_base)
     seconds = timeout.total_seconds() if timeout else None
+    backend = backend or dist.get_backend(shard_base)
     live = dist.distributed_c10d._world.pg_map
-    keys = [(f"mesh-shard:{shard_base.group_name}:{replicate_base.group_name}", seconds),
-            (f"mesh-replicate:{shard_base.group_name}:{replicate_base.group_name}", seconds)]
+    keys = [(f"{backend}:mesh-shard:{shard_base.group_name}:{replicate_base.group_name}", seconds),
+            (f"{backend}:mesh-replicate:{shard_base.group_name}:{replicate_base.group_name}", seconds)]
     pools = []
     for key in keys:
         entries = [e for e in _pool.entries.get(key, []) if e.group in live]
@@ -120,7 +152,7 @@ def acquire_mesh_groups(shard_base: dist.ProcessGroup, replicate_base: dist.Proc
     for role, (base, wanted) in enumerate(((shard_base, count), (replicate_base, 1))):
         while len(chosen[role]) < wanted:
             kwargs = {"timeout": timeout} if timeout is not None else {}
-            group = dist.new_group(ranks=dist.get_process_group_ranks(base), backend=dist.get_backend(base),
+            group = dist.new_group(ranks=dist.get_process_group_ranks(base), backend=backend,
                                    use_local_synchronization=True, **kwargs)
             entry = _Entry(group)
             pools[role].append(entry)

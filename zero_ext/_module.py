@@ -40,6 +40,17 @@ class ZeroExtModule:
         finally:
             core.set_sync(previous)
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's knob, as nanoGPT and other DDP loops set it on micro-steps:
+        False means the same as being inside no_sync() (the backward passes
+        that follow accumulate locally), True reduces again."""
+        return bool(self._zero_ext.core.sync())
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._zero_ext.core.set_sync(bool(value))
+
     def set_requires_all_reduce(self, requires_all_reduce: bool) -> None:
         """Hybrid sharding (a 2-D mesh), as FSDP2's: with False, the backward
         passes that follow still reduce their gradients within the shard
@@ -359,7 +370,9 @@ def _hook_merged_unit(core, u: int, members: tuple, probe: Any, model_forward: _
             _remove_spent(spent)
         if model_forward.depth == 0:  # called on its own: a use like any unit's
             return _enter_use(core, u, args, kwargs, spent, gather=True)
-        if run.open and probe is not None and probe.untyped_storage().nbytes() > 0:  # still gathered
+        # Still gathered: a released parameter points at an unreadable storage,
+        # never resizable ([Note: unreadable released parameters]).
+        if run.open and probe is not None and probe.untyped_storage().resizable():
             if torch.is_grad_enabled() and not _fed_by(_grad_inputs(args, kwargs), run.outputs):
                 return _enter_use(core, u, args, kwargs, spent, gather=False)
             return None

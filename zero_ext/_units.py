@@ -1,8 +1,9 @@
 """Stage 3 units: which submodules gather their parameters as one.
 
-A unit is one module, or a run of consecutive sibling modules that the default
-policy merged (see `default_policy`); either way it is one flat buffer per
-dtype, one all-gather per use and one reduce-scatter per backward.
+A unit is one module, or several sibling modules gathered as one: a run of
+small blocks the default policy merged, or the children of a block kept as a
+ModuleDict/ModuleList (see `default_policy`). Either way it is one flat buffer
+per dtype, one all-gather per use and one reduce-scatter per backward.
 
 Unit 0 is the root (the wrapped model): it owns every parameter no other unit
 claims. A parameter registered in several units' subtrees (tied weights, e.g.
@@ -10,6 +11,36 @@ an embedding shared with the output layer) belongs to their closest common
 unit, so it is gathered whenever either user runs. The members of a merged
 unit count as one unit there: a weight tied between two of its members stays
 in it.
+
+The default policy chooses only modules that run a forward of their own on
+every rank every step. Every rank must gather the same units in the same
+order: a unit one rank skips pairs the others' all-gathers with different
+buffers (wrong numbers, or an abort inside gloo), and a module without a
+forward of its own is never called, so its hooks never gather it. Hence:
+- It walks the tree from the root down and never looks inside a module it
+  chose: one unit per repeated block, nothing below the block level unless
+  units= asks (the FSDP2/torchtitan recipes wrap exactly the repeated block).
+  Below that level a module may run on some ranks only: the experts of an
+  MoE, which routing skips when no token picks them, differently per rank.
+- A block is a child of a ModuleList/Sequential whose class repeats there,
+  that has parameters and a forward of its own. ModuleList, ModuleDict,
+  ParameterList and ParameterDict have none: their parent calls what they
+  hold. A repeated child with parameters but no forward (a block kept as
+  ModuleDict({"attn": ..., "mlp": ...})) is one unit whose members are its
+  children that have parameters, if each has a forward of its own; else
+  nothing in it is a unit. Such a unit is never merged with other blocks:
+  the members of a unit must be children of one module (assign_parameters,
+  [Note: merged units] in _module.py), and its neighbours are not the
+  block's children.
+- A container of experts is never a unit, nor is anything in it: one whose
+  attribute name, or a child's class name, matches /expert/i, or one owned
+  by a module whose class name matches /moe|mixture.?of.?experts/i, unless
+  its children hold a mixture themselves (then they are the layers of an MoE
+  model, e.g. transformers' Qwen2MoeModel.layers of Qwen2MoeDecoderLayer).
+  This matters for an MoE outside any block; inside a block the first rule
+  already keeps its experts in the block's unit.
+- ModuleDicts and other modules that are not blocks are looked into, so
+  nanoGPT's transformer.h (a ModuleList inside a ModuleDict) is found.
 
 Why small blocks merge up to wrap()'s bucket_mb (25 MiB by default): a
 collective has a fixed cost (launch and latency, ~10-50 us for NCCL and
@@ -26,13 +57,18 @@ real models are not merged at all (a GPT-2 small block is 27 MiB in fp32).
 """
 from __future__ import annotations
 
+import re
 from collections import Counter
 from typing import Callable, Dict, List, Set, Tuple, Union
 
 import torch.nn as nn
 
 UnitPolicy = Union[None, Set[type], Callable[[nn.Module], bool]]
-Unit = Tuple[nn.Module, ...]  # its member modules: one, or consecutive siblings of one container
+Unit = Tuple[nn.Module, ...]  # its member modules: one, or siblings (children of one module)
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+_EXPERT = re.compile(r"expert", re.IGNORECASE)
+_MIXTURE = re.compile(r"moe|mixture.?of.?experts", re.IGNORECASE)
 
 
 def _param_bytes(module: nn.Module) -> int:
@@ -71,37 +107,87 @@ def _split_runs(items: List[Tuple[nn.Module, int]], min_bytes: int) -> List[List
     return runs
 
 
+def _has_own_forward(module: nn.Module) -> bool:
+    """Whether calling `module` runs a forward of its class. ModuleList,
+    ModuleDict, ParameterList and ParameterDict (and subclasses that define
+    none) inherit nn.Module's, which raises: their parent calls what they
+    hold, so hooks on them never fire."""
+    return type(module).forward is not nn.Module.forward
+
+
+def _holds_mixture(module: nn.Module) -> bool:
+    """Whether `module`'s subtree holds an MoE (by class name) or experts (by
+    attribute name): a layer of an MoE model, not one of its experts."""
+    return any(_MIXTURE.search(type(m).__name__) or _EXPERT.search(name.rpartition(".")[2])
+               for name, m in module.named_modules())
+
+
+def _holds_experts(owner: nn.Module, name: str, container: nn.Module) -> bool:
+    """Whether `container` (owner's child `name`) holds experts, which routing
+    may skip on some ranks: see the module docstring."""
+    children = list(container.children())
+    if _EXPERT.search(name) or any(_EXPERT.search(type(c).__name__) for c in children):
+        return True
+    return bool(_MIXTURE.search(type(owner).__name__)) and not any(_holds_mixture(c) for c in children)
+
+
+def _members_of_forwardless_block(block: nn.Module, taken: Set[int]) -> Unit:
+    """A block without a forward of its own (a ModuleDict of attn and mlp) as
+    one unit: its children that have parameters, if each has a forward and
+    is in no other unit; else () (it stays in the enclosing unit). Children
+    without parameters are left out: nothing to gather, and no hooks on an
+    activation shared between blocks."""
+    members = tuple(c for c in block.children() if _has_params(c))
+    if all(_has_own_forward(c) and id(c) not in taken for c in members):
+        return members
+    return ()
+
+
 def default_policy(model: nn.Module, min_bytes: int = 0) -> List[Unit]:
-    """Each child of a ModuleList/Sequential whose class repeats there and that
-    has parameters (the blocks of a transformer, say) is a block. A block of at
-    least `min_bytes` is a unit of its own; consecutive smaller blocks merge
-    into one unit until it holds `min_bytes` (a remainder joins the unit before
-    it), so a stack of tiny blocks costs a few collectives per step, not three
-    per block. Parameter-free siblings between merged blocks (activations,
-    dropout) become members too, so the chain from block to block stays inside
-    the unit; any other sibling with parameters ends the run. `min_bytes=0`
-    makes every block a unit of its own."""
+    """The blocks below `model` (see the module docstring for which), walked
+    top-down, never below a chosen block. A block of at least `min_bytes` is
+    a unit of its own; consecutive smaller blocks merge into one unit until
+    it holds `min_bytes` (a remainder joins the unit before it), so a stack
+    of tiny blocks costs a few collectives per step, not three per block.
+    Parameter-free siblings between merged blocks (activations, dropout)
+    become members too, so the chain from block to block stays inside the
+    unit; any other sibling with parameters ends the run, and a block
+    without a forward of its own is a unit of its own (its children).
+    `min_bytes=0` makes every block a unit of its own."""
     units: List[Unit] = []
     taken: Set[int] = set()  # a module registered in two containers joins only the first unit
-    for container in model.modules():
-        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
-            continue
-        children = list(container.children())
-        counts = Counter(type(c) for c in children)
+    visited: Set[int] = set()
+
+    def visit(module: nn.Module) -> None:
+        if id(module) in visited:
+            return
+        visited.add(id(module))
+        holds_blocks = isinstance(module, (nn.ModuleList, nn.Sequential))
+        counts = Counter(type(c) for c in module.children())
         stretch: List[Tuple[nn.Module, int]] = []
 
         def flush() -> None:
             units.extend(tuple(run) for run in _split_runs(stretch, min_bytes))
             stretch.clear()
 
-        for child in children:
-            has_params = _has_params(child)
-            if id(child) in taken or (has_params and counts[type(child)] < 2):
-                flush()  # not a block: consecutive blocks end here
+        for name, child in module.named_children():
+            if id(child) in taken or (isinstance(child, _CONTAINERS) and _holds_experts(module, name, child)):
+                flush()  # consecutive blocks end here; experts stay in the enclosing unit
                 continue
-            if not has_params:
+            if not _has_params(child):
                 if stretch:
                     stretch.append((child, 0))
+                continue
+            if not holds_blocks or counts[type(child)] < 2:
+                flush()  # not a block: look for blocks inside it
+                visit(child)
+                continue
+            if not _has_own_forward(child):
+                flush()
+                members = _members_of_forwardless_block(child, taken)
+                if members:
+                    units.append(members)
+                    taken.update(id(m) for m in members)
                 continue
             taken.add(id(child))
             nbytes = _param_bytes(child)
@@ -111,16 +197,32 @@ def default_policy(model: nn.Module, min_bytes: int = 0) -> List[Unit]:
             else:
                 stretch.append((child, max(nbytes, 1)))  # a block of zero-size parameters still counts as one
         flush()
+
+    visit(model)
     return units
+
+
+def _refuse_forwardless(model: nn.Module, selected: List[nn.Module]) -> None:
+    """An explicit policy that selects a module without a forward of its own
+    would make a unit its hooks never gather: refused at wrap, by path."""
+    forwardless = {id(m) for m in selected if not _has_own_forward(m)}
+    if forwardless:
+        path, module = next((n, m) for n, m in model.named_modules() if id(m) in forwardless)
+        raise ValueError(
+            f"zero_ext.wrap: the units policy selected {path!r} ({type(module).__name__}), which has no "
+            f"forward of its own (its parent calls the modules it holds), so it would never be gathered; "
+            f"pass the classes of the blocks inside it, or leave units=None for the automatic policy"
+        )
 
 
 def resolve_units(model: nn.Module, units: UnitPolicy, min_bytes: int = 0) -> List[Unit]:
     """The units, root first as ``(model,)``, then the rest in registration
     order (of their first member). An explicit policy makes each module it
-    selects a unit of its own; the default policy merges small blocks up to
-    `min_bytes` (see `default_policy`)."""
+    selects a unit of its own (each must have a forward of its own); the
+    default policy merges small blocks up to `min_bytes` (see
+    `default_policy`)."""
     if units is None:
-        chosen = [u for u in default_policy(model, min_bytes) if model not in u]
+        chosen = default_policy(model, min_bytes)
     else:
         if isinstance(units, (set, frozenset, list, tuple)):
             classes = tuple(units)
@@ -136,6 +238,7 @@ def resolve_units(model: nn.Module, units: UnitPolicy, min_bytes: int = 0) -> Li
                 "zero_ext.wrap: the units policy matched no submodule of the model; pass the classes of "
                 "its blocks (e.g. units={MyBlock}) or leave units=None for the automatic policy"
             )
+        _refuse_forwardless(model, selected)
         chosen = [(m,) for m in selected]
     position = {id(m): i for i, m in enumerate(model.modules())}
     chosen.sort(key=lambda unit: position[id(unit[0])])

@@ -3,6 +3,7 @@ core, hook the model, shard the optimizer."""
 from __future__ import annotations
 
 import datetime
+import os
 import uuid
 import weakref
 from typing import Callable, List, Optional, Set, Tuple, Union
@@ -15,7 +16,7 @@ from ._bucket_plan import plan_buckets
 from ._C_loader import ShardedModel
 from ._checkpoint import _local_views, _Ranks
 from ._deferred_init import materialize, move_to_device, plan_deferred
-from ._groups import acquire_groups, acquire_mesh_groups, group_timeout
+from ._groups import acquire_groups, acquire_mesh_groups, group_timeout, pooled_groups, retire_if_failed
 from ._mesh import Topology, resolve_topology
 from . import _whereabouts as whereabouts
 from ._module import install_forward_hooks, swap_module_class
@@ -23,6 +24,7 @@ from ._optimizer import shard_optimizer
 from ._testing import apply_test_fault
 from ._units import Unit, assign_parameters, resolve_units
 from ._validate import Options, check_backend, check_wrap_arguments
+from ._wrap_fingerprint import check_ranks_agree, wrap_fields
 from ._wrapper_state import ZeroState
 
 def _plan_units(model: torch.nn.Module, units: List[Unit]):
@@ -78,6 +80,26 @@ def _build_core(ordered: List[torch.nn.Parameter], names: List[str], counts: Lis
         core.enable_loss_scaling(float(scale), 2.0, 0.5, 1, 1.0, 1, False)
     core.set_skip_nonfinite(options.skip_nonfinite)
     return core
+
+
+def _unit_names(model: torch.nn.Module, unit_list: List[Unit]) -> List[str]:
+    """Each unit's module path (merged units: first and last member), root ''."""
+    path = {id(m): n for n, m in model.named_modules()}
+    names = []
+    for members in unit_list:
+        first = path.get(id(members[0]), "?")
+        names.append(first if len(members) == 1 else f"{first} .. {path.get(id(members[-1]), '?')}")
+    return names
+
+
+def _acquire_header_groups(topology: Topology, count: int, timeout, device: torch.device, owner: object):
+    """Gloo groups over the same ranks for the sequence checks' headers
+    ([Note: collectives that prove what they are] in csrc/collective_sequence.h):
+    one per shard-level group, and one across replicas."""
+    base = topology.shard_group
+    if topology.replicate_group is not None:
+        return acquire_mesh_groups(base, topology.replicate_group, count, timeout, device, owner, backend="gloo")
+    return acquire_groups(base, count, timeout, device, owner, backend="gloo"), None
 
 
 def _enable_stall_diagnosis(core, ranks: _Ranks, topology: Topology, limit: Optional[datetime.timedelta]) -> None:
@@ -169,6 +191,12 @@ def wrap(
     unit_list, ordered, counts, unit_of_bucket = _plan(model, trainable, options)
     names_by_id = {id(p): n for n, p in model.named_parameters()}
     names = [names_by_id[id(p)] for p in ordered]
+    unit_names = _unit_names(model, unit_list)
+    from . import __version__
+    check_ranks_agree(topology, model_device, wrap_fields(
+        options, topology, ordered, names, counts, unit_names, unit_of_bucket, list(model.named_buffers()),
+        deferred is not None, pooled_groups(), f"zero_ext {__version__}, torch {torch.__version__}"),
+        list(zip(names, ordered)))
     if deferred:
         move_to_device(deferred, ordered, names)
     # Groups of zero_ext's own (see _groups.py), owned by this model; stage 3
@@ -185,6 +213,17 @@ def wrap(
         own_groups = acquire_groups(base, count, options.timeout, ordered[0].device, model)
     core = _build_core(ordered, names, counts, unit_of_bucket, options, [g.group_name for g in own_groups],
                        replica_group.group_name if replica_group is not None else "", deferred is not None)
+    if unit_names:
+        core.set_unit_names(unit_names)
+    header_groups: List[dist.ProcessGroup] = []
+    # ZERO_EXT_COLLECTIVE_CHECKS=0 is for measuring what the checks cost
+    # (benchmarks/step_time.py's -unchecked systems); never for training.
+    if own_groups and topology.mesh_size > 1 and os.environ.get("ZERO_EXT_COLLECTIVE_CHECKS", "1") != "0":
+        headers, replica_headers = _acquire_header_groups(topology, count, options.timeout, ordered[0].device,
+                                                          model)
+        header_groups = headers + ([replica_headers] if replica_headers is not None else [])
+        core.enable_collective_checks(headers[0].group_name, headers[1].group_name if len(headers) > 1 else "",
+                                      replica_headers.group_name if replica_headers is not None else "")
     apply_test_fault(core, topology.mesh_rank if topology.mesh_size > 1 else 0)
     state = ZeroState(
         model_ref=weakref.ref(model), stage=options.stage, core=core,
@@ -198,6 +237,8 @@ def wrap(
         cast_inputs=options.precision.cast_inputs,
         sharded_optimizer=options.stage >= 1 or core.has_masters(), offload=options.offload,
     )
+    weakref.finalize(state, retire_if_failed, core,
+                     own_groups + ([replica_group] if replica_group is not None else []) + header_groups)
     if own_groups:
         _enable_stall_diagnosis(core, _Ranks(state), topology, options.timeout or group_timeout(base))
         if state.device.type == "cpu":  # host waits only, as the stall diagnosis (communicator.h)

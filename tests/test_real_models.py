@@ -1,0 +1,77 @@
+"""Exact or zero_ext's own error on the models people train off the dense path
+(tests/real_models_scenarios.py), at world sizes 2 and 4 in one group of
+ranks each:
+- MoE layers whose routing skips experts differently on every rank (inside
+  decoder blocks, and an MoE held by the model itself), and blocks kept as
+  ModuleDicts, train like one process over the global batch in stages 0-3,
+  and evaluate under torch.no_grad() like the unwrapped model;
+- where ranks disagree (an expert made a unit and skipped, in training and
+  under no_grad; a rank-0-only evaluation; evaluation loops of different
+  lengths; wrap() with a different shape, stage, units or precision), every
+  rank ends in zero_ext's error naming what differs, within seconds, and no
+  rank returns a number computed after the ranks parted.
+"""
+import functools
+import os
+
+import pytest
+
+from dist_harness import assert_item_matched, run_items_on_ranks
+from real_models_scenarios import DIVERGENCES, items
+
+WORLD_SIZES = tuple(int(w) for w in os.environ.get("ZERO_EXT_REAL_MODELS_WORLDS", "2,4").split(","))
+DIVERGENCE_ITEMS = [f"diverge/{name}" for name in DIVERGENCES]
+
+
+@functools.lru_cache(maxsize=None)
+def group_results(world: int):
+    return run_items_on_ranks(world, "real_models_scenarios:run_one", items() + DIVERGENCE_ITEMS,
+                              item_deadline_s=180)
+
+
+@pytest.mark.parametrize("item", items())
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_matches_one_process(world, item):
+    assert_item_matched(world, group_results(world)[item])
+
+
+def _ends(world: int, name: str):
+    result = group_results(world)[f"diverge/{name}"]
+    if isinstance(result, str):
+        pytest.fail(f"world size {world}: the group failed instead of every rank raising: {result}")
+    return result
+
+
+EXPECTED = {
+    # name: (what every rank's message says, outputs a rank computed before the ranks parted)
+    # The rank whose expert differs from the agreed plan stops before its
+    # all-gather; the others, blocked in theirs, find the ranks waiting for
+    # each other within the stall interval. Either way each rank's expert is named.
+    "expert_units_skipped_in_training": (["experts."], 1),
+    "expert_units_skipped_in_no_grad_evaluation": (["experts."], 1),
+    "evaluation_on_rank0_only": (["forward under no_grad", "forward with grad enabled"], 0),
+    "evaluation_loops_of_different_lengths": (["forward under no_grad", "forward with grad enabled"], 2),
+    "wrap_a_different_shape": (["zero_ext.wrap: the ranks wrapped different models",
+                                "parameter #", "'head.weight' (12, 8)", "'head.weight' (11, 8)"], 0),
+    "wrap_a_different_stage": (["zero_ext.wrap: the ranks wrapped different models", "stage: stage="], 0),
+    "wrap_different_units": (["zero_ext.wrap: the ranks wrapped different models", "units:"], 0),
+    "wrap_a_different_precision": (["zero_ext.wrap: the ranks wrapped different models", "mixed_precision:"], 0),
+}
+
+
+@pytest.mark.parametrize("name", list(DIVERGENCES))
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_ranks_that_disagree_all_end_in_zero_ext_error(world, name):
+    phrases, outputs_before = EXPECTED[name]
+    for rank, end in enumerate(_ends(world, name)):
+        assert end["error"] is not None, f"rank {rank} finished without an error: {end}"
+        assert "zero_ext" in end["error"], f"rank {rank}: {end['error']}"
+        for phrase in phrases:
+            assert phrase in end["error"], f"rank {rank}: {phrase!r} not in {end['error']}"
+        if name.startswith("expert"):
+            assert ("about to issue different collectives" in end["error"]
+                    or "stalled waiting for each other" in end["error"]), end["error"]
+        assert "rank 1" in end["error"], end["error"]
+        # No number computed after the ranks parted comes back.
+        assert len(end["outputs"]) <= outputs_before, f"rank {rank} computed {end['outputs']}"
+        assert end["seconds"] is not None and end["seconds"] < 15, f"rank {rank} took {end['seconds']} s"

@@ -1,0 +1,151 @@
+"""wrap()'s first collective: the ranks agree that they wrap the same model the
+same way, before anything whose size depends on it is sent.
+
+Every later collective of a model has a size fixed by its layout (buckets,
+units, buffers), and gloo aborts the whole process, from a thread, when two
+ranks' sizes differ. So each rank first sends a fixed-size fingerprint: one
+64-bit value per field of what changes the collectives (the stage, each
+parameter's name, shape, dtype and trainability in bucket order, the buckets,
+the units, mixed precision, offload, ...). One all-gather (two on a hybrid
+mesh) shows every rank every rank's row; where rows differ, every rank raises
+the same error naming the fields and the ranks. A difference in the
+parameters takes one more fixed-size exchange (per-parameter hashes, then the
+first differing parameter's description) so the error names the parameter.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ._mesh import Topology
+
+_DESCRIPTION_BYTES = 200
+
+
+def _hash(value: object) -> int:
+    """A 63-bit digest that is the same on every rank (Python's hash() is salted per process)."""
+    digest = hashlib.blake2b(repr(value).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def _parameter_description(name: str, p: torch.Tensor) -> str:
+    return f"'{name}' {tuple(p.shape)} {str(p.dtype).replace('torch.', '')}" + (
+        "" if p.requires_grad else " frozen")
+
+
+class _Table:
+    """Every rank's row of one exchange, by mesh rank."""
+
+    def __init__(self, topology: Topology, device: torch.device):
+        self.topology = topology
+        self.device = device
+
+    def gather(self, row: torch.Tensor) -> torch.Tensor:
+        """(mesh size, len(row)): the shard group first, then the rows across replicas."""
+        t = self.topology
+        row = row.to(self.device)
+        table = torch.empty(t.shard_size * row.numel(), dtype=row.dtype, device=self.device)
+        dist.all_gather_into_tensor(table, row, group=t.shard_group)
+        if t.replicate_group is not None:
+            rows = table
+            table = torch.empty(t.mesh_size * row.numel(), dtype=row.dtype, device=self.device)
+            dist.all_gather_into_tensor(table, rows, group=t.replicate_group)
+        return table.view(t.mesh_size, row.numel()).cpu()
+
+
+def _ranks_by_value(column: Sequence[int]) -> Dict[int, List[int]]:
+    out: Dict[int, List[int]] = {}
+    for rank, value in enumerate(column):
+        out.setdefault(int(value), []).append(rank)
+    return out
+
+
+def _ranks_text(ranks: List[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def check_ranks_agree(topology: Topology, device: torch.device,
+                      fields: List[Tuple[str, object, str]],
+                      parameters: List[Tuple[str, torch.Tensor]]) -> None:
+    """Collective over the mesh. `fields`: (name, value, how this rank shows
+    it); `parameters`: (name, parameter) in bucket order. Raises ValueError
+    on every rank if any rank differs."""
+    if topology.shard_group is None or topology.mesh_size < 2:
+        return
+    exchange_device = device if device.type == "cuda" else torch.device("cpu")
+    table = _Table(topology, exchange_device)
+    mine = [_hash(value) for _, value, _ in fields]
+    rows = table.gather(torch.tensor(mine, dtype=torch.int64))
+    differing = [k for k in range(len(fields)) if not bool((rows[:, k] == rows[0, k]).all())]
+    if not differing:
+        return
+    lines = []
+    for k in differing:
+        name, _, shown = fields[k]
+        groups = _ranks_by_value(rows[:, k].tolist())
+        others = [ranks for value, ranks in groups.items() if value != mine[k]]
+        lines.append(f"{name}: {shown} on this rank (rank {topology.mesh_rank}); different on "
+                     + "; ".join(_ranks_text(r) for r in others))
+    parameter_field = next(k for k, (name, _, _) in enumerate(fields) if name == "parameters")
+    counts_field = next(k for k, (name, _, _) in enumerate(fields) if name == "parameter count")
+    if parameter_field in differing and counts_field not in differing:
+        lines.append(_first_differing_parameter(table, parameters))
+    raise ValueError(
+        "zero_ext.wrap: the ranks wrapped different models or options, so their collectives would not match "
+        "(gloo aborts the process on such a mismatch; NCCL hangs or mixes data):\n  " + "\n  ".join(lines)
+        + "\nEvery rank must build the same model (same parameters, shapes, dtypes and requires_grad in the same "
+          "order) and call zero_ext.wrap() with the same options. Typical causes: a rank-dependent model "
+          "config or seed that changes shapes, freezing layers on some ranks only, different command-line "
+          "arguments per rank, or an earlier zero_ext.wrap() made on some ranks only.")
+
+
+def _first_differing_parameter(table: _Table, parameters: List[Tuple[str, torch.Tensor]]) -> str:
+    """Names the first parameter (in bucket order) some rank has differently:
+    every rank runs this (the tables are the same everywhere), so the two
+    extra exchanges have the same sizes on every rank."""
+    hashes = torch.tensor([_hash(_parameter_description(n, p)) for n, p in parameters], dtype=torch.int64)
+    rows = table.gather(hashes)
+    index = next(i for i in range(rows.shape[1]) if not bool((rows[:, i] == rows[0, i]).all()))
+    text = _parameter_description(*parameters[index]).encode()[:_DESCRIPTION_BYTES]
+    padded = torch.zeros(_DESCRIPTION_BYTES, dtype=torch.uint8)
+    padded[:len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+    described = table.gather(padded)
+    by_text: Dict[str, List[int]] = {}
+    for rank in range(described.shape[0]):
+        shown = bytes(described[rank].tolist()).rstrip(b"\0").decode(errors="replace")
+        by_text.setdefault(shown, []).append(rank)
+    return (f"parameter #{index} in bucket order: "
+            + "; ".join(f"{shown} on {_ranks_text(ranks)}" for shown, ranks in by_text.items()))
+
+
+def wrap_fields(options, topology: Topology, ordered: List[torch.nn.Parameter], names: List[str],
+                counts: List[int], unit_names: List[str], unit_of_bucket: List[int],
+                buffers: List[Tuple[str, torch.Tensor]], deferred: bool, pooled_groups: int,
+                version: str) -> List[Tuple[str, object, str]]:
+    """What changes the collectives, field by field: (name, value, shown)."""
+    precision = options.precision
+    parameters = [_parameter_description(n, p) for n, p in zip(names, ordered)]
+    shown_precision = (f"compute {precision.compute_dtype}, reduce {precision.reduce_dtype}, "
+                       f"loss scale {precision.loss_scale!r}")
+    return [
+        ("mesh", (topology.replicas, topology.shard_size), f"{topology.replicas} x {topology.shard_size}"),
+        ("stage", options.stage, f"stage={options.stage}"),
+        ("parameter count", len(ordered), f"{len(ordered)} parameters"),
+        ("parameters", parameters, f"{len(parameters)} parameters, first '{names[0]}'"),
+        ("buckets", (counts, options.bucket_bytes), f"{len(counts)} buckets of {options.bucket_bytes} bytes"),
+        ("units", (unit_names, unit_of_bucket), f"{len(unit_names)} units ({', '.join(unit_names[1:4])}"
+                                                  f"{', ...' if len(unit_names) > 4 else ''})"),
+        ("mixed_precision", (str(precision.compute_dtype), str(precision.reduce_dtype), repr(precision.loss_scale),
+                             precision.cast_inputs), shown_precision),
+        ("offload_optimizer", options.offload, f"offload_optimizer={'cpu' if options.offload else None}"),
+        ("prefetch", options.prefetch, f"prefetch={options.prefetch}"),
+        ("skip_nonfinite", options.skip_nonfinite, f"skip_nonfinite={options.skip_nonfinite}"),
+        ("deferred initialization", deferred, "a meta model" if deferred else "a materialized model"),
+        ("buffers", [(n, tuple(b.shape), str(b.dtype)) for n, b in buffers], f"{len(buffers)} buffers"),
+        ("zero_ext groups already held", pooled_groups,
+         f"{pooled_groups} pooled groups (models wrapped before on this rank)"),
+        ("versions", version, version),
+    ]
