@@ -19,7 +19,8 @@ from ._deferred_init import materialize, move_to_device, plan_deferred
 from ._groups import acquire_groups, acquire_mesh_groups, group_timeout, pooled_groups, retire_if_failed
 from ._mesh import Topology, resolve_topology
 from . import _whereabouts as whereabouts
-from ._module import install_forward_hooks, swap_module_class
+from ._hooks import install_forward_hooks
+from ._module import swap_module_class
 from ._optimizer import shard_optimizer
 from ._testing import apply_test_fault
 from ._units import Unit, assign_parameters, resolve_units

@@ -1,0 +1,434 @@
+"""The module hooks wrap() installs, as objects with explicit state (as FSDP2's
+FSDPState does): RootHooks on the model, UnitHooks on each stage 3 unit,
+MergedUnitHooks on the members of a merged unit. Each hook is one call or two
+into the C++ core; the backward runs no Python (autograd_boundaries.h).
+
+The root's pre-forward drops a stale backward round, casts inputs under mixed
+precision and gathers the root unit (stage 3); its post-forward hooks the
+model's outputs, so the epilogue belongs to the outermost backward through
+them, and applies the fp16 loss scale there. A unit is gathered before its
+forward, released after it, and its outputs are hooked to gather it again
+before its backward.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_iter, tree_map_only, tree_unflatten
+
+from ._torch_compat import outside_compile
+
+
+def tensors_requiring_grad(output: Any) -> List[torch.Tensor]:
+    """Tensors requiring grad anywhere in a forward's output: pytrees, and
+    dataclasses (e.g. model outputs) that pytree does not look into."""
+    found: List[torch.Tensor] = []
+    stack = [output]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if item.requires_grad:
+                found.append(item)
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            stack.extend(getattr(item, f.name) for f in dataclasses.fields(item))
+        else:
+            leaves = list(tree_iter(item))  # tree_flatten's recursive closure is garbage per call
+            if len(leaves) == 1 and leaves[0] is item:
+                continue  # a leaf that is no tensor
+            stack.extend(leaves)
+    return found
+
+
+def _map_outputs(output: Any, fn) -> Any:
+    """`output` with `fn` applied to its floating tensors that require grad,
+    dataclasses included."""
+    if isinstance(output, torch.Tensor):
+        return fn(output) if output.requires_grad and output.is_floating_point() else output
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+        changes = {f.name: _map_outputs(getattr(output, f.name), fn) for f in dataclasses.fields(output) if f.init}
+        return dataclasses.replace(output, **changes)
+    leaves = list(tree_iter(output))
+    if len(leaves) == 1 and leaves[0] is output:
+        return output
+    return tree_map_only(torch.Tensor, lambda t: _map_outputs(t, fn), output)
+
+
+def _grad_inputs(args: tuple, kwargs: dict) -> List[torch.Tensor]:
+    """tensors_requiring_grad((args, kwargs)), fast for the usual call: tensors only, positional."""
+    if not kwargs and all(type(a) is torch.Tensor for a in args):
+        return [a for a in args if a.requires_grad]
+    return tensors_requiring_grad((args, kwargs))
+
+
+def _fed_by(inputs: List[torch.Tensor], previous: List[torch.Tensor]) -> bool:
+    """Whether there are inputs and every one is among `previous` (by identity)."""
+    for t in inputs:
+        for o in previous:
+            if t is o:
+                break
+        else:
+            return False
+    return bool(inputs)
+
+
+class _UnitUse:
+    """One grad-enabled forward of a stage 3 unit whose inputs require grad."""
+
+    __slots__ = ("__weakref__",)
+
+
+class SpentHooks:
+    """Multi-grad hooks whose use was reported (see UnitUses.track).
+
+    torch's multi-grad hook keeps the graph's nodes in its closures while the
+    nodes hold the hook: a reference cycle that only the cyclic garbage
+    collector frees, ~70 objects per stage 3 step. Once reported, a hook is of
+    no further use: it is removed when the backward ends (a callback queued on
+    the engine: not from inside the hook, while the engine runs it), or else
+    at the next forward."""
+
+    __slots__ = ("handles",)
+
+    def __init__(self) -> None:
+        self.handles: List[Any] = []
+
+    def remove(self) -> None:
+        while self.handles:
+            self.handles.pop().remove()
+
+
+class UnitUses:
+    """Where a use of a stage 3 unit begins, for every hook that starts one."""
+
+    def __init__(self, core: Any, spent: SpentHooks) -> None:
+        self.core = core
+        self.spent = spent
+
+    def enter(self, u: int, args: tuple, kwargs: dict, gather: bool) -> Any:
+        """One use of unit `u` begins: gathers it (`gather`) and, with grad
+        enabled, passes its inputs that require grad through a C++ boundary
+        node whose backward reports the use over (autograd_boundaries.h;
+        [Note: when a unit's backward is over] in csrc/units.cpp), so the
+        backward runs no Python. Returns the (args, kwargs) to call the module
+        with, or None. Tensors that pytree cannot rebuild (inside a dataclass)
+        fall back to a Python multi-grad hook (track)."""
+        core = self.core
+        if not torch.is_grad_enabled():
+            if gather:
+                core.pre_forward(u)
+            return None
+        if not kwargs and all(type(a) is torch.Tensor for a in args):  # the usual call: plain tensors, positional
+            positions = [k for k, a in enumerate(args) if a.requires_grad]
+            tensors = [args[k] for k in positions]
+            passed = core.enter_unit(u, tensors) if gather else core.track_unit_inputs(u, tensors)
+            if not positions:
+                return None
+            replaced = list(args)
+            for k, t in zip(positions, passed):
+                replaced[k] = t
+            return tuple(replaced), kwargs
+        flat, spec = tree_flatten((args, kwargs))
+        positions = [k for k, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+        tensors = [flat[k] for k in positions]
+        opaque = [x for x in flat if dataclasses.is_dataclass(x) and not isinstance(x, type)]
+        hidden = tensors_requiring_grad(opaque) if opaque else []
+        if hidden:
+            if gather:
+                core.pre_forward(u)
+            self.track(u, tensors + hidden)
+            return None
+        passed = core.enter_unit(u, tensors) if gather else core.track_unit_inputs(u, tensors)
+        if not positions:
+            return None
+        for k, t in zip(positions, passed):
+            flat[k] = t
+        return tree_unflatten(flat, spec)
+
+    def track(self, unit: int, inputs: List[torch.Tensor]) -> None:
+        """The fallback of enter(). Reports when this use's backward is over:
+        a multi-grad hook fires once the gradients of all the unit's inputs
+        are computed. If the graph is dropped without a backward (a forward
+        for logging, a non-reentrant checkpoint's recompute), the hook dies
+        with it and the use is reported over all the same. `inputs`: the
+        use's inputs that require grad."""
+        core, spent = self.core, self.spent
+        if not inputs:
+            core.note_untracked_use(unit)
+            return
+        core.add_pending_use(unit)
+        use, reported, handle = _UnitUse(), [False], []
+
+        def report(*_: Any) -> None:
+            if not reported[0]:
+                reported[0] = True
+                core.post_backward_use(unit)
+                spent.handles.extend(handle)
+                if torch._C._current_graph_task_id() != -1:
+                    torch.autograd.Variable._execution_engine.queue_callback(spent.remove)
+
+        def on_input_grads(grads: Any, use: _UnitUse = use) -> None:  # holds `use` alive with the graph
+            report()
+
+        handle.append(torch.autograd.graph.register_multi_grad_hook(inputs, on_input_grads, mode="all"))
+        weakref.finalize(use, report)
+
+
+class ModelPhase(enum.Enum):
+    """Where the model is, as its root hooks see it."""
+
+    IDLE = enum.auto()     # outside the model's forward
+    FORWARD = enum.auto()  # inside it (nested forwards of the model count in depth)
+
+
+class RunState(enum.Enum):
+    """A merged unit within one forward of the model ([Note: merged units])."""
+
+    CLOSED = enum.auto()  # no member ran yet in this forward, or its last member ended the run
+    OPEN = enum.auto()    # its first member gathered it; its last member has not run
+
+
+class RootHooks:
+    """The model's own hooks (one per wrapped model)."""
+
+    def __init__(self, module: torch.nn.Module, has_merged_units: bool) -> None:
+        state = module._zero_ext
+        self.core = state.core
+        self.cast_to: Optional[torch.dtype] = state.compute_dtype if state.cast_inputs else None
+        self.spent = SpentHooks()
+        self.uses = UnitUses(self.core, self.spent)
+        self.has_merged_units = has_merged_units
+        self.depth = 0  # nested forwards of the model; tracked with merged units only
+        self.runs: List[Tuple[int, "MergedUnitHooks"]] = []  # merged units opened in this forward, in order
+
+    @property
+    def phase(self) -> ModelPhase:
+        return ModelPhase.FORWARD if self.depth > 0 else ModelPhase.IDLE
+
+    def install(self, module: torch.nn.Module) -> None:
+        module.register_forward_pre_hook(outside_compile(self.pre_forward), with_kwargs=True)
+        module.register_forward_hook(outside_compile(self.post_forward))
+        if self.has_merged_units:
+            module.register_forward_hook(outside_compile(self.end_forward), always_call=True)
+
+    def _inner(self, t: torch.Tensor) -> torch.Tensor:
+        # The model's own output fed back in (model(model(x))): use the tensor
+        # from before its scaling boundary, or the gradient would be scaled
+        # once per pass through it.
+        unscaled = getattr(t, "_zero_ext_unscaled", None)
+        if unscaled is not None and unscaled[0] is self.core:
+            t = unscaled[1]
+        if self.cast_to is not None and t.is_floating_point():
+            t = t.to(self.cast_to)  # mixed precision: floating inputs compute in it too
+        return t
+
+    def _scale_boundary(self, t: torch.Tensor) -> torch.Tensor:
+        # fp16: a C++ node whose backward applies the loss scale (see
+        # csrc/autograd_boundaries.h); fp16 outputs come out in fp32.
+        out = self.core.scale_outputs([t])[0]
+        out._zero_ext_unscaled = (self.core, t)
+        return out
+
+    def pre_forward(self, mod: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        self.core.begin_forward()  # stale round dropped, shapes checked, root unit gathered
+        self.spent.remove()
+        if self.has_merged_units:
+            if self.runs:
+                # A forward nested in this model's own forward: the outer
+                # one's runs are forgotten, their outputs hooked. A unit left
+                # gathered is released by its next run or the epilogue.
+                for u, hooks in self.runs:
+                    hooks.forget_run(hook_outputs=True)
+                self.runs.clear()
+            self.depth += 1
+        if self.cast_to is not None or self.core.loss_scaling():
+            return tree_map_only(torch.Tensor, self._inner, (args, kwargs))
+        return None
+
+    def post_forward(self, mod: torch.nn.Module, args: Any, output: Any) -> Any:
+        if self.has_merged_units:
+            for u, hooks in self.runs:
+                hooks.close_if_open()  # its last member did not run
+            self.runs.clear()
+        replaced = None
+        grad = torch.is_grad_enabled()
+        if grad and self.core.loss_scaling():
+            output = replaced = _map_outputs(output, self._scale_boundary)
+        self.core.end_forward(tensors_requiring_grad(output) if grad else [])
+        return replaced
+
+    def end_forward(self, mod: torch.nn.Module, args: Any, output: Any) -> None:
+        # After post_forward, and also when the forward raised (always_call):
+        # then the runs it left open are forgotten (see pre_forward).
+        for _, hooks in self.runs:
+            hooks.forget_run(hook_outputs=False)
+        self.runs.clear()
+        self.depth = max(self.depth - 1, 0)
+
+
+class UnitHooks:
+    """A stage 3 unit of one module: gathered before each forward of it,
+    released after, its outputs hooked to gather it again before backward."""
+
+    def __init__(self, root: RootHooks, u: int) -> None:
+        self.root = root
+        self.core = root.core
+        self.u = u
+
+    def install(self, module: torch.nn.Module) -> None:
+        module.register_forward_pre_hook(outside_compile(self.pre_forward), with_kwargs=True)
+        module.register_forward_hook(outside_compile(self.post_forward))
+
+    def pre_forward(self, mod: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        self.root.spent.remove()  # units may run without the root (called directly)
+        return self.root.uses.enter(self.u, args, kwargs, gather=True)
+
+    def post_forward(self, mod: torch.nn.Module, args: Any, output: Any) -> None:
+        self.core.post_forward(self.u, tensors_requiring_grad(output) if torch.is_grad_enabled() else [])
+
+
+# [Note: merged units]
+# The default policy merges consecutive small sibling blocks m_a..m_b into one
+# unit u (see _units.default_policy); the C++ core knows only u, and these
+# hooks decide when it hears of it. Inside the model's forward:
+# - The first member that runs gathers u (pre_forward(u), which also
+#   prefetches the next unit); a later member only checks that u is still
+#   gathered (a backward or state_dict() in between may have released it) and
+#   gathers it again if not.
+# - A member's use is tracked as a unit's use is (see UnitUses.enter)
+#   unless every input of it that requires grad is an output of the member
+#   that ran just before it: then its backward ends before that member's does,
+#   and the run's first tracked use covers it. `h = block(h)` loops and
+#   nn.Sequential track one use per run; a member fed from elsewhere (a
+#   cross-attention input, a block applied to an earlier hidden state) tracks
+#   its own.
+# - Every output that requires grad gathers u before its gradient flows into
+#   the member that made it: the last member's through post_forward(u,
+#   outputs), which also releases u; the others' through hook_regather (a C++
+#   tensor hook calling pre_forward(u), which inside a backward only gathers,
+#   if released), since such an output can reach the loss without passing the
+#   last member (hidden states kept for a loss of their own). In the usual
+#   chain, u is gathered already when they fire. They are hooked in one call
+#   when the run closes (a call into the core costs ~10-40 us).
+# - If the last member does not run (skipped, or an early return), the
+#   model's post-forward hook releases u.
+# Outside the model's forward (a member called on its own, a checkpoint's
+# recompute during backward) each member call is one use, gathered before and
+# released after, exactly as a unit of one module.
+
+
+class MergedUnitHooks:
+    """The members of merged unit `u`, and its run through the model's
+    current forward (see [Note: merged units])."""
+
+    def __init__(self, root: RootHooks, u: int, members: tuple, probe: Optional[torch.Tensor]) -> None:
+        self.root = root
+        self.core = root.core
+        self.u = u
+        self.members = members
+        self.probe = probe  # one of its parameters: whether it is still gathered
+        self.state = RunState.CLOSED
+        self._clear_run()
+
+    def _clear_run(self) -> None:
+        self.outputs: List[torch.Tensor] = []  # the previous member's outputs that require grad
+        self.grad = False  # whether that member ran with grad enabled
+        self.hold = False  # a member returned nothing zero_ext can hook: keep it until the epilogue
+        self.to_hook: List[torch.Tensor] = []  # earlier members' outputs, hooked when the run closes
+
+    def install(self) -> None:
+        last = len(self.members) - 1
+        for position, member in enumerate(self.members):
+            member.register_forward_pre_hook(outside_compile(self.before_member), with_kwargs=True)
+            after = self.after_last_member if position == last else self.after_member
+            member.register_forward_hook(outside_compile(after))
+
+    def _still_gathered(self) -> bool:
+        # A released parameter points at an unreadable storage, never
+        # resizable ([Note: unreadable released parameters] in csrc/storage_release.h).
+        return self.probe is not None and self.probe.untyped_storage().resizable()
+
+    def before_member(self, mod: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        root = self.root
+        root.spent.remove()
+        if root.phase is ModelPhase.IDLE:  # called on its own: a use like any unit's
+            return root.uses.enter(self.u, args, kwargs, gather=True)
+        if self.state is RunState.OPEN and self._still_gathered():
+            if torch.is_grad_enabled() and not _fed_by(_grad_inputs(args, kwargs), self.outputs):
+                return root.uses.enter(self.u, args, kwargs, gather=False)
+            return None
+        self.core.pre_forward(self.u)
+        if self.state is RunState.CLOSED:
+            self.state = RunState.OPEN
+            root.runs.append((self.u, self))
+        return root.uses.enter(self.u, args, kwargs, gather=False)
+
+    def after_member(self, mod: torch.nn.Module, args: Any, output: Any) -> None:
+        grad = torch.is_grad_enabled()
+        outputs = tensors_requiring_grad(output) if grad else []
+        if self.root.phase is ModelPhase.IDLE or self.state is RunState.CLOSED:
+            self.core.post_forward(self.u, outputs)
+            return
+        if outputs:
+            self.to_hook.extend(outputs)
+        elif grad:
+            self.hold = True
+        self.outputs, self.grad = outputs, grad
+
+    def after_last_member(self, mod: torch.nn.Module, args: Any, output: Any) -> None:
+        outputs = tensors_requiring_grad(output) if torch.is_grad_enabled() else []
+        if self.root.phase is ModelPhase.IDLE or self.state is RunState.CLOSED:
+            self.core.post_forward(self.u, outputs)
+            return
+        self._close(outputs)
+
+    def _close(self, outputs: List[torch.Tensor]) -> None:
+        """Hooks the run's outputs for backward (one call for all of them;
+        each is kept alive until then, as the next member's saved input mostly
+        is anyway) and releases the unit."""
+        to_hook, hold = self.to_hook, self.hold
+        self.state = RunState.CLOSED
+        self._clear_run()
+        if to_hook:
+            self.core.hook_regather(to_hook, self.u)
+        self.core.post_forward(self.u, [] if hold else outputs)  # grad enabled, no outputs: C++ keeps a trainable unit
+
+    def close_if_open(self) -> None:
+        """The model's forward ends and its last member did not run."""
+        if self.state is RunState.OPEN:
+            with torch.set_grad_enabled(self.grad):
+                self._close(self.outputs)
+
+    def forget_run(self, hook_outputs: bool) -> None:
+        """A nested forward of the model (`hook_outputs`: the outer run's
+        outputs still need their regather hooks) or a forward that raised."""
+        if hook_outputs and self.to_hook:
+            self.core.hook_regather(self.to_hook, self.u)
+        self.state = RunState.CLOSED
+        self._clear_run()
+
+
+def install_forward_hooks(module: torch.nn.Module, units: List[tuple]) -> RootHooks:
+    """Hooks the model and (stage 3) each unit. `units`: root first, each a
+    tuple of its member modules (several for a merged unit; see [Note: merged
+    units])."""
+    has_merged_units = any(len(members) > 1 for members in units[1:])
+    root = RootHooks(module, has_merged_units)
+    root.install(module)
+    probes: Dict[int, torch.Tensor] = {}
+    if has_merged_units:
+        from ._units import assign_parameters
+
+        owner = assign_parameters(module, units)
+        for p in module.parameters():
+            if p.numel() > 0:
+                probes.setdefault(owner[id(p)], p)
+    for index, members in enumerate(units[1:], start=1):
+        if len(members) > 1:
+            MergedUnitHooks(root, index, members, probes.get(index)).install()
+        else:
+            UnitHooks(root, index).install(members[0])
+    return root
