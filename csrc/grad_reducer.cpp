@@ -44,7 +44,7 @@ GradReducer::GradReducer(const Layout& layout, ParamStore& store, Communicator& 
     const auto options = store_.bucket(b).flat.options();
     if (layout_.ddp_in_place()) {
       bucket.staging = at::zeros({shape.padded}, options);
-    } else if (!layout_.transient_staging()) {
+    } else if (!layout_.transient_staging() && shape.trainable > 0) {  // frozen parameters only: never reduced
       bucket.staging = at::zeros({shape.padded}, options.dtype(reduce_dtype_));
     }
     if (!layout_.ddp_in_place() && shape.trainable > 0) {
@@ -85,6 +85,9 @@ GradReducer::GradReducer(const Layout& layout, ParamStore& store, Communicator& 
   // and launches (see [Note: reductions in flight]).
   for (int64_t b = 0; b < layout_.num_buckets(); ++b) {
     const BucketShape& shape = layout_.bucket(b);
+    if (shape.trainable == 0) {
+      continue;  // never in flight
+    }
     const int64_t bytes = (shape.padded + shape.shard) * at::elementSize(reduce_dtype_);
     max_in_flight_bytes_ = std::max(max_in_flight_bytes_, 2 * bytes);
   }
@@ -243,7 +246,7 @@ void GradReducer::launch(int64_t b) {
   BucketGrads& bucket = buckets_[b];
   at::NoGradGuard no_grad;
   if (shape.trainable == 0) {
-    bucket.phase = BucketPhase::kRetired;  // frozen parameters only (stage 3): nothing to reduce
+    bucket.phase = BucketPhase::kRetired;  // frozen parameters only: nothing to reduce
     return;
   }
   if (layout_.ddp_in_place()) {

@@ -61,12 +61,16 @@ Layout::Layout(std::vector<std::vector<int64_t>> shapes, std::vector<std::string
     bucket.count = count;
     bucket.unit = stage_ == 3 ? unit_of_bucket.at(buckets_.size()) : -1;
     for (int64_t i = next; i < next + count; ++i) {
-      TORCH_CHECK(trainable_[i] || stage_ == 3, "zero_ext internal: frozen parameters are bucketed in stage 3 only");
       bucket_of_[i] = static_cast<int64_t>(buckets_.size());
       offset_[i] = bucket.numel;
       bucket.numel += numel_[i];
       bucket.trainable += trainable_[i] ? 1 : 0;
     }
+    // Stages 0-2 bucket frozen parameters only to compute them in the
+    // compute dtype, apart from the trainable ones: a bucket without
+    // trainable parameters is never reduced, stepped or gathered after a step.
+    TORCH_CHECK(stage_ == 3 || bucket.trainable == 0 || bucket.trainable == count,
+                "zero_ext internal: outside stage 3 frozen parameters are bucketed apart from trainable ones");
     const int64_t at_least_one = std::max<int64_t>(bucket.numel, 1);
     bucket.padded = (at_least_one + world_ - 1) / world_ * world_;
     bucket.shard = replicated() ? bucket.padded : bucket.padded / world_;

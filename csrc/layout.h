@@ -1,9 +1,12 @@
 #pragma once
 // Layout: the immutable geometry of one wrapped model, fixed at wrap().
 //
-// Trainable parameters (stage 3: frozen ones too) are laid out in flat
-// buckets: one dtype and one optimizer param group each, in reverse
-// registration order so they fill in the order backward produces gradients.
+// Trainable parameters are laid out in flat buckets: one dtype each, in
+// reverse registration order so they fill in the order backward produces
+// gradients. Frozen parameters are bucketed too in stage 3 (with their
+// unit's trainable ones) and, under mixed precision, in stages 0-2 (in
+// buckets of their own: trainable == 0), so they compute in the compute
+// dtype from an fp32 master.
 // Each bucket is padded to a multiple of the world size; rank r owns the r-th
 // equal shard (replicated layouts: the whole bucket). A "segment" is this
 // rank's shard of a bucket cut at parameter boundaries: what the optimizer

@@ -306,13 +306,17 @@ void ParamStore::bump_versions(const std::function<bool(int64_t)>& rewritten) {
 // host writes them again (the next step, a load) only once it has passed,
 // which it has long since done by then unless the device is a whole step
 // behind. A compute-dtype cast never runs across devices.
-void ParamStore::refresh_compute_copies() {
+void ParamStore::refresh_compute_copies(bool every_bucket) {
   at::NoGradGuard no_grad;
+  // Frozen parameters only: their masters change by a load, which refreshes
+  // every bucket, never by a step.
+  auto may_be_stale = [&](size_t b) { return every_bucket || layout_.bucket(static_cast<int64_t>(b)).trainable > 0; };
   bool sent = false;
   if (!compute_copy_written_) {
     wait_host_sources_free();
-    for (auto& values : values_) {
-      if (!values.master.defined() || !values.shard.defined()) {
+    for (size_t b = 0; b < values_.size(); ++b) {
+      BucketValues& values = values_[b];
+      if (!values.master.defined() || !values.shard.defined() || !may_be_stale(b)) {
         continue;
       }
       if (values.host_compute.defined()) {
@@ -324,9 +328,9 @@ void ParamStore::refresh_compute_copies() {
       }
     }
   }
-  for (auto& values : values_) {
-    if (values.host_compute.defined()) {
-      values.shard.copy_(values.host_compute, /*non_blocking=*/true);
+  for (size_t b = 0; b < values_.size(); ++b) {
+    if (values_[b].host_compute.defined() && may_be_stale(b)) {
+      values_[b].shard.copy_(values_[b].host_compute, /*non_blocking=*/true);
       sent = true;
     }
   }

@@ -83,9 +83,10 @@ class ParamStore {
   void note_compute_copy_written() { compute_copy_written_ = true; }
   void forget_compute_copy_written() { compute_copy_written_ = false; }
   // Masters -> compute copies of the shards (unless the optimizer wrote them).
-  // Offload from an accelerator: host-to-device copies from pinned memory,
-  // not waited for ([Note: offload refresh]).
-  void refresh_compute_copies();
+  // After a step (every_bucket false) buckets of frozen parameters are left
+  // out: no step writes their masters. Offload from an accelerator:
+  // host-to-device copies from pinned memory, not waited for ([Note: offload refresh]).
+  void refresh_compute_copies(bool every_bucket);
   // Before the host writes what the last refresh copies from (the masters,
   // host_compute): those copies are done. Queried first; waits only if not.
   void wait_host_sources_free();

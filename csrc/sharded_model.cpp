@@ -427,7 +427,7 @@ void ShardedModel::refresh_params(bool every_bucket) {
     // the shard the refresh writes.
     units_->finish_gathers();
   }
-  store_.refresh_compute_copies();
+  store_.refresh_compute_copies(every_bucket);
   if (layout_.replicated()) {
     return;  // the shard is the whole bucket
   }

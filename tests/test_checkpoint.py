@@ -178,7 +178,7 @@ def test_a_plain_state_dict_loads_into_a_wrapped_model():
 
 @pytest.mark.parametrize("saved_stage,loaded_stage", [(1, 3), (3, 0), (0, 2)])
 def test_frozen_parameters_round_trip(saved_stage, loaded_stage, tmp_path):
-    """Frozen parameters are bucketed in stage 3 only; either way they are
+    """In fp32, frozen parameters are bucketed in stage 3 only; either way they are
     saved once and land where the loading layout keeps them."""
     def frozen_net(seed):
         model = Net(seed=seed)

@@ -65,11 +65,15 @@ def test_layout_matches_reference(seed):
     rank = rng.randrange(world)
     stage = rng.randint(0, 3)
     layout = {0: rng.choice(LAYOUTS[:2]), 1: "sharded_persistent"}.get(stage, "sharded_transient")
-    trainable = [1 if stage < 3 or rng.random() < 0.7 else 0 for _ in range(n)]
     per_bucket, left = [], n
     while left:
         per_bucket.append(rng.randint(1, left))
         left -= per_bucket[-1]
+    if stage == 3:
+        trainable = [1 if rng.random() < 0.7 else 0 for _ in range(n)]
+    else:  # frozen parameters (mixed precision) have buckets of their own
+        frozen_bucket = [layout != "ddp_in_place" and rng.random() < 0.3 for _ in per_bucket]
+        trainable = [0 if frozen else 1 for frozen, count in zip(frozen_bucket, per_bucket) for _ in range(count)]
     units = list(range(len(per_bucket))) if stage == 3 else []
     probe = torch.classes.zero_ext.Layout(shapes, trainable, per_bucket, units, stage, layout, rank, world)
 
@@ -93,6 +97,11 @@ def test_layout_matches_reference(seed):
 def test_layout_refuses_a_bad_plan():
     with pytest.raises(RuntimeError, match="bucket plan"):
         torch.classes.zero_ext.Layout([[2], [3]], [1, 1], [3], [], 1, "sharded_persistent", 0, 1)
+
+
+def test_layout_refuses_frozen_and_trainable_in_one_bucket_outside_stage_3():
+    with pytest.raises(RuntimeError, match="bucketed apart from trainable ones"):
+        torch.classes.zero_ext.Layout([[2], [3]], [1, 0], [2], [], 1, "sharded_persistent", 0, 1)
 
 
 def gate(scaling: bool = False, **changes):

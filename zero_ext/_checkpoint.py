@@ -287,7 +287,7 @@ def _write_rank_files(tmp: str, model, optimizer, state, ranks: _Ranks, token: s
             a, b = max(lo, start), min(hi, start + view.numel())
             if a < b:
                 put("param", names[i], a, view[a - start:b - start])
-    if rank == 0:  # parameters zero_ext does not bucket (frozen, stages 0-2): full on every rank
+    if rank == 0:  # parameters not bucketed (frozen, stages 0-2 without mixed precision): full on every rank
         bucketed = {id(p) for p in state.bucketed}
         for n, p in model.named_parameters():
             if id(p) not in bucketed and p.numel():

@@ -226,9 +226,9 @@ def _fill_for_loading(plan: DeferredPlan, core, ranks, bucketed, bucket_of, loca
 
 def _materialize_unbucketed(plan: DeferredPlan, module: torch.nn.Module, bucket_of):
     """The module's buffers on the device, and its frozen parameters outside
-    the buckets (stages 0-2), returned for the broadcast, with the names of
-    the buffers born on meta: they start as NaN (floating) or zero, for the
-    initializer to fill."""
+    the buckets (stages 0-2 without mixed precision), returned for the
+    broadcast, with the names of the buffers born on meta: they start as NaN
+    (floating) or zero, for the initializer to fill."""
     frozen, born_on_meta = [], []
     params, buffers = _owned_state(module)
     for _, p in params:

@@ -27,8 +27,9 @@ def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> D
     state = getattr(model, "_zero_ext", None)
     if state is not None:
         stats = state.core.stats()
+        bucketed = {id(p) for p in state.bucketed}  # counted by the core (frozen ones too, stage 3 or mixed precision)
         params = stats["param_bytes"] + sum(
-            p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad
+            p.numel() * p.element_size() for p in model.parameters() if id(p) not in bucketed
         )
         grads = stats["grad_bytes"]
         masters = stats["master_bytes"]

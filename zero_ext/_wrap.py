@@ -48,12 +48,28 @@ def _plan_units(model: torch.nn.Module, units: List[Unit]):
     return ordered, counts, unit_of_bucket
 
 
+def _frozen_to_compute_in_low_precision(model: torch.nn.Module, options: Options) -> List[torch.nn.Parameter]:
+    """Stages 0-2 under mixed precision: the frozen fp32 parameters. They
+    compute in the compute dtype like the trainable ones (as FSDP2's
+    MixedPrecisionPolicy and DeepSpeed's bf16 do: a frozen LoRA base weight
+    meets the cast inputs), so they are bucketed too, for the core to cast and
+    keep their fp32 values as masters; in buckets of their own, which are
+    never reduced, stepped or gathered after a step. In fp32 they stay outside."""
+    if options.precision.compute_dtype is None:
+        return []
+    return [p for p in model.parameters() if not p.requires_grad and p.dtype == torch.float32]
+
+
 def _plan(model: torch.nn.Module, trainable: List[torch.nn.Parameter], options: Options):
     """Units (stage 3) and buckets: the parameters in bucket order, each
     bucket's parameter count and (stage 3) unit."""
     if options.stage != 3:
         ordered, counts = plan_buckets(trainable, options.bucket_bytes)
-        return [], ordered, counts, []
+        # After the trainable buckets: with nothing to wait for, a frozen
+        # bucket is retired as soon as the launch order reaches it.
+        frozen, frozen_counts = plan_buckets(_frozen_to_compute_in_low_precision(model, options),
+                                             options.bucket_bytes)
+        return [], ordered + frozen, counts + frozen_counts, []
     # The default policy merges consecutive small blocks until a unit holds
     # bucket_mb: one all-gather and one reduce-scatter per unit, each as big
     # as a stage 0-2 bucket (see _units.py for the choice).

@@ -25,7 +25,7 @@ class ZeroState:
     device: torch.device
     params: List[torch.nn.Parameter]  # trainable, in bucket order
     names: List[str]
-    bucketed: List[torch.nn.Parameter]  # what the core indexes (stage 3: frozen too)
+    bucketed: List[torch.nn.Parameter]  # what the core indexes (frozen too: stage 3, or mixed precision)
     param_ids: Set[int]
     bucketed_names: List[str]
     compute_dtype: Optional[torch.dtype]  # mixed precision: what parameters compute in
