@@ -69,12 +69,9 @@ from ported_scenarios import items
 
 WORLD_SIZES = tuple(int(w) for w in os.environ.get("ZERO_EXT_PORTED_WORLDS", "2,4").split(","))
 
-# item prefix -> reason: zero_ext defects this suite found (strict: fixing one fails here until removed).
-_FROZEN_FP32 = ("zero_ext defect: with mixed_precision='bf16', stages 0-2 leave frozen parameters in fp32 "
-                "(the frozen LayerNorm's weight is float32 in forward; stage 3 casts it to bf16), against SPEC: "
-                "'Frozen (requires_grad=False) floating-point parameters are computed in param_dtype too, in every "
-                "stage'")
-KNOWN_DEFECTS = {f"ds_frozen_norm_checkpointed_bf16/stage{stage}": _FROZEN_FP32 for stage in (0, 1, 2)}
+# item prefix -> reason: zero_ext defects this suite found and that are still
+# open (strict: fixing one fails here until removed). None open.
+KNOWN_DEFECTS: dict = {}
 
 
 @functools.lru_cache(maxsize=None)
