@@ -230,6 +230,20 @@ c10::intrusive_ptr<c10d::Work> CollectiveSequence::submit(const CollectiveId& id
   std::lock_guard<std::recursive_mutex> lock(order_->mutex_);
   TORCH_CHECK(!failed_.load(), report_);
   TORCH_CHECK(!detached_, "zero_ext internal: a collective submitted to a group that is gone");
+  // Steady state: the agreed plan's next collective, nothing waiting before
+  // it (in this group, or across the model's groups when in order): issued
+  // at once, with no bookkeeping beyond the plan's position.
+  const uint64_t h = id.hash();
+  if (!pending_round_ && any_round_ && queue_.empty() && (!in_order_ || order_->order_.empty()) &&
+      position_ < plan_.size() && plan_[position_] == h &&
+      std::none_of(exchanges_.begin(), exchanges_.end(), [&](const Exchange& e) {
+        return !e.ahead && !e.verified && e.serial <= last_gating_serial_;
+      })) {
+    recorded_.push_back(h);
+    ++position_;
+    ++decided_collectives_;
+    return issue();
+  }
   if (pending_round_ || !any_round_) {
     Item round;
     round.round = true;

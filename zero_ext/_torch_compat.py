@@ -64,3 +64,12 @@ def outside_compile(fn):
     loop makes Dynamo skip the whole frame. FSDP2 and DeepSpeed ZeRO-3
     disable their hooks the same way. Costs ~1 us per call in eager mode."""
     return torch.compiler.disable(fn, recursive=True)
+
+
+def all_gather_into_tensor(output, tensor, group) -> None:
+    """torch.distributed's all-gather into one tensor: all_gather_single where
+    it exists (2.13 deprecates all_gather_into_tensor), else the older name."""
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, tensor, group=group)

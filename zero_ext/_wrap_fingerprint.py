@@ -18,9 +18,9 @@ import hashlib
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from ._mesh import Topology
+from ._torch_compat import all_gather_into_tensor
 
 _DESCRIPTION_BYTES = 200
 
@@ -48,11 +48,11 @@ class _Table:
         t = self.topology
         row = row.to(self.device)
         table = torch.empty(t.shard_size * row.numel(), dtype=row.dtype, device=self.device)
-        dist.all_gather_into_tensor(table, row, group=t.shard_group)
+        all_gather_into_tensor(table, row, group=t.shard_group)
         if t.replicate_group is not None:
             rows = table
             table = torch.empty(t.mesh_size * row.numel(), dtype=row.dtype, device=self.device)
-            dist.all_gather_into_tensor(table, rows, group=t.replicate_group)
+            all_gather_into_tensor(table, rows, group=t.replicate_group)
         return table.view(t.mesh_size, row.numel()).cpu()
 
 
