@@ -91,8 +91,10 @@ def test_parity_with_plain_pytorch_over_nccl(stage, precision, offload):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_gradient_memory_in_backward_is_bounded_by_the_buckets(stage):
     """Stages 2-3 hold staging only for reductions in flight, bounded in
-    bytes: the memory backward adds is the bound plus a bucket, not the
-    model's gradient (12 layers x 4 MiB here)."""
+    bytes: besides the fp32 gradient shard (freed at zero_grad, allocated
+    again by the next backward: the whole gradient at world size 1), the
+    memory backward adds is the bound plus a bucket, not the model's
+    gradient (12 layers x 4 MiB here)."""
     model = Deep().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = zero_ext.wrap(model, opt, stage=stage, bucket_mb=4, units={nn.Linear} if stage == 3 else None)
@@ -100,13 +102,16 @@ def test_gradient_memory_in_backward_is_bounded_by_the_buckets(stage):
     train(model, opt, [(x, y)])  # optimizer state exists from here on
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
+    shard_before = model._zero_ext.core.stats()["grad_bytes"]
     torch.cuda.reset_peak_memory_stats()
     F.mse_loss(model(x), y).backward()
     torch.cuda.synchronize()
-    added = torch.cuda.max_memory_allocated() - before
     stats = model._zero_ext.core.stats()
     bucket = WIDTH * (WIDTH + 1) * 4
     model_grad = DEPTH * bucket
+    shard = stats["grad_bytes"] - shard_before
+    assert shard_before == 0 and shard == model_grad // dist.get_world_size(), (shard_before, shard, model_grad)
+    added = torch.cuda.max_memory_allocated() - before - shard
     assert stats["peak_staging_bytes"] <= stats["max_in_flight_bytes"] + 2 * bucket, stats
     # Besides staging: one layer's param.grad before it moves into its bucket,
     # activations (4 rows) and stage 3's gathered layers.
