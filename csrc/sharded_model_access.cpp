@@ -1,5 +1,5 @@
 // ShardedModel's entry points for inspection, checkpoints and Python's
-// collectives on zero_ext's own group: what zero_ext/_checkpoint.py,
+// collectives on zero_ext's own group: what zero_ext/files/checkpoint.py,
 // full_params, full_grads and clip_grad_norm_ call. The training path's entry
 // points are in sharded_model.cpp.
 #include "sharded_model.h"

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import zero_ext
-from zero_ext import _checkpoint_files
+from zero_ext.files import format as _checkpoint_files
 from zero_ext.convert import convert
 
 TIMEOUT = 30  # the model group's collective timeout: a hang would take this long

@@ -8,14 +8,14 @@ runs in C++ inside the autograd engine; this package is the wiring.
 """
 try:
     from ._api import DynamicLossScale, MixedPrecision
-    from ._checkpoint import load, save
+    from .files.checkpoint import load, save
     from ._clip import clip_grad_norm_
     from ._deferred_init import empty_init, skip_init
     from ._full_params import full_params
     from ._report import memory_report
-    from ._save_weights import save_weights
+    from .files.save_weights import save_weights
     from ._state_dict import full_grads, full_state_dict, load_full_state_dict
-    from ._load_weights import load_weights
+    from .files.load_weights import load_weights
     from ._wrap import wrap
 except ImportError as _error:
     import sys as _sys

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ._api import DynamicLossScale, MixedPrecision
 from ._bucket_plan import plan_buckets
 from ._C_loader import ShardedModel
-from ._checkpoint import _local_views, _Ranks
+from .files.checkpoint import _local_views, _Ranks
 from ._deferred_init import materialize, move_to_device, plan_deferred
 from ._groups import acquire_groups, acquire_mesh_groups, group_timeout, pooled_groups, retire_if_failed
 from ._mesh import Topology, resolve_topology

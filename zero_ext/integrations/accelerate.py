@@ -38,8 +38,8 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from .._checkpoint import load as zero_ext_load
-from .._checkpoint import save as zero_ext_save
+from ..files.checkpoint import load as zero_ext_load
+from ..files.checkpoint import save as zero_ext_save
 from .._clip import clip_grad_norm_ as zero_ext_clip_grad_norm_
 from ._common import check_wrap_options, library_mixed_precision, wrap_once
 

@@ -57,9 +57,9 @@ from typing import Any, Callable, Dict, Generator, Optional, Tuple
 
 import torch
 
-from .._checkpoint import _is_safe  # whether torch.load(weights_only=True) reads a value back
-from .._checkpoint import load as zero_ext_load
-from .._checkpoint import save as zero_ext_save
+from ..files.checkpoint import _is_safe  # whether torch.load(weights_only=True) reads a value back
+from ..files.checkpoint import load as zero_ext_load
+from ..files.checkpoint import save as zero_ext_save
 from .._state_dict import load_full_state_dict
 from .._wrap import wrap
 from ._common import is_wrapped
@@ -88,7 +88,7 @@ def _lightning_state(checkpoint: Dict[str, Any], hparams_keys: Tuple[str, ...],
 def _full_weights(path: str) -> Dict[str, torch.Tensor]:
     """The checkpoint's full state_dict (parameters as fp32 masters), on CPU,
     by zero_ext.convert through a private temporary file."""
-    from ..convert import convert
+    from ..files.convert import convert
 
     with tempfile.TemporaryDirectory(prefix="zero_ext_lightning_") as scratch:
         out = os.path.join(scratch, "weights.pt")
@@ -99,7 +99,7 @@ def _full_weights(path: str) -> Dict[str, torch.Tensor]:
 def _saved_extra(path: str, rank: int) -> Any:
     """This rank's `extra` of a checkpoint (rank 0's for a rank the writer
     did not have), read as zero_ext.load reads it, without a wrapped model."""
-    from .. import _checkpoint_files as files
+    from ..files import format as files
 
     checkpoint = files.Checkpoint(path, "ZeroExtStrategy")
     try:

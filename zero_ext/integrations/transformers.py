@@ -31,11 +31,11 @@ from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
-from .._checkpoint import load as zero_ext_load
-from .._checkpoint import save as zero_ext_save
+from ..files.checkpoint import load as zero_ext_load
+from ..files.checkpoint import save as zero_ext_save
 from .._clip import clip_grad_norm_ as zero_ext_clip_grad_norm_
-from .._load_weights import load_weights
-from .._save_weights import save_weights
+from ..files.load_weights import load_weights
+from ..files.save_weights import save_weights
 from ._common import check_wrap_options, is_wrapped, library_mixed_precision, wrap_once
 
 CHECKPOINT_DIR = "zero_ext"  # inside each checkpoint-N directory

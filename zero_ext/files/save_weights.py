@@ -19,9 +19,9 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
-from . import _safetensors as st
-from ._checkpoint import _persistent_buffers, _Ranks
-from ._state_dict import _state
+from . import safetensors as st
+from .checkpoint import _persistent_buffers, _Ranks
+from .._state_dict import _state
 
 def _entries(model, state, dtype: Optional[torch.dtype]):
     """(name, dtype, shape, source) in the order they are written: the

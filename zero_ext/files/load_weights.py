@@ -5,7 +5,7 @@ A source is a state dict, a .safetensors file, a .pt/.bin file, or a
 directory (Hugging Face's model.safetensors.index.json or
 pytorch_model.bin.index.json and the files they name, or a single
 model.safetensors / pytorch_model.bin). Safetensors are read by byte range
-(_safetensors.py: exactly the elements asked for); .pt/.bin files are
+(safetensors.py: exactly the elements asked for); .pt/.bin files are
 memory-mapped with weights_only=True, so only the pages a rank touches are
 read and nothing but tensors is unpickled. Values are cast to what the rank
 holds (the fp32 masters under mixed precision). Tied parameters load once,
@@ -25,10 +25,10 @@ from typing import Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 import torch
 
-from . import _safetensors as st
-from ._checkpoint import _local_views, _persistent_buffers, _Ranks
-from ._safetensors import open_regular
-from ._state_dict import _state
+from . import safetensors as st
+from .checkpoint import _local_views, _persistent_buffers, _Ranks
+from .safetensors import open_regular
+from .._state_dict import _state
 
 BIN_INDEX = "pytorch_model.bin.index.json"
 _PLAIN_BIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}\.(bin|pt|pth)\Z")

@@ -1,5 +1,5 @@
 """zero_ext.save / zero_ext.load: sharded, atomic, loadable at any world size
-and stage (the format, and how reading distrusts it, is in _checkpoint_files.py).
+and stage (the format, and how reading distrusts it, is in format.py).
 
 Each rank writes only the elements it owns: for every bucket, the r-th equal
 slice of its flat parameters (in stages 1-3 exactly the rank's shard; in
@@ -21,7 +21,7 @@ their sizes, writes metadata.json (which makes a directory a checkpoint) and
 renames the directory into place, moving an existing checkpoint aside first
 and deleting it after. A failure removes the unfinished directory; a crash
 at any point leaves either the old or the new checkpoint complete (see
-_checkpoint_files.resolve).
+publish.resolve).
 
 load: (A) open and validate the checkpoint, check it against the model
 (strictly by default) and read the small files; ranks also agree that they
@@ -31,7 +31,6 @@ and optimizer. Only then the collective refresh of parameters.
 from __future__ import annotations
 
 import io
-import json
 import os
 import pickle
 import shutil
@@ -41,18 +40,9 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 import torch
 import torch.distributed as dist
 
-from . import _checkpoint_files as files
-from ._state_dict import _state
-
-# Tests make one rank exit at a named point of a save (fault injection).
-_FAULT_ENV = "ZERO_EXT_TEST_SAVE_EXIT"
-
-
-def _maybe_die(point: str, rank: int) -> None:
-    spec = os.environ.get(_FAULT_ENV, "")
-    if spec == f"{point}:{rank}":
-        os._exit(17)
-
+from . import format as files
+from . import publish
+from .._state_dict import _state
 
 class _Ranks:
     """Collectives of a save or load on the model's own group (which carries
@@ -239,25 +229,6 @@ def _checked_file(token: str, value: Any, label: str) -> bytes:
         "object's state_dict() or plain values instead. Nothing was written")
 
 
-def _check_target(path: str) -> None:
-    """Rank 0, before anything is written: `path` must be new, or a checkpoint to replace."""
-    if os.path.islink(path):
-        raise ValueError(
-            f"zero_ext.save: {path} is a symbolic link (to {os.readlink(path)}); replacing the link would leave "
-            "what it points to behind. Save to the directory it points to, or remove the link. Nothing was written")
-    if not os.path.lexists(path):
-        return
-    if not os.path.isdir(path):
-        kind = "a regular file" if os.path.isfile(path) else "not a directory"
-        raise ValueError(f"zero_ext.save: {path} exists and is {kind}, not a checkpoint directory; pass another "
-                         "path or remove it. Nothing was written")
-    strangers = sorted(n for n in os.listdir(path) if not files.is_checkpoint_entry(n))
-    if strangers:
-        raise ValueError(
-            f"zero_ext.save: {path} exists and is not a zero_ext checkpoint (it holds {strangers[:3]}); save "
-            "replaces only checkpoints, so pass a new path or remove the directory. Nothing was written")
-
-
 def _write_rank_files(tmp: str, model, optimizer, state, ranks: _Ranks, token: str,
                       blobs: Dict[str, bytes]) -> Tuple[List[dict], Dict[str, int]]:
     """This rank's files in `tmp`; returns its pieces and {file: size}.
@@ -403,40 +374,6 @@ def _check_written(tmp: str, world: int, gathered: List[Tuple[List[dict], Dict[s
     return sizes
 
 
-def _publish(target: str, tmp: str, token: str, meta: dict) -> Tuple[Optional[BaseException], str]:
-    """Rank 0: metadata last, then the directory into place. Returns the
-    error, if any, and what became of the directories."""
-    aside, placed = None, False
-    try:
-        staging = os.path.join(tmp, files.METADATA + ".partial")
-        files.write_file(staging, json.dumps(meta).encode())
-        os.replace(staging, os.path.join(tmp, files.METADATA))
-        files.fsync_dir(tmp)
-        _maybe_die("before_publish", 0)
-        if os.path.lexists(target):
-            aside = f"{target}.old-{token[:12]}"
-            os.rename(target, aside)
-        _maybe_die("between_renames", 0)
-        try:
-            os.rename(tmp, target)
-        except BaseException:
-            if aside is not None and os.path.isdir(aside) and not os.path.lexists(target):
-                os.rename(aside, target)  # the previous checkpoint back where it was
-            raise
-        placed = True
-        files.fsync_dir(os.path.dirname(target))
-    except Exception as error:  # noqa: BLE001 - reported to every rank by the caller
-        if placed:
-            return error, (f"The new checkpoint is at {target}, but it may not survive a crash; the previous "
-                           f"one is kept at {aside}" if aside else
-                           f"The new checkpoint is at {target}, but it may not survive a crash")
-        shutil.rmtree(tmp, ignore_errors=True)
-        return error, f"Nothing was published: {tmp} was removed and the previous checkpoint, if any, is untouched"
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
-    return None, ""
-
-
 def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: Any = None) -> None:
     """Writes a sharded checkpoint directory at `path`, atomically: every rank
     writes its own shards; the directory appears (replacing an older
@@ -456,7 +393,7 @@ def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ex
         target = os.path.abspath(os.fspath(path))
         blobs[f"extra-rank{ranks.rank}.pt"] = _checked_file(token, extra, "extra")
         if ranks.rank == 0:
-            _check_target(target)
+            publish.check_target(target)
             groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
             blobs["optimizer.pt"] = _checked_file(
                 token, {"class": type(optimizer).__mro__[1].__name__, "param_groups": groups}, "optimizer")
@@ -476,7 +413,7 @@ def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ex
         pieces, written = _write_rank_files(tmp, model, optimizer, state, ranks, token, blobs)
     except Exception as e:  # noqa: BLE001
         error = e
-    _maybe_die("after_shards", ranks.rank)
+    publish.maybe_die("after_shards", ranks.rank)
 
     def remove_tmp() -> None:
         if ranks.rank == 0:  # every rank has stopped writing by now
@@ -496,7 +433,7 @@ def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ex
             error = e
             note = f"Nothing was published: {tmp} was removed and the previous checkpoint, if any, is untouched"
         else:
-            error, note = _publish(target, tmp, token, meta)
+            error, note = publish.publish(target, tmp, token, meta)
     ranks.settle(error, action=f"zero_ext.save: publishing {target}", note=note)  # nobody returns before it is in place
 
 

@@ -28,7 +28,6 @@ every tensor and every shard file) before any other byte is read, and loads
 from __future__ import annotations
 
 import ctypes
-import glob
 import io
 import json
 import math
@@ -138,21 +137,6 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def resolve(path: str, who: str = "zero_ext") -> str:
-    """The checkpoint directory to read. A save replaces an existing
-    checkpoint with two renames (old aside, new in place); if it died between
-    them, the previous checkpoint is still complete under its `.old-` name."""
-    if os.path.isdir(path):
-        return path
-    aside = sorted(glob.glob(glob.escape(path) + ".old-*"), key=os.path.getmtime)
-    for candidate in reversed(aside):
-        if os.path.isfile(os.path.join(candidate, METADATA)):
-            return candidate
-    partial = glob.glob(glob.escape(path) + ".tmp-*")
-    hint = f" (only unfinished saves: {partial}; a save died before completing)" if partial else ""
-    raise FileNotFoundError(f"{who}: no checkpoint at {path}{hint}")
 
 
 # --- metadata validation ------------------------------------------------------
@@ -417,6 +401,7 @@ class Checkpoint:
 
     def _open_dir(self, path: str) -> Tuple[str, int]:
         for _ in range(3):  # a save renaming the path between resolve and open: look again
+            from .publish import resolve  # noqa: PLC0415 - publish imports this module
             where = resolve(path, self.who)
             try:
                 return where, os.open(where, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
