@@ -5,12 +5,20 @@ interfaces at run time, so no nvcc is needed and one build serves CPU and GPU.
 The compiler and torch it was built with are recorded in
 zero_ext/_build_info.json, for the build's self-check (zero_ext/selfcheck.py)
 and the error messages that name them.
+
+Builds are incremental: objects live in build/incremental/<key> (key: torch,
+compiler, flags, Python), where ninja recompiles only the translation units
+whose sources, headers or command changed, also under `pip install -e .`,
+which would otherwise compile everything in a fresh temporary directory. A
+different torch or compiler gets a new key, so a clean build.
 """
 import glob
+import hashlib
 import json
 import os
 import shutil
 import subprocess
+import sys
 
 import torch
 from setuptools import setup
@@ -38,8 +46,28 @@ def compiler_info() -> dict:
             "torch": torch.__version__}
 
 
+class IncrementalBuild(BuildExtension):
+    """BuildExtension in a persistent directory keyed by what the objects
+    depend on besides their sources."""
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        key = hashlib.sha256(json.dumps(
+            [info, extra, torch.__file__, sys.version, os.environ.get("CC"), os.environ.get("CFLAGS"),
+             os.environ.get("CXXFLAGS")]).encode()).hexdigest()[:16]
+        root = os.path.join(here, "build", "incremental")
+        self.build_temp = os.path.join(root, key)
+        for other in glob.glob(os.path.join(root, "*")):
+            if other != self.build_temp:
+                shutil.rmtree(other, ignore_errors=True)  # objects of another torch or compiler: never reusable
+        # setuptools skips an extension whose .so is newer than its .cpp files,
+        # missing header changes; ninja knows every dependency, so always ask it.
+        self.force = True
+
+
+info = compiler_info()
 with open(os.path.join(here, "zero_ext", "_build_info.json"), "w") as f:
-    json.dump(compiler_info(), f, indent=1)
+    json.dump(info, f, indent=1)
 
 setup(
     ext_modules=[
@@ -52,5 +80,5 @@ setup(
         )
     ],
     package_data={"zero_ext": ["_build_info.json"]},
-    cmdclass={"build_ext": BuildExtension},
+    cmdclass={"build_ext": IncrementalBuild},
 )

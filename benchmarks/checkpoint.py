@@ -3,10 +3,13 @@
 
     python benchmarks/checkpoint.py                  # world size 2, stage 2, ~101M params
     python benchmarks/checkpoint.py --stage 3 --layers 3
+    python benchmarks/checkpoint.py --repeat 5       # medians of 5 saves and 5 loads per rank
 
-Each rank trains one AdamW step (so optimizer state exists), saves, and
-loads into a fresh model; times are wall clock, memory is the growth of the
-process's peak RSS (ru_maxrss) during the operation. convert runs in a
+Each rank trains one AdamW step (so optimizer state exists), saves --repeat
+times (the first save is new, the others replace it), and loads as many
+times into a fresh model; times are wall-clock medians with their range,
+throughput is this rank's share of the checkpoint over the median, memory
+is the growth of the process's peak RSS (ru_maxrss) during the operation. convert runs in a
 child process; its whole peak RSS is reported beside the model's fp32 size.
 Nothing is asserted.
 """
@@ -16,6 +19,7 @@ import argparse
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,19 +51,23 @@ def body(args, rank, world):
     model(x).square().mean().backward()
     opt.step()
     opt.zero_grad()
+    saves, loads = [], []
     before = peak_rss_mb()
-    start = time.perf_counter()
-    zero_ext.save(args.path, model, opt)
-    save_s = time.perf_counter() - start
+    for _ in range(args.repeat):  # the first writes a new checkpoint, the others replace it
+        start = time.perf_counter()
+        zero_ext.save(args.path, model, opt)
+        saves.append(time.perf_counter() - start)
     save_rss = peak_rss_mb() - before
     del model, opt
     model, opt = build(args)
     zero_ext.wrap(model, opt, stage=args.stage)
     before = peak_rss_mb()
-    start = time.perf_counter()
-    zero_ext.load(args.path, model, opt)
-    load_s = time.perf_counter() - start
-    return {"save_s": save_s, "save_rss_growth_mb": save_rss, "load_s": load_s,
+    for _ in range(args.repeat):
+        start = time.perf_counter()
+        zero_ext.load(args.path, model, opt)
+        loads.append(time.perf_counter() - start)
+    return {"save_s": statistics.median(saves), "save_range": (min(saves), max(saves)), "save_rss_growth_mb": save_rss,
+            "load_s": statistics.median(loads), "load_range": (min(loads), max(loads)),
             "load_rss_growth_mb": peak_rss_mb() - before, "peak_rss_mb": peak_rss_mb()}
 
 
@@ -69,6 +77,7 @@ def main() -> None:
     parser.add_argument("--stage", type=int, default=2)
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--repeat", type=int, default=3, help="saves and loads per rank; medians are reported")
     args = parser.parse_args()
     tmp = tempfile.mkdtemp(prefix="zero_ext_ckpt_bench_")
     args.path = os.path.join(tmp, "ckpt")
@@ -79,10 +88,20 @@ def main() -> None:
         disk_mb = sum(os.path.getsize(os.path.join(args.path, f)) for f in os.listdir(args.path)) / 2**20
         print(f"{n / 1e6:.1f}M parameters (fp32 {size_mb:.0f} MiB), stage {args.stage}, world size {args.world}, "
               f"checkpoint {disk_mb:.0f} MiB on disk (params + AdamW state)")
-        print(f"{'rank':>4} {'save s':>8} {'save +RSS MiB':>14} {'load s':>8} {'load +RSS MiB':>14} {'peak RSS MiB':>13}")
+        print(f"{'rank':>4} {'save s (range)':>18} {'save MiB/s':>10} {'save +RSS MiB':>14} {'load s (range)':>18} "
+              f"{'load MiB/s':>10} {'load +RSS MiB':>14} {'peak RSS MiB':>13}")
         for rank, r in enumerate(per_rank):
-            print(f"{rank:>4} {r['save_s']:>8.2f} {r['save_rss_growth_mb']:>14.0f} {r['load_s']:>8.2f} "
+            mine = disk_mb / args.world  # each rank writes and reads its share
+            print(f"{rank:>4} {r['save_s']:>6.2f} ({r['save_range'][0]:.2f}-{r['save_range'][1]:.2f}) "
+                  f"{mine / r['save_s']:>10.0f} {r['save_rss_growth_mb']:>14.0f} "
+                  f"{r['load_s']:>6.2f} ({r['load_range'][0]:.2f}-{r['load_range'][1]:.2f}) {mine / r['load_s']:>10.0f} "
                   f"{r['load_rss_growth_mb']:>14.0f} {r['peak_rss_mb']:>13.0f}")
+        start = time.perf_counter()
+        verified = subprocess.run([sys.executable, "-m", "zero_ext.convert", "--verify", args.path],
+                                  capture_output=True, text=True)
+        if verified.returncode == 0:  # a zero_ext without --verify prints usage instead
+            print(f"convert --verify: {time.perf_counter() - start:.2f} s ({disk_mb:.0f} MiB, interpreter start "
+                  "included)")
         out = os.path.join(tmp, "plain.pt")
         # In a child of its own, which reports its own peak RSS (RUSAGE_CHILDREN
         # here would include the ranks).

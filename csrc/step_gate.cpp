@@ -7,7 +7,9 @@ namespace zero_ext {
 
 std::string Progress::where() const {
   std::ostringstream out;
-  out << "step " << step_index << ", synced backward " << synced_in_step << " of the step";
+  // Counted from 0, and said so: "step 5" alone reads as the fifth.
+  out << "step " << step_index << " (counted from 0: " << step_index << " optimizer step(s) done), synced backward "
+      << synced_in_step << " of the step (counted from 0)";
   return out.str();
 }
 

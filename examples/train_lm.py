@@ -258,9 +258,10 @@ def main() -> None:
     first_step, save = 1, None
     if args.resume_dir:
         checkpoint = os.path.join(args.resume_dir, "checkpoint")
-        # Every rank must see the save (a shared filesystem); zero_ext.save
-        # publishes it atomically, so it is whole or absent.
-        if os.path.exists(os.path.join(checkpoint, "metadata.json")):
+        # Every rank must see the save (a shared filesystem). checkpoint_exists
+        # says what load would find, also a save a crash left aside while
+        # publishing; it only reads the filesystem, so each rank asks alone.
+        if zero_ext.checkpoint_exists(checkpoint):
             extra = zero_ext.load(checkpoint, model, opt)
             sched.load_state_dict(extra["scheduler"])
             first_step = extra["step"] + 1

@@ -30,6 +30,7 @@ VERSIONS=("$@")
 ENVS=${ZERO_EXT_TORCH_ENVS:-$HOME/.cache/zero_ext/torch-envs}
 BASE_PY=${PYTHON:-python3}
 SUBSET=(tests/test_parity.py tests/test_errors.py tests/test_checkpoint.py tests/test_checkpoint_trust.py
+        tests/test_checkpoint_integrity.py
         tests/test_trust.py tests/test_cpu_adam.py tests/test_mixed_precision.py tests/test_selfcheck.py
         tests/test_default_settings.py tests/test_benchmarks.py tests/test_core_ops.py tests/test_python_calls.py
         tests/test_components.py tests/test_safetensors.py tests/test_weights.py tests/test_deferred_init.py
@@ -42,7 +43,7 @@ env_torch_version() {  # the torch version a venv has, or nothing
   "$1/bin/python" -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null
 }
 
-TEST_DEPS=(pytest ninja setuptools wheel numpy safetensors transformers)
+TEST_DEPS=(xxhash pytest ninja setuptools wheel numpy safetensors transformers)
 
 prepare_env() {  # $1 version, $2 env dir: a venv whose torch is $1
   local version=$1 env=$2

@@ -21,6 +21,10 @@ import torch.nn as nn
 
 import zero_ext
 from zero_ext.files import format as _checkpoint_files
+from zero_ext.files import load as _load_module
+from zero_ext.files import publish as _publish
+from zero_ext.files.checksum import digest
+from zero_ext.files.metadata import seal
 from zero_ext.convert import convert
 
 TIMEOUT = 30  # the model group's collective timeout: a hang would take this long
@@ -111,8 +115,20 @@ def _meta(path: str) -> dict:
 
 
 def _put_meta(path: str, meta: Any) -> None:
+    """Writes crafted metadata as a deliberate forger would: sealed with the
+    checksum load expects, so what is under test is the validation behind it."""
+    if isinstance(meta, dict):
+        meta = seal(meta)
     with open(os.path.join(path, "metadata.json"), "w") as f:
         json.dump(meta, f)
+
+
+def _entry(file: str) -> dict:
+    """A metadata files entry that agrees with `file` as it is now."""
+    if not file.endswith(".pt"):
+        return {"size": os.path.getsize(file), "checksum": None}
+    with open(file, "rb") as f:
+        return {"size": os.path.getsize(file), "checksum": digest(f.read())}
 
 
 def _refresh_size(path: str, name: str) -> None:
@@ -120,7 +136,7 @@ def _refresh_size(path: str, name: str) -> None:
     one) agree, so only the property under test is wrong."""
     meta = _meta(path)
     if name in meta.get("files", {}):
-        meta["files"][name] = os.path.getsize(os.path.join(path, name))
+        meta["files"][name] = _entry(os.path.join(path, name))
         _put_meta(path, meta)
 
 
@@ -186,14 +202,14 @@ def _mutate_meta(path: str, case: str) -> None:
     weight = _piece(meta, "lin.weight")
     if case == "traversal":
         weight["file"] = "../secret.bin"
-        meta["files"]["../secret.bin"] = os.path.getsize(_secret(where))
+        meta["files"]["../secret.bin"] = _entry(_secret(where))
     elif case == "absolute":
         secret = _secret(where)
         weight["file"] = secret
-        meta["files"][secret] = os.path.getsize(secret)
+        meta["files"][secret] = _entry(secret)
     elif case == "proc":
         weight["file"] = "/proc/self/environ"
-        meta["files"]["/proc/self/environ"] = os.path.getsize("/proc/self/environ")
+        meta["files"]["/proc/self/environ"] = {"size": os.path.getsize("/proc/self/environ"), "checksum": None}
     elif case == "symlink":
         shard = os.path.join(path, "rank0.bin")
         secret = _secret(where, os.path.getsize(shard))
@@ -227,7 +243,7 @@ def _mutate_meta(path: str, case: str) -> None:
     elif case == "gap":
         weight["length"] = 5
     elif case == "unknown-file":
-        meta["files"]["evil.sh"] = 0
+        meta["files"]["evil.sh"] = {"size": 0, "checksum": None}
         open(os.path.join(path, "evil.sh"), "w").close()
     else:
         raise ValueError(case)
@@ -516,6 +532,7 @@ def _save_fails(root: str, case: str, rank: int, world: int) -> Dict[str, Any]:
         patch(os, "replace", planted)
     elif case == "fail-rename-rank0" and rank == 0:
         patch(os, "rename", planted)
+        patch(_publish, "_exchange", planted)  # replacing a checkpoint exchanges, where the OS can
     elif case == "file-vanishes-rank1" and rank == 1:
         close = _checkpoint_files.ShardWriter.close
 
@@ -599,7 +616,7 @@ def _ranks_open_different_saves(root: str, rank: int, world: int) -> Dict[str, A
     zero_ext.save(a, model, opt, extra="A")
     step(model, opt, rank)
     zero_ext.save(b, model, opt, extra="B")
-    real = _checkpoint_files.Checkpoint
+    real = _load_module.Checkpoint
 
     def opened_in_turn(*args, **kwargs):
         if rank == 0:
@@ -614,11 +631,11 @@ def _ranks_open_different_saves(root: str, rank: int, world: int) -> Dict[str, A
 
     m, o = make(2, seed=4)
     before = params_of(m)
-    _checkpoint_files.Checkpoint = opened_in_turn
+    _load_module.Checkpoint = opened_in_turn
     try:
         outcome = attempt(lambda: zero_ext.load(a, m, o))
     finally:
-        _checkpoint_files.Checkpoint = real
+        _load_module.Checkpoint = real
     outcome["model_unchanged"] = same(before, params_of(m))
     return outcome
 

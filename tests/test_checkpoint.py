@@ -120,7 +120,10 @@ def test_convert_to_safetensors_matches_the_state_dict(saved_at_world_4, tmp_pat
 
 
 @pytest.mark.parametrize("fault", ["after_shards:1", "before_publish:0", "between_renames:0"])
-def test_a_crash_during_save_leaves_the_previous_checkpoint(fault, tmp_path):
+def test_a_crash_during_save_leaves_the_previous_checkpoint(fault, tmp_path, monkeypatch):
+    from zero_ext.files.publish import NO_EXCHANGE_ENV
+    if fault == "between_renames:0":  # only a save that cannot exchange directories renames twice
+        monkeypatch.setenv(NO_EXCHANGE_ENV, "1")
     root = str(tmp_path)
     with pytest.raises(RuntimeError):
         run_on_ranks(2, "checkpoint_scenarios:save_twice_and_die", (root, fault), deadline_s=120)
@@ -128,9 +131,10 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint(fault, tmp_path):
     model, opt = make(3)
     assert zero_ext.load(path, model, opt) == "first"
     assert glob.glob(path + ".tmp-*"), "the unfinished save should still be there, unused"
-    # A later save succeeds and replaces it.
+    # A later save succeeds, replaces it and removes what the crashed one left.
     zero_ext.save(path, model, opt, extra="third")
     assert zero_ext.load(path, model, opt) == "third"
+    assert not glob.glob(path + ".tmp-*") + glob.glob(path + ".old-*")
 
 
 def _saved(tmp_path):
@@ -208,3 +212,36 @@ def test_python_collectives_go_through_the_core(tmp_path):
     for rank, counts in enumerate(results):
         assert counts["clip"] == 1, (rank, counts)
         assert counts["save"] >= 4 and counts["load"] >= 2, (rank, counts)
+
+
+def test_optimizer_scalars_a_load_would_refuse_are_refused_at_save(tmp_path):
+    """A broken step count fails the save (naming the key), not a later
+    load; other scalars keep any value, inf included, as tensors may."""
+    model, opt = make(2)
+    train(model, opt, range(1), 0, 1)
+    state = next(iter(opt.state.values()))
+    state["best_loss"] = float("inf")  # a custom optimizer's scalar
+    path = str(tmp_path / "ckpt")
+    zero_ext.save(path, model, opt)
+    fresh, fresh_opt = make(2)
+    zero_ext.load(path, fresh, fresh_opt)
+    assert next(iter(fresh_opt.state.values()))["best_loss"] == float("inf")
+    state["step"] = torch.tensor(float("nan"))
+    with pytest.raises(RuntimeError, match="'step'.*counts steps, so it must be a non-negative integer"):
+        zero_ext.save(str(tmp_path / "broken"), model, opt)
+    assert not os.path.exists(tmp_path / "broken")
+
+
+def test_a_read_larger_than_one_system_read_is_completed():
+    """One read() of a regular file returns at most about 2 GiB on Linux: a
+    piece that large must be read in a loop, not reported as truncated."""
+    from zero_ext.files.reader import _read_exactly
+
+    class ShortReads(io.BytesIO):
+        def readinto(self, buffer):  # at most 7 bytes per call, as a capped read() would
+            return super().readinto(memoryview(buffer)[:7])
+
+    data = torch.arange(100, dtype=torch.float32)
+    into = torch.empty(100, dtype=torch.float32)
+    assert _read_exactly(ShortReads(data.numpy().tobytes()), into) and torch.equal(into, data)
+    assert not _read_exactly(ShortReads(data.numpy().tobytes()[:-1]), torch.empty(100))

@@ -9,6 +9,7 @@ runs in C++ inside the autograd engine; this package is the wiring.
 try:
     from ._api import DynamicLossScale, MixedPrecision
     from .files.checkpoint import load, save
+    from .files.publish import checkpoint_exists
     from ._clip import clip_grad_norm_
     from ._deferred_init import empty_init, skip_init
     from ._full_params import full_params
@@ -34,6 +35,7 @@ except ImportError as _error:
 __all__ = [
     "DynamicLossScale",
     "MixedPrecision",
+    "checkpoint_exists",
     "clip_grad_norm_",
     "empty_init",
     "full_grads",

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from ._api import DynamicLossScale, MixedPrecision
 from ._bucket_plan import plan_buckets
 from ._C_loader import ShardedModel
-from .files.checkpoint import _local_views, _Ranks
+from .files.collective import Ranks as _Ranks
+from .files.plan import local_views as _local_views
 from ._deferred_init import materialize, move_to_device, plan_deferred
 from ._groups import acquire_groups, acquire_mesh_groups, group_timeout, pooled_groups, retire_if_failed
 from ._mesh import Topology, resolve_topology

@@ -26,7 +26,8 @@ from typing import Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
 import torch
 
 from . import safetensors as st
-from .checkpoint import _local_views, _persistent_buffers, _Ranks
+from .collective import Ranks as _Ranks
+from .plan import local_views as _local_views, persistent_buffers as _persistent_buffers
 from .safetensors import open_regular
 from .._state_dict import _state
 

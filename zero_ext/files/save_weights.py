@@ -20,7 +20,8 @@ from typing import List, Optional, Tuple, Union
 import torch
 
 from . import safetensors as st
-from .checkpoint import _persistent_buffers, _Ranks
+from .collective import Ranks as _Ranks
+from .plan import persistent_buffers as _persistent_buffers
 from .._state_dict import _state
 
 def _entries(model, state, dtype: Optional[torch.dtype]):

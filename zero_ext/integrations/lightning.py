@@ -57,7 +57,7 @@ from typing import Any, Callable, Dict, Generator, Optional, Tuple
 
 import torch
 
-from ..files.checkpoint import _is_safe  # whether torch.load(weights_only=True) reads a value back
+from ..files.save import _is_safe  # whether torch.load(weights_only=True) reads a value back
 from ..files.checkpoint import load as zero_ext_load
 from ..files.checkpoint import save as zero_ext_save
 from .._state_dict import load_full_state_dict
@@ -99,11 +99,11 @@ def _full_weights(path: str) -> Dict[str, torch.Tensor]:
 def _saved_extra(path: str, rank: int) -> Any:
     """This rank's `extra` of a checkpoint (rank 0's for a rank the writer
     did not have), read as zero_ext.load reads it, without a wrapped model."""
-    from ..files import format as files
+    from ..files.reader import Checkpoint
 
-    checkpoint = files.Checkpoint(path, "ZeroExtStrategy")
+    checkpoint = Checkpoint(path, "ZeroExtStrategy")
     try:
-        writers = int(checkpoint.meta["world_size"])
+        writers = checkpoint.meta.world_size
         return checkpoint.load_pt(f"extra-rank{rank if rank < writers else 0}.pt")
     finally:
         checkpoint.close()

@@ -32,6 +32,7 @@ from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from ..files.checkpoint import load as zero_ext_load
+from ..files.publish import checkpoint_exists
 from ..files.checkpoint import save as zero_ext_save
 from .._clip import clip_grad_norm_ as zero_ext_clip_grad_norm_
 from ..files.load_weights import load_weights
@@ -114,7 +115,7 @@ class ZeroExtTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Optional[torch.nn.Module] = None) -> None:
         # Trainer loads the weights here, before the optimizer exists; a
         # zero_ext checkpoint restores them (fp32 masters) with the optimizer.
-        if os.path.isdir(os.path.join(resume_from_checkpoint, CHECKPOINT_DIR)):
+        if checkpoint_exists(os.path.join(resume_from_checkpoint, CHECKPOINT_DIR)):
             return
         super()._load_from_checkpoint(resume_from_checkpoint, model)
 
@@ -122,7 +123,7 @@ class ZeroExtTrainer(Trainer):
         if checkpoint is None:
             return
         path = os.path.join(checkpoint, CHECKPOINT_DIR)
-        if not os.path.isdir(path):
+        if not checkpoint_exists(path):
             raise FileNotFoundError(
                 f"ZeroExtTrainer: {checkpoint} has no zero_ext checkpoint ({CHECKPOINT_DIR}/), so the optimizer "
                 "state cannot be resumed; it was saved by another Trainer or with save_only_model=True. To start "
@@ -136,7 +137,7 @@ class ZeroExtTrainer(Trainer):
         if not is_wrapped(self.model):
             return super()._load_best_model()
         best = self.state.best_model_checkpoint
-        if best and os.path.isdir(os.path.join(best, CHECKPOINT_DIR)):
+        if best and checkpoint_exists(os.path.join(best, CHECKPOINT_DIR)):
             zero_ext_load(os.path.join(best, CHECKPOINT_DIR), self.model, self.optimizer)
             return
         # save_only_model=True: only the weights save_weights wrote (every rank reads its ranges).

@@ -1,0 +1,254 @@
+"""zero_ext.load: a checkpoint written at any world size and stage, into a
+wrapped model and optimizer, verified before anything is copied.
+
+Phases, each ended on every rank by Ranks.settle: (A) ranks agree on the
+path; each opens and validates the checkpoint (metadata.py, reader.py),
+checks it against the model (strictly by default) and reads the small
+files; ranks agree that they opened the same save (its token). (B) every
+range this rank loads is read into host memory, each byte checked against
+its checksum; nothing in the model or optimizer has changed yet, so a
+damaged file anywhere leaves every rank as it was. (C) the verified values
+are copied into the model and optimizer. Then the collective refresh of
+parameters. The cost of (B) is one host copy of this rank's shard of the
+model and optimizer state while the load runs.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Set
+
+import torch
+
+from . import plan
+from .._state_dict import _state
+from .collective import Ranks
+from .format import dtype_of
+from .metadata import CheckpointMeta, Scalar
+from .reader import Checkpoint, PieceReader
+
+
+def _unscalar(spec: Scalar) -> Any:
+    if spec.tensor:
+        return torch.tensor(spec.value, dtype=dtype_of(spec.dtype), device="cpu")
+    return spec.value
+
+
+def _check_same_model(where: str, meta: CheckpointMeta, model: torch.nn.Module, buffers: Dict[str, Any],
+                      strict: bool) -> None:
+    """Like nn.Module.load_state_dict: names must match unless not strict;
+    shapes always (a saved (1,) never broadcasts into a (4,))."""
+    saved = {p.name: tuple(p.shape) for p in meta.params}
+    saved.update({n: tuple(b.shape) for n, b in buffers.items()})
+    mine = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    mine.update({n: tuple(b.shape) for n, b in plan.persistent_buffers(model).items()})
+    missing = sorted(set(mine) - set(saved)) if strict else []
+    unexpected = sorted(set(saved) - set(mine)) if strict else []
+    shapes = sorted(n for n in set(mine) & set(saved) if mine[n] != saved[n])
+    if not (missing or unexpected or shapes):
+        return
+    problems = []
+    if missing:
+        problems.append(f"missing from the checkpoint: {missing[:8]}")
+    if unexpected:
+        problems.append(f"unexpected in it: {unexpected[:8]}")
+    if shapes:
+        problems.append("shapes differ: " + ", ".join(f"{n} saved {saved[n]} vs model {mine[n]}" for n in shapes[:8]))
+    fix = ("; pass strict=False to load only the entries both have (shapes must still match)"
+           if missing or unexpected else "; build the model with the shapes it was saved with")
+    raise RuntimeError(f"zero_ext.load: {where} was saved from a different model: {'; '.join(problems)}{fix}")
+
+
+def _saved_groups(checkpoint: Checkpoint, optimizer) -> List[dict]:
+    saved = checkpoint.load_pt("optimizer.pt")
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and all(isinstance(k, str) for k in g)
+                                               for g in groups):
+        raise ValueError(f"zero_ext.load: {checkpoint.path('optimizer.pt')} holds no list of param groups; "
+                         "restore the checkpoint from a good copy")
+    if len(groups) != len(optimizer.param_groups):
+        raise RuntimeError(
+            f"zero_ext.load: {checkpoint.where} has {len(groups)} optimizer param groups, this optimizer "
+            f"{len(optimizer.param_groups)}; build the optimizer with the same groups")
+    return groups
+
+
+def _wanted_files(reader: PieceReader, state, model, optimizer, loaded: Set[str]) -> Set[str]:
+    """The shard files holding any range this rank will read."""
+    wanted = plan.wanted_ranges(state, model, optimizer)
+    out = set()
+    for (kind, name, key), pieces in reader.pieces.items():
+        if kind == "scalars" or name not in loaded:
+            continue
+        for start, length in wanted.get(name, []):
+            out.update(reader.files_for(kind, name, 0 if kind == "whole" else start,
+                                        pieces[0].length if kind == "whole" else length, key))
+    return out
+
+
+class _Later:
+    """A range verified in phase B and read (verified again) in phase C:
+    data every rank holds whole, which staged would cost a whole model of
+    host memory per rank."""
+
+    def __init__(self, reader: PieceReader, scratch: torch.Tensor, kind: str, name: str, start: int, length: int,
+                 key: str = "", dtype=None):
+        reader.verify(kind, name, start, length, key, buffer=scratch)
+        self.read = lambda: reader.read(kind, name, start, length, key, dtype=dtype)
+
+
+def _fetch(stage: bool, reader: PieceReader, scratch: torch.Tensor, kind: str, name: str, start: int, length: int,
+           key: str = "", dtype=None):
+    """The verified range now (stage) or a _Later."""
+    if stage:
+        return reader.read(kind, name, start, length, key, dtype=dtype)
+    return _Later(reader, scratch, kind, name, start, length, key, dtype)
+
+
+def _value(v):
+    return v.read() if isinstance(v, _Later) else v
+
+
+def _read_values(reader: PieceReader, scratch: torch.Tensor, state, model, loaded: Set[str]) -> List[tuple]:
+    """(destination, verified value or _Later) of every parameter range this
+    rank holds: shards staged, whole parameters later."""
+    out = []
+    names = state.bucketed_names
+    for i, start, view in plan.local_views(state):
+        if names[i] in loaded:
+            out.append((view, _fetch(state.sharded_optimizer, reader, scratch, "param", names[i], start,
+                                     view.numel(), dtype=view.dtype)))
+    bucketed = {id(p) for p in state.bucketed}
+    for n, p in model.named_parameters():
+        if id(p) not in bucketed and n in loaded:
+            out.append((p.detach().view(-1), _fetch(False, reader, scratch, "param", n, 0, p.numel(), dtype=p.dtype)))
+    return out
+
+
+def _read_optimizer(where: str, reader: PieceReader, scratch: torch.Tensor, state, optimizer,
+                    loaded: Set[str]) -> Dict[torch.Tensor, dict]:
+    """The optimizer state this rank steps, verified: its shards on the
+    host, or (stage 0: every rank's whole state) _Later."""
+    stage = state.sharded_optimizer and not state.core.replicated()
+    out = {}
+    names = state.bucketed_names
+    for tensor, i, start in plan.optimizer_pieces(state, optimizer):
+        name, length = names[i], tensor.numel()
+        if name not in loaded:
+            continue  # strict=False: a parameter the checkpoint lacks starts fresh
+        scalars = reader.scalars(name, start, length)
+        keys = reader.keys("state", name)
+        if not scalars and not keys:
+            continue  # never stepped (or zero-size: nothing to restore)
+        st = {key: _unscalar(spec) for key, spec in scalars.items()}
+        for key in keys:
+            st[key] = _fetch(stage, reader, scratch, "state", name, start, length, key=key)
+        for key in reader.keys("whole", name):
+            if stage:
+                raise RuntimeError(
+                    f"zero_ext.load: optimizer state '{key}' of '{name}' in {where} is not "
+                    "elementwise and cannot be sharded; load it at stage 0")
+            piece = reader.pieces[("whole", name, key)][0]
+            st[key] = (_fetch(False, reader, scratch, "whole", name, 0, piece.length, key), piece.shape)
+        out[tensor] = st
+    return out
+
+
+def _restored(value: Any, tensor: torch.Tensor) -> Any:
+    """One optimizer state entry as the optimizer keeps it: elementwise state
+    shaped and placed like its parameter tensor, whole state in its shape."""
+    if isinstance(value, tuple):  # whole state: (value, shape)
+        return _value(value[0]).view(value[1]).to(tensor.device)
+    value = _value(value)
+    if isinstance(value, torch.Tensor) and value.dim():
+        return value.view(tensor.shape).to(tensor.device)
+    return value  # a scalar (0-d tensors stay on the host, as before)
+
+
+@torch.no_grad()
+def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, strict: bool = True) -> Any:
+    """Loads a checkpoint written by zero_ext.save at any world size and
+    stage into a wrapped model and optimizer; returns this rank's `extra`
+    (rank 0's for a rank the writer did not have). Strict like
+    nn.Module.load_state_dict: with strict=False, parameters and buffers
+    missing on either side are skipped (shapes must still match). Every
+    byte is checked against the checksum zero_ext.save wrote before any is
+    copied. Reads nothing outside the checkpoint and unpickles only with
+    weights_only=True. Collective."""
+    state = _state(model)
+    ranks = Ranks(state, "zero_ext.load")
+    error, target = None, None
+    try:
+        target = os.path.abspath(os.fspath(path))
+    except Exception as e:  # noqa: BLE001 - a bad path on one rank raises on every rank
+        error = e
+    paths = ranks.settle(error, target)
+    if any(p != paths[0] for p in paths):
+        listed = ", ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
+        raise ValueError(f"zero_ext.load: ranks passed different paths ({listed}); a load reads one checkpoint, "
+                         "so pass the same path on every rank. Nothing was loaded")
+    checkpoint = None
+    try:
+        # Phase A: open and validate; nothing in the model changes yet.
+        error, token = None, None
+        try:
+            if getattr(optimizer, "_zero_ext", None) is not state:
+                raise ValueError("zero_ext.load: this optimizer was not wrapped together with this model")
+            checkpoint = Checkpoint(target, "zero_ext.load")
+            token, meta, where = checkpoint.token, checkpoint.meta, checkpoint.where
+            reader = PieceReader(checkpoint)
+            loaded = {p.name for p in meta.params}
+            # A reader rank the writer did not have gets rank 0's extra; one it had gets its own.
+            extra_file = f"extra-rank{ranks.rank if ranks.rank < meta.world_size else 0}.pt"
+            # Every file this rank reads is opened before any is read: a save
+            # that replaces the path from now on cannot change what is read.
+            for file in ["buffers.pt", "optimizer.pt", extra_file] + sorted(
+                    _wanted_files(reader, state, model, optimizer, loaded)):
+                checkpoint.open(file)
+            buffers = checkpoint.load_buffers()
+            _check_same_model(where, meta, model, buffers, strict)
+            groups = _saved_groups(checkpoint, optimizer)
+            extra = checkpoint.load_pt(extra_file)
+        except Exception as e:  # noqa: BLE001 - raised on every rank by settle
+            error = e
+        tokens = ranks.settle(error, token)
+        if any(t != tokens[0] for t in tokens):
+            raise RuntimeError(f"zero_ext.load: ranks opened different saves at {path}: it was replaced during "
+                               "this load. Nothing was loaded; load again")
+
+        # Phase B: read and verify this rank's ranges; the model is untouched.
+        error, values, opt_state = None, [], {}
+        try:
+            scratch = torch.empty(meta.chunk_bytes, dtype=torch.uint8)
+            values = _read_values(reader, scratch, state, model, loaded)
+            opt_state = _read_optimizer(where, reader, scratch, state, optimizer, loaded)
+        except Exception as e:  # noqa: BLE001
+            error = e
+        ranks.settle(error, action=f"zero_ext.load: reading {where}",
+                     note="Nothing was loaded: the model and optimizer are as they were")
+
+        # Phase C: copy in.
+        error = None
+        try:
+            for view, value in values:
+                view.copy_(_value(value))
+            del values
+            for mine, theirs in zip(optimizer.param_groups, groups):
+                mine.update({k: v for k, v in theirs.items() if k != "params"})
+            optimizer.state.clear()  # the old state goes before the new reaches the device
+            for tensor, st in opt_state.items():
+                optimizer.state[tensor] = {k: _restored(v, tensor) for k, v in st.items()}
+            for n, buf in plan.persistent_buffers(model).items():
+                if n in buffers:
+                    buf.copy_(buffers[n])
+        except Exception as e:  # noqa: BLE001
+            error = e
+        ranks.settle(error, action=f"zero_ext.load: copying {where} into the model",
+                     note="The model and optimizer are partly loaded; load a good checkpoint before training")
+    finally:
+        if checkpoint is not None:
+            checkpoint.close()
+    state.core.zero_grad(True)
+    state.core.refresh_params_from_shards()  # collective: every rank got here
+    scaler = meta.loss_scaler
+    state.core.restore_loss_scaler(float(scaler.scale), scaler.clean_steps, scaler.skipped_steps)
+    return extra

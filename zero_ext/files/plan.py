@@ -1,0 +1,90 @@
+"""Which ranges of which tensors a rank writes at save and reads at load:
+the layout arithmetic, apart from file I/O.
+
+Each rank writes only the elements it owns: for every bucket, the r-th equal
+slice of its flat parameters (in stages 1-3 exactly the rank's shard; in
+stage 0, where every rank holds everything, the same split, so ranks share
+the writing). Values are the fp32 masters where they exist. Pieces are
+indexed by parameter name and element range, not by rank or bucket, so a
+loading rank reads the ranges of each parameter its own layout needs,
+whatever world size, stage or bucket size wrote them.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch
+
+
+def owned_ranges(state, rank: int) -> List[Tuple[int, int, int]]:
+    """(param index, start, end) this rank writes: its equal slice of each
+    bucket (the core's layout knows the arithmetic)."""
+    raw = state.core.owned_ranges(rank)
+    return [tuple(raw[k:k + 3]) for k in range(0, len(raw), 3)]
+
+
+def local_views(state) -> List[Tuple[int, int, torch.Tensor]]:
+    """(param index, start in param, flat view) of every bucketed value this
+    rank holds: fp32 masters or its parameter shard; in stage 0 without
+    masters the parameters themselves."""
+    if not state.sharded_optimizer:
+        return [(i, 0, p.detach().view(-1)) for i, p in enumerate(state.bucketed)]
+    shards = state.core.local_value_shards()
+    raw = state.core.local_pieces()  # (param, start in param, bucket, start in its shard, length)
+    return [(i, start, shards[b][at:at + length])
+            for i, start, b, at, length in (raw[k:k + 5] for k in range(0, len(raw), 5))]
+
+
+def optimizer_pieces(state, optimizer) -> List[Tuple[torch.Tensor, int, int]]:
+    """(optimizer tensor, param index, start in param) for each tensor the
+    optimizer steps: this rank's segments, or whole parameters in stage 0.
+    Once each: a parameter listed twice in a group has one state."""
+    listed = list({id(p): p for g in optimizer.param_groups for p in g["params"]}.values())
+    if not state.sharded_optimizer:
+        index = {id(p): i for i, p in enumerate(state.bucketed)}
+        return [(p, index[id(p)], 0) for p in listed if id(p) in index]
+    segments = state.core.segments()
+    owners = state.core.segment_param_indices()
+    starts = state.core.segment_param_starts()
+    by_id = {id(s): (i, st) for s, i, st in zip(segments, owners, starts)}
+    return [(p, *by_id[id(p)]) for p in listed]
+
+
+def persistent_buffers(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    out = {}
+    for prefix, module in model.named_modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = buf
+    return out
+
+
+def optimizer_pieces_by_group(state, optimizer) -> List[List[int]]:
+    pieces = optimizer_pieces(state, optimizer)
+    owner = {id(t): i for t, i, _ in pieces}
+    return [[owner[id(p)] for p in g["params"] if id(p) in owner] for g in optimizer.param_groups]
+
+
+def replica_part(state, lo: int, hi: int) -> Tuple[int, int]:
+    """Hybrid sharding: the replicas of a shard each write 1/R of what it
+    owns, so the rows share the writing (flat: the whole range)."""
+    step = -(-(hi - lo) // state.replicas)
+    a = min(hi, lo + state.replica_rank * step)
+    return a, min(hi, a + step)
+
+
+def wanted_ranges(state, model: torch.nn.Module, optimizer) -> Dict[str, List[Tuple[int, int]]]:
+    """(start, length) of each parameter's elements this rank loads: its
+    values (bucketed shards, or whole unbucketed parameters) and its
+    optimizer state."""
+    wanted: Dict[str, List[Tuple[int, int]]] = {}
+    names = state.bucketed_names
+    for i, start, view in local_views(state):
+        wanted.setdefault(names[i], []).append((start, view.numel()))
+    bucketed = {id(p) for p in state.bucketed}
+    for n, p in model.named_parameters():
+        if id(p) not in bucketed:
+            wanted.setdefault(n, []).append((0, p.numel()))
+    for tensor, i, start in optimizer_pieces(state, optimizer):
+        wanted.setdefault(names[i], []).append((start, tensor.numel()))
+    return wanted

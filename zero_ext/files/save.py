@@ -1,0 +1,297 @@
+"""zero_ext.save: a sharded checkpoint, written atomically, each byte
+checksummed as it is written.
+
+Phases, each ended on every rank by Ranks.settle (a failure anywhere raises
+everywhere at once): (0) inputs: the path is rank 0's and every rank must
+have passed the same; `extra` must be something torch.load(weights_only=True)
+reads back; nothing is written before all ranks agree. (1) every rank writes
+its files into the staging directory (publish.staging_path). (2) rank 0
+checks every rank's files are there with their sizes, writes metadata.json
+(which makes a directory a checkpoint) and publishes the directory in one
+step (publish.py). A failure removes the staging directory; a crash at any
+point leaves either the previous or the new checkpoint complete.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import shutil
+import uuid
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from . import format as files
+from . import plan, publish
+from .._state_dict import _state
+from .checksum import digest
+from .collective import Ranks
+from .metadata import (CHUNK_BYTES, CheckpointMeta, FileMeta, LossScaler, ParamMeta, Piece, Scalar, count_problem,
+                       file_names)
+
+
+def _scalar(name: str, key: Any, value: Any) -> Optional[Scalar]:
+    """Scalar optimizer state as the metadata holds it, refused here (not at
+    load) when a load would refuse it."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dim() == 0:
+        if not files.storable(value.dtype) or value.dtype.is_complex:
+            raise TypeError(f"zero_ext.save: cannot store scalar optimizer state of dtype {value.dtype}")
+        scalar = Scalar(value.item(), True, files.dtype_name(value.dtype))
+    elif isinstance(value, (int, float, bool)):
+        scalar = Scalar(value, False, None)
+    else:
+        return None
+    if not isinstance(key, str):
+        raise TypeError(f"zero_ext.save: optimizer state of '{name}' has the key {key!r}, not a string; "
+                        "checkpoints keep state by name (torch's optimizers use strings)")
+    problem = count_problem(key, scalar.value)
+    if problem:
+        raise ValueError(f"zero_ext.save: optimizer state {key!r} of '{name}' {problem}: the optimizer's "
+                         "state is broken, so this save would not load. Nothing was published")
+    return scalar
+
+
+def _is_safe(value: Any) -> bool:
+    try:
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        buffer.seek(0)
+        torch.load(buffer, map_location="cpu", weights_only=True)
+        return True
+    except Exception:  # noqa: BLE001 - unpicklable, or refused by weights_only
+        return False
+
+
+def _first_unsafe(value: Any, where: str) -> Tuple[str, Any]:
+    """The innermost entry of `value` that weights_only cannot read back."""
+    if isinstance(value, dict):
+        children = [(f"{where}[{k!r}]", v) for k, v in value.items()]
+    elif isinstance(value, (list, tuple)):
+        children = [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+    else:
+        children = []
+    for at, child in children:
+        if not _is_safe(child):
+            return _first_unsafe(child, at)
+    return where, value  # a leaf, or a container type weights_only refuses
+
+
+def _checked_file(token: str, rank: int, value: Any, label: str) -> bytes:
+    """The bytes of a .pt file holding `value`, once torch.load(weights_only=True)
+    has read them back: load reads nothing else, so this is checked at save."""
+    try:
+        blob = files.packed(token, rank, value)
+        torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        return blob
+    except Exception:  # noqa: BLE001 - named precisely below
+        pass
+    where, bad = _first_unsafe(value, label)
+    raise TypeError(
+        f"zero_ext.save: {where} is a {type(bad).__module__}.{type(bad).__qualname__}, which "
+        "torch.load(weights_only=True) cannot read back, and zero_ext.load reads checkpoints only that way "
+        "(anything else could run code when loaded). It may hold tensors, numbers, strings, bools, None and "
+        "lists, tuples and dicts of them (e.g. scheduler.state_dict(), torch.get_rng_state()): store the "
+        "object's state_dict() or plain values instead. Nothing was written")
+
+
+def _write_rank_files(tmp: str, model, optimizer, state, ranks: Ranks, token: str,
+                      blobs: Dict[str, bytes]) -> Tuple[List[Piece], Dict[str, FileMeta]]:
+    """This rank's files in `tmp`; returns its pieces (indices assigned
+    later) and {file: size and checksum}."""
+    rank = ranks.rank
+    name = f"rank{rank}.bin"
+    writer = files.ShardWriter(os.path.join(tmp, name), token, rank, ranks.world)
+    pieces: List[Piece] = []
+
+    def put(kind: str, param_name: str, start: int, tensor: torch.Tensor, key: str = "", shape=None) -> None:
+        offset, dtype, crcs = writer.write(tensor)
+        pieces.append(Piece(-1, kind, param_name, key, start, tensor.numel(), name, offset, dtype,
+                            shape, tuple(crcs)))
+
+    try:
+        names = state.bucketed_names
+        owned: Dict[int, List[Tuple[int, int]]] = {}
+        for i, start, end in plan.owned_ranges(state, state.shard_rank):
+            owned.setdefault(i, []).append(plan.replica_part(state, start, end))
+        for i, start, view in plan.local_views(state):
+            for lo, hi in owned.get(i, []):
+                a, b = max(lo, start), min(hi, start + view.numel())
+                if a < b:
+                    put("param", names[i], a, view[a - start:b - start])
+        if rank == 0:  # parameters not bucketed (frozen, stages 0-2 without mixed precision): full on every rank
+            bucketed = {id(p) for p in state.bucketed}
+            for n, p in model.named_parameters():
+                if id(p) not in bucketed and p.numel():
+                    put("param", n, 0, p.detach().reshape(-1))
+
+        for tensor, i, start in plan.optimizer_pieces(state, optimizer):
+            st = optimizer.state.get(tensor)
+            if not st:
+                continue
+            length = tensor.numel()
+            # Sharded, a rank's state is its own; replicated (stage 0), every
+            # rank has all of it and writes its owned ranges only.
+            sharded = state.sharded_optimizer and not state.core.replicated()
+            ranges = [plan.replica_part(state, start, start + length)] if sharded else owned.get(i, [])
+            scalars = {k: _scalar(names[i], k, v) for k, v in st.items()}
+            scalars = {k: v for k, v in scalars.items() if v is not None}
+            flat = {k: v.detach().reshape(-1) for k, v in st.items()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == length}
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() != length and rank == 0:
+                    put("whole", names[i], 0, v.reshape(-1), key=k, shape=tuple(v.shape))
+            for lo, hi in ranges:
+                a, b = max(lo, start), min(hi, start + length)
+                if a >= b:
+                    continue
+                pieces.append(Piece(-1, "scalars", names[i], "", a, b - a, values=scalars))
+                for k, v in flat.items():
+                    put("state", names[i], a, v[a - start:b - start], key=k)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    written = {name: FileMeta(writer.offset, None)}
+    if rank == 0:  # buffers are tensors: always weights_only-safe
+        values = {k: v.detach().cpu() for k, v in plan.persistent_buffers(model).items()}
+        blobs["buffers.pt"] = files.packed(token, 0, values)
+    for file, blob in blobs.items():
+        files.write_file(os.path.join(tmp, file), blob)
+        written[file] = FileMeta(len(blob), digest(blob))
+    return pieces, written
+
+
+def _stored_dtypes(model, state, pieces: List[Piece]) -> Dict[str, str]:
+    """Each parameter's dtype in the shard files: its pieces'; for a zero-size
+    one (no pieces), what a piece of it would have been."""
+    out = {p.name: p.dtype for p in pieces if p.kind == "param"}
+    bucketed = {id(p) for p in state.bucketed}
+    masters = state.core.has_masters()
+    for n, p in model.named_parameters():
+        if n not in out:
+            out[n] = files.dtype_name(torch.float32 if masters and id(p) in bucketed else p.dtype)
+    return out
+
+
+def _metadata(model, optimizer, state, token: str, pieces: List[Piece], sizes: Dict[str, FileMeta]) -> CheckpointMeta:
+    group_of = {}
+    index = {id(p): i for i, p in enumerate(state.bucketed)}
+    for g_index, members in enumerate(plan.optimizer_pieces_by_group(state, optimizer)):
+        for i in members:
+            group_of[i] = g_index
+    aliases: Dict[int, List[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(n)
+    dtypes = _stored_dtypes(model, state, pieces)
+    params = []
+    for n, p in model.named_parameters():
+        i = index.get(id(p))
+        params.append(ParamMeta(n, tuple(aliases[id(p)]), tuple(p.shape), dtypes[n], p.requires_grad,
+                                group_of.get(i) if i is not None else None))
+    scale, clean, skipped = state.core.loss_scaler_state()
+    return CheckpointMeta(
+        token=token, world_size=state.mesh_size, stage=state.stage,
+        compute_dtype=None if state.compute_dtype is None else files.dtype_name(state.compute_dtype),
+        offload=state.offload, loss_scaler=LossScaler(scale, int(clean), int(skipped)),
+        chunk_bytes=CHUNK_BYTES, params=tuple(params), files=sizes,
+        pieces=tuple(dataclasses.replace(p, index=k) for k, p in enumerate(pieces)))
+
+
+def _check_written(tmp: str, world: int, gathered) -> Dict[str, FileMeta]:
+    """Rank 0: every rank's files are in `tmp` with the sizes that rank wrote
+    (ranks writing to different filesystems, or a file lost, end here)."""
+    reported = {}
+    for rank, (_, written) in enumerate(gathered):
+        for name, entry in written.items():
+            reported[name] = (rank, entry)
+    sizes = {}
+    for name in file_names(world):
+        if name not in reported:
+            raise RuntimeError(f"zero_ext.save: no rank reported writing {name} (zero_ext bug)")
+        rank, entry = reported[name]
+        full = os.path.join(tmp, name)
+        actual = os.path.getsize(full) if os.path.isfile(full) else None
+        if actual != entry.size:
+            seen = "is missing" if actual is None else f"has {actual} bytes, not {entry.size}"
+            raise RuntimeError(
+                f"zero_ext.save: {name}, written by rank {rank}, {seen} in {tmp} as rank 0 sees it: every rank "
+                "must write to the same shared filesystem at this path")
+        sizes[name] = entry
+    return sizes
+
+
+def _reads_back(document: dict, target: str) -> None:
+    """What load will parse, parsed now: a save never publishes metadata
+    that its load would refuse."""
+    try:
+        CheckpointMeta.parse(json.dumps(document).encode(), "zero_ext.save", os.path.join(target, "metadata.json"))
+    except ValueError as error:
+        raise RuntimeError(f"zero_ext.save: the metadata it built does not read back, so nothing was published "
+                           f"(a zero_ext bug; please report it): {error}") from None
+
+
+def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: Any = None) -> None:
+    """Writes a sharded checkpoint directory at `path`, atomically: every rank
+    writes its own shards; the directory appears (replacing an older
+    checkpoint) only once all ranks have finished. Collective: call on every
+    rank with the same path. `extra` (per rank) may hold what
+    torch.load(weights_only=True) reads: tensors, numbers, strings, None,
+    lists, tuples and dicts of them."""
+    state = _state(model)
+    ranks = Ranks(state, "zero_ext.save")
+    token = ranks.from_rank0(uuid.uuid4().hex)
+
+    # Phase 0: every input checked on every rank; nothing written yet.
+    error, target, blobs = None, None, {}
+    try:
+        if getattr(optimizer, "_zero_ext", None) is not state:
+            raise ValueError("zero_ext.save: this optimizer was not wrapped together with this model")
+        target = os.path.abspath(os.fspath(path))
+        blobs[f"extra-rank{ranks.rank}.pt"] = _checked_file(token, ranks.rank, extra, "extra")
+        if ranks.rank == 0:
+            publish.check_target(target)
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+            blobs["optimizer.pt"] = _checked_file(
+                token, 0, {"class": type(optimizer).__mro__[1].__name__, "param_groups": groups}, "optimizer")
+    except Exception as e:  # noqa: BLE001 - raised on every rank by settle
+        error = e
+    targets = ranks.settle(error, target)
+    if any(t != targets[0] for t in targets):
+        listed = ", ".join(f"rank {r}: {t}" for r, t in enumerate(targets))
+        raise ValueError(f"zero_ext.save: ranks passed different paths ({listed}); a save writes one checkpoint "
+                         "at rank 0's path, so pass the same path on every rank. Nothing was written")
+
+    # Phase 1: every rank's files into the staging directory.
+    tmp = publish.staging_path(target, token)
+    error, pieces, written = None, [], {}
+    try:
+        publish.make_staging(tmp, token, ranks.rank)
+        pieces, written = _write_rank_files(tmp, model, optimizer, state, ranks, token, blobs)
+    except Exception as e:  # noqa: BLE001
+        error = e
+    publish.maybe_die("after_shards", ranks.rank)
+
+    def remove_tmp() -> None:
+        if ranks.rank == 0:  # every rank has stopped writing by now
+            shutil.rmtree(tmp, ignore_errors=True)
+    gathered = ranks.settle(error, (pieces, written), action=f"zero_ext.save: writing {target}",
+                            note=f"The unfinished {tmp} was removed and the previous checkpoint, if any, is untouched",
+                            on_failure=remove_tmp)
+
+    # Phase 2: rank 0 checks, writes the metadata and publishes.
+    error, note = None, ""
+    if ranks.rank == 0:
+        try:
+            sizes = _check_written(tmp, state.mesh_size, gathered)
+            meta = _metadata(model, optimizer, state, token, [p for ps, _ in gathered for p in ps], sizes)
+            document = meta.to_json()
+            _reads_back(document, target)
+        except Exception as e:  # noqa: BLE001
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = e
+            note = f"Nothing was published: {tmp} was removed and the previous checkpoint, if any, is untouched"
+        else:
+            error, note = publish.publish(target, tmp, token, document)
+    ranks.settle(error, action=f"zero_ext.save: publishing {target}", note=note)  # nobody returns before it is in place
