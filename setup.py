@@ -60,9 +60,14 @@ class IncrementalBuild(BuildExtension):
         for other in glob.glob(os.path.join(root, "*")):
             if other != self.build_temp:
                 shutil.rmtree(other, ignore_errors=True)  # objects of another torch or compiler: never reusable
-        # setuptools skips an extension whose .so is newer than its .cpp files,
-        # missing header changes; ninja knows every dependency, so always ask it.
-        self.force = True
+        # BuildExtension forces every build and lets ninja skip unchanged
+        # objects, but the link and the copy of the .so into the package still
+        # run. Instead setuptools rebuilds only when a source or header (the
+        # extension's depends) is newer than the built .so, then ninja
+        # recompiles only what changed; a new key (another torch or compiler)
+        # has no objects yet, so it builds. An up-to-date .so is left alone,
+        # which also spares processes that have it loaded.
+        self.force = not os.path.isdir(self.build_temp)
 
 
 info = compiler_info()
@@ -75,6 +80,7 @@ setup(
             "zero_ext._C",
             sources,
             include_dirs=[os.path.join(here, "csrc")],
+            depends=sorted(glob.glob(os.path.join("csrc", "*.h"))),
             extra_compile_args={"cxx": extra},
             extra_link_args=["-fopenmp"],
         )

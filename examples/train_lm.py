@@ -5,7 +5,8 @@
 Each rank reads its own slice of every batch from examples/data/corpus.txt;
 training is plain `loss.backward(); optimizer.step()`. At the end it prints,
 for each rank, the bytes of parameters, gradients and optimizer state that
-zero_ext holds at the chosen stage next to what DDP holds for the same model.
+zero_ext holds during a step (after backward, before optimizer.step(), where
+gradients peak) at the chosen stage next to what DDP holds for the same model.
 
 Across nodes, `--mesh nodes` shards within each node and replicates across
 nodes (hybrid sharding); `--resume-dir DIR --save-every N` saves every N
@@ -93,9 +94,11 @@ def log_line(step: int, total: int, loss: float, norm: float, tokens_per_s: floa
             f"optimizer {mib['optimizer_state']:.2f})")
 
 
-def train(args, model, opt, sched, clip, data, rank, world, show, first_step=1, save=None):
+def train(args, model, opt, sched, clip, data, rank, world, show, first_step=1, save=None, in_step=None):
     """Trains steps first_step..args.steps; the global batch's loss at each step.
-    `save(step)` runs after every args.save_every-th step."""
+    `save(step)` runs after every args.save_every-th step. `in_step` (a dict)
+    receives the bytes this rank holds during the last step, after backward
+    and before optimizer.step(): the peak that gradient sharding changes."""
     started = time.perf_counter()
     interval_start, interval_steps = started, 0
     losses = []
@@ -103,6 +106,8 @@ def train(args, model, opt, sched, clip, data, rank, world, show, first_step=1, 
         x, y = batches(data, args.context, args.batch, rank, world, step)
         loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         loss.backward()
+        if in_step is not None and step == args.steps:
+            in_step.update(zero_ext.memory_report(model, opt))
         kill_once(args, rank, step)
         if args.step_seconds:
             time.sleep(args.step_seconds)
@@ -191,13 +196,18 @@ def build(args, vocab):
 
 
 def ddp_bytes(args, vocab, data, rank, world):
-    """What DDP holds for the same model after one step (for comparison)."""
+    """What DDP holds for the same model during a step, after backward and
+    before optimizer.step() (its second, so Adam's state exists)."""
     model, opt = build(args, vocab)
     ddp = DistributedDataParallel(model) if world > 1 else model
-    x, y = batches(data, args.context, args.batch, rank, world, 0)
-    F.cross_entropy(ddp(x).flatten(0, 1), y.flatten()).backward()
-    opt.step()
-    return zero_ext.memory_report(model, opt)
+    for step in (0, 1):
+        x, y = batches(data, args.context, args.batch, rank, world, step)
+        F.cross_entropy(ddp(x).flatten(0, 1), y.flatten()).backward()
+        if step == 1:
+            held = zero_ext.memory_report(model, opt)
+        opt.step()
+        opt.zero_grad()
+    return held
 
 
 def main() -> None:
@@ -269,16 +279,18 @@ def main() -> None:
                 print(f"resumed from {checkpoint} after step {extra['step']} at world size {world} "
                       f"(unix time {time.time():.3f})", flush=True)
 
-        def save(step: int) -> None:
+        def save_checkpoint(step: int) -> None:
             zero_ext.save(checkpoint, model, opt, extra={"step": step, "scheduler": sched.state_dict()})
+        save = save_checkpoint
     if rank == 0:
         precision = (args.mixed_precision or "fp32") + (", optimizer offloaded" if args.offload else "")
         print(f"zero_ext stage {args.stage} ({precision}): {n_params / 1e3:.1f}K-parameter transformer, "
               f"{world} rank(s) x {args.batch} sequences of {args.context} characters"
               + (f", hybrid: {mesh.mesh.shape[0]} replicas of a {mesh.mesh.shape[1]}-way sharding" if mesh else ""))
 
+    in_step = {}
     losses = train(args, model, opt, sched, opt.clip_grad_norm_, data, rank, world, show=rank == 0,
-                   first_step=first_step, save=save)
+                   first_step=first_step, save=save, in_step=in_step)
     if args.save_final:
         full = zero_ext.full_state_dict(model)  # collective
         if rank == 0:
@@ -304,7 +316,9 @@ def main() -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
         return
-    mine = zero_ext.memory_report(model, opt)
+    # During the last step (after backward, before optimizer.step()): between
+    # steps stage 2 holds no gradient at all, which would hide its shard.
+    mine = in_step or zero_ext.memory_report(model, opt)
     theirs = ddp_bytes(args, len(chars), data, rank, world)
     rows = [None] * world
     row = (rank, mine, theirs)
@@ -313,7 +327,8 @@ def main() -> None:
     else:
         rows = [row]
     if rank == 0:
-        print(f"\nbytes held per rank: zero_ext stage {args.stage} vs DDP")
+        print(f"\nbytes held per rank during a step (after backward, before optimizer.step()): "
+              f"zero_ext stage {args.stage} vs DDP")
         print(f"{'rank':>4} | {'params':>21} | {'grads':>21} | {'optimizer state':>21}")
         for r, z, d in rows:
             cells = [f"{fmt(z[k])} vs {fmt(d[k])}" for k in ("params", "grads", "optimizer_state")]

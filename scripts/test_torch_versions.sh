@@ -24,7 +24,7 @@ set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 # The matrix: the declared lower bound (zero_ext/_torch_compat.py), the GPU
 # machine's torch, the default one and the newest the registry serves.
-MATRIX=(2.11.0 2.12.1 2.13.0 2.14.1)
+MATRIX=(2.11.0 2.12.1 2.13.0 2.14.1 2.15.0)
 VERSIONS=("$@")
 [ ${#VERSIONS[@]} -eq 0 ] && VERSIONS=("${MATRIX[@]}")
 ENVS=${ZERO_EXT_TORCH_ENVS:-$HOME/.cache/zero_ext/torch-envs}
@@ -59,11 +59,26 @@ prepare_env() {  # $1 version, $2 env dir: a venv whose torch is $1
   "$BASE_PY" -m venv "$env" || return 1
   "$env/bin/python" -m pip install --quiet --upgrade pip >/dev/null 2>&1
   # Pinned: the CPU build where the registry has one (2.13.0 here), else the
-  # standard wheel, which imports and runs on CPU.
-  "$env/bin/python" -m pip install --quiet "torch==$version" >"$env.pip.log" 2>&1 || { tail "$env.pip.log"; return 1; }
+  # standard wheel, which imports and runs on CPU. A machine-wide constraint
+  # file may cap torch below the version asked for (these machines cap at
+  # 2.14.1): then this one install runs with pip's configuration minus it.
+  without_constraint "$env/bin/python" -m pip install --quiet "torch==$version" >"$env.pip.log" 2>&1 \
+    || { tail "$env.pip.log"; return 1; }
   "$env/bin/python" -m pip install --quiet "${TEST_DEPS[@]}" >>"$env.pip.log" 2>&1 \
     || { tail "$env.pip.log"; return 1; }
   [ "$(env_torch_version "$env")" = "$version" ] && touch "$env/.complete"
+}
+
+without_constraint() {  # runs "$@" with pip's configuration, less any global constraint file
+  # With PIP_CONFIG_FILE=/dev/null pip reads no configuration file at all, so
+  # every global setting but the constraint comes back as its PIP_* variable
+  # (pip config list prints them as global.key='value').
+  local vars=()
+  while IFS= read -r line; do
+    vars+=("$line")
+  done < <("$BASE_PY" -m pip config list 2>/dev/null | sed -nE "s/^global\.([a-z-]+)='(.*)'$/\1=\2/p" \
+             | grep -v '^constraint=' | awk -F= '{k=toupper($1); gsub("-", "_", k); sub("^[^=]*=", ""); print "PIP_" k "=" $0}')
+  env PIP_CONFIG_FILE=/dev/null "${vars[@]}" "$@"
 }
 
 sources_hash() {

@@ -31,3 +31,27 @@ def test_log_every_reports_loss_norm_throughput_and_memory(tmp_path):
         # gradient, and Adam's two moments of its half.
         assert float(grads) == 0 and abs(float(opt) - 2 * float(params)) < 0.02
         assert abs(float(held) - (float(params) + float(grads) + float(opt))) < 0.02
+
+
+def test_the_closing_table_shows_bytes_during_the_step(tmp_path):
+    """The table compares what each rank holds after backward and before
+    optimizer.step(), where gradients peak: stage 2 holds its gradient shard
+    (half of DDP's full gradient at 2 ranks), not the nothing it holds
+    between steps."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29673",
+           os.path.join(ROOT, "examples", "train_lm.py"), "--stage", "2", "--steps", "3",
+           "--context", "16", "--batch", "2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+                          env={**os.environ, "PYTHONPATH": PACKAGE_ROOT})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "during a step (after backward, before optimizer.step())" in done.stdout, done.stdout
+    unit = {"KiB": 1024, "MiB": 2**20}
+    cells = re.findall(r"^\s+(\d) \| (.+)$", done.stdout, re.M)
+    assert [int(r) for r, _ in cells] == [0, 1], done.stdout
+    for _, row in cells:
+        (zp, zpu, dp, dpu), (zg, zgu, dg, dgu), _ = [
+            re.search(r"([\d.]+) (KiB|MiB) vs ([\d.]+) (KiB|MiB)", c).groups() for c in row.split("|")]
+        params, ddp_params = float(zp) * unit[zpu], float(dp) * unit[dpu]
+        grads, ddp_grads = float(zg) * unit[zgu], float(dg) * unit[dgu]
+        assert abs(params - ddp_params) < 0.01 * ddp_params  # stage 2 keeps every parameter
+        assert ddp_grads > 0 and abs(grads - ddp_grads / 2) < 0.05 * ddp_grads, (row, done.stdout)

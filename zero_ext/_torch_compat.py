@@ -1,7 +1,7 @@
 """The torch versions zero_ext supports, and every version difference it
 handles, in one place.
 
-Supported: torch 2.11 up to the newest release tested (2.14). 2.11 is the
+Supported: torch 2.11 up to the newest release tested (2.15). 2.11 is the
 oldest because it is what the GPU machines this project is measured on run,
 and the oldest release the whole suite has passed on
 (scripts/test_torch_versions.sh); older releases lack nothing known, but are
@@ -19,7 +19,7 @@ from typing import List, Tuple
 import torch
 
 MIN_SUPPORTED: Tuple[int, int] = (2, 11)
-NEWEST_TESTED: Tuple[int, int] = (2, 14)
+NEWEST_TESTED: Tuple[int, int] = (2, 15)
 
 
 def torch_version(version: str = torch.__version__) -> Tuple[int, int]:
