@@ -1662,11 +1662,23 @@ def stages_of(name: str):
 
 
 def compare(ref, got) -> Optional[str]:
-    """First mismatch between two checkpoint lists, or None."""
+    """First mismatch between two checkpoint lists, or None. Lists that
+    compare nothing are refused as a mismatch: a scenario that recorded
+    nothing (or only Nones) would otherwise pass whatever zero_ext did."""
+    if not ref or not got:
+        return (f"nothing to compare: {len(got)} checkpoints, reference has {len(ref)} "
+                f"(every scenario must record at least one)")
     if len(ref) != len(got):
-        return f"{len(got)} checkpoints, reference has {len(ref)}"
+        first = next((i for i, (a, b) in enumerate(zip(ref, got)) if a[0] != b[0]), min(len(ref), len(got)))
+        return (f"{len(got)} checkpoints, reference has {len(ref)}; first difference at #{first}: "
+                f"{got[first][0] if first < len(got) else 'none'!r} vs reference "
+                f"{ref[first][0] if first < len(ref) else 'none'!r}")
+    compared = 0
     for (label, want), (label2, have) in zip(ref, got):
-        assert label == label2
+        if label != label2:
+            return f"checkpoint {label2!r} where the reference has {label!r}"
+        if not want:
+            return f"{label}: recorded no values"
         if set(want) != set(have):
             return f"{label}: keys {sorted(have)} != reference {sorted(want)}"
         for key in want:
@@ -1675,6 +1687,7 @@ def compare(ref, got) -> Optional[str]:
                 if a is not None or b is not None:
                     return f"{label} [{key}]: got {'None' if b is None else 'a tensor'}, reference {'None' if a is None else 'a tensor'}"
                 continue
+            compared += 1
             if a.dtype == torch.bool:
                 if not bool(b):
                     return f"{label}: check failed"
@@ -1684,6 +1697,8 @@ def compare(ref, got) -> Optional[str]:
             if a.shape != b.shape or not torch.allclose(b.float(), a.float(), rtol=rtol, atol=atol):
                 diff = (b.float() - a.float()).abs().max().item() if a.shape == b.shape else "shape"
                 return f"{label} [{key}]: max abs diff {diff}"
+    if not compared:
+        return f"nothing compared: all {len(ref)} checkpoints hold only None (no gradients or values recorded)"
     return None
 
 
