@@ -1,6 +1,7 @@
 """The one way zero_ext changes a user object's class: to a subclass that
-puts a zero_ext mixin in front (ZeroExtModule, ZeroExtOptimizer), so
-isinstance() checks, attributes and the object's identity stay the user's.
+puts a zero_ext mixin in front (ZeroExtModule, ZeroExtOptimizer,
+ZeroExtParameter), so isinstance() checks, attributes and the object's
+identity stay the user's.
 One subclass per (mixin, class), made once: every wrapped GPT shares
 ZeroExtGPT."""
 from __future__ import annotations

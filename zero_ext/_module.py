@@ -147,5 +147,40 @@ class ZeroExtModule:
         state.core.load_masters(full)
 
 
+# [Note: parameters under torch's Python tracer]
+# torch.profiler's Python tracer (with_stack=True) records, on entering each
+# module's __call__ (before any hook), the data pointer of every parameter of
+# that module and of its .grad: only for tensors whose type is exactly Tensor
+# or Parameter. That pointer read raises on zero_ext's unreadable tensors: a
+# stage 3 parameter outside its unit's use ([Note: unreadable released
+# parameters] in csrc/storage_release.h) and the stand-in a sharded gradient
+# leaves in .grad (every grad layout but stage 0's "ddp_in_place"). So there
+# each parameter zero_ext manages gets a subclass of its class, which the
+# tracer passes by (as it does FSDP2's DTensor parameters): isinstance,
+# identity and attributes stay; its ops stay plain tensor ops (Parameter's
+# __torch_function__ is disabled) on the same tensor, for ~0.3 us more per
+# op call in Python that takes one (a subclass misses torch's fast paths),
+# which DDP-like stage 0, never unreadable, does not pay.
+
+
+class ZeroExtParameter:
+    """Mixin placed in front of the class of the parameters zero_ext manages
+    wherever they may hold unreadable tensors (see [Note: parameters under
+    torch's Python tracer])."""
+
+    def __repr__(self) -> str:
+        # As the user's class prints (torch's text would name the subclass).
+        # A detached alias: a released parameter raises as it did.
+        original = type(self).__bases__[1]
+        return repr(torch.Tensor._make_subclass(original, self.detach(), self.requires_grad))
+
+
 def swap_module_class(module: torch.nn.Module) -> None:
+    """The module's class and, where they may hold unreadable tensors, that of
+    the parameters zero_ext manages (those wrap() marked with _zero_ext_owner)."""
     swap_class(module, ZeroExtModule)
+    owned = [p for p in module.parameters() if getattr(p, "_zero_ext_owner", None) is not None]
+    if owned and owned[0]._zero_ext_owner().core.grad_layout() != "ddp_in_place":
+        for p in owned:
+            if not isinstance(p, ZeroExtParameter):  # a copy of one (deepcopy keeps the class)
+                swap_class(p, ZeroExtParameter)
