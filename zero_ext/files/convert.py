@@ -92,7 +92,7 @@ def verify(checkpoint: str) -> Tuple[List[str], str]:
             except (OSError, RuntimeError, ValueError) as error:
                 problems.append(str(error))
         reader = PieceReader(ckpt)
-        buffer = torch.empty(meta.chunk_bytes, dtype=torch.uint8)
+        buffer = torch.empty(meta.chunk_bytes, dtype=torch.uint8, device="cpu")
         verified = 0
         for piece in meta.pieces:
             if piece.kind == "scalars" or not piece.length or piece.file not in ckpt.files:

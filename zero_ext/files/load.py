@@ -218,7 +218,7 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         # Phase B: read and verify this rank's ranges; the model is untouched.
         error, values, opt_state = None, [], {}
         try:
-            scratch = torch.empty(meta.chunk_bytes, dtype=torch.uint8)
+            scratch = torch.empty(meta.chunk_bytes, dtype=torch.uint8, device="cpu")  # never the default device
             values = _read_values(reader, scratch, state, model, loaded)
             opt_state = _read_optimizer(where, reader, scratch, state, optimizer, loaded)
         except Exception as e:  # noqa: BLE001

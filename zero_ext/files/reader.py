@@ -290,7 +290,7 @@ class PieceReader:
         """Checks every chunk that read() of the same range would use,
         keeping none of it (for data every rank holds whole, which would
         cost a whole model to stage)."""
-        buffer = torch.empty(self.chunk, dtype=torch.uint8) if buffer is None else buffer
+        buffer = torch.empty(self.chunk, dtype=torch.uint8, device="cpu") if buffer is None else buffer
         for piece in self._overlapping(kind, name, key, start, length):
             lo = max(start, piece.start) - piece.start
             hi = min(start + length, piece.start + piece.length) - piece.start

@@ -127,7 +127,7 @@ class SafetensorsFile:
             if (not isinstance(offsets, list) or len(offsets) != 2
                     or not all(type(o) is int for o in offsets) or not 0 <= offsets[0] <= offsets[1] <= data_size):
                 self._fail(f"entry {name!r} has data_offsets {offsets!r} outside the {data_size} data bytes")
-            nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+            nbytes = _numel(shape) * dtype.itemsize
             if offsets[1] - offsets[0] != nbytes:
                 self._fail(f"entry {name!r} spans {offsets[1] - offsets[0]} bytes; shape {shape} of "
                            f"{entry['dtype']} needs {nbytes}")
@@ -157,7 +157,7 @@ class SafetensorsFile:
         if not (0 <= start and 0 <= length and start + length <= numel):
             raise IndexError(f"{self.who}: elements [{start}, {start + length}) of '{name}' in {self.path} "
                              f"(it has {numel})")
-        out = torch.empty(length, dtype=dtype)
+        out = torch.empty(length, dtype=dtype, device="cpu")  # file I/O lands in host memory, whatever the default device
         if length:
             want = length * out.element_size()
             got = os.preadv(self.file.fileno(), [_bytes_view(out)], self.data_start + begin + start * out.element_size())
@@ -198,7 +198,7 @@ class SafetensorsWriter:
                                 f"{sorted(str(d) for d in NAMES)})")
             if name in header or name == "__metadata__":
                 raise ValueError(f"zero_ext: tensor name {name!r} twice (or reserved) in one safetensors file")
-            nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+            nbytes = _numel(shape) * dtype.itemsize
             header[name] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
             offset += nbytes
             self.expected.append((name, dtype, tuple(shape)))
@@ -257,7 +257,7 @@ def split_into_files(entries: Sequence[Tuple[str, torch.dtype, Sequence[int]]], 
     groups: List[List[int]] = []
     size = 0
     for i, (_, dtype, shape) in enumerate(entries):
-        nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = _numel(shape) * dtype.itemsize
         if not groups or (size + nbytes > max_bytes and groups[-1]):
             groups.append([])
             size = 0
@@ -323,7 +323,7 @@ class ModelWriter:
         if self.single:
             return
         if len(self.plan) > 1:
-            total = sum(_numel(shape) * torch.empty((), dtype=dtype).element_size() for _, dtype, shape in self.entries)
+            total = sum(_numel(shape) * dtype.itemsize for _, dtype, shape in self.entries)
             write_index(self.directory, {self.entries[i][0]: f for f, group in self.plan for i in group}, total)
         elif os.path.lexists(os.path.join(self.directory, INDEX)):
             os.unlink(os.path.join(self.directory, INDEX))

@@ -14,15 +14,19 @@ error on rank 0 raises on every rank at the end, never leaving one waiting.
 """
 from __future__ import annotations
 
+import collections
+import inspect
 import os
-from typing import List, Optional, Tuple, Union
+import sys
+import weakref
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
 from . import safetensors as st
 from .collective import Ranks as _Ranks
 from .plan import persistent_buffers as _persistent_buffers
-from .._state_dict import _state
+from .._state_dict import _state, full_state_dict
 
 def _entries(model, state, dtype: Optional[torch.dtype]):
     """(name, dtype, shape, source) in the order they are written: the
@@ -91,3 +95,118 @@ def save_weights(model: torch.nn.Module, path, dtype: Optional[torch.dtype] = No
         writer.abort()  # files not finished go; complete ones stay
     ranks.settle(error, action=f"zero_ext.save_weights: writing {path}",
                  note="Files already complete are left in place; the index is written last")
+
+
+# --- Exports through the libraries' own savers ---------------------------------
+# Under mixed precision a wrapped model's parameters hold the compute-dtype
+# copies the forward uses (model.state_dict() returns those); the trained
+# values are the fp32 masters. Exports must write the masters, as the same
+# run under DDP (fp32 parameters, autocast) writes fp32.
+
+def export_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """The state_dict an export of a wrapped model writes: model.state_dict()
+    with the fp32 masters in place of the compute-dtype copies under mixed
+    precision (full shape, on CPU). The names of one tied parameter share one
+    tensor, as in model.state_dict(), so savers that drop shared tensors
+    (transformers, accelerate) drop the same names as under DDP; an
+    OrderedDict as model.state_dict() is (accelerate's save drops them only
+    from one). Collective under mixed precision or at stage 3: every rank
+    calls it."""
+    state = _state(model)
+    if not state.core.has_masters():
+        return model.state_dict()
+    full = collections.OrderedDict(full_state_dict(model))
+    first: Dict[int, torch.Tensor] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name in full:
+            full[name] = first.setdefault(id(p), full[name])
+    return full
+
+
+def _library_of(model: torch.nn.Module) -> Optional[str]:
+    """'transformers' for a PreTrainedModel, 'peft' for a PeftModel, else None.
+    Looked up in sys.modules: a model of the library means it is imported."""
+    for library, name in (("transformers", "PreTrainedModel"), ("peft", "PeftModel")):
+        module = sys.modules.get(library)
+        cls = getattr(module, name, None) if module is not None else None
+        if isinstance(cls, type) and isinstance(model, cls):
+            return library
+    return None
+
+
+class PretrainedExport:
+    """The save_pretrained of a wrapped transformers or peft model, set on
+    the model by wrap() (an attribute of the instance; the class's method is
+    called inside). The class's own would write model.state_dict() (under
+    mixed precision: the compute-dtype copies), and transformers also writes
+    the parameters' dtype and zero_ext's subclass name (ZeroExt...) into
+    config.json. This one passes the fp32 masters as ``state_dict`` unless
+    one is given, and config.json says what the unwrapped model's would: the
+    dtype and class the model had before wrap(). Collective under mixed
+    precision or at stage 3 (call it on every rank, with is_main_process as
+    transformers asks); transformers writes from rank 0."""
+
+    def __init__(self, model: torch.nn.Module, dtype: Optional[torch.dtype], library: str) -> None:
+        self._model = weakref.ref(model)  # the model holds this object
+        self._function = type(model).save_pretrained
+        self._signature = inspect.signature(self._function)
+        self._var_keyword = next((n for n, p in self._signature.parameters.items()
+                                  if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+        self._library = library
+        self.dtype = dtype  # what the unwrapped model's .dtype said
+        self.class_name = type(model).__name__  # before wrap() swaps the class
+        self.__doc__ = self._function.__doc__
+        self.__signature__ = inspect.signature(self._function.__get__(model))
+
+    def describe(self, config: Any) -> None:
+        """Sets config's dtype and architectures as the unwrapped model's
+        save_pretrained sets them (transformers: ``dtype``; before 4.56:
+        ``torch_dtype``)."""
+        if self.dtype is not None:
+            field = "torch_dtype" if "torch_dtype" in vars(config) and "dtype" not in vars(config) else "dtype"
+            setattr(config, field, str(self.dtype).split(".")[1])
+        config.architectures = [self.class_name]
+
+    def __call__(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+        model = self._model()
+        bound = self._signature.bind(model, save_directory, *args, **kwargs)
+        arguments = bound.arguments
+        if self._var_keyword is not None:
+            arguments.setdefault(self._var_keyword, {})
+        # transformers names state_dict; peft reads it from **kwargs.
+        where = arguments if "state_dict" in self._signature.parameters else arguments.get(self._var_keyword, {})
+        if arguments.get("push_to_hub") or arguments.get(self._var_keyword, {}).get("push_to_hub"):
+            raise ValueError(
+                "zero_ext: save_pretrained(push_to_hub=True) of a wrapped model is not supported: the library "
+                "uploads before zero_ext writes config.json's dtype and class as the unwrapped model would. "
+                "Call save_pretrained(directory) on every rank, then upload the directory from one rank "
+                "(huggingface_hub.upload_folder)")
+        if where.get("state_dict") is None and _state(model).core.has_masters():
+            where["state_dict"] = export_state_dict(model)  # collective: before any rank writes
+        result = self._function(*bound.args, **bound.kwargs)
+        if self._library == "transformers" and not getattr(model, "_hf_peft_config_loaded", False):
+            # transformers wrote config.json with model.dtype (the compute
+            # dtype) and type(model).__name__; write it again as DDP's would be.
+            self.describe(model.config)
+            is_main = arguments.get("is_main_process", True)
+            should_save = getattr(model, "should_save_on_this_rank", None)
+            if should_save(is_main) if callable(should_save) else is_main:
+                model.config.save_pretrained(save_directory)
+        return result
+
+
+def install_pretrained_export(model: torch.nn.Module, dtype: Optional[torch.dtype]) -> None:
+    """wrap(), before it swaps the model's class: a transformers or peft
+    model gets PretrainedExport as its save_pretrained. `dtype`: the model's
+    first floating parameter's dtype before wrap() (transformers' model.dtype)."""
+    library = _library_of(model)
+    if library is not None and callable(getattr(type(model), "save_pretrained", None)):
+        model.save_pretrained = PretrainedExport(model, dtype, library)
+
+
+def describe_pretrained_config(model: torch.nn.Module, config: Any) -> None:
+    """config's dtype and architectures as the unwrapped model's save_pretrained
+    would write them (for savers that write config.json themselves)."""
+    export = vars(model).get("save_pretrained")
+    if isinstance(export, PretrainedExport):
+        export.describe(config)
