@@ -92,7 +92,8 @@ build_in_env() {  # $1 env dir: builds a wheel of the checkout's sources against
   mkdir -p "$src"
   # Copy only what the build and the package need; keep src/build for ninja.
   rm -rf "$src/zero_ext" "$src/csrc"
-  cp -r "$REPO/zero_ext" "$REPO/csrc" "$REPO/setup.py" "$REPO/pyproject.toml" "$src/"
+  # -p keeps the sources' times, so setuptools and ninja rebuild only what changed.
+  cp -rp "$REPO/zero_ext" "$REPO/csrc" "$REPO/setup.py" "$REPO/pyproject.toml" "$src/"
   find "$src/zero_ext" -name '*.so' -delete
   rm -f "$src/zero_ext/_build_info.json"
   # A non-editable install, as users get it: `pip wheel` builds the wheel
