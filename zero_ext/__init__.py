@@ -10,7 +10,7 @@ try:
     from ._api import DynamicLossScale, MixedPrecision
     from .files.checkpoint import load, save
     from .files.publish import checkpoint_exists
-    from ._clip import clip_grad_norm_
+    from ._clip import clip_grad_norm_, clip_grad_value_
     from ._deferred_init import empty_init, skip_init
     from ._full_params import full_params
     from ._report import memory_report
@@ -37,6 +37,7 @@ __all__ = [
     "MixedPrecision",
     "checkpoint_exists",
     "clip_grad_norm_",
+    "clip_grad_value_",
     "empty_init",
     "full_grads",
     "full_params",

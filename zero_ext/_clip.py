@@ -1,5 +1,5 @@
-"""zero_ext.clip_grad_norm_: torch.nn.utils.clip_grad_norm_ for parameters
-whose gradients zero_ext shards (and for plain ones)."""
+"""zero_ext.clip_grad_norm_ and clip_grad_value_: torch.nn.utils' clipping for
+parameters whose gradients zero_ext shards (and for plain ones)."""
 from __future__ import annotations
 
 import math
@@ -72,17 +72,12 @@ def settle_owners(params: List[torch.Tensor]) -> None:
         state.core.settle()
 
 
-def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max_norm: float,
-                    norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                    foreach: Optional[bool] = None) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ over the global gradient: correct for
-    parameters of models wrapped by zero_ext in every stage (their gradients'
-    shards on every rank count), and for plain parameters. Returns the total
-    norm before clipping. Collective when wrapped parameters in stages 1-3 are
-    among `parameters`: every rank of their group calls it. `foreach` is
-    accepted for compatibility (zero_ext always uses the foreach kernels)."""
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    settle_owners(params)
+def _held_gradients(params: List[torch.Tensor]
+                    ) -> Tuple[List[Tuple[object, List[torch.Tensor]]], List[torch.Tensor]]:
+    """The gradients this rank holds for `params`: (zero_ext state, its
+    gradient tensors here) for wrapped parameters whose optimizer steps
+    zero_ext's segments (this rank's shard in stages 1-3), sorted the same on
+    every rank; and the plain gradients (unwrapped parameters, stage 0 in fp32)."""
     sharded: Dict[int, Tuple[object, set, List[torch.Tensor]]] = {}
     plain: List[torch.Tensor] = []
     for p in params:
@@ -107,4 +102,41 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
         parts.append((state, grads + segment_grads))
     # Every state in a fixed order on every rank: the reductions are collective.
     parts.sort(key=lambda part: part[0].names[0] if part[0].names else "")
+    return parts, plain
+
+
+def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max_norm: float,
+                    norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                    foreach: Optional[bool] = None) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ over the global gradient: correct for
+    parameters of models wrapped by zero_ext in every stage (their gradients'
+    shards on every rank count), and for plain parameters. Returns the total
+    norm before clipping. Collective when wrapped parameters in stages 1-3 are
+    among `parameters`: every rank of their group calls it. `foreach` is
+    accepted for compatibility (zero_ext always uses the foreach kernels)."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    settle_owners(params)
+    parts, plain = _held_gradients(params)
     return clip_sharded(parts, plain, max_norm, norm_type, error_if_nonfinite)
+
+
+@torch.no_grad()
+def clip_grad_value_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], clip_value: float,
+                     foreach: Optional[bool] = None) -> None:
+    """torch.nn.utils.clip_grad_value_ for parameters of models wrapped by
+    zero_ext in every stage (and for plain ones): clamps every gradient
+    element to [-clip_value, clip_value]. Elementwise, so each rank clamps
+    the gradient it holds (its shard in stages 1-3, where torch's sees only
+    param.grad stand-ins), once late reductions have settled: collective
+    when wrapped parameters are among `parameters`, every rank calls it.
+    `foreach` is accepted for compatibility."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    settle_owners(params)
+    parts, plain = _held_gradients(params)
+    clip_value = float(clip_value)
+    by_kind: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
+    for g in [g for _, grads in parts for g in grads] + plain:
+        by_kind.setdefault((g.device, g.dtype), []).append(g)
+    for grads in by_kind.values():  # as torch's: clamp_min then clamp_max, per device and dtype
+        torch._foreach_clamp_min_(grads, -clip_value)
+        torch._foreach_clamp_max_(grads, clip_value)

@@ -186,8 +186,9 @@ class ZeroExtOptimizer:
                 f"zero_ext: optimizer.{call}() is refused: at stage {state.stage} the optimizer's state lives in "
                 f"this rank's shard, so it cannot be saved or loaded per rank. Save and load the model and "
                 f"optimizer together with zero_ext.save(path, model, optimizer) / zero_ext.load(path, model, "
-                f"optimizer) on every rank (any world size or stage); with accelerate, use "
-                f"zero_ext.integrations.accelerate.prepare so save_state/load_state do this.")
+                f"optimizer) on every rank (any world size or stage). With accelerate (whose accelerator.prepare reads "
+                f"the optimizer's state), pass the model and optimizer to "
+                f"zero_ext.integrations.accelerate.prepare first, so save_state/load_state do this.")
 
     def state_dict(self):  # type: ignore[override]
         self._refuse_sharded_state("state_dict")

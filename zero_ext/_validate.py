@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import math
 import numbers
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Set, Tuple, Union
 
@@ -230,3 +231,23 @@ def check_backend(group: Optional[dist.ProcessGroup], device: torch.device) -> N
             "is on the CPU; move it to this rank's GPU first (model.to(f'cuda:{local_rank}')), then "
             "call wrap() (or use a gloo group for CPU training)"
         )
+
+
+def check_launch(process_group: Any) -> None:
+    """A launcher (torchrun, accelerate launch) started this process as one
+    of several ranks but torch.distributed was never initialized: wrap()'s
+    single-process fallback (for notebooks) would train each rank alone on
+    its own data, silently. Refused before anything is set up."""
+    if process_group is not None or (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return  # not a launcher's value
+    if world > 1:
+        raise RuntimeError(
+            f"zero_ext.wrap: this process was launched as one of WORLD_SIZE={world} ranks "
+            f"(RANK={os.environ.get('RANK', '?')}), but torch.distributed is not initialized, so every rank "
+            "would train alone on its own data. Call torch.distributed.init_process_group() (backend 'nccl' "
+            "for CUDA, 'gloo' for CPU) on every rank before zero_ext.wrap(); to train one process alone, "
+            "launch it without torchrun")

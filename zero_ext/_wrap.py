@@ -16,6 +16,7 @@ from ._bucket_plan import plan_buckets
 from ._C_loader import ShardedModel
 from .files.collective import Ranks as _Ranks
 from .files.plan import local_views as _local_views
+from .files.save_weights import install_pretrained_export
 from ._deferred_init import materialize, move_to_device, plan_deferred
 from ._groups import acquire_groups, acquire_mesh_groups, group_timeout, pooled_groups, retire_if_failed
 from ._mesh import Topology, resolve_topology
@@ -25,7 +26,7 @@ from ._module import swap_module_class
 from ._optimizer import shard_optimizer
 from ._testing import apply_test_fault
 from ._units import Unit, assign_parameters, resolve_units
-from ._validate import Options, check_backend, check_wrap_arguments
+from ._validate import Options, check_backend, check_launch, check_wrap_arguments
 from ._wrap_fingerprint import check_ranks_agree, wrap_fields
 from ._wrapper_state import ZeroState
 
@@ -201,6 +202,10 @@ def wrap(
     """
     trainable, options = check_wrap_arguments(model, optimizer, stage, mixed_precision, offload_optimizer,
                                               units, bucket_mb, timeout, prefetch, skip_nonfinite)
+    check_launch(process_group)
+    # What transformers' model.dtype says before mixed precision casts the
+    # parameters: the dtype exports declare (as the unwrapped model's would).
+    export_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     deferred = plan_deferred(model, device, param_init_fn)
     model_device = deferred.device if deferred else trainable[0].device
     topology = resolve_topology(process_group, model_device)
@@ -267,17 +272,20 @@ def wrap(
                     params_sharded=options.stage == 3)
     if own_groups:
         _broadcast_buffers(model, core)
-    _attach(model, optimizer, state, unit_list)
+    _attach(model, optimizer, state, unit_list, export_dtype)
     return model, optimizer
 
 
 def _attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: ZeroState,
-            unit_list: List[Unit]) -> None:
+            unit_list: List[Unit], export_dtype: Optional[torch.dtype]) -> None:
     """Hands the model and optimizer over: parameters point to the state,
     the model's class and hooks change, the optimizer steps zero_ext's shards."""
     group_of = {id(p): g for g, group_ in enumerate(optimizer.param_groups) for p in group_["params"]}
     for p in state.bucketed:
         p._zero_ext_owner = weakref.ref(state)  # zero_ext.clip_grad_norm_ and full_params find it
+    # A Hugging Face model's save_pretrained writes the fp32 masters and the
+    # unwrapped class's name (files/save_weights.py); before the class swap.
+    install_pretrained_export(model, export_dtype)
     swap_module_class(model)
     model._zero_ext = state
     # accelerate's prepare() leaves a model so marked alone: DDP on top of

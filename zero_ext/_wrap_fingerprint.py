@@ -15,7 +15,7 @@ first differing parameter's description) so the error names the parameter.
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 

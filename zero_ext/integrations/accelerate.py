@@ -19,15 +19,23 @@ is a closed enum), so zero_ext takes the objects out of accelerate's hands:
     `accumulate()` then reaches `model.no_sync()` itself;
   - the optimizer is wrapped in accelerate's AcceleratedOptimizer (which skips
     step/zero_grad on micro-steps that do not sync) and reports zero_ext's own
-    skipped steps; accelerate's GradScaler and autocast are switched off, since
-    zero_ext casts and scales itself (the accelerator's mixed_precision
+    skipped steps; accelerate's GradScaler and autocast are switched off,
+    since zero_ext casts and scales itself (the accelerator's mixed_precision
     becomes zero_ext's);
-  - `accelerator.clip_grad_norm_` clips with `zero_ext.clip_grad_norm_`
-    (torch's own, which accelerate calls, sees only this rank's shards);
+  - `accelerator.clip_grad_norm_` clips with `zero_ext.clip_grad_norm_` and
+    `clip_grad_value_` clamps each rank's shard (torch's own, which
+    accelerate calls, sees only this rank's shards or none);
+  - `accelerator.get_state_dict` (and so `save_model`) gives the fp32 masters
+    under mixed precision, as DDP's fp32 parameters would;
   - save_state/load_state write and read the model and optimizer as a
     zero_ext checkpoint in `zero_ext/` (`zero_ext_1/`, ... for more models)
     inside the state directory; accelerate keeps the rest (schedulers,
-    dataloaders, RNG). Every rank calls them, as accelerate asks anyway.
+    dataloaders, RNG). Every rank calls them, as accelerate asks anyway;
+  - a later `accelerator.prepare(...)` of these objects gives back what
+    prepare() returned (the model stays out of accelerate's model list).
+`accelerator.prepare` alone cannot take a zero_ext optimizer in stages 1-3:
+its AcceleratedOptimizer reads the sharded state_dict(), which zero_ext
+refuses with an error naming this module.
 """
 from __future__ import annotations
 
@@ -41,7 +49,9 @@ import torch
 from ..files.checkpoint import load as zero_ext_load
 from ..files.checkpoint import save as zero_ext_save
 from .._clip import clip_grad_norm_ as zero_ext_clip_grad_norm_
-from ._common import check_wrap_options, library_mixed_precision, wrap_once
+from .._clip import clip_grad_value_ as zero_ext_clip_grad_value_
+from ..files.save_weights import export_state_dict
+from ._common import check_wrap_options, is_wrapped, library_mixed_precision, wrap_once
 
 _REFUSED = ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA")
 
@@ -116,19 +126,82 @@ def _accelerated_optimizer_class() -> type:
 
 
 def _take_over(accelerator: Any) -> None:
-    """Once per Accelerator: zero_ext's checkpoint hooks, clip and precision."""
+    """Once per Accelerator: zero_ext's checkpoint hooks, clipping, exports,
+    precision, and prepare() of objects zero_ext already holds."""
     accelerator._zero_ext_models: List[Tuple[torch.nn.Module, torch.optim.Optimizer]] = []
     # zero_ext casts parameters and scales fp16 losses itself: accelerate's
     # scaler would scale gradients nothing unscales, its autocast recast them.
     accelerator.scaler = None
     accelerator.native_amp = False
 
+    def install(function: Any, doc: str) -> None:
+        function.__doc__ = f"{doc} (installed by zero_ext.integrations.accelerate.prepare)"
+        setattr(accelerator, function.__name__, types.MethodType(function, accelerator))
+
     def clip_grad_norm_(self: Any, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
         return zero_ext_clip_grad_norm_(parameters, max_norm, norm_type)
 
-    clip_grad_norm_.__doc__ = ("zero_ext.clip_grad_norm_: the global norm over every rank's shards "
-                               "(installed by zero_ext.integrations.accelerate.prepare)")
-    accelerator.clip_grad_norm_ = types.MethodType(clip_grad_norm_, accelerator)
+    install(clip_grad_norm_, "zero_ext.clip_grad_norm_: the global norm over every rank's shards")
+
+    # accelerate's calls torch's, which in stages 2-3 meets the param.grad
+    # stand-ins; clamping is elementwise, so each rank clamps its shard.
+    def clip_grad_value_(self: Any, parameters: Any, clip_value: float) -> None:
+        zero_ext_clip_grad_value_(parameters, clip_value)
+
+    install(clip_grad_value_, "zero_ext.clip_grad_value_: clamps the gradient each rank holds")
+
+    # accelerate's returns model.state_dict(): under mixed precision the
+    # compute-dtype copies. save_model and save_state read it through here.
+    original_get_state_dict = accelerator.get_state_dict
+
+    def get_state_dict(self: Any, model: torch.nn.Module, unwrap: bool = True) -> dict:
+        if is_wrapped(model):
+            return export_state_dict(model)
+        return original_get_state_dict(model, unwrap)
+
+    install(get_state_dict, "The model's state_dict, with zero_ext's fp32 masters under mixed precision; "
+            "collective for a zero_ext model under mixed precision or at stage 3")
+
+    # accelerator.prepare(model, optimizer, ...) after prepare(accelerator,
+    # ...) gives back what prepare() made. The model stays out of
+    # accelerator._models: save_state/load_state would write it again and
+    # load it through safetensors' load_model, which refuses parameters that
+    # are views of zero_ext's flat buffers; the zero_ext checkpoint holds it.
+    # The optimizer gets its wrapper (a new AcceleratedOptimizer would read
+    # the sharded state_dict and fail), the scheduler its wrapper.
+    original_prepare_model = accelerator.prepare_model
+    original_prepare_optimizer = accelerator.prepare_optimizer
+    original_prepare_scheduler = accelerator.prepare_scheduler
+    not_given = ("accelerator.prepare: this {what} is wrapped by zero_ext but was not given to "
+                 "zero_ext.integrations.accelerate.prepare(accelerator, model, optimizer, ...); pass the model and "
+                 "its optimizer there (accelerate's own handling would read sharded state and skip zero_ext's "
+                 "clipping and checkpoints)")
+
+    def prepare_model(self: Any, model: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        if is_wrapped(model):
+            if all(m is not model for m, _ in self._zero_ext_models):
+                raise ValueError(not_given.format(what="model"))
+            return model
+        return original_prepare_model(model, *args, **kwargs)
+
+    def prepare_optimizer(self: Any, optimizer: Any, device_placement: Any = None) -> Any:
+        if is_wrapped(optimizer):
+            for accelerated in self._optimizers:
+                if getattr(accelerated, "optimizer", None) is optimizer:
+                    return accelerated
+            raise ValueError(not_given.format(what="optimizer"))
+        return original_prepare_optimizer(optimizer, device_placement)
+
+    def prepare_scheduler(self: Any, scheduler: Any) -> Any:
+        for stepped in self._schedulers:
+            if getattr(stepped, "scheduler", None) is scheduler:
+                return stepped
+        return original_prepare_scheduler(scheduler)
+
+    install(prepare_model, "accelerate's prepare_model; a zero_ext model is returned as is, unregistered")
+    install(prepare_optimizer, "accelerate's prepare_optimizer; a zero_ext optimizer gets the wrapper "
+            "zero_ext.integrations.accelerate.prepare made")
+    install(prepare_scheduler, "accelerate's prepare_scheduler; a scheduler already prepared is returned as is")
 
     def save_hook(models: Any, weights: Any, output_dir: str) -> None:
         os.makedirs(output_dir, exist_ok=True)  # every rank may arrive before the main process made it

@@ -16,7 +16,8 @@ What it changes in Trainer, and why:
   - Clipping and the logged grad_norm use zero_ext.clip_grad_norm_: torch's,
     which Trainer calls, sees only this rank's shards in stages 1-3.
   - Saving runs on every rank: the weights as safetensors through
-    zero_ext.save_weights (from_pretrained reads them), and in checkpoints
+    zero_ext.save_weights (from_pretrained reads them; under mixed precision
+    the fp32 masters, and config.json says float32, as under DDP), and in checkpoints
     the model and optimizer as a zero_ext checkpoint in `zero_ext/`, which
     resume loads with zero_ext.load at any world size or stage. Trainer
     saves on rank 0 only, which would wait forever in a stage 3 gather.
@@ -36,7 +37,7 @@ from ..files.publish import checkpoint_exists
 from ..files.checkpoint import save as zero_ext_save
 from .._clip import clip_grad_norm_ as zero_ext_clip_grad_norm_
 from ..files.load_weights import load_weights
-from ..files.save_weights import save_weights
+from ..files.save_weights import describe_pretrained_config, save_weights
 from ._common import check_wrap_options, is_wrapped, library_mixed_precision, wrap_once
 
 CHECKPOINT_DIR = "zero_ext"  # inside each checkpoint-N directory
@@ -95,6 +96,9 @@ class ZeroExtTrainer(Trainer):
             return
         config = getattr(self.model, "config", None)
         if config is not None and hasattr(config, "save_pretrained"):
+            # dtype and class as the unwrapped model's save_pretrained writes
+            # them (float32 under mixed precision: the weights are the masters).
+            describe_pretrained_config(self.model, config)
             config.save_pretrained(output_dir)
         generation = getattr(self.model, "generation_config", None)
         if generation is not None and hasattr(generation, "save_pretrained"):
