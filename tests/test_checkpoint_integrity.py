@@ -20,13 +20,16 @@ import sys
 
 import pytest
 
+import zero_ext
 from checkpoint_integrity_scenarios import (CONFIGS, FLIPS, MAIN, TIMEOUT, base_path, case_path, save_with_a_dying_rank,
                                             world1 as run_world1, world2_items)
 from dist_harness import run_items_on_ranks
 
 TARGET = "checkpoint_integrity_scenarios"
 FAST = 10.0  # seconds: a refused load raises on every rank well within the 30 s collective timeout
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The zero_ext under test (the checkout, or the copy the torch-versions script installed): the
+# subprocesses import that one, never whatever the checkout's build is.
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(zero_ext.__file__)))
 OTHER_WORLD_ITEMS = [f"{what}:{c}" for c in MAIN for what in ("good", "flip-param")]
 
 
@@ -209,7 +212,7 @@ print(json.dumps(results))
 def converted(root, world2):
     """At once (two cores): --verify on the good checkpoint and on each
     damaged copy; a plain convert of a damaged one."""
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=PACKAGE_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     convert = [sys.executable, "-m", "zero_ext.convert"]
     out = os.path.join(root, "converted-damaged.pt")
     commands = {"good": convert + ["--verify", base_path(root, "s2-fp32")],
@@ -217,7 +220,7 @@ def converted(root, world2):
                 "many": [sys.executable, "-c", VERIFY_MANY] + [case_path(root, c) for c in VERIFY_CASES
                                                               if c not in CLI_CASES]}
     commands.update({case: convert + ["--verify", case_path(root, case)] for case in CLI_CASES})
-    procs = {k: subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    procs = {k: subprocess.Popen(args, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  text=True) for k, args in commands.items()}
     results = {}
     for k, p in procs.items():

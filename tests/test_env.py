@@ -51,8 +51,9 @@ def test_lines_are_aligned_and_a_core_that_cannot_load_is_reported(tmp_path):
     fake = tmp_path / "zero_ext"
     fake.mkdir()
     for name in os.listdir(os.path.join(PACKAGE_ROOT, "zero_ext")):
-        if name.endswith(".py"):
-            os.symlink(os.path.join(PACKAGE_ROOT, "zero_ext", name), fake / name)
+        path = os.path.join(PACKAGE_ROOT, "zero_ext", name)
+        if name.endswith(".py") or os.path.isfile(os.path.join(path, "__init__.py")):  # modules and subpackages
+            os.symlink(path, fake / name)
     (fake / "_build_info.json").write_text(json.dumps({"torch": "1.0.0", "cxx": "/usr/bin/c++"}))
     done = subprocess.run([sys.executable, "-m", "zero_ext.env", "--json"], capture_output=True, text=True,
                           cwd=str(tmp_path), env={**os.environ, "PYTHONPATH": str(tmp_path)}, timeout=120)
