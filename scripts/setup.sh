@@ -21,8 +21,9 @@ build() {
   # setuptools skips when no source or header is newer than the built .so and
   # ninja limits to the changed files otherwise (setup.py: build/incremental/).
   # Else the editable install, which builds through the same directory.
+  local package=$PWD/zero_ext  # outside the checkout, `import zero_ext` finds what is installed
   if (cd / && "$PY" -c "import os, sys, zero_ext; sys.exit(os.path.dirname(zero_ext.__file__) != sys.argv[1])" \
-        "$PWD/zero_ext") 2>/dev/null; then
+        "$package") 2>/dev/null; then
     PYTHONWARNINGS=ignore "$PY" setup.py -q build_ext --inplace
   else
     "$PY" -m pip install --quiet --no-build-isolation --no-deps -e .
