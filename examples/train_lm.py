@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import zero_ext
+from zero_ext._groups import handed_to_backend
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -117,7 +118,8 @@ def train(args, model, opt, sched, clip, data, rank, world, show, first_step=1, 
         opt.zero_grad()
         value = loss.detach().clone()
         if world > 1:
-            dist.all_reduce(value)
+            with handed_to_backend(value):
+                dist.all_reduce(value)
             value /= world
         losses.append(value.item())
         interval_steps += 1

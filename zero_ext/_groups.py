@@ -18,13 +18,63 @@ must have created the same number of groups before (a limitation).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+
+
+# [Note: tensors a backend thread lets go of]
+# In torch 2.13 a tensor Python has seen keeps its Python object alive while
+# C++ holds it too, and the C++ release that leaves Python's reference the
+# last one takes the GIL (intrusive_ptr's decref_pyobject). Threads other
+# than the caller's make such releases: a gloo worker drops a work (and its
+# tensors) once done with it, which may be after the caller's wait has
+# returned; and zero_ext's core, on a header's completion callback (a gloo
+# thread), drops the collectives a failure left queued. Once Python is
+# finalizing, a thread that takes the GIL is ended by pthread_exit (Python
+# 3.11), which cannot unwind through the C++ destructor it is in: the
+# process aborts ("terminate called without an active exception", or naming
+# gloo's error) after the caller had already raised its error or finished.
+# So a collective on tensors Python made is over only once the backend has
+# let go of them: handed_to_backend waits for that, the GIL released, before
+# the caller goes on (or exits).
+RELEASE_TIMEOUT_S = 5.0
+
+
+def wait_released(held: List[Tuple[torch.Tensor, int]], timeout: float = RELEASE_TIMEOUT_S) -> bool:
+    """Waits until each tensor's C++ use count is back to the count paired
+    with it; whether it is. Sleeps (releasing the GIL: the releasing thread
+    may need it) for at most `timeout` seconds: a collective still queued
+    behind a header that never completes keeps its tensors, and is not
+    waited out."""
+    deadline = time.monotonic() + timeout
+    pause = 0.0
+    while any(t._use_count() > count for t, count in held):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(pause)
+        pause = min(max(pause * 2, 0.0005), 0.01)
+    return True
+
+
+@contextlib.contextmanager
+def handed_to_backend(*tensors: torch.Tensor) -> Iterator[None]:
+    """Around a collective (zero_ext's core or torch.distributed) on host
+    tensors Python made: on the way out, returning or raising, waits until
+    no C++ object holds them beyond what held them before ([Note: tensors a
+    backend thread lets go of]). Device tensors are left to their backend."""
+    held = [(t, t._use_count()) for t in tensors
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and hasattr(t, "_use_count")]
+    try:
+        yield
+    finally:
+        wait_released(held)
 
 
 def group_timeout(group: dist.ProcessGroup) -> Optional[datetime.timedelta]:
@@ -98,7 +148,8 @@ def acquire_groups(base: dist.ProcessGroup, count: int, timeout: Optional[dateti
     if entries:
         # Free only where free on every rank, so every rank picks the same ones.
         busy = torch.tensor([float(e.in_use()) for e in entries], dtype=torch.float32, device=device)
-        dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=base)
+        with handed_to_backend(busy):
+            dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=base)
         free = [e for e, b in zip(entries, busy.tolist()) if b == 0.0]
     chosen = free[:count]
     while len(chosen) < count:
@@ -143,8 +194,9 @@ def acquire_mesh_groups(shard_base: dist.ProcessGroup, replicate_base: dist.Proc
         # Every rank of the mesh wrapped the same models over it, so the pools
         # have the same length everywhere.
         busy = torch.tensor(flags, dtype=torch.float32, device=device)
-        dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=shard_base)
-        dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=replicate_base)
+        with handed_to_backend(busy):
+            dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=shard_base)
+            dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=replicate_base)
         flags = busy.tolist()
         free[0] = [e for e, b in zip(pools[0], flags[:len(pools[0])]) if b == 0.0]
         free[1] = [e for e, b in zip(pools[1], flags[len(pools[0]):]) if b == 0.0]

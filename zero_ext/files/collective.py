@@ -10,6 +10,8 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from .._groups import handed_to_backend
+
 
 class Ranks:
     """Collectives of a save or load on the model's own group (which carries
@@ -47,17 +49,19 @@ class Ranks:
 
     def _all_gather(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
         out = torch.empty(self.world * tensor.numel(), dtype=tensor.dtype, device=self.device)
-        try:
-            self.core.mesh_all_gather(out, tensor, what)
-        except RuntimeError as error:  # a peer died or left: say where this rank was
-            raise self._failed(error) from error
+        with handed_to_backend(out, tensor):
+            try:
+                self.core.mesh_all_gather(out, tensor, what)
+            except RuntimeError as error:  # a peer died or left: say where this rank was
+                raise self._failed(error) from error
         return out.view(self.world, -1)
 
     def _broadcast(self, tensor: torch.Tensor, what: str) -> None:
-        try:
-            self.core.mesh_broadcast_from_rank0(tensor, what)
-        except RuntimeError as error:
-            raise self._failed(error) from error
+        with handed_to_backend(tensor):
+            try:
+                self.core.mesh_broadcast_from_rank0(tensor, what)
+            except RuntimeError as error:
+                raise self._failed(error) from error
 
     def gather(self, obj: Any) -> List[Any]:
         if not self.distributed:
