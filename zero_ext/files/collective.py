@@ -13,6 +13,14 @@ import torch.distributed as dist
 from .._groups import handed_to_backend
 
 
+def refuse_different_paths(paths: List[Any], who: str, reads_or_writes: str, nothing: str) -> None:
+    """Every rank raises the same ValueError unless all ranks passed one path."""
+    if any(p != paths[0] for p in paths):
+        listed = ", ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
+        raise ValueError(f"{who}: ranks passed different paths ({listed}); {reads_or_writes}, so pass the same "
+                         f"path on every rank. {nothing}")
+
+
 class Ranks:
     """Collectives of a save or load on the model's own group (which carries
     wrap()'s timeout), or nothing for a single process. They run through the

@@ -21,7 +21,7 @@ import torch
 
 from . import plan
 from .._state_dict import _state
-from .collective import Ranks
+from .collective import Ranks, refuse_different_paths
 from .format import dtype_of
 from .metadata import CheckpointMeta, Scalar
 from .reader import Checkpoint, PieceReader
@@ -181,11 +181,8 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         target = os.path.abspath(os.fspath(path))
     except Exception as e:  # noqa: BLE001 - a bad path on one rank raises on every rank
         error = e
-    paths = ranks.settle(error, target)
-    if any(p != paths[0] for p in paths):
-        listed = ", ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
-        raise ValueError(f"zero_ext.load: ranks passed different paths ({listed}); a load reads one checkpoint, "
-                         "so pass the same path on every rank. Nothing was loaded")
+    refuse_different_paths(ranks.settle(error, target), "zero_ext.load", "a load reads one checkpoint",
+                           "Nothing was loaded")
     checkpoint = None
     try:
         # Phase A: open and validate; nothing in the model changes yet.

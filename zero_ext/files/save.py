@@ -27,7 +27,7 @@ from . import format as files
 from . import plan, publish
 from .._state_dict import _state
 from .checksum import digest
-from .collective import Ranks
+from .collective import Ranks, refuse_different_paths
 from .metadata import (CHUNK_BYTES, CheckpointMeta, FileMeta, LossScaler, ParamMeta, Piece, Scalar, count_problem,
                        file_names)
 
@@ -257,11 +257,8 @@ def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ex
                 token, 0, {"class": type(optimizer).__mro__[1].__name__, "param_groups": groups}, "optimizer")
     except Exception as e:  # noqa: BLE001 - raised on every rank by settle
         error = e
-    targets = ranks.settle(error, target)
-    if any(t != targets[0] for t in targets):
-        listed = ", ".join(f"rank {r}: {t}" for r, t in enumerate(targets))
-        raise ValueError(f"zero_ext.save: ranks passed different paths ({listed}); a save writes one checkpoint "
-                         "at rank 0's path, so pass the same path on every rank. Nothing was written")
+    refuse_different_paths(ranks.settle(error, target), "zero_ext.save",
+                           "a save writes one checkpoint at rank 0's path", "Nothing was written")
 
     # Phase 1: every rank's files into the staging directory.
     tmp = publish.staging_path(target, token)
