@@ -78,7 +78,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from _models import blocks_of, build_model, describe, transformers_available, PRESETS  # noqa: E402
-from zero_ext._torch_compat import profiled_ops  # noqa: E402  (torch-version differences live there)
+from zero_ext.tools.torch_compat import profiled_ops  # noqa: E402  (torch-version differences live there)
 
 ALL_SYSTEMS = ["ddp", "fsdp2", "fsdp2-keep", "deepspeed-1", "deepspeed-2", "deepspeed-3",
                "zero_ext-0", "zero_ext-1", "zero_ext-2", "zero_ext-3"]
@@ -390,6 +390,13 @@ def run_rank(rank: int, world: int, system: str, args, init_file: str, out_dir: 
             core.log_issues(True)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
             loss = step(x, y)
+            # gloo ends a collective's profiler event in a callback of its
+            # future, which runs on gloo's thread after the future wakes its
+            # waiters (c10::ivalue::Future::markCompleted): a profiler that
+            # stops right after the step can lose the last collective (seen:
+            # DDP's one all-reduce on rank 0, torch 2.11). Let it finish.
+            dist.barrier()
+            time.sleep(0.05)
         losses.append(loss.item())
         result.update(sent_bytes(profiled_ops(prof), world))
         if core is not None:

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from zero_ext._cpu_adam import adam_step_
+from zero_ext.optim.cpu_adam import adam_step_
 
 
 def timed(fn, reps: int) -> float:

@@ -41,9 +41,9 @@ struct LayoutProbe : torch::CustomClassHolder {
   Layout layout;
   LayoutProbe(std::vector<std::vector<int64_t>> shapes, std::vector<int64_t> trainable,
               std::vector<int64_t> params_per_bucket, std::vector<int64_t> unit_of_bucket, int64_t stage,
-              const std::string& grad_layout, int64_t rank, int64_t world)
+              const std::string& grad_layout, int64_t rank, int64_t world, std::vector<int64_t> owner_of_param)
       : layout(shapes, std::vector<std::string>(shapes.size(), "p"), std::move(trainable), params_per_bucket,
-               unit_of_bucket, stage, parse_grad_layout(grad_layout), rank, world) {}
+               unit_of_bucket, stage, parse_grad_layout(grad_layout), rank, world, owner_of_param) {}
   std::vector<int64_t> owned_ranges(int64_t rank) {
     std::vector<int64_t> out;
     for (const auto& [param, start, end] : layout.owned_ranges(rank)) out.insert(out.end(), {param, start, end});
@@ -54,6 +54,11 @@ struct LayoutProbe : torch::CustomClassHolder {
     for (const auto& p : segments_only ? layout.segments() : layout.local_pieces()) {
       out.insert(out.end(), {p.param, p.param_start, p.bucket, p.shard_offset, p.length});
     }
+    return out;
+  }
+  std::vector<int64_t> gaps(int64_t b) {
+    std::vector<int64_t> out;
+    for (const auto& [start, length] : layout.gaps(b)) out.insert(out.end(), {start, length});
     return out;
   }
   std::vector<int64_t> buckets() {
@@ -90,7 +95,7 @@ TORCH_LIBRARY(zero_ext, m) {
       .def(torch::init<std::vector<at::Tensor>, std::vector<std::string>, std::vector<int64_t>,
                        std::vector<int64_t>, std::vector<int64_t>, int64_t, std::string, std::string,
                        std::string, int64_t, std::optional<c10::ScalarType>, std::optional<c10::ScalarType>, bool,
-                       bool>())
+                       bool, std::vector<int64_t>>())
       .def("enable_loss_scaling", &ShardedModel::enable_loss_scaling)
       .def("disable_loss_scaling", &ShardedModel::disable_loss_scaling)
       .def("loss_scale", &ShardedModel::loss_scale)
@@ -107,6 +112,8 @@ TORCH_LIBRARY(zero_ext, m) {
       .def("note_compute_copy_written", &ShardedModel::note_compute_copy_written)
       .def("segment_compute_copies", &ShardedModel::segment_compute_copies)
       .def("replicated", &ShardedModel::replicated)
+      .def("params_sharded", &ShardedModel::params_sharded)
+      .def("whole_params", &ShardedModel::whole_params)
       .def("failed", &ShardedModel::failed)
       .def("grad_layout", &ShardedModel::grad_layout)
       .def("local_pieces", &ShardedModel::local_pieces)
@@ -190,9 +197,10 @@ TORCH_LIBRARY(zero_ext, m) {
   define_core_ops(m);
   m.class_<LayoutProbe>("Layout")
       .def(torch::init<std::vector<std::vector<int64_t>>, std::vector<int64_t>, std::vector<int64_t>,
-                       std::vector<int64_t>, int64_t, std::string, int64_t, int64_t>())
+                       std::vector<int64_t>, int64_t, std::string, int64_t, int64_t, std::vector<int64_t>>())
       .def("owned_ranges", &LayoutProbe::owned_ranges)
       .def("pieces", &LayoutProbe::pieces)
+      .def("gaps", &LayoutProbe::gaps)
       .def("buckets", &LayoutProbe::buckets);
   using Gate = c10::intrusive_ptr<StepGateProbe>;
   m.class_<StepGateProbe>("StepGate")

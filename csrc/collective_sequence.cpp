@@ -211,10 +211,21 @@ CollectiveSequence::CollectiveSequence(Communicator& data, std::string group_des
 }
 
 void CollectiveSequence::detach() {
+  std::deque<Item> queue, dropped;  // freed on this thread, after the lock (see dropped_)
   std::lock_guard<std::recursive_mutex> lock(order_->mutex_);
   detached_ = true;
-  queue_.clear();
+  queue.swap(queue_);
+  dropped.swap(dropped_);
   order_->remove(this);
+}
+
+void CollectiveSequence::release_dropped() {
+  if (!any_dropped_.exchange(false)) {
+    return;  // the usual case: one atomic read per submit
+  }
+  std::deque<Item> dropped;  // freed after the lock is released
+  std::lock_guard<std::recursive_mutex> lock(order_->mutex_);
+  dropped.swap(dropped_);
 }
 
 void CollectiveSequence::begin_round(int64_t key, const std::string& label) {
@@ -227,6 +238,7 @@ void CollectiveSequence::begin_round(int64_t key, const std::string& label) {
 c10::intrusive_ptr<c10d::Work> CollectiveSequence::submit(const CollectiveId& id, const std::string& label,
                                                           c10::Device device,
                                                           std::function<c10::intrusive_ptr<c10d::Work>()> issue) {
+  ReleaseDroppedOnExit release{this};  // runs after the lock below is released
   std::lock_guard<std::recursive_mutex> lock(order_->mutex_);
   TORCH_CHECK(!failed_.load(), report_);
   TORCH_CHECK(!detached_, "zero_ext internal: a collective submitted to a group that is gone");
@@ -280,6 +292,7 @@ c10::intrusive_ptr<c10d::Work> CollectiveSequence::issued_work(const c10::intrus
   if (!handle) {
     return work;
   }
+  ReleaseDroppedOnExit release{this};
   while (true) {
     advance();
     TORCH_CHECK(!failed_.load(), report_);
@@ -561,6 +574,8 @@ bool CollectiveSequence::issue_next_locked() {
     item.handle->set_issued(item.issue());
   } catch (...) {
     item.handle->set_failed(std::current_exception());
+    dropped_.push_back(std::move(item));  // not issued: its tensors go to the caller's thread (see dropped_)
+    any_dropped_ = true;
   }
   queue_.pop_front();
   return true;
@@ -629,8 +644,10 @@ void CollectiveSequence::fail_locked(const std::string& report) {
   data_.post_report(report);
   for (Item& item : queue_) {
     if (item.handle) item.handle->set_failed(std::make_exception_ptr(std::runtime_error(report)));
+    dropped_.push_back(std::move(item));  // freed by the caller's thread, not here (see dropped_)
   }
   queue_.clear();
+  any_dropped_ = !dropped_.empty();
 }
 
 } // namespace zero_ext

@@ -235,6 +235,14 @@ class CollectiveSequence : public std::enable_shared_from_this<CollectiveSequenc
   std::vector<uint64_t> plan_of(int64_t key) const;
   void watch(const c10::intrusive_ptr<c10d::Work>& work);
   int64_t next_seq() const;
+  // Frees what a failure dropped (dropped_), outside the lock, on the
+  // threads that submit and wait (never a completion callback's), as they
+  // leave: returning or raising.
+  void release_dropped();
+  struct ReleaseDroppedOnExit {
+    CollectiveSequence* sequence;
+    ~ReleaseDroppedOnExit() { sequence->release_dropped(); }
+  };
 
   Communicator& data_;
   const std::string group_description_;
@@ -274,6 +282,16 @@ class CollectiveSequence : public std::enable_shared_from_this<CollectiveSequenc
 
   std::atomic<int64_t> blocking_headers_{0};
   std::atomic<int64_t> ahead_headers_{0};
+
+  // Collectives a failure took off queue_. Their issue functions hold the
+  // caller's tensors, often Python's, and releasing one of those can take
+  // the GIL: a gloo thread (the failure found on a header's completion
+  // callback) must not, since once Python is finalizing a thread that takes
+  // the GIL is ended by pthread_exit, which aborts the process from inside
+  // a destructor; and it would deadlock with a caller holding the GIL while
+  // waiting for this lock. So they wait here for the caller's thread.
+  std::deque<Item> dropped_;
+  std::atomic<bool> any_dropped_{false};  // set under the lock with dropped_; read without it
 };
 
 uint64_t plan_hash(const std::vector<uint64_t>& plan);

@@ -136,7 +136,7 @@ class Communicator {
 
   // [Note: whereabouts] A rank stalled in a collective also asks the ranks
   // that posted nothing (not waiting in zero_ext) where they are: each rank
-  // runs a thread (zero_ext/_whereabouts.py) that polls the query counter
+  // runs a thread (zero_ext/groups/stall_query.py) that polls the query counter
   // once a second and answers with what its main thread is doing. If every
   // such rank is blocked in a torch.distributed collective of the whole world
   // (`if rank == 0: model.generate(...)` followed by `dist.barrier()`), they

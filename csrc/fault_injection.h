@@ -1,7 +1,7 @@
 #pragma once
 // Test-only fault injection: raise inside the gradient hook or the epilogue
 // on one rank, to test that the other ranks learn of it within seconds. Off
-// unless a test calls ShardedModel.set_test_fault (zero_ext/_testing.py).
+// unless a test calls ShardedModel.set_test_fault (zero_ext/tools/faults.py).
 
 #include <cstdint>
 #include <string>

@@ -59,7 +59,7 @@ GradReducer::GradReducer(const Layout& layout, ParamStore& store, Communicator& 
   }
   for (const ShardPiece& piece : layout_.segments()) {
     at::Tensor grad = buckets_[piece.bucket].accum.narrow(0, piece.shard_offset, piece.length);
-    if (layout_.replicated()) {
+    if (layout_.segment_is_whole(piece.param)) {
       grad = grad.view(store_.param(piece.param).sizes());
     }
     segment_grads_.push_back(grad);
@@ -76,8 +76,9 @@ GradReducer::GradReducer(const Layout& layout, ParamStore& store, Communicator& 
           store_.param(i),
           "zero_ext: the gradient of '" + layout_.name(i) + "' is sharded over the ranks (stage " +
               std::to_string(layout_.stage()) + ") and lives in the optimizer, so param.grad holds no data. "
-              "Clip with zero_ext.clip_grad_norm_(model.parameters(), max_norm) (torch.nn.utils."
-              "clip_grad_norm_ cannot see sharded gradients); read full gradients with "
+              "Clip with zero_ext.clip_grad_norm_(model.parameters(), max_norm) or "
+              "zero_ext.clip_grad_value_(model.parameters(), clip_value) (torch.nn.utils' clip "
+              "functions cannot see sharded gradients); read full gradients with "
               "zero_ext.full_grads(model).");
     }
   }
@@ -285,8 +286,8 @@ void GradReducer::launch(int64_t b) {
         region.zero_();  // unused here (a stand-in stays): zeros keep the collective in step
       }
     }
-    if (shape.padded > shape.numel) {
-      bucket.staging.narrow(0, shape.numel, shape.padded - shape.numel).zero_();
+    for (const auto& [start, length] : layout_.gaps(b)) {
+      bucket.staging.narrow(0, start, length).zero_();  // padding: reduced, never read
     }
   }
   bucket.defers = defers_replica_sync();

@@ -35,10 +35,10 @@ const char* grad_layout_name(GradLayout layout) {
 Layout::Layout(std::vector<std::vector<int64_t>> shapes, std::vector<std::string> names,
                std::vector<int64_t> trainable, const std::vector<int64_t>& params_per_bucket,
                const std::vector<int64_t>& unit_of_bucket, int64_t stage, GradLayout grad_layout,
-               int64_t rank, int64_t world)
+               int64_t rank, int64_t world, const std::vector<int64_t>& owner_of_param)
     : stage_(stage), grad_layout_(grad_layout), rank_(rank), world_(world),
       shapes_(std::move(shapes)), names_(std::move(names)),
-      trainable_(trainable.begin(), trainable.end()) {
+      trainable_(trainable.begin(), trainable.end()), owner_(owner_of_param) {
   TORCH_CHECK(stage_ >= 0 && stage_ <= 3, "zero_ext: stage must be 0, 1, 2 or 3");
   TORCH_CHECK(world_ >= 1 && rank_ >= 0 && rank_ < world_, "zero_ext internal: bad rank or world size");
   const int64_t n = static_cast<int64_t>(shapes_.size());
@@ -46,6 +46,14 @@ Layout::Layout(std::vector<std::vector<int64_t>> shapes, std::vector<std::string
               "zero_ext internal: one name and trainable flag per parameter");
   TORCH_CHECK(stage_ == 3 || unit_of_bucket.empty() || unit_of_bucket.size() == params_per_bucket.size(),
               "zero_ext internal: one unit per bucket");
+  TORCH_CHECK(owner_.empty() || static_cast<int64_t>(owner_.size()) == n,
+              "zero_ext internal: one owner per parameter");
+  for (int64_t owner : owner_) {
+    TORCH_CHECK(owner >= -1 && owner < world_, "zero_ext internal: a parameter's owner is out of range");
+    any_whole_ = any_whole_ || owner >= 0;
+  }
+  TORCH_CHECK(!any_whole_ || (stage_ >= 1 && !replicated() && !ddp_in_place()),
+              "zero_ext internal: whole-parameter layouts are for stages 1-3");
   for (const auto& shape : shapes_) {
     int64_t numel = 1;
     for (int64_t d : shape) numel *= d;
@@ -60,9 +68,20 @@ Layout::Layout(std::vector<std::vector<int64_t>> shapes, std::vector<std::string
     bucket.first = next;
     bucket.count = count;
     bucket.unit = stage_ == 3 ? unit_of_bucket.at(buckets_.size()) : -1;
+    const bool whole = owner(next) >= 0;  // [Note: whole-parameter layout]
+    std::vector<int64_t> region(whole ? world_ : 0, 0);  // elements each owner has in it so far
     for (int64_t i = next; i < next + count; ++i) {
       bucket_of_[i] = static_cast<int64_t>(buckets_.size());
-      offset_[i] = bucket.numel;
+      TORCH_CHECK((owner(i) >= 0) == whole,
+                  "zero_ext internal: a bucket mixes whole parameters with ones cut in equal shards");
+      if (whole) {
+        TORCH_CHECK(i == next || owner_[i] >= owner_[i - 1],
+                    "zero_ext internal: a bucket's parameters must come grouped by owner");
+        offset_[i] = region[owner_[i]];  // within the owner's region; shifted below
+        region[owner_[i]] += numel_[i];
+      } else {
+        offset_[i] = bucket.numel;
+      }
       bucket.numel += numel_[i];
       bucket.trainable += trainable_[i] ? 1 : 0;
     }
@@ -71,9 +90,18 @@ Layout::Layout(std::vector<std::vector<int64_t>> shapes, std::vector<std::string
     // trainable parameters is never reduced, stepped or gathered after a step.
     TORCH_CHECK(stage_ == 3 || bucket.trainable == 0 || bucket.trainable == count,
                 "zero_ext internal: outside stage 3 frozen parameters are bucketed apart from trainable ones");
-    const int64_t at_least_one = std::max<int64_t>(bucket.numel, 1);
-    bucket.padded = (at_least_one + world_ - 1) / world_ * world_;
-    bucket.shard = replicated() ? bucket.padded : bucket.padded / world_;
+    if (whole) {
+      const int64_t widest = std::max<int64_t>(*std::max_element(region.begin(), region.end()), 1);
+      for (int64_t i = next; i < next + count; ++i) {
+        offset_[i] += owner_[i] * widest;
+      }
+      bucket.padded = widest * world_;
+      bucket.shard = widest;
+    } else {
+      const int64_t at_least_one = std::max<int64_t>(bucket.numel, 1);
+      bucket.padded = (at_least_one + world_ - 1) / world_ * world_;
+      bucket.shard = replicated() ? bucket.padded : bucket.padded / world_;
+    }
     if (bucket.unit >= 0) {
       if (static_cast<int64_t>(unit_buckets_.size()) <= bucket.unit) {
         unit_buckets_.resize(bucket.unit + 1);
@@ -93,6 +121,23 @@ Layout::Layout(std::vector<std::vector<int64_t>> shapes, std::vector<std::string
 
 int64_t Layout::shard_start_of(int64_t b, int64_t rank) const {
   return replicated() ? 0 : rank * buckets_[b].shard;
+}
+
+std::vector<std::pair<int64_t, int64_t>> Layout::gaps(int64_t b) const {
+  const BucketShape& bucket = buckets_[b];
+  std::vector<std::pair<int64_t, int64_t>> covered;
+  for (int64_t i = bucket.first; i < bucket.first + bucket.count; ++i) {
+    covered.emplace_back(offset_[i], offset_[i] + numel_[i]);
+  }
+  std::sort(covered.begin(), covered.end());
+  std::vector<std::pair<int64_t, int64_t>> out;
+  int64_t at = 0;
+  for (const auto& [start, end] : covered) {
+    if (start > at) out.emplace_back(at, start - at);
+    at = std::max(at, end);
+  }
+  if (bucket.padded > at) out.emplace_back(at, bucket.padded - at);
+  return out;
 }
 
 std::vector<ShardPiece> Layout::pieces_of(int64_t rank, int64_t per_rank, bool trainable_only) const {

@@ -10,13 +10,15 @@
 // Each bucket is padded to a multiple of the world size; rank r owns the r-th
 // equal shard (replicated layouts: the whole bucket). A "segment" is this
 // rank's shard of a bucket cut at parameter boundaries: what the optimizer
-// steps in stages 1-3. Everything here is arithmetic on sizes: no tensors, no
+// steps in stages 1-3. See [Note: whole-parameter layout] for optimizers that
+// must see whole tensors. Everything here is arithmetic on sizes: no tensors, no
 // communication, so it can be tested alone (torch.classes.zero_ext.Layout)
 // and checkpoints ask it instead of recomputing it.
 
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace zero_ext {
@@ -42,6 +44,17 @@ enum class GradLayout : int8_t {
 GradLayout grad_layout_for(int64_t stage, bool masters_or_low_precision_reduce);
 const char* grad_layout_name(GradLayout layout);
 
+// [Note: whole-parameter layout]
+// An optimizer that is not elementwise (Muon, Adafactor, LAMB, ...) must step
+// each parameter whole. Given an owner rank per parameter (-1 for every
+// parameter of a bucket cut in equal shards: an elementwise optimizer's,
+// beside Muon's in `wrap(model, [muon, adamw])`), a whole bucket lists its
+// parameters grouped by owner, ascending, and rank r's region of the bucket
+// holds exactly r's parameters, padded to the largest region: shard =
+// max over ranks of the elements they own in the bucket. The equal-shard
+// machinery (reduce-scatter, all-gather, stage 3 gathers, checkpoints' owned
+// ranges) is then unchanged, and each segment is one whole parameter, viewed
+// with its shape. The gaps (padding inside and after regions) hold zeros.
 struct BucketShape {
   int64_t first = 0;      // index of its first parameter
   int64_t count = 0;      // parameters in it
@@ -66,7 +79,7 @@ class Layout {
   Layout(std::vector<std::vector<int64_t>> shapes, std::vector<std::string> names,
          std::vector<int64_t> trainable, const std::vector<int64_t>& params_per_bucket,
          const std::vector<int64_t>& unit_of_bucket, int64_t stage, GradLayout grad_layout,
-         int64_t rank, int64_t world);
+         int64_t rank, int64_t world, const std::vector<int64_t>& owner_of_param = {});
 
   int64_t stage() const { return stage_; }
   GradLayout grad_layout() const { return grad_layout_; }
@@ -75,6 +88,12 @@ class Layout {
   // Staging freed after each reduction (stages 2-3).
   bool transient_staging() const { return grad_layout_ == GradLayout::kShardedTransient; }
   bool params_sharded() const { return stage_ == 3; }
+  // Some parameters lie whole in their owner's shard ([Note: whole-parameter layout]).
+  bool whole_params() const { return any_whole_; }
+  // Parameter i has an owner (-1: its bucket is cut in equal shards).
+  int64_t owner(int64_t i) const { return owner_.empty() ? -1 : owner_[i]; }
+  // Its segments keep its shape: replicated layouts, or whole parameters.
+  bool segment_is_whole(int64_t i) const { return replicated() || owner(i) >= 0; }
   int64_t rank() const { return rank_; }
   int64_t world() const { return world_; }
 
@@ -92,6 +111,9 @@ class Layout {
   // First element of `rank`'s shard of bucket b (replicated: 0).
   int64_t shard_start(int64_t b) const { return shard_start_of(b, rank_); }
   int64_t shard_start_of(int64_t b, int64_t rank) const;
+  // (start, length) of the elements of bucket b that belong to no parameter:
+  // the tail padding, and in whole-parameter layouts the end of each region.
+  std::vector<std::pair<int64_t, int64_t>> gaps(int64_t b) const;
   // This rank's pieces of every parameter (trainable and frozen).
   std::vector<ShardPiece> local_pieces() const;
   // The optimizer's segments: local pieces of trainable parameters.
@@ -123,6 +145,8 @@ class Layout {
   std::vector<int64_t> numel_;
   std::vector<int64_t> bucket_of_;
   std::vector<int64_t> offset_;
+  std::vector<int64_t> owner_;  // empty, or -1 per parameter of a bucket cut in equal shards
+  bool any_whole_ = false;
   std::vector<BucketShape> buckets_;
   std::vector<ShardPiece> segments_;
   std::vector<std::vector<int64_t>> unit_buckets_;

@@ -114,13 +114,13 @@ ParamStore::ParamStore(std::vector<at::Tensor> params, const Layout& layout, con
     for (int64_t b = 0; b < n_buckets; ++b) keep_what_the_stage_keeps(b);
   }
 
-  // Replicated (stage 0), a segment is a whole parameter and keeps its shape,
-  // so optimizers that are not elementwise still work.
+  // Replicated (stage 0) or in a whole-parameter layout, a segment is a whole
+  // parameter and keeps its shape, so optimizers that are not elementwise work.
   for (const ShardPiece& piece : layout_.segments()) {
     const BucketValues& values = values_[piece.bucket];
     const at::Tensor& stepped = values.master.defined() ? values.master : values.shard;
     at::Tensor segment = stepped.narrow(0, piece.shard_offset, piece.length);
-    if (layout_.replicated()) {
+    if (layout_.segment_is_whole(piece.param)) {
       segment = segment.view(params_[piece.param].sizes());
     }
     segments_.push_back(segment);

@@ -20,7 +20,7 @@ Layout make_layout(const std::vector<at::Tensor>& params, std::vector<std::strin
                    std::vector<int64_t> trainable, const std::vector<int64_t>& params_per_bucket,
                    const std::vector<int64_t>& unit_of_bucket, int64_t stage,
                    std::optional<c10::ScalarType> compute_dtype, std::optional<c10::ScalarType> reduce_dtype,
-                   bool offload, const Communicator& comm) {
+                   bool offload, const Communicator& comm, const std::vector<int64_t>& owner_of_param) {
   std::vector<std::vector<int64_t>> shapes;
   for (const auto& p : params) shapes.push_back(p.sizes().vec());
   // Stage 0 keeps DDP's layout (param.grad is the reduced buffer) only when
@@ -28,7 +28,8 @@ Layout make_layout(const std::vector<at::Tensor>& params, std::vector<std::strin
   const bool masters_or_low_precision_reduce =
       compute_dtype.has_value() || offload || reduce_dtype.value_or(at::kFloat) != at::kFloat;
   return Layout(std::move(shapes), std::move(names), std::move(trainable), params_per_bucket, unit_of_bucket,
-                stage, grad_layout_for(stage, masters_or_low_precision_reduce), comm.rank(), comm.size());
+                stage, grad_layout_for(stage, masters_or_low_precision_reduce), comm.rank(), comm.size(),
+                owner_of_param);
 }
 
 } // namespace
@@ -38,7 +39,8 @@ ShardedModel::ShardedModel(std::vector<at::Tensor> params, std::vector<std::stri
                            std::vector<int64_t> unit_of_bucket, int64_t stage, std::string group_name,
                            std::string gather_group_name, std::string replica_group_name, int64_t prefetch,
                            std::optional<c10::ScalarType> compute_dtype,
-                           std::optional<c10::ScalarType> reduce_dtype, bool offload, bool deferred)
+                           std::optional<c10::ScalarType> reduce_dtype, bool offload, bool deferred,
+                           std::vector<int64_t> owner_of_param)
     : issue_counts_(std::make_shared<IssueCounts>()),
       comm_(group_name, GroupSlot::kShard, issue_counts_),
       gather_comm_(stage == 3 ? (gather_group_name.empty() ? group_name : gather_group_name) : std::string(),
@@ -46,7 +48,7 @@ ShardedModel::ShardedModel(std::vector<at::Tensor> params, std::vector<std::stri
       replica_comm_(replica_group_name, GroupSlot::kReplica, issue_counts_),
       mesh_(comm_, replica_comm_),
       layout_(make_layout(params, std::move(names), std::move(trainable), params_per_bucket, unit_of_bucket,
-                          stage, compute_dtype, reduce_dtype, offload, comm_)),
+                          stage, compute_dtype, reduce_dtype, offload, comm_, owner_of_param)),
       store_(std::move(params), layout_, mesh_, gate_.progress(), compute_dtype, offload, deferred),
       reducer_(layout_, store_, comm_, replica_comm_, gate_, reduce_dtype),
       units_(layout_.params_sharded()
@@ -418,7 +420,7 @@ void ShardedModel::check_before_step() {
   }
 }
 
-void ShardedModel::refresh_params(bool every_bucket) {
+void ShardedModel::refresh_params(bool every_bucket, const std::vector<uint8_t>& only) {
   if (layout_.ddp_in_place()) {
     return;  // the optimizer updated the parameters themselves
   }
@@ -439,18 +441,30 @@ void ShardedModel::refresh_params(bool every_bucket) {
   store_.all_gather_updated([&](int64_t b) {
     if (every_bucket) return true;
     const BucketShape& shape = layout_.bucket(b);
-    // Untouched: the optimizer skipped every parameter in it, on every rank.
-    return std::any_of(has_grad.begin() + shape.first, has_grad.begin() + shape.first + shape.count,
-                       [](uint8_t g) { return g != 0; });
+    // Untouched: the optimizer skipped every parameter in it, on every rank
+    // (or, with several optimizers, it holds none of this one's).
+    for (int64_t i = shape.first; i < shape.first + shape.count; ++i) {
+      if (has_grad[i] && (only.empty() || only[i])) return true;
+    }
+    return false;
   });
 }
 
-void ShardedModel::after_step() {
+void ShardedModel::after_step(std::vector<int64_t> params) {
   std::lock_guard<std::mutex> lock(mutex_);
-  refresh_params(/*every_bucket=*/false);
+  std::vector<uint8_t> only;  // empty: every parameter
+  if (!params.empty()) {
+    only.assign(layout_.num_params(), 0);
+    for (int64_t i : params) {
+      TORCH_CHECK(i >= 0 && i < layout_.num_params(), "zero_ext internal: parameter index out of range");
+      only[i] = 1;
+    }
+  }
+  refresh_params(/*every_bucket=*/false, only);
   if (!layout_.ddp_in_place()) {  // there the optimizer's in-place update bumped them
     const auto& has_grad = reducer_.global_has_grad();
-    store_.bump_versions([&](int64_t i) { return layout_.trainable(i) && has_grad[i]; });
+    store_.bump_versions(
+        [&](int64_t i) { return layout_.trainable(i) && has_grad[i] && (only.empty() || only[i]); });
   }
 }
 

@@ -60,7 +60,7 @@ class ShardedModel : public torch::CustomClassHolder {
                std::string group_name, std::string gather_group_name, std::string replica_group_name,
                int64_t prefetch,
                std::optional<c10::ScalarType> compute_dtype, std::optional<c10::ScalarType> reduce_dtype,
-               bool offload, bool deferred);
+               bool offload, bool deferred, std::vector<int64_t> owner_of_param);
 
   // --- the model's forward (one call each from its pre and post hooks) -------
   // Drops a stale backward round, checks parameter shapes, gathers the root unit.
@@ -129,7 +129,9 @@ class ShardedModel : public torch::CustomClassHolder {
   void check_before_step();
   // After optimizer.step(): stages 1-2 all-gather every bucket whose shard
   // changed; stage 3 drops full buffers, now stale (the next forward gathers).
-  void after_step();
+  // After an optimizer's step: the updated shards reach the parameters. `params`:
+  // the parameters that optimizer steps (empty: every one; a model with several).
+  void after_step(std::vector<int64_t> params);
   void note_compute_copy_written();
   std::vector<at::Tensor> segment_compute_copies();
   void check_param_shapes();
@@ -167,6 +169,8 @@ class ShardedModel : public torch::CustomClassHolder {
   std::vector<bool> has_grad();
   bool has_masters();
   bool replicated();
+  bool params_sharded();  // stage 3: parameters hold no memory between uses
+  bool whole_params();    // the optimizer steps whole parameters ([Note: whole-parameter layout])
   // Whether a collective of this model failed or its ranks were found apart:
   // its groups are out of step for good (never to be reused).
   bool failed();
@@ -210,7 +214,7 @@ class ShardedModel : public torch::CustomClassHolder {
   // Bytes of gradient reductions in flight before backward waits for the
   // oldest (stages 2-3; see [Note: reductions in flight] in grad_reducer.h).
   void set_max_in_flight_bytes(int64_t bytes);
-  // Test-only (zero_ext/_testing.py): raise at `point` on this rank.
+  // Test-only (zero_ext/tools/faults.py): raise at `point` on this rank.
   void set_test_fault(std::string point, int64_t step);
   // Test-only: record every collective of both groups in issue order
   // ("reduce ..." / "gather ..."); take_issue_log() returns and clears it.
@@ -231,7 +235,7 @@ class ShardedModel : public torch::CustomClassHolder {
   // Before `output`'s gradient flows into the unit, gather it (backward:
   // prefetching in backward order, as a unit's pre-backward does).
   void hook_gather(const at::Tensor& output, int64_t unit, bool backward);
-  void refresh_params(bool every_bucket);
+  void refresh_params(bool every_bucket, const std::vector<uint8_t>& only = {});
   // Stage 3: unit u's last use in this backward is over ([Note: issue order]).
   void launch_unit_reductions(int64_t u);
   void drain_deferred_uses();  // under mutex_

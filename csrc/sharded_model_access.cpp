@@ -44,6 +44,8 @@ std::vector<bool> ShardedModel::has_grad() {
 
 bool ShardedModel::has_masters() { return store_.has_masters(); }
 bool ShardedModel::replicated() { return layout_.replicated(); }
+bool ShardedModel::params_sharded() { return layout_.params_sharded(); }
+bool ShardedModel::whole_params() { return layout_.whole_params(); }
 
 std::vector<at::Tensor> ShardedModel::full_masters() {
   std::lock_guard<std::mutex> lock(mutex_);

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import zero_ext
-from zero_ext._groups import handed_to_backend
+from zero_ext.groups.process_groups import handed_to_backend
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

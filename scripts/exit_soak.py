@@ -7,7 +7,7 @@ abort (SIGABRT, "terminate called ...") at interpreter exit.
 - demo: `torchrun --nproc-per-node 2 examples/train_lm.py` (small, stages 0-3
   in turn); each run must exit 0.
 - dead-peer: a 2-rank save at stages 1-3 in turn in which rank 1 exits
-  mid-save (ZERO_EXT_TEST_SAVE_EXIT=after_shards:1, tests/exit_scenarios.py);
+  mid-save (ZERO_EXT_TEST_FAULT=after_shards:1, tests/exit_scenarios.py);
   the survivor must end with zero_ext's RuntimeError and exit code 1. The two
   ranks are started the way torchrun starts them (RANK, WORLD_SIZE,
   MASTER_ADDR/PORT) but without its agent, which would SIGTERM the survivor as
@@ -82,7 +82,7 @@ def run_demo(stage: int, timeout: float = 240.0) -> Outcome:
 def run_dead_peer(stage: int, launcher: str = "direct", timeout: float = 240.0) -> Outcome:
     """The survivor's (rank 0's) exit code and output."""
     cwd = tempfile.mkdtemp(prefix="zero_ext_exit_save_")
-    env = dict(base_env(), ZERO_EXT_TEST_SAVE_EXIT="after_shards:1")
+    env = dict(base_env(), ZERO_EXT_TEST_FAULT="after_shards:1")
     args = [SCENARIOS, "dead-peer", str(stage), cwd]
     start = time.perf_counter()
     if launcher == "torchrun":

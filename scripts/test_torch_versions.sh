@@ -22,7 +22,7 @@
 # one table row per version: build time, tests passed/failed, wall time.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-# The matrix: the declared lower bound (zero_ext/_torch_compat.py), the GPU
+# The matrix: the declared lower bound (zero_ext/tools/torch_compat.py), the GPU
 # machine's torch, the default one and the newest the registry serves.
 MATRIX=(2.11.0 2.12.1 2.13.0 2.14.1 2.15.0)
 VERSIONS=("$@")
@@ -34,7 +34,8 @@ SUBSET=(tests/test_parity.py tests/test_errors.py tests/test_checkpoint.py tests
         tests/test_trust.py tests/test_cpu_adam.py tests/test_mixed_precision.py tests/test_selfcheck.py
         tests/test_default_settings.py tests/test_benchmarks.py tests/test_core_ops.py tests/test_python_calls.py
         tests/test_components.py tests/test_safetensors.py tests/test_weights.py tests/test_deferred_init.py
-        tests/test_hf_flow.py tests/test_compile.py tests/test_env.py tests/test_profiler.py)
+        tests/test_hf_flow.py tests/test_compile.py tests/test_env.py tests/test_profiler.py
+        tests/test_whole_param_optimizers.py tests/test_package_layout.py)
 # ZERO_EXT_VERSION_TESTS="tests/test_compile.py ..." runs those instead.
 [ -n "${ZERO_EXT_VERSION_TESTS:-}" ] && read -r -a SUBSET <<< "$ZERO_EXT_VERSION_TESTS"
 mkdir -p "$ENVS"

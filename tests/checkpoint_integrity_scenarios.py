@@ -447,7 +447,7 @@ def _dying_rank(rank: int, init_file: str, root: str, results) -> None:
     train(model, opt, rank, range(2))
     path = os.path.join(root, "dying", "ckpt")
     zero_ext.save(path, model, opt, extra="first")
-    os.environ["ZERO_EXT_TEST_SAVE_EXIT"] = "after_shards:1"  # rank 1 exits once its shards are written
+    os.environ["ZERO_EXT_TEST_FAULT"] = "after_shards:1"  # rank 1 exits once its shards are written
     outcome = attempt(lambda: zero_ext.save(path, model, opt, extra="second"))
     results.put((rank, outcome))
     results.close()

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import zero_ext
 from checkpoint_scenarios import make, train
 from zero_ext.files import publish
+from zero_ext.tools import faults
 
 # (fault point:rank, publish by exchange); the last attempt finishes the job.
 ATTEMPTS = [
@@ -75,10 +76,8 @@ def main(root: str) -> None:
     dist.barrier()  # every rank has counted the attempts
     if rank == 0:
         open(os.path.join(log, f"start-{attempt}"), "w").close()
-    if exchange:
-        os.environ.pop(publish.NO_EXCHANGE_ENV, None)
-    else:
-        os.environ[publish.NO_EXCHANGE_ENV] = "1"
+    conditions = [] if exchange else [faults.spec("no_exchange")]  # publish as where exchange is missing
+    os.environ[faults.VARIABLE] = ",".join(conditions)
 
     model, opt = make(2)
     first = 1
@@ -102,7 +101,7 @@ def main(root: str) -> None:
             with open(os.path.join(log, f"state-{step}-{attempt}"), "w") as f:
                 f.write(digest)
         if fault and step == last:
-            os.environ[publish.FAULT_ENV] = fault
+            os.environ[faults.VARIABLE] = ",".join(conditions + [fault])
             record()
         zero_ext.save(ck, model, opt, extra={"step": step})
         if step == first:

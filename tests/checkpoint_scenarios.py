@@ -131,7 +131,8 @@ def save_twice_and_die(rank: int, world: int, root: str, fault: str) -> None:
     path = os.path.join(root, "ckpt")
     zero_ext.save(path, model, opt, extra="first")
     train(model, opt, range(K, 2 * K), rank, world)
-    os.environ["ZERO_EXT_TEST_SAVE_EXIT"] = fault
+    armed = os.environ.get("ZERO_EXT_TEST_FAULT")  # a condition the test set (no_exchange) stays
+    os.environ["ZERO_EXT_TEST_FAULT"] = f"{armed},{fault}" if armed else fault
     zero_ext.save(path, model, opt, extra="second")
 
 

@@ -3,7 +3,7 @@ is how their processes end.
 
     torchrun --nproc-per-node 2 exit_scenarios.py dead-peer STAGE ROOT
         One step at STAGE, then zero_ext.save(ROOT/ck); the launcher sets
-        ZERO_EXT_TEST_SAVE_EXIT=after_shards:1, so rank 1 exits (os._exit(17))
+        ZERO_EXT_TEST_FAULT=after_shards:1, so rank 1 exits (os._exit(17))
         mid-save. The survivor must raise zero_ext's RuntimeError, which is left
         uncaught: it exits with code 1, never with SIGABRT at interpreter exit.
     torchrun --max-restarts 1 ... exit_scenarios.py restart ROOT

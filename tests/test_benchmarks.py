@@ -66,7 +66,7 @@ def stage3_exact_sent_bytes(model_name: str, world: int) -> dict:
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     from _models import build_model
     from compare import BUCKET_MB
-    from zero_ext._units import assign_parameters, resolve_units
+    from zero_ext.wrapping.units import assign_parameters, resolve_units
 
     model = build_model(model_name)
     units = resolve_units(model, None, min_bytes=int(BUCKET_MB * 2 ** 20))

@@ -121,9 +121,9 @@ def test_convert_to_safetensors_matches_the_state_dict(saved_at_world_4, tmp_pat
 
 @pytest.mark.parametrize("fault", ["after_shards:1", "before_publish:0", "between_renames:0"])
 def test_a_crash_during_save_leaves_the_previous_checkpoint(fault, tmp_path, monkeypatch):
-    from zero_ext.files.publish import NO_EXCHANGE_ENV
+    from zero_ext.tools import faults
     if fault == "between_renames:0":  # only a save that cannot exchange directories renames twice
-        monkeypatch.setenv(NO_EXCHANGE_ENV, "1")
+        monkeypatch.setenv(faults.VARIABLE, faults.spec("no_exchange"))
     root = str(tmp_path)
     with pytest.raises(RuntimeError):
         run_on_ranks(2, "checkpoint_scenarios:save_twice_and_die", (root, fault), deadline_s=120)

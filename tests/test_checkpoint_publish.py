@@ -27,6 +27,7 @@ import zero_ext
 from checkpoint_publish_scenarios import ATTEMPTS, PUBLISHED_BEFORE
 from checkpoint_scenarios import make, train
 from zero_ext.files import publish
+from zero_ext.tools import faults
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -60,7 +61,7 @@ def crash_at(monkeypatch, point: str, seen=None):
             seen.append((name, publish.checkpoint_exists(PATH[0]) and loaded(PATH[0])))
         if name == point:
             raise Crash(point)
-    monkeypatch.setattr(publish, "maybe_die", fake)
+    monkeypatch.setattr(faults, "exit_if_armed", fake)
 
 
 PATH = [""]  # the checkpoint the fault-point spy asks about
@@ -100,8 +101,7 @@ def test_a_job_restarted_after_each_fault_point_resumes_from_its_last_save(tmp_p
     os.makedirs(tmp_path / "run")
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
-    for name in (publish.FAULT_ENV, publish.NO_EXCHANGE_ENV):
-        env.pop(name, None)
+    env.pop(faults.VARIABLE, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--max-restarts", str(len(ATTEMPTS) - 1), "--monitor-interval", "0.1",
            os.path.join(TESTS, "checkpoint_publish_scenarios.py"), str(tmp_path)]
@@ -177,7 +177,7 @@ def test_publishing_replaces_the_checkpoint_with_no_moment_without_one(tmp_path,
 @pytest.mark.parametrize("how", ["no-symbol", "ENOSYS", "EINVAL", "EOPNOTSUPP", "env"])
 def test_without_exchange_two_renames_publish_and_a_crash_between_them_is_safe(how, tmp_path, monkeypatch):
     if how == "env":
-        monkeypatch.setenv(publish.NO_EXCHANGE_ENV, "1")
+        monkeypatch.setenv(faults.VARIABLE, faults.spec("no_exchange"))
     else:
         monkeypatch.setattr(publish, "_libc_renameat2",
                             lambda: None if how == "no-symbol" else fake_renameat2(getattr(errno, how)))
@@ -216,7 +216,7 @@ POINTS = [("after_shards", "first"), ("before_publish", "first"), ("after_exchan
 def test_a_save_that_dies_anywhere_leaves_one_whole_save_and_the_next_save_cleans_up(point, left, tmp_path,
                                                                                       monkeypatch):
     if point in ("between_renames", "after_renames"):
-        monkeypatch.setenv(publish.NO_EXCHANGE_ENV, "1")
+        monkeypatch.setenv(faults.VARIABLE, faults.spec("no_exchange"))
     path = str(tmp_path / "ck")
     model, opt = saved(path, "first")
     if point == "after_exchange":

@@ -75,7 +75,7 @@ def test_layout_matches_reference(seed):
         frozen_bucket = [layout != "ddp_in_place" and rng.random() < 0.3 for _ in per_bucket]
         trainable = [0 if frozen else 1 for frozen, count in zip(frozen_bucket, per_bucket) for _ in range(count)]
     units = list(range(len(per_bucket))) if stage == 3 else []
-    probe = torch.classes.zero_ext.Layout(shapes, trainable, per_bucket, units, stage, layout, rank, world)
+    probe = torch.classes.zero_ext.Layout(shapes, trainable, per_bucket, units, stage, layout, rank, world, [])
 
     buckets, local, owned = reference(numels, trainable, per_bucket, layout, rank, world)
     got = triples(probe.buckets(), 7)
@@ -94,14 +94,74 @@ def test_layout_matches_reference(seed):
         assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
 
 
+@pytest.mark.parametrize("seed", range(200))
+def test_whole_parameter_layout_puts_each_parameter_in_its_owners_shard(seed):
+    """[Note: whole-parameter layout]: given owners (grouped within each
+    bucket), every parameter is one piece, at its owner, in the shape's
+    order; a rank's shard is the largest region; gaps are exactly the
+    elements of no parameter."""
+    rng = random.Random(seed)
+    n = rng.randint(1, 12)
+    numels = [rng.choice([0, 1, 2, 3, 7, 16, 33]) for _ in range(n)]
+    shapes = [[m] if rng.random() < 0.5 or m == 0 else [1, m] for m in numels]
+    world = rng.randint(1, 5)
+    stage = rng.randint(1, 3)
+    layout = "sharded_persistent" if stage == 1 else "sharded_transient"
+    per_bucket, left = [], n
+    while left:
+        per_bucket.append(rng.randint(1, left))
+        left -= per_bucket[-1]
+    owners, whole_bucket = [], []
+    for count in per_bucket:  # some buckets whole, some cut in equal shards (owner -1)
+        whole_bucket.append(rng.random() < 0.7)
+        owners += sorted(rng.randrange(world) for _ in range(count)) if whole_bucket[-1] else [-1] * count
+    trainable = [1] * n
+    units = list(range(len(per_bucket))) if stage == 3 else []
+    probes = [torch.classes.zero_ext.Layout(shapes, trainable, per_bucket, units, stage, layout, r, world, owners)
+              for r in range(world)]
+    first = 0
+    for b, (_, count, numel, padded, shard, _, _) in enumerate(triples(probes[0].buckets(), 7)):
+        members = range(first, first + count)
+        if whole_bucket[b]:
+            regions = [sum(numels[i] for i in members if owners[i] == r) for r in range(world)]
+            assert shard == max(max(regions), 1) and padded == shard * world and numel == sum(regions)
+        else:
+            assert padded == -(-max(numel, 1) // world) * world and shard == padded // world
+        gaps = triples(probes[0].gaps(b), 2)
+        assert sum(length for _, length in gaps) == padded - numel
+        first += count
+    for r, probe in enumerate(probes):
+        pieces = [p for p in triples(probe.pieces(True), 5) if owners[p[0]] >= 0]
+        assert [p[0] for p in pieces] == [i for i in range(n) if owners[i] == r and numels[i] > 0]
+        assert all(p[1] == 0 and p[4] == numels[p[0]] for p in pieces)  # whole, from its first element
+        owned = [t for t in triples(probe.owned_ranges(r), 3) if owners[t[0]] >= 0]
+        assert owned == [(i, 0, numels[i]) for i in range(n) if owners[i] == r and numels[i] > 0]
+    # Every element of every parameter is owned by exactly one rank, in either kind of bucket.
+    for i, m in enumerate(numels):
+        covered = sorted((s, e) for r, probe in enumerate(probes) for j, s, e in triples(probe.owned_ranges(r), 3)
+                         if j == i)
+        assert sum(e - s for s, e in covered) == m
+        assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+
+
+def test_whole_parameter_layout_refuses_a_bucket_of_both_kinds():
+    with pytest.raises(RuntimeError, match="mixes whole parameters"):
+        torch.classes.zero_ext.Layout([[2], [3]], [1, 1], [2], [], 2, "sharded_transient", 0, 2, [0, -1])
+
+
+def test_whole_parameter_layout_refuses_owners_out_of_order():
+    with pytest.raises(RuntimeError, match="grouped by owner"):
+        torch.classes.zero_ext.Layout([[2], [3]], [1, 1], [2], [], 2, "sharded_transient", 0, 2, [1, 0])
+
+
 def test_layout_refuses_a_bad_plan():
     with pytest.raises(RuntimeError, match="bucket plan"):
-        torch.classes.zero_ext.Layout([[2], [3]], [1, 1], [3], [], 1, "sharded_persistent", 0, 1)
+        torch.classes.zero_ext.Layout([[2], [3]], [1, 1], [3], [], 1, "sharded_persistent", 0, 1, [])
 
 
 def test_layout_refuses_frozen_and_trainable_in_one_bucket_outside_stage_3():
     with pytest.raises(RuntimeError, match="bucketed apart from trainable ones"):
-        torch.classes.zero_ext.Layout([[2], [3]], [1, 0], [2], [], 1, "sharded_persistent", 0, 1)
+        torch.classes.zero_ext.Layout([[2], [3]], [1, 0], [2], [], 1, "sharded_persistent", 0, 1, [])
 
 
 def gate(scaling: bool = False, **changes):

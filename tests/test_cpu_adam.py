@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from zero_ext._cpu_adam import adam_step_
+from zero_ext.optim.cpu_adam import adam_step_
 
 SIZES = [1, 7, 33, 1000, 70001]  # none a multiple of any vector width but 1000
 

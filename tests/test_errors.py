@@ -61,10 +61,10 @@ def test_wrap_submodule_of_wrapped_model():
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_non_elementwise_optimizer(stage):
+def test_optimizer_reading_across_parameters(stage):
     model, _ = make()
     opt = torch.optim.LBFGS(model.parameters())
-    with pytest.raises(TypeError, match="LBFGS is not known to update each element independently.*stage=0"):
+    with pytest.raises(TypeError, match="LBFGS reads across parameters.*stage=0"):
         zero_ext.wrap(model, opt, stage=stage)
 
 
@@ -447,3 +447,15 @@ def test_step_with_a_closure_skips_on_the_closures_nonfinite_gradients(stage):
     assert opt.skipped_steps == 1 and opt.step_was_skipped
     after = zero_ext.full_state_dict(model)
     assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_reading_a_sharded_grad_names_zero_exts_clip_functions(stage):
+    """param.grad is a stand-in at stages 1-2: reading it (torch's own clip
+    functions do) names the zero_ext calls that see the sharded gradients."""
+    model, opt = make()
+    model, opt = zero_ext.wrap(model, opt, stage=stage)
+    model(torch.randn(3, 4)).square().mean().backward()
+    grad = next(model.parameters()).grad
+    with pytest.raises(RuntimeError, match=r"zero_ext.clip_grad_norm_.*zero_ext.clip_grad_value_.*full_grads"):
+        grad.abs().max().item()

@@ -6,7 +6,7 @@
   exit code 1, never SIGABRT ("terminate called ..."). The abort came from
   a thread other than the main one releasing a tensor Python made after the
   interpreter had begun to finalize ([Note: tensors a backend thread lets go
-  of] in zero_ext/_groups.py). The full soak, 50 + 50 runs:
+  of] in zero_ext/groups/process_groups.py). The full soak, 50 + 50 runs:
   `python scripts/exit_soak.py`.
 - An elastic restart (`torchrun --max-restarts 1`) with
   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: the second incarnation wraps again

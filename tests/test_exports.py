@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import zero_ext
-from zero_ext._clip import clip_grad_value_
+from zero_ext.optim.clip import clip_grad_value_
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(zero_ext.__file__)))  # the zero_ext under test

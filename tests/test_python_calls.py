@@ -21,9 +21,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import python_calls  # noqa: E402
 from python_calls import measure_backward  # noqa: E402
-from zero_ext._hooks import tensors_requiring_grad  # noqa: E402
+from zero_ext.runtime.hooks import tensors_requiring_grad  # noqa: E402
 
-CONTROL = "_hooks.py:tensors_requiring_grad"  # its key in the counter's zero_ext_functions
+CONTROL = "runtime/hooks.py:tensors_requiring_grad"  # its key in the counter's zero_ext_functions
 
 
 def _control_hook(grad: torch.Tensor) -> None:

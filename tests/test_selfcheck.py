@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import zero_ext
-from zero_ext import selfcheck
+from zero_ext.tools import build_check as selfcheck
 
 SCRIPT = os.path.join(os.path.dirname(zero_ext.__file__), "selfcheck.py")
 
@@ -21,7 +21,7 @@ def test_this_build_raises_runtime_error_for_a_bad_operand():
 
 
 def test_a_child_that_dies_by_a_signal_is_reported_with_the_compiler_and_the_fix(monkeypatch):
-    monkeypatch.setenv(selfcheck.TEST_SIGNAL_VARIABLE, str(int(signal.SIGSEGV)))
+    monkeypatch.setenv(selfcheck.FAULT_VARIABLE, selfcheck.crash_fault(int(signal.SIGSEGV)))
     result = selfcheck.run_check()
     assert result.returncode == -signal.SIGSEGV and result.signal_name == "SIGSEGV"
     message = result.explain()
@@ -40,7 +40,7 @@ def test_a_crash_asks_for_a_rebuild_only_when_the_system_compiler_differs(built_
 
 
 def test_the_command_line_exits_2_and_names_the_fix_when_the_child_crashes():
-    env = dict(os.environ, **{selfcheck.TEST_SIGNAL_VARIABLE: str(int(signal.SIGABRT))})
+    env = dict(os.environ, **{selfcheck.FAULT_VARIABLE: selfcheck.crash_fault(int(signal.SIGABRT))})
     done = subprocess.run([sys.executable, SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     info = selfcheck.build_info()
     differs = os.path.realpath(info.get("cxx_realpath", "?")) != os.path.realpath(selfcheck.SYSTEM_CXX)
@@ -51,10 +51,10 @@ def test_the_command_line_exits_2_and_names_the_fix_when_the_child_crashes():
 def test_import_refuses_a_crashing_build_once_and_remembers_a_good_one(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv(selfcheck.SKIP_VARIABLE, raising=False)
-    monkeypatch.setenv(selfcheck.TEST_SIGNAL_VARIABLE, str(int(signal.SIGSEGV)))
+    monkeypatch.setenv(selfcheck.FAULT_VARIABLE, selfcheck.crash_fault(int(signal.SIGSEGV)))
     with pytest.raises(ImportError, match=r"crashed \(SIGSEGV\).*CXX=/usr/bin/g\+\+"):
         selfcheck.ensure_checked()
-    monkeypatch.delenv(selfcheck.TEST_SIGNAL_VARIABLE)
+    monkeypatch.delenv(selfcheck.FAULT_VARIABLE)
     selfcheck.ensure_checked()  # a good build: checked, and remembered
     monkeypatch.setattr(selfcheck, "run_check", lambda *a, **k: pytest.fail("checked twice"))
     selfcheck.ensure_checked()

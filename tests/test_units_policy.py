@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import zero_ext
-from zero_ext._units import assign_parameters, resolve_units
+from zero_ext.wrapping.units import assign_parameters, resolve_units
 
 MiB = 2 ** 20
 

@@ -1,4 +1,4 @@
-"""zero_ext/_whereabouts.py alone: what a rank answers a stalled peer, and
+"""zero_ext/groups/stall_query.py alone: what a rank answers a stalled peer, and
 that its answering threads are stopped and joined at interpreter exit (a
 daemon thread left inside a store call when Python finalizes aborts the
 process: seen in about 1 of 8 two-rank launches before the atexit join).
@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from zero_ext import _whereabouts as whereabouts
+from zero_ext.groups import stall_query as whereabouts
 
 
 class FakeCore:

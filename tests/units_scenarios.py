@@ -4,12 +4,12 @@ as the parity suite's single-process reference over the global batch.
 The parity suite wraps with bucket_mb ~500 bytes, so its tiny blocks stay one
 unit each. Here wrap() keeps the default bucket_mb (25 MiB), so the default
 policy merges all blocks of a model into one unit (see
-zero_ext/_hooks.py, [Note: merged units]): the parity suite's Blocks
+zero_ext/runtime/hooks.py, [Note: merged units]): the parity suite's Blocks
 scenarios run again that way, plus the cases merging adds (members skipped or
 out of order, called on their own, fed from outside the chain, hidden states
 with a loss of their own, no-grad forwards, experts inside blocks). One more
 keeps one unit per block and checks what the default policy must not choose
-(see zero_ext/_units.py): blocks kept as ModuleDicts, which have no forward of
+(see zero_ext/wrapping/units.py): blocks kept as ModuleDicts, which have no forward of
 their own. MoE experts that routing skips differently per rank:
 tests/real_models_scenarios.py.
 """

@@ -7,17 +7,17 @@ The gradient path (hooks, buckets, reductions, the once-per-backward epilogue)
 runs in C++ inside the autograd engine; this package is the wiring.
 """
 try:
-    from ._api import DynamicLossScale, MixedPrecision
+    from .wrapping.config import DynamicLossScale, MixedPrecision
     from .files.checkpoint import load, save
     from .files.publish import checkpoint_exists
-    from ._clip import clip_grad_norm_, clip_grad_value_
-    from ._deferred_init import empty_init, skip_init
-    from ._full_params import full_params
-    from ._report import memory_report
+    from .optim.clip import clip_grad_norm_, clip_grad_value_
+    from .wrapping.deferred_init import empty_init, skip_init
+    from .runtime.full_params import full_params
+    from .runtime.memory_report import memory_report
     from .files.save_weights import save_weights
-    from ._state_dict import full_grads, full_state_dict, load_full_state_dict
+    from .runtime.state_dict import full_grads, full_state_dict, load_full_state_dict
     from .files.load_weights import load_weights
-    from ._wrap import wrap
+    from .wrapping.wrap import wrap
 except ImportError as _error:
     import sys as _sys
 

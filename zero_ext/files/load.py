@@ -20,7 +20,8 @@ from typing import Any, Dict, List, Set
 import torch
 
 from . import plan
-from .._state_dict import _state
+from ..optim.optimizer_set import as_one
+from ..runtime.state import state_of
 from .collective import Ranks, refuse_different_paths
 from .format import dtype_of
 from .metadata import CheckpointMeta, Scalar
@@ -128,7 +129,7 @@ def _read_optimizer(where: str, reader: PieceReader, scratch: torch.Tensor, stat
                     loaded: Set[str]) -> Dict[torch.Tensor, dict]:
     """The optimizer state this rank steps, verified: its shards on the
     host, or (stage 0: every rank's whole state) _Later."""
-    stage = state.sharded_optimizer and not state.core.replicated()
+    stage = state.grads_sharded
     out = {}
     names = state.bucketed_names
     for tensor, i, start in plan.optimizer_pieces(state, optimizer):
@@ -137,13 +138,13 @@ def _read_optimizer(where: str, reader: PieceReader, scratch: torch.Tensor, stat
             continue  # strict=False: a parameter the checkpoint lacks starts fresh
         scalars = reader.scalars(name, start, length)
         keys = reader.keys("state", name)
-        if not scalars and not keys:
+        if not scalars and not keys and not reader.keys("whole", name):
             continue  # never stepped (or zero-size: nothing to restore)
         st = {key: _unscalar(spec) for key, spec in scalars.items()}
         for key in keys:
             st[key] = _fetch(stage, reader, scratch, "state", name, start, length, key=key)
         for key in reader.keys("whole", name):
-            if stage:
+            if stage and not state.whole_params:
                 raise RuntimeError(
                     f"zero_ext.load: optimizer state '{key}' of '{name}' in {where} is not "
                     "elementwise and cannot be sharded; load it at stage 0")
@@ -174,7 +175,8 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     byte is checked against the checksum zero_ext.save wrote before any is
     copied. Reads nothing outside the checkpoint and unpickles only with
     weights_only=True. Collective."""
-    state = _state(model)
+    state = state_of(model)
+    optimizer = as_one(optimizer)  # a list or tuple of the model's optimizers: one view
     ranks = Ranks(state, "zero_ext.load")
     error, target = None, None
     try:

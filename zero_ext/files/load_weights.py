@@ -26,10 +26,10 @@ from typing import Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
 import torch
 
 from . import safetensors as st
-from .collective import Ranks as _Ranks
-from .plan import local_views as _local_views, persistent_buffers as _persistent_buffers
+from .collective import Ranks
+from .plan import local_views, persistent_buffers
 from .safetensors import open_regular
-from .._state_dict import _state
+from ..runtime.state import state_of
 
 BIN_INDEX = "pytorch_model.bin.index.json"
 _PLAIN_BIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}\.(bin|pt|pth)\Z")
@@ -188,7 +188,7 @@ def _model_keys(model: torch.nn.Module) -> Tuple[Dict[int, List[str]], Dict[str,
     aliases: Dict[int, List[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
-    return aliases, _persistent_buffers(model)
+    return aliases, persistent_buffers(model)
 
 
 @torch.no_grad()
@@ -198,8 +198,8 @@ def load_weights(model: torch.nn.Module, source, strict: bool = True) -> LoadedW
     ranges. Strict like load_state_dict (missing and unexpected keys raise;
     a shape mismatch always does). Collective. Returns the missing and
     unexpected keys and the bytes this rank read."""
-    state = _state(model)
-    ranks = _Ranks(state)
+    state = state_of(model)
+    ranks = Ranks(state)
     opened = None
     try:
         # Phase A: open and check names and shapes; nothing changes yet.
@@ -242,7 +242,7 @@ def load_weights(model: torch.nn.Module, source, strict: bool = True) -> LoadedW
         error = None
         try:
             bucketed = {id(p) for p in state.bucketed}
-            for i, start, view in _local_views(state):
+            for i, start, view in local_views(state):
                 name = chosen.get(id(state.bucketed[i]))
                 if name is not None:
                     view.copy_(opened.read(name, start, view.numel()).to(view.device, view.dtype))

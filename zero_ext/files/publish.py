@@ -29,23 +29,9 @@ import stat
 import sys
 from typing import List, Optional, Tuple
 
+from ..tools import faults
 from .format import STAGING_MARKER, fsync_dir, is_checkpoint_entry, write_file
 from .metadata import FORMAT, METADATA
-
-# Tests make one rank exit at a named point of a save (fault injection):
-# "after_shards" (save.py), then here "before_publish", "after_exchange",
-# or without exchange "between_renames" and "after_renames", and
-# "removing_old" (the replaced checkpoint partly removed).
-FAULT_ENV = "ZERO_EXT_TEST_SAVE_EXIT"
-# Tests: "1" publishes as where the OS or filesystem cannot exchange.
-NO_EXCHANGE_ENV = "ZERO_EXT_TEST_NO_EXCHANGE"
-
-
-def maybe_die(point: str, rank: int) -> None:
-    spec = os.environ.get(FAULT_ENV, "")
-    if spec == f"{point}:{rank}":
-        os._exit(17)
-
 
 def staging_path(target: str, token: str) -> str:
     """Where a save stages its files before publishing them at `target`."""
@@ -132,7 +118,7 @@ def _libc_renameat2():
 def _exchange(a: str, b: str) -> bool:
     """Swaps the directories `a` and `b` in one step. False, with nothing
     changed, where the OS or the filesystem cannot; other failures raise."""
-    if os.environ.get(NO_EXCHANGE_ENV) == "1":
+    if faults.armed("no_exchange"):  # tests: publishing as where exchange is missing
         return False
     fn = _libc_renameat2()
     if fn is None:
@@ -150,7 +136,7 @@ def _rename_twice(target: str, tmp: str, token: str) -> str:
     Returns where the previous one is."""
     aside = f"{target}.old-{token[:12]}"
     os.rename(target, aside)
-    maybe_die("between_renames", 0)
+    faults.exit_if_armed("between_renames", 0)
     try:
         os.rename(tmp, target)
     except BaseException:
@@ -170,7 +156,7 @@ def publish(target: str, tmp: str, token: str, meta: dict) -> Tuple[Optional[Bas
         write_file(staging, json.dumps(meta).encode())
         os.replace(staging, os.path.join(tmp, METADATA))
         fsync_dir(tmp)
-        maybe_die("before_publish", 0)
+        faults.exit_if_armed("before_publish", 0)
         exchanged = False
         if not os.path.lexists(target):
             os.rename(tmp, target)
@@ -181,7 +167,7 @@ def publish(target: str, tmp: str, token: str, meta: dict) -> Tuple[Optional[Bas
         placed = True
         fsync_dir(os.path.dirname(target))
         if old is not None:
-            maybe_die("after_exchange" if exchanged else "after_renames", 0)
+            faults.exit_if_armed("after_exchange" if exchanged else "after_renames", 0)
     except Exception as error:  # noqa: BLE001 - reported to every rank by the caller
         if placed:
             kept = f"; the previous one is still at {old}" if old else ""
@@ -255,7 +241,7 @@ def _remove_own(path: str, die_at: Optional[str] = None) -> None:
         except OSError:
             pass
         if removed == 2 and die_at is not None:
-            maybe_die(die_at, 0)
+            faults.exit_if_armed(die_at, 0)
     try:
         os.rmdir(path)
     except OSError:

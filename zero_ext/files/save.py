@@ -25,7 +25,9 @@ import torch
 
 from . import format as files
 from . import plan, publish
-from .._state_dict import _state
+from ..optim.optimizer_set import as_one, class_name
+from ..tools import faults
+from ..runtime.state import state_of
 from .checksum import digest
 from .collective import Ranks, refuse_different_paths
 from .metadata import (CHUNK_BYTES, CheckpointMeta, FileMeta, LossScaler, ParamMeta, Piece, Scalar, count_problem,
@@ -53,7 +55,7 @@ def _scalar(name: str, key: Any, value: Any) -> Optional[Scalar]:
     return scalar
 
 
-def _is_safe(value: Any) -> bool:
+def weights_only_loadable(value: Any) -> bool:
     try:
         buffer = io.BytesIO()
         torch.save(value, buffer)
@@ -73,7 +75,7 @@ def _first_unsafe(value: Any, where: str) -> Tuple[str, Any]:
     else:
         children = []
     for at, child in children:
-        if not _is_safe(child):
+        if not weights_only_loadable(child):
             return _first_unsafe(child, at)
     return where, value  # a leaf, or a container type weights_only refuses
 
@@ -133,14 +135,17 @@ def _write_rank_files(tmp: str, model, optimizer, state, ranks: Ranks, token: st
             length = tensor.numel()
             # Sharded, a rank's state is its own; replicated (stage 0), every
             # rank has all of it and writes its owned ranges only.
-            sharded = state.sharded_optimizer and not state.core.replicated()
+            sharded = state.grads_sharded
             ranges = [plan.replica_part(state, start, start + length)] if sharded else owned.get(i, [])
             scalars = {k: _scalar(names[i], k, v) for k, v in st.items()}
             scalars = {k: v for k, v in scalars.items() if v is not None}
             flat = {k: v.detach().reshape(-1) for k, v in st.items()
                     if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == length}
+            # State that is not elementwise (Adafactor's factors, ...) belongs to a
+            # whole parameter: its owner writes it (replicated: rank 0).
+            writes_whole = state.whole_params or rank == 0
             for k, v in st.items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() != length and rank == 0:
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() != length and writes_whole:
                     put("whole", names[i], 0, v.reshape(-1), key=k, shape=tuple(v.shape))
             for lo, hi in ranges:
                 a, b = max(lo, start), min(hi, start + length)
@@ -239,7 +244,8 @@ def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ex
     rank with the same path. `extra` (per rank) may hold what
     torch.load(weights_only=True) reads: tensors, numbers, strings, None,
     lists, tuples and dicts of them."""
-    state = _state(model)
+    state = state_of(model)
+    optimizer = as_one(optimizer)  # a list or tuple of the model's optimizers: one view
     ranks = Ranks(state, "zero_ext.save")
     token = ranks.from_rank0(uuid.uuid4().hex)
 
@@ -254,7 +260,7 @@ def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ex
             publish.check_target(target)
             groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
             blobs["optimizer.pt"] = _checked_file(
-                token, 0, {"class": type(optimizer).__mro__[1].__name__, "param_groups": groups}, "optimizer")
+                token, 0, {"class": class_name(optimizer), "param_groups": groups}, "optimizer")
     except Exception as e:  # noqa: BLE001 - raised on every rank by settle
         error = e
     refuse_different_paths(ranks.settle(error, target), "zero_ext.save",
@@ -268,7 +274,7 @@ def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ex
         pieces, written = _write_rank_files(tmp, model, optimizer, state, ranks, token, blobs)
     except Exception as e:  # noqa: BLE001
         error = e
-    publish.maybe_die("after_shards", ranks.rank)
+    faults.exit_if_armed("after_shards", ranks.rank)
 
     def remove_tmp() -> None:
         if ranks.rank == 0:  # every rank has stopped writing by now

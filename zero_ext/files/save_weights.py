@@ -24,9 +24,10 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 
 from . import safetensors as st
-from .collective import Ranks as _Ranks
-from .plan import persistent_buffers as _persistent_buffers
-from .._state_dict import _state, full_state_dict
+from .collective import Ranks
+from .plan import persistent_buffers
+from ..runtime.state import state_of
+from ..runtime.state_dict import full_state_dict
 
 def _entries(model, state, dtype: Optional[torch.dtype]):
     """(name, dtype, shape, source) in the order they are written: the
@@ -46,7 +47,7 @@ def _entries(model, state, dtype: Optional[torch.dtype]):
         if id(p) not in seen:
             seen.add(id(p))
             out.append((name, cast(p.dtype), tuple(p.shape), ("plain", p)))
-    for name, buf in _persistent_buffers(model).items():
+    for name, buf in persistent_buffers(model).items():
         out.append((name, cast(buf.dtype), tuple(buf.shape), ("plain", buf)))
     return out
 
@@ -56,8 +57,8 @@ def save_weights(model: torch.nn.Module, path, dtype: Optional[torch.dtype] = No
                  max_shard_size: Union[int, str] = "5GB") -> None:
     """Writes the model's full weights (fp32 masters under mixed precision,
     or cast to `dtype`) as safetensors; see the module's docstring."""
-    state = _state(model)
-    ranks = _Ranks(state)
+    state = state_of(model)
+    ranks = Ranks(state)
     path = os.fspath(path)
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise TypeError(f"zero_ext.save_weights: dtype must be a floating torch.dtype or None, got {dtype!r}")
@@ -112,7 +113,7 @@ def export_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     OrderedDict as model.state_dict() is (accelerate's save drops them only
     from one). Collective under mixed precision or at stage 3: every rank
     calls it."""
-    state = _state(model)
+    state = state_of(model)
     if not state.core.has_masters():
         return model.state_dict()
     full = collections.OrderedDict(full_state_dict(model))
@@ -181,7 +182,7 @@ class PretrainedExport:
                 "uploads before zero_ext writes config.json's dtype and class as the unwrapped model would. "
                 "Call save_pretrained(directory) on every rank, then upload the directory from one rank "
                 "(huggingface_hub.upload_folder)")
-        if where.get("state_dict") is None and _state(model).core.has_masters():
+        if where.get("state_dict") is None and state_of(model).core.has_masters():
             where["state_dict"] = export_state_dict(model)  # collective: before any rank writes
         result = self._function(*bound.args, **bound.kwargs)
         if self._library == "transformers" and not getattr(model, "_hf_peft_config_loaded", False):

@@ -7,7 +7,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from .._wrap import wrap
+from ..wrapping.wrap import wrap
 
 # zero_ext.wrap's keyword options, taken from its signature so the
 # integrations accept exactly what wrap does.

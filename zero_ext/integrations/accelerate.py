@@ -48,8 +48,8 @@ import torch
 
 from ..files.checkpoint import load as zero_ext_load
 from ..files.checkpoint import save as zero_ext_save
-from .._clip import clip_grad_norm_ as zero_ext_clip_grad_norm_
-from .._clip import clip_grad_value_ as zero_ext_clip_grad_value_
+from ..optim.clip import clip_grad_norm_ as zero_ext_clip_grad_norm_
+from ..optim.clip import clip_grad_value_ as zero_ext_clip_grad_value_
 from ..files.save_weights import export_state_dict
 from ._common import check_wrap_options, is_wrapped, library_mixed_precision, wrap_once
 

@@ -57,11 +57,11 @@ from typing import Any, Callable, Dict, Generator, Optional, Tuple
 
 import torch
 
-from ..files.save import _is_safe  # whether torch.load(weights_only=True) reads a value back
+from ..files.save import weights_only_loadable  # whether torch.load(weights_only=True) reads a value back
 from ..files.checkpoint import load as zero_ext_load
 from ..files.checkpoint import save as zero_ext_save
-from .._state_dict import load_full_state_dict
-from .._wrap import wrap
+from ..runtime.state_dict import load_full_state_dict
+from ..wrapping.wrap import wrap
 from ._common import is_wrapped
 
 # Lightning's own state lives under this key of zero_ext.save's `extra`.
@@ -77,7 +77,7 @@ def _lightning_state(checkpoint: Dict[str, Any], hparams_keys: Tuple[str, ...],
     save_hyperparameters) are left out with a warning: resuming does not use
     them. Anything else zero_ext.save refuses with the entry's name."""
     state = {k: v for k, v in checkpoint.items() if k not in _SAVED_BY_ZERO_EXT}
-    dropped = [k for k in hparams_keys if k in state and not _is_safe(state[k])]
+    dropped = [k for k in hparams_keys if k in state and not weights_only_loadable(state[k])]
     if dropped:
         warn(f"ZeroExtStrategy: the checkpoint leaves out {dropped}: torch.load(weights_only=True) cannot read "
              "them back, and zero_ext checkpoints are only ever read that way. Resuming does not need them; "

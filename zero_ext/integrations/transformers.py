@@ -35,7 +35,7 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from ..files.checkpoint import load as zero_ext_load
 from ..files.publish import checkpoint_exists
 from ..files.checkpoint import save as zero_ext_save
-from .._clip import clip_grad_norm_ as zero_ext_clip_grad_norm_
+from ..optim.clip import clip_grad_norm_ as zero_ext_clip_grad_norm_
 from ..files.load_weights import load_weights
 from ..files.save_weights import describe_pretrained_config, save_weights
 from ._common import check_wrap_options, is_wrapped, library_mixed_precision, wrap_once

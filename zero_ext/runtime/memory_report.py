@@ -5,6 +5,8 @@ from typing import Dict
 
 import torch
 
+from ..optim.optimizer_set import as_one
+
 
 def _optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(
@@ -23,6 +25,7 @@ def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> D
     precision the fp32 master shards count as optimizer state, as in the ZeRO
     paper's K; for a plain or DDP model gradients are the .grad tensors.
     """
+    optimizer = as_one(optimizer)  # a list or tuple of the model's optimizers
     masters = 0
     state = getattr(model, "_zero_ext", None)
     if state is not None:

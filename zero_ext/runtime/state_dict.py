@@ -5,31 +5,13 @@ from typing import Dict, Mapping, Optional
 
 import torch
 
-
-def _state(model: torch.nn.Module):
-    state = getattr(model, "_zero_ext", None)
-    if state is None:
-        raise ValueError("zero_ext: this model is not wrapped; call zero_ext.wrap(model, optimizer) first")
-    return state
-
-
-def owner_state(module: torch.nn.Module):
-    """The zero_ext state of the wrapped model that `module` is or belongs to."""
-    state = getattr(module, "_zero_ext", None)
-    if state is not None:
-        return state
-    for p in module.parameters():
-        ref = getattr(p, "_zero_ext_owner", None)
-        if ref is not None and ref() is not None:
-            return ref()
-    raise ValueError("zero_ext: this module is neither a model wrapped by zero_ext nor a submodule of one "
-                     "(with parameters); call zero_ext.wrap(model, optimizer) first")
+from .state import state_of
 
 
 @torch.no_grad()
 def full_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """Every entry of ``model.state_dict()``, full shape, on CPU, on every rank."""
-    state = _state(model)
+    state = state_of(model)
     full = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     if state.core.has_masters():  # mixed precision: the fp32 masters, not the rounded copies
         masters = {id(p): m for p, m in zip(state.bucketed, state.core.full_masters())}
@@ -43,7 +25,7 @@ def full_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
 def load_full_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Loads a full state_dict (e.g. from an unwrapped model) into a wrapped
     model, in place, on every rank. Keys must match exactly."""
-    _state(model)
+    state_of(model)
     model.load_state_dict(state_dict, strict=True)  # stage 3: gathers and writes shards
 
 
@@ -55,7 +37,7 @@ def full_grads(model: torch.nn.Module) -> Dict[str, Optional[torch.Tensor]]:
     Collective: call it on every rank, after a backward outside no_sync() and
     before optimizer.step().
     """
-    state = _state(model)
+    state = state_of(model)
     grads = state.core.full_grads()
     has = state.core.has_grad()
     by_id = {id(p): (g.float().cpu() if h else None) for p, g, h in zip(state.bucketed, grads, has)}

@@ -23,37 +23,10 @@ from typing import Dict, List
 
 import torch
 
-from ._class_swap import swap_class
-from ._clip import clip_sharded
-from ._cpu_adam import adam_step_
-
-# torch.optim optimizers whose update of an element depends only on that
-# element's gradient and state: they can run on any slice of a parameter.
-ELEMENTWISE_OPTIMIZERS = {
-    "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam",
-    "RAdam", "RMSprop", "Rprop",
-}
-
-
-def is_elementwise(cls: type) -> bool:
-    if getattr(cls, "zero_ext_elementwise", False):
-        return True
-    return cls.__module__.startswith("torch.optim") and cls.__name__ in ELEMENTWISE_OPTIMIZERS
-
-
-def check_elementwise(optimizer: torch.optim.Optimizer, stage: int) -> None:
-    if stage == 0:
-        return  # replicated: segments are whole parameters
-    cls = type(optimizer)
-    if is_elementwise(cls):
-        return
-    raise TypeError(
-        f"zero_ext stage {stage} shards the optimizer elementwise, and {cls.__name__} is not "
-        f"known to update each element independently (LBFGS, Adafactor, Muon, LAMB and "
-        f"SparseAdam are not). Use stage=0, or, if {cls.__name__} really is elementwise, set "
-        f"`{cls.__name__}.zero_ext_elementwise = True` before wrap()."
-    )
-
+from ..wrapping.class_swap import swap_class
+from .clip import clip_sharded
+from .cpu_adam import adam_step_
+from .ownership import is_elementwise
 
 def _uses_cpu_adam(optimizer: torch.optim.Optimizer) -> bool:
     """Offload: torch's Adam and AdamW run as zero_ext's fused C++ kernel
@@ -108,13 +81,14 @@ class ZeroExtOptimizer:
 
     def step(self, closure=None):
         with torch.profiler.record_function("zero_ext::step"):  # a label in profiler traces
-            if closure is None or not is_elementwise(type(self).__bases__[1]):
-                # Only stage 0 takes other optimizers: its gradients are
-                # reduced in place by the backward itself, so the optimizer
-                # may call the closure as it likes (LBFGS, several times).
+            if closure is None or not (self._zero_ext.whole_params or is_elementwise(type(self).__bases__[1])):
+                # Only stage 0 takes optimizers that read across parameters:
+                # its gradients are reduced in place by the backward itself,
+                # so the optimizer may call the closure as it likes (LBFGS,
+                # several times).
                 return self._zero_ext_step(closure)
-            # Elementwise optimizers call a closure once, first: its backward
-            # must be reduced and settled, and its overflow or non-finite
+            # Other optimizers call a closure once, first: its backward must
+            # be reduced and settled, and its overflow or non-finite
             # gradients found, before the step decides and reads gradients,
             # so it runs before settling (Lightning always passes one).
             with torch.enable_grad():
@@ -123,9 +97,17 @@ class ZeroExtOptimizer:
             return loss
 
     def _zero_ext_step(self, closure=None):
+        try:
+            return self._zero_ext_decided_step(closure)
+        finally:  # stepped or skipped: this optimizer's part of the step is done (after its refresh)
+            self._zero_ext.step_round.stepped(self)
+
+    def _zero_ext_decided_step(self, closure=None):
         core = self._zero_ext.core
-        skip = core.begin_step()  # fp16 overflow or skip_nonfinite, on some rank (updates the scale)
-        nonfinite_skip = skip and not core.loss_scaling()
+        # fp16 overflow or skip_nonfinite, on some rank (updates the scale):
+        # decided once for all of a model's optimizers (StepRound).
+        skip, decided_now = self._zero_ext.step_round.decide(self)
+        nonfinite_skip = skip and not core.loss_scaling() and decided_now
         found_inf = getattr(self, "found_inf", None)  # set by torch.amp.GradScaler.step()
         if found_inf is not None:
             grad_scale = getattr(self, "grad_scale", None)
@@ -172,7 +154,7 @@ class ZeroExtOptimizer:
         return getattr(self, "_zero_ext_step_was_skipped", False)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._zero_ext.core.zero_grad(set_to_none)
+        self._zero_ext.step_round.zero_grad(self, set_to_none)
 
     # In stages 1-3 (and under mixed precision) the optimizer steps zero_ext's
     # segments of this rank's shard, not the parameters: torch's state_dict()
@@ -211,8 +193,10 @@ class ZeroExtOptimizer:
 
 
 def shard_optimizer(optimizer: torch.optim.Optimizer, state, ordered_params: List[torch.Tensor],
-                    group_of: Dict[int, int]) -> None:
-    """Re-points `optimizer` at this rank's segments and installs the hooks."""
+                    several: bool = False) -> None:
+    """Re-points `optimizer` at this rank's segments of its parameters and
+    installs the hooks. `several`: one of a model's optimizers (StepRound)."""
+    group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
     if state.sharded_optimizer:
         segments = state.core.segments()
         owners = state.core.segment_param_indices()
@@ -227,7 +211,8 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, state, ordered_params: Lis
         per_group: List[List[torch.Tensor]] = [[] for _ in optimizer.param_groups]
         for segment, owner in zip(segments, owners):
             param = ordered_params[owner]
-            per_group[group_of[id(param)]].extend([segment] * listed.get(id(param), 1))
+            if id(param) in group_of:  # another optimizer's otherwise
+                per_group[group_of[id(param)]].extend([segment] * listed.get(id(param), 1))
         for group, params in zip(optimizer.param_groups, per_group):
             group["params"] = params
         optimizer.state.clear()
@@ -242,6 +227,10 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, state, ordered_params: Lis
         optimizer._zero_ext_compute_copies = {
             id(seg): copy for seg, copy in zip(state.core.segments(), copies) if copy is not None}
     _route_scheduler_wrapper(optimizer)
+    # Which parameters this optimizer steps, by the core's index: the same on
+    # every rank, so its refresh gathers the same buckets everywhere.
+    mine = [i for i, p in enumerate(ordered_params) if id(p) in group_of] if several else []
+    state.step_round.join(optimizer)
 
     managed = {id(t) for group in optimizer.param_groups for t in group["params"]}
 
@@ -257,7 +246,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, state, ordered_params: Lis
                 f"diverge. Add every parameter group before wrap(), or wrap the model that owns them.")
 
     def after_step(opt, args, kwargs) -> None:
-        state.core.after_step()
+        state.core.after_step(mine)
 
     optimizer.register_step_pre_hook(before_step)
     optimizer.register_step_post_hook(after_step)

@@ -8,7 +8,7 @@ and the oldest release the whole suite has passed on
 not tested, so they are refused rather than trusted. Newer releases are
 allowed with a warning: the C++ core uses autograd and c10d internals that
 can change between releases, and the import-time build check
-(selfcheck.py) catches a build that no longer matches.
+(tools/build_check.py) catches a build that no longer matches.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from typing import Iterator, List
 
 import torch
 
-from ._state_dict import owner_state
+from .state import owner_state
 
 
 @contextlib.contextmanager
@@ -35,14 +35,14 @@ def full_params(module: torch.nn.Module, writeback: bool = False) -> Iterator[No
     before: List[torch.Tensor] = []
     if writeback and core.has_masters():
         before = core.full_masters()  # collective in stages 1-3
-    if state.stage == 3:
+    if state.params_sharded:
         core.gather_units_of(mine)
     try:
         yield
         if writeback:
             _write_back(state, mine, before)
     finally:
-        if state.stage == 3:
+        if state.params_sharded:
             core.unpin_units_of(mine)  # released unless an enclosing context holds them
 
 
@@ -63,9 +63,9 @@ def _write_back(state, mine: List[int], before: List[torch.Tensor]) -> None:
                 changed.append(i)
         if changed:
             core.load_masters(masters)
-    elif state.stage == 3:
+    elif state.params_sharded:
         changed = list(mine)
-    if state.stage == 3:
+    if state.params_sharded:
         core.write_back_shards()  # this rank's shard of the (gathered) full values
     for i in changed:
         torch.autograd.graph.increment_version(params[i])

@@ -30,7 +30,7 @@ forward of its own is never called, so its hooks never gather it. Hence:
   children that have parameters, if each has a forward of its own; else
   nothing in it is a unit. Such a unit is never merged with other blocks:
   the members of a unit must be children of one module (assign_parameters,
-  [Note: merged units] in _hooks.py), and its neighbours are not the
+  [Note: merged units] in zero_ext/runtime/hooks.py), and its neighbours are not the
   block's children.
 - A container of experts is never a unit, nor is anything in it: one whose
   attribute name, or a child's class name, matches /expert/i, or one owned

@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from . import _C_loader  # noqa: F401  (registers the op)
+from ..tools import core_loader  # noqa: F401  (registers the op)
 
 
 def adam_step_(

@@ -12,10 +12,11 @@ from typing import Any, Callable, List, Optional, Set, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from ._api import DynamicLossScale, MixedPrecision
-from ._deferred_init import has_meta_parameters
-from ._module import ZeroExtModule
-from ._optimizer import check_elementwise, check_step_not_patched
+from .config import DynamicLossScale, MixedPrecision
+from .deferred_init import has_meta_parameters
+from ..runtime.module import ZeroExtModule
+from ..optim.ownership import WHOLE, optimizer_sharding
+from ..optim.sharded_optimizer import check_step_not_patched
 
 
 def _is_real(value: Any) -> bool:
@@ -60,6 +61,7 @@ class Options:
     timeout: Optional[datetime.timedelta]
     prefetch: int
     skip_nonfinite: bool
+    whole_params: bool = False  # the optimizer steps whole parameters (optim/ownership.py)
 
 
 _FLOATS = {torch.float32: "torch.float32", torch.bfloat16: "torch.bfloat16", torch.float16: "torch.float16"}
@@ -122,13 +124,27 @@ def _precision(mixed_precision: Union[None, str, MixedPrecision]) -> Precision:
                      cast_inputs=compute is not None and mixed_precision.cast_forward_inputs)
 
 
-def _check_model_and_optimizer(model, optimizer, stage, mixed_precision, offload_optimizer) -> List[torch.nn.Parameter]:
+def optimizer_list(optimizer: Any) -> List[torch.optim.Optimizer]:
+    """wrap()'s optimizer argument as a list: one optimizer, or a list or
+    tuple of them over disjoint parameters (Muon for the hidden matrices and
+    AdamW for the rest)."""
+    many = isinstance(optimizer, (list, tuple))
+    optimizers = list(optimizer) if many else [optimizer]
+    for opt in optimizers:
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(
+                f"zero_ext.wrap: optimizer must be a torch.optim.Optimizer or a list or tuple of them, got "
+                f"{type(opt).__name__}" + (" in the list" if many else ""))
+    if not optimizers:
+        raise ValueError("zero_ext.wrap: the list of optimizers is empty")
+    if len({id(o) for o in optimizers}) != len(optimizers):
+        raise ValueError("zero_ext.wrap: the same optimizer appears twice in the list")
+    return optimizers
+
+
+def _check_model_and_optimizer(model, optimizers, stage, mixed_precision, offload_optimizer) -> List[torch.nn.Parameter]:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"zero_ext.wrap: model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"zero_ext.wrap: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-        )
     if not isinstance(stage, numbers.Integral) or isinstance(stage, bool):  # 3.0, True, "3": refused
         raise TypeError(f"zero_ext.wrap: stage must be the int 0, 1, 2 or 3, got {type(stage).__name__} {stage!r}")
     if stage not in (0, 1, 2, 3):
@@ -157,7 +173,7 @@ def _check_model_and_optimizer(model, optimizer, stage, mixed_precision, offload
             "zero_ext.wrap: the model has no trainable parameters (every requires_grad is False); "
             "there is nothing to shard or train"
         )
-    # A model with meta parameters is materialized on one device by wrap() (_deferred_init.py).
+    # A model with meta parameters is materialized on one device by wrap() (zero_ext/wrapping/deferred_init.py).
     deferred = has_meta_parameters(model)
     devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
     if len(devices) > 1 and not deferred:
@@ -173,35 +189,44 @@ def _check_model_and_optimizer(model, optimizer, stage, mixed_precision, offload
         )
 
     model_ids = {id(p) for p in model.parameters()}
-    foreign = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"] if id(p) not in model_ids]
+    groups = [g for opt in optimizers for g in opt.param_groups]
+    foreign = [tuple(p.shape) for g in groups for p in g["params"] if id(p) not in model_ids]
     if foreign:
         raise ValueError(
             f"zero_ext.wrap: the optimizer holds {len(foreign)} tensors that are not parameters of this "
             f"model (shapes {foreign[:3]}); build the optimizer over model.parameters()"
         )
-    in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
     names = {id(p): n for n, p in model.named_parameters()}
-    missing = [names[id(p)] for p in trainable if id(p) not in in_optimizer]
+    holder: dict = {}
+    for k, opt in enumerate(optimizers):
+        for p in {id(p): p for g in opt.param_groups for p in g["params"]}.values():
+            if id(p) in holder and holder[id(p)] != k:
+                raise ValueError(
+                    f"zero_ext.wrap: parameter '{names[id(p)]}' is in two of the optimizers (#{holder[id(p)]} and "
+                    f"#{k}); each parameter must be stepped by one optimizer")
+            holder[id(p)] = k
+    missing = [names[id(p)] for p in trainable if id(p) not in holder]
     if missing:
         raise ValueError(
             f"zero_ext.wrap: trainable parameters {missing[:3]} are not in the optimizer; add them "
             "to it or freeze them (requires_grad_(False)) before wrap()"
         )
-    if optimizer.state:
-        raise ValueError(
-            "zero_ext.wrap: the optimizer already has state (it has stepped); wrap before the "
-            "first step. To resume training, load a checkpoint after wrap()"
-        )
-    check_elementwise(optimizer, stage)
-    check_step_not_patched(optimizer)
+    for opt in optimizers:
+        if opt.state:
+            raise ValueError(
+                "zero_ext.wrap: the optimizer already has state (it has stepped); wrap before the "
+                "first step. To resume training, load a checkpoint after wrap()"
+            )
+        optimizer_sharding(opt, stage)  # raises for an optimizer no rank can step a part of
+        check_step_not_patched(opt)
     return trainable, precision
 
 
-def check_wrap_arguments(model, optimizer, stage, mixed_precision, offload_optimizer, units, bucket_mb, timeout,
+def check_wrap_arguments(model, optimizers, stage, mixed_precision, offload_optimizer, units, bucket_mb, timeout,
                          prefetch, skip_nonfinite) -> Tuple[List[torch.nn.Parameter], Options]:
     """The trainable parameters and the normalized options; raises TypeError
-    or ValueError on bad input."""
-    trainable, precision = _check_model_and_optimizer(model, optimizer, stage, mixed_precision, offload_optimizer)
+    or ValueError on bad input. `optimizers`: optimizer_list()'s."""
+    trainable, precision = _check_model_and_optimizer(model, optimizers, stage, mixed_precision, offload_optimizer)
     stage = int(stage)  # a numpy integer, say
     if units is not None and stage != 3:
         raise ValueError("zero_ext.wrap: units only applies to stage 3")
@@ -220,7 +245,8 @@ def check_wrap_arguments(model, optimizer, stage, mixed_precision, offload_optim
         raise TypeError(f"zero_ext.wrap: skip_nonfinite must be True or False, got {skip_nonfinite!r}")
     options = Options(stage=stage, precision=precision, offload=offload_optimizer == "cpu", units=units,
                       bucket_bytes=int(bucket_mb * 2**20), timeout=_timeout(timeout), prefetch=int(prefetch),
-                      skip_nonfinite=skip_nonfinite)
+                      skip_nonfinite=skip_nonfinite,
+                      whole_params=any(optimizer_sharding(opt, stage) == WHOLE for opt in optimizers))
     return trainable, options
 
 

@@ -1,12 +1,12 @@
 """Loads the compiled core, which registers torch.classes.zero_ext.*, after
 checking the torch version and, once per build, that the build raises C++
-errors as Python errors (see selfcheck.py)."""
+errors as Python errors (see build_check.py)."""
 import torch
 
-from . import _torch_compat, selfcheck
+from . import build_check, torch_compat
 
-_torch_compat.check_supported()
-_built_against = selfcheck.build_info().get("torch")
+torch_compat.check_supported()
+_built_against = build_check.build_info().get("torch")
 if _built_against and _built_against != torch.__version__:
     raise ImportError(
         f"zero_ext was built against torch {_built_against} but this is torch {torch.__version__}: "
@@ -14,13 +14,13 @@ if _built_against and _built_against != torch.__version__:
         f"--no-build-isolation --force-reinstall --no-deps . from zero_ext's source "
         f"(or bash scripts/setup.sh).")
 try:
-    from . import _C  # noqa: F401  (registration happens on import)
+    from .. import _C  # noqa: F401  (registration happens on import)
 except ImportError as error:
     raise ImportError(
         f"zero_ext's compiled core does not load with torch {torch.__version__} "
-        f"({selfcheck.describe_build(selfcheck.build_info())}): {error}. A build serves only the "
+        f"({build_check.describe_build(build_check.build_info())}): {error}. A build serves only the "
         f"torch it was built against: rebuild with pip install --no-build-isolation "
         f"--force-reinstall --no-deps . from zero_ext's source (or bash scripts/setup.sh).") from error
-selfcheck.ensure_checked()
+build_check.ensure_checked()
 
 ShardedModel = torch.classes.zero_ext.ShardedModel

@@ -1,6 +1,6 @@
 """What wrap() adds to the user's module: its methods (no_sync(), DDP's
 require_backward_grad_sync, state_dict() ...). The module hooks are in
-_hooks.py.
+zero_ext/runtime/hooks.py.
 
 The module's class is swapped for a subclass (as FSDP2 does), so the object,
 its parameter names and its state_dict keys stay the same.
@@ -12,7 +12,7 @@ from typing import Any, Dict, Iterator
 
 import torch
 
-from ._class_swap import swap_class
+from ..wrapping.class_swap import swap_class
 
 
 _NO_COPY = (
@@ -108,7 +108,7 @@ class ZeroExtModule:
     # state_dict() returns gathered copies and load_state_dict() writes the
     # shards; in stages 0-2 both are PyTorch's own.
     def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
-        if self._zero_ext.stage != 3:
+        if not self._zero_ext.params_sharded:
             return super().state_dict(*args, **kwargs)  # type: ignore[misc]
         core = self._zero_ext.core
         core.gather_all()
@@ -119,7 +119,7 @@ class ZeroExtModule:
             core.release_all()
 
     def load_state_dict(self, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
-        if self._zero_ext.stage != 3:
+        if not self._zero_ext.params_sharded:
             result = super().load_state_dict(state_dict, *args, **kwargs)  # type: ignore[misc]
             self._load_masters(state_dict)
             return result

@@ -1,4 +1,4 @@
-"""zero_ext.wrap(): validate (_validate.py), lay out units and buckets, build the C++
+"""zero_ext.wrap(): validate (zero_ext/wrapping/arguments.py), lay out units and buckets, build the C++
 core, hook the model, shard the optimizer."""
 from __future__ import annotations
 
@@ -6,29 +6,30 @@ import datetime
 import os
 import uuid
 import weakref
-from typing import Callable, List, Optional, Set, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from ._api import DynamicLossScale, MixedPrecision
-from ._bucket_plan import plan_buckets
-from ._C_loader import ShardedModel
-from .files.collective import Ranks as _Ranks
-from .files.plan import local_views as _local_views
-from .files.save_weights import install_pretrained_export
-from ._deferred_init import materialize, move_to_device, plan_deferred
-from ._groups import acquire_groups, acquire_mesh_groups, group_timeout, pooled_groups, retire_if_failed
-from ._mesh import Topology, resolve_topology
-from . import _whereabouts as whereabouts
-from ._hooks import install_forward_hooks
-from ._module import swap_module_class
-from ._optimizer import shard_optimizer
-from ._testing import apply_test_fault
-from ._units import Unit, assign_parameters, resolve_units
-from ._validate import Options, check_backend, check_launch, check_wrap_arguments
-from ._wrap_fingerprint import check_ranks_agree, wrap_fields
-from ._wrapper_state import ZeroState
+from .config import DynamicLossScale, MixedPrecision
+from .buckets import plan_buckets
+from ..tools.core_loader import ShardedModel
+from ..files.collective import Ranks
+from ..files.plan import local_views
+from ..files.save_weights import install_pretrained_export
+from .deferred_init import materialize, move_to_device, plan_deferred
+from ..groups.process_groups import acquire_groups, acquire_mesh_groups, group_timeout, pooled_groups, retire_if_failed
+from ..groups.mesh import Topology, resolve_topology
+from ..groups import stall_query as whereabouts
+from ..runtime.hooks import install_forward_hooks
+from ..runtime.module import swap_module_class
+from ..optim.ownership import WHOLE, optimizer_sharding, plan_owners
+from ..optim.sharded_optimizer import shard_optimizer
+from ..tools import faults
+from .units import Unit, assign_parameters, resolve_units
+from .arguments import Options, check_backend, check_launch, check_wrap_arguments, optimizer_list
+from .fingerprint import check_ranks_agree, wrap_fields
+from ..runtime.state import ZeroState
 
 def _plan_units(model: torch.nn.Module, units: List[Unit]):
     """Stage 3: one bucket per unit and dtype, frozen parameters included.
@@ -62,11 +63,38 @@ def _frozen_to_compute_in_low_precision(model: torch.nn.Module, options: Options
     return [p for p in model.parameters() if not p.requires_grad and p.dtype == torch.float32]
 
 
-def _plan(model: torch.nn.Module, trainable: List[torch.nn.Parameter], options: Options):
+def _split_by_optimizer(ordered: List[torch.nn.Parameter], counts: List[int],
+                        optimizers: List[torch.optim.Optimizer], unit_of_bucket: List[int]):
+    """Each bucket cut into runs of one optimizer's parameters (frozen ones go
+    with the run they follow): a step refreshes only its optimizer's buckets."""
+    if len(optimizers) < 2:
+        return ordered, counts, unit_of_bucket
+    which = {id(p): k for k, opt in enumerate(optimizers) for g in opt.param_groups for p in g["params"]}
+    out, out_counts, out_units, first = [], [], [], 0
+    for b, count in enumerate(counts):
+        members = ordered[first:first + count]
+        first += count
+        runs: Dict[int, List[torch.nn.Parameter]] = {}
+        last = None
+        for p in members:
+            k = which.get(id(p), last if last is not None else -1)
+            runs.setdefault(k, []).append(p)
+            last = k
+        for run in runs.values():
+            out += run
+            out_counts.append(len(run))
+            if unit_of_bucket:
+                out_units.append(unit_of_bucket[b])
+    return out, out_counts, out_units
+
+
+def _plan(model: torch.nn.Module, trainable: List[torch.nn.Parameter], options: Options,
+          optimizers: List[torch.optim.Optimizer]):
     """Units (stage 3) and buckets: the parameters in bucket order, each
     bucket's parameter count and (stage 3) unit."""
     if options.stage != 3:
         ordered, counts = plan_buckets(trainable, options.bucket_bytes)
+        ordered, counts, _ = _split_by_optimizer(ordered, counts, optimizers, [])
         # After the trainable buckets: with nothing to wait for, a frozen
         # bucket is retired as soon as the launch order reaches it.
         frozen, frozen_counts = plan_buckets(_frozen_to_compute_in_low_precision(model, options),
@@ -74,22 +102,23 @@ def _plan(model: torch.nn.Module, trainable: List[torch.nn.Parameter], options: 
         return [], ordered + frozen, counts + frozen_counts, []
     # The default policy merges consecutive small blocks until a unit holds
     # bucket_mb: one all-gather and one reduce-scatter per unit, each as big
-    # as a stage 0-2 bucket (see _units.py for the choice).
+    # as a stage 0-2 bucket (see zero_ext/wrapping/units.py for the choice).
     unit_list = resolve_units(model, options.units, min_bytes=options.bucket_bytes)
     ordered, counts, unit_of_bucket = _plan_units(model, unit_list)
+    ordered, counts, unit_of_bucket = _split_by_optimizer(ordered, counts, optimizers, unit_of_bucket)
     return unit_list, ordered, counts, unit_of_bucket
 
 
 def _build_core(ordered: List[torch.nn.Parameter], names: List[str], counts: List[int],
-                unit_of_bucket: List[int], options: Options, group_names: List[str], replica_name: str,
-                deferred: bool):
+                unit_of_bucket: List[int], owners: List[int], options: Options, group_names: List[str],
+                replica_name: str, deferred: bool):
     """The C++ core (torch.classes.zero_ext.ShardedModel) with its loss
     scaling and non-finite policy set."""
     precision = options.precision
     core = ShardedModel(ordered, names, [int(p.requires_grad) for p in ordered], counts, unit_of_bucket,
                         options.stage, group_names[0] if group_names else "",
                         group_names[1] if len(group_names) > 1 else "", replica_name, options.prefetch,
-                        precision.compute_dtype, precision.reduce_dtype, options.offload, deferred)
+                        precision.compute_dtype, precision.reduce_dtype, options.offload, deferred, owners)
     scale = precision.loss_scale
     if isinstance(scale, DynamicLossScale):
         core.enable_loss_scaling(float(scale.initial_scale), float(scale.growth_factor),
@@ -121,7 +150,7 @@ def _acquire_header_groups(topology: Topology, count: int, timeout, device: torc
     return acquire_groups(base, count, timeout, device, owner, backend="gloo"), None
 
 
-def _enable_stall_diagnosis(core, ranks: _Ranks, topology: Topology, limit: Optional[datetime.timedelta]) -> None:
+def _enable_stall_diagnosis(core, ranks: Ranks, topology: Topology, limit: Optional[datetime.timedelta]) -> None:
     """A wait stalled a quarter of the timeout (between 1 s and 5 s)
     compares notes with the other ranks (see communicator.h)."""
     seconds = limit.total_seconds() if limit is not None else 1800.0
@@ -142,7 +171,7 @@ def _broadcast_buffers(model: torch.nn.Module, core) -> None:
 
 def wrap(
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]],
     stage: int = 2,
     process_group: Union[None, dist.ProcessGroup, "torch.distributed.device_mesh.DeviceMesh"] = None,
     mixed_precision: Union[None, str, MixedPrecision] = None,
@@ -167,7 +196,12 @@ def wrap(
 
     Args:
         model: module already on its device; modified in place, same names.
-        optimizer: a torch.optim.Optimizer over ``model.parameters()``.
+        optimizer: a torch.optim.Optimizer over ``model.parameters()``, or a
+            list or tuple of them over disjoint parameters (Muon for the
+            hidden matrices, AdamW for the rest). Elementwise optimizers
+            (Adam, SGD, ...) are sharded element by element; any other
+            (Muon, Adafactor, LAMB, one zero_ext does not know) by whole
+            parameter, each stepped on one owner rank; LBFGS only at stage 0.
         stage: 0 replicated (DDP-like), 1 sharded optimizer state,
             2 also sharded gradients, 3 also sharded parameters.
         mixed_precision: None (fp32), "bf16", "fp16" (with dynamic loss
@@ -196,11 +230,12 @@ def wrap(
             ``zero_ext.skip_init``: nothing is initialized (weights come
             from ``zero_ext.load_weights`` next; NaN until then).
     Returns:
-        ``(model, optimizer)``, the same objects.
+        ``(model, optimizer)``, the same objects (a list stays that list).
     Raises:
         TypeError, ValueError: bad input, before any communication.
     """
-    trainable, options = check_wrap_arguments(model, optimizer, stage, mixed_precision, offload_optimizer,
+    optimizers = optimizer_list(optimizer)
+    trainable, options = check_wrap_arguments(model, optimizers, stage, mixed_precision, offload_optimizer,
                                               units, bucket_mb, timeout, prefetch, skip_nonfinite)
     check_launch(process_group)
     # What transformers' model.dtype says before mixed precision casts the
@@ -211,18 +246,23 @@ def wrap(
     topology = resolve_topology(process_group, model_device)
     for group in (topology.shard_group, topology.replicate_group):
         check_backend(group, model_device)
-    unit_list, ordered, counts, unit_of_bucket = _plan(model, trainable, options)
+    unit_list, ordered, counts, unit_of_bucket = _plan(model, trainable, options, optimizers)
+    owners: List[int] = []
+    if options.whole_params:  # the parameters of optimizers that are not elementwise: stepped whole by one rank
+        whole = {id(p) for opt in optimizers if optimizer_sharding(opt, options.stage) == WHOLE
+                 for g in opt.param_groups for p in g["params"]}
+        ordered, owners = plan_owners(ordered, counts, topology.shard_size, whole)
     names_by_id = {id(p): n for n, p in model.named_parameters()}
     names = [names_by_id[id(p)] for p in ordered]
     unit_names = _unit_names(model, unit_list)
-    from . import __version__
+    from .. import __version__
     check_ranks_agree(topology, model_device, wrap_fields(
         options, topology, ordered, names, counts, unit_names, unit_of_bucket, list(model.named_buffers()),
         deferred is not None, pooled_groups(), f"zero_ext {__version__}, torch {torch.__version__}"),
         list(zip(names, ordered)))
     if deferred:
         move_to_device(deferred, ordered, names)
-    # Groups of zero_ext's own (see _groups.py), owned by this model; stage 3
+    # Groups of zero_ext's own (see groups/process_groups.py), owned by this model; stage 3
     # gathers parameters on a second one (see csrc/units.h).
     # Even at world size 1 under torch.distributed: the collectives run as
     # they will on more ranks (as DDP's do), so one GPU measures the real path.
@@ -234,7 +274,7 @@ def wrap(
                                                         ordered[0].device, model)
     elif base is not None:
         own_groups = acquire_groups(base, count, options.timeout, ordered[0].device, model)
-    core = _build_core(ordered, names, counts, unit_of_bucket, options, [g.group_name for g in own_groups],
+    core = _build_core(ordered, names, counts, unit_of_bucket, owners, options, [g.group_name for g in own_groups],
                        replica_group.group_name if replica_group is not None else "", deferred is not None)
     if unit_names:
         core.set_unit_names(unit_names)
@@ -247,7 +287,7 @@ def wrap(
         header_groups = headers + ([replica_headers] if replica_headers is not None else [])
         core.enable_collective_checks(headers[0].group_name, headers[1].group_name if len(headers) > 1 else "",
                                       replica_headers.group_name if replica_headers is not None else "")
-    apply_test_fault(core, topology.mesh_rank if topology.mesh_size > 1 else 0)
+    faults.arm_core(core, topology.mesh_rank if topology.mesh_size > 1 else 0)
     state = ZeroState(
         model_ref=weakref.ref(model), stage=options.stage, core=core,
         process_group=own_groups[0] if own_groups else None, world_size=topology.shard_size,
@@ -258,29 +298,28 @@ def wrap(
         param_ids={id(p) for p in ordered if p.requires_grad}, bucketed=ordered,
         bucketed_names=names, compute_dtype=options.precision.compute_dtype,
         cast_inputs=options.precision.cast_inputs,
-        sharded_optimizer=options.stage >= 1 or core.has_masters(), offload=options.offload,
+        offload=options.offload,
     )
     weakref.finalize(state, retire_if_failed, core,
                      own_groups + ([replica_group] if replica_group is not None else []) + header_groups)
     if own_groups:
-        _enable_stall_diagnosis(core, _Ranks(state), topology, options.timeout or group_timeout(base))
+        _enable_stall_diagnosis(core, Ranks(state), topology, options.timeout or group_timeout(base))
         if state.device.type == "cpu":  # host waits only, as the stall diagnosis (communicator.h)
             whereabouts.start(model, core)
     if deferred:
-        groups_of_bucket = unit_of_bucket if options.stage == 3 else list(range(len(counts)))
-        materialize(deferred, core, _Ranks(state), ordered, counts, groups_of_bucket, lambda: _local_views(state),
-                    params_sharded=options.stage == 3)
+        groups_of_bucket = unit_of_bucket if state.params_sharded else list(range(len(counts)))
+        materialize(deferred, core, Ranks(state), ordered, counts, groups_of_bucket, lambda: local_views(state),
+                    params_sharded=state.params_sharded)
     if own_groups:
         _broadcast_buffers(model, core)
-    _attach(model, optimizer, state, unit_list, export_dtype)
+    _attach(model, optimizers, state, unit_list, export_dtype)
     return model, optimizer
 
 
-def _attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: ZeroState,
+def _attach(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], state: ZeroState,
             unit_list: List[Unit], export_dtype: Optional[torch.dtype]) -> None:
-    """Hands the model and optimizer over: parameters point to the state,
-    the model's class and hooks change, the optimizer steps zero_ext's shards."""
-    group_of = {id(p): g for g, group_ in enumerate(optimizer.param_groups) for p in group_["params"]}
+    """Hands the model and optimizers over: parameters point to the state,
+    the model's class and hooks change, the optimizers step zero_ext's shards."""
     for p in state.bucketed:
         p._zero_ext_owner = weakref.ref(state)  # zero_ext.clip_grad_norm_ and full_params find it
     # A Hugging Face model's save_pretrained writes the fp32 masters and the
@@ -292,4 +331,5 @@ def _attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: Zer
     # zero_ext would reduce every gradient a second time.
     model._is_accelerate_prepared = True
     install_forward_hooks(model, unit_list)
-    shard_optimizer(optimizer, state, state.bucketed, group_of)
+    for optimizer in optimizers:
+        shard_optimizer(optimizer, state, state.bucketed, several=len(optimizers) > 1)

@@ -21,7 +21,7 @@ def _local_norm(grads: List[torch.Tensor], norm_type: float, device: torch.devic
 
 def _reduce(local: torch.Tensor, state, norm_type: float) -> torch.Tensor:
     """Over the model's ranks when each holds a part of the gradient."""
-    sharded = state.stage >= 1 and state.process_group is not None and state.world_size > 1
+    sharded = state.grads_sharded and state.process_group is not None and state.world_size > 1
     if not sharded:
         return local
     on_device = local.to(state.device)  # NCCL reduces device tensors; offloaded grads are on the host

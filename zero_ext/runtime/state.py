@@ -1,12 +1,16 @@
-"""ZeroState: everything zero_ext keeps for one wrapped model (model._zero_ext)."""
+"""ZeroState: everything zero_ext keeps for one wrapped model (model._zero_ext),
+and how a model or one of its modules finds it."""
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import List, Optional, Set
 
 import torch
 import torch.distributed as dist
+
+from ..optim.step_round import StepRound
 
 
 @dataclass
@@ -30,8 +34,43 @@ class ZeroState:
     bucketed_names: List[str]
     compute_dtype: Optional[torch.dtype]  # mixed precision: what parameters compute in
     cast_inputs: bool  # floating forward inputs are cast to compute_dtype
-    sharded_optimizer: bool  # the optimizer steps zero_ext's segments (not the parameters)
     offload: bool  # masters, gradient accumulators and optimizer state in host memory
+    step_round: Optional[StepRound] = None  # the step of the model's optimizers (set at construction)
+
+    def __post_init__(self) -> None:
+        self.step_round = StepRound(self.core)
+
+    # The modes, as the core's layout decided them at wrap() (csrc/layout.h):
+    # read here, and nowhere else compared with stage numbers.
+    @functools.cached_property
+    def params_sharded(self) -> bool:
+        """Stage 3: parameters hold no memory between uses (gathered per unit)."""
+        return bool(self.core.params_sharded())
+
+    @functools.cached_property
+    def replicated(self) -> bool:
+        """Stage 0 with fp32 masters or a low-precision reduce: every rank
+        holds the whole gradient and steps the whole model on zero_ext's copies."""
+        return bool(self.core.replicated())
+
+    @functools.cached_property
+    def grads_sharded(self) -> bool:
+        """Stages 1-3: each rank holds the reduced gradient of its shard only,
+        so its optimizer state is that of its shard."""
+        return self.core.grad_layout() in ("sharded_persistent", "sharded_transient")
+
+    @functools.cached_property
+    def whole_params(self) -> bool:
+        """Stages 1-3 with an optimizer that is not elementwise: each
+        parameter has one owner rank, whose shard holds it whole
+        (optim/ownership.py)."""
+        return bool(self.core.whole_params())
+
+    @functools.cached_property
+    def sharded_optimizer(self) -> bool:
+        """The optimizer steps zero_ext's segments (a shard, or the replicated
+        copies), not the model's parameters."""
+        return self.grads_sharded or bool(self.core.has_masters())
 
     @property
     def mesh_size(self) -> int:
@@ -58,3 +97,23 @@ class ZeroState:
             "Their gradients would not be reduced or stepped. Update parameters in place "
             "(param.data.copy_(...)) or freeze/replace them before calling wrap()."
         )
+
+
+def state_of(model: torch.nn.Module):
+    state = getattr(model, "_zero_ext", None)
+    if state is None:
+        raise ValueError("zero_ext: this model is not wrapped; call zero_ext.wrap(model, optimizer) first")
+    return state
+
+
+def owner_state(module: torch.nn.Module):
+    """The zero_ext state of the wrapped model that `module` is or belongs to."""
+    state = getattr(module, "_zero_ext", None)
+    if state is not None:
+        return state
+    for p in module.parameters():
+        ref = getattr(p, "_zero_ext_owner", None)
+        if ref is not None and ref() is not None:
+            return ref()
+    raise ValueError("zero_ext: this module is neither a model wrapped by zero_ext nor a submodule of one "
+                     "(with parameters); call zero_ext.wrap(model, optimizer) first")

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch.utils._pytree import tree_flatten, tree_iter, tree_map_only, tree_unflatten
 
-from ._torch_compat import outside_compile
+from ..tools.torch_compat import outside_compile
 
 
 def tensors_requiring_grad(output: Any) -> List[torch.Tensor]:
@@ -420,7 +420,7 @@ def install_forward_hooks(module: torch.nn.Module, units: List[tuple]) -> RootHo
     root.install(module)
     probes: Dict[int, torch.Tensor] = {}
     if has_merged_units:
-        from ._units import assign_parameters
+        from ..wrapping.units import assign_parameters
 
         owner = assign_parameters(module, units)
         for p in module.parameters():

@@ -1,0 +1,168 @@
+"""zero_ext/ reads as rooms (zero_ext/README.md): each concern a subpackage,
+no private name imported from another room, the top level only the public
+API and the command lines, modes read from the core's layout, one
+fault-injection variable."""
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(REPO, "zero_ext")
+ROOMS = {"wrapping", "runtime", "optim", "groups", "tools", "files", "integrations"}
+TOP_LEVEL = {"__init__.py", "env.py", "selfcheck.py", "convert.py"}  # the public API and `python -m` entry points
+SHARED_PRIVATE = {"_C", "__version__"}  # the compiled core and the version: the package's own
+
+
+def modules():
+    for root, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(root, name)
+                rel = os.path.relpath(path, PACKAGE).replace(os.sep, "/")
+                yield rel, path
+
+
+def room_of(module: str) -> str:
+    """'wrapping' for zero_ext.wrapping.units; '' for the top level."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in ROOMS) else ""
+
+
+def dotted(rel: str) -> str:
+    parts = ["zero_ext"] + rel[:-3].split("/")
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def cross_room_private_imports(rel: str, source: str):
+    """(importer, imported module, private name) for every `from X import _y`
+    or import of a private module of another room in one file."""
+    module = dotted(rel)
+    package = module if rel.endswith("__init__.py") else module.rsplit(".", 1)[0]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            base = package.split(".")
+            base = base[: len(base) - (node.level - 1)]
+            target = ".".join(base + ([node.module] if node.module else []))
+        else:
+            target = node.module or ""
+        if not target.startswith("zero_ext"):
+            continue
+        for alias in node.names:
+            full = f"{target}.{alias.name}"
+            if room_of(full if not node.module or target == package else target) == room_of(module):
+                continue
+            segments = full.split(".")[1:]
+            if any(s.startswith("_") and s not in SHARED_PRIVATE for s in segments):
+                found.append((module, target, alias.name))
+    return found
+
+
+def test_the_top_level_holds_only_the_api_and_the_command_lines():
+    top = {name for name in os.listdir(PACKAGE) if name.endswith(".py")}
+    assert top == TOP_LEVEL, f"modules outside a room: {sorted(top - TOP_LEVEL)}"
+    rooms = {name for name in os.listdir(PACKAGE) if os.path.isfile(os.path.join(PACKAGE, name, "__init__.py"))}
+    assert rooms == ROOMS
+    for room in rooms:
+        with open(os.path.join(PACKAGE, room, "__init__.py")) as f:
+            assert ast.get_docstring(ast.parse(f.read())), f"zero_ext/{room}/__init__.py says what the room holds"
+
+
+def test_no_private_name_is_imported_across_rooms():
+    found = []
+    for rel, path in modules():
+        with open(path) as f:
+            found += cross_room_private_imports(rel, f.read())
+    assert not found, found
+
+
+def test_the_check_finds_a_private_import_across_rooms():
+    """Positive control: the import the move removed (files/ reading the
+    wrapped model's state through a private helper) is caught."""
+    bad = "from ..runtime.state_dict import _state\nfrom .plan import _private_but_same_room\n"
+    assert cross_room_private_imports("files/save.py", bad) == [
+        ("zero_ext.files.save", "zero_ext.runtime.state_dict", "_state")]
+
+
+def test_stage_numbers_are_compared_only_where_wrap_plans():
+    """Everywhere else the modes come from the core's layout (ZeroState's
+    params_sharded, grads_sharded, replicated, sharded_optimizer)."""
+    offenders = []
+    for rel, path in modules():
+        if rel.startswith("wrapping/"):
+            continue
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                if any(isinstance(s, ast.Attribute) and s.attr == "stage" for s in sides) and \
+                        any(isinstance(s, ast.Constant) and isinstance(s.value, int) for s in sides):
+                    offenders.append(f"{rel}:{node.lineno}")
+    assert not offenders, offenders
+
+
+@pytest.mark.parametrize("stage,modes", [
+    (0, dict(params_sharded=False, grads_sharded=False, replicated=False, sharded_optimizer=False)),
+    (1, dict(params_sharded=False, grads_sharded=True, replicated=False, sharded_optimizer=True)),
+    (2, dict(params_sharded=False, grads_sharded=True, replicated=False, sharded_optimizer=True)),
+    (3, dict(params_sharded=True, grads_sharded=True, replicated=False, sharded_optimizer=True)),
+])
+def test_the_modes_come_from_the_core(stage, modes):
+    model, _ = _wrapped(stage)
+    state = model._zero_ext
+    assert {k: getattr(state, k) for k in modes} == modes
+
+
+def _wrapped(stage: int):
+    import torch
+
+    import zero_ext
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    return zero_ext.wrap(model, torch.optim.AdamW(model.parameters()), stage=stage)
+
+
+def test_stage_0_with_fp32_masters_is_replicated():
+    import torch
+
+    import zero_ext
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model, _ = zero_ext.wrap(model, torch.optim.AdamW(model.parameters()), stage=0,
+                             mixed_precision=zero_ext.MixedPrecision(torch.bfloat16))
+    state = model._zero_ext
+    assert (state.replicated, state.grads_sharded, state.sharded_optimizer) == (True, False, True)
+
+
+def test_one_variable_arms_every_fault_point(monkeypatch):
+    from zero_ext.tools import faults
+    from zero_ext.tools import build_check
+
+    monkeypatch.setenv(faults.VARIABLE, ",".join([faults.spec("after_shards", 1), faults.spec("no_exchange"),
+                                                 faults.spec("grad_hook", 0, 3), "malformed"]))
+    assert faults.armed("after_shards", 1) and not faults.armed("after_shards", 0)
+    assert faults.armed("no_exchange") and faults.armed("no_exchange", 5)
+    assert faults.armed_faults()[2] == faults.Fault("grad_hook", 0, 3)
+    assert build_check.FAULT_VARIABLE == faults.VARIABLE
+    # The save's exit points end the process as a kill would, only where armed.
+    code = ("import os; os.environ['ZERO_EXT_TEST_FAULT'] = 'before_publish:0'; "
+            "from zero_ext.tools import faults; faults.exit_if_armed('before_publish', 1); "
+            "faults.exit_if_armed('after_shards', 0); faults.exit_if_armed('before_publish', 0); print('alive')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": REPO})
+    assert done.returncode == faults.EXIT_CODE and "alive" not in done.stdout, done.stderr
+
+
+def test_every_room_is_packaged():
+    """A wheel (the torch-version venvs install one) carries every room."""
+    import tomllib
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        packages = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    assert packages == {"zero_ext"} | {f"zero_ext.{room}" for room in ROOMS}

@@ -1,0 +1,87 @@
+"""A model's optimizers seen as one, by the calls that take "the optimizer"
+(save, load, memory_report): `zero_ext.wrap(model, [muon, adamw])` hands the
+user their list back, and these calls take that list.
+
+The view's param_groups are the optimizers' own group dicts, one after the
+other (a checkpoint lists them in that order), and its state reads and
+writes each tensor's state in the optimizer that steps it.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, List, MutableMapping, Sequence, Union
+
+import torch
+
+
+class _StateView(MutableMapping):
+    def __init__(self, optimizers: List[torch.optim.Optimizer]) -> None:
+        self._optimizers = optimizers
+
+    def _holder(self, tensor: torch.Tensor) -> torch.optim.Optimizer:
+        for opt in self._optimizers:
+            if any(p is tensor for g in opt.param_groups for p in g["params"]):
+                return opt
+        raise KeyError("zero_ext: a tensor that none of the model's optimizers steps")
+
+    def __getitem__(self, tensor: torch.Tensor) -> Dict[str, Any]:
+        for opt in self._optimizers:
+            if tensor in opt.state:
+                return opt.state[tensor]
+        raise KeyError(tensor)
+
+    def __setitem__(self, tensor: torch.Tensor, value: Dict[str, Any]) -> None:
+        self._holder(tensor).state[tensor] = value
+
+    def __delitem__(self, tensor: torch.Tensor) -> None:
+        for opt in self._optimizers:
+            if tensor in opt.state:
+                del opt.state[tensor]
+                return
+        raise KeyError(tensor)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for opt in self._optimizers:
+            yield from opt.state
+
+    def __len__(self) -> int:
+        return sum(len(opt.state) for opt in self._optimizers)
+
+    def clear(self) -> None:
+        for opt in self._optimizers:
+            opt.state.clear()
+
+
+class OptimizerSet:
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self.optimizers = list(optimizers)
+        self.state = _StateView(self.optimizers)
+
+    @property
+    def param_groups(self) -> List[dict]:
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    @property
+    def _zero_ext(self):
+        """The wrapped model's state, if every optimizer was wrapped with the same model."""
+        states = {id(getattr(opt, "_zero_ext", None)): getattr(opt, "_zero_ext", None) for opt in self.optimizers}
+        return next(iter(states.values())) if len(states) == 1 else None
+
+    @property
+    def class_name(self) -> str:
+        return "+".join(class_name(opt) for opt in self.optimizers)
+
+
+def class_name(optimizer: Union[torch.optim.Optimizer, OptimizerSet]) -> str:
+    """The user's optimizer class (before wrap() put zero_ext's in front), or
+    the classes of a set joined by '+'."""
+    if isinstance(optimizer, OptimizerSet):
+        return optimizer.class_name
+    cls = type(optimizer)
+    return cls.__mro__[1].__name__ if getattr(optimizer, "_zero_ext", None) is not None else cls.__name__
+
+
+def as_one(optimizer: Any) -> Any:
+    """One optimizer as it is; a list or tuple of them as an OptimizerSet."""
+    if isinstance(optimizer, (list, tuple)):
+        return OptimizerSet(optimizer)
+    return optimizer

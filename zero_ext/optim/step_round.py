@@ -1,0 +1,70 @@
+"""One optimizer step of a model, however many optimizers it has.
+
+`zero_ext.wrap(model, [muon, adamw])` gives the model two optimizers over
+disjoint parameters, stepped one after the other. Some decisions belong to
+the step as a whole: whether it is skipped (fp16 overflow, skip_nonfinite;
+the loss scale moves once), and when the gradients are zeroed (the core
+zeroes a model's gradients together). A round opens at the first
+optimizer's step after a backward and closes once every optimizer of the
+model has stepped:
+- the first step decides (core.begin_step), the others take its decision;
+  an optimizer stepping again in an open round opens a new one;
+- zero_grad() of an optimizer that has stepped, while another has not yet
+  in the open round, waits for it, and runs right after its step (the usual loop
+  `for opt in opts: opt.step(); opt.zero_grad()` would otherwise zero
+  AdamW's gradients before AdamW stepped). A round that opens while such a
+  zero_grad still waits raises: those gradients were never zeroed.
+With one optimizer every step is a round of its own, as before.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Set, Tuple
+
+
+class StepRound:
+    def __init__(self, core) -> None:
+        self.core = core
+        self.members: List[int] = []  # id() of each optimizer of the model
+        self.decision: Optional[bool] = None  # None: no round open
+        self.done: Set[int] = set()
+        self.waiting_zero: Optional[bool] = None  # set_to_none of a zero_grad that waits
+
+    def join(self, optimizer) -> None:
+        self.members.append(id(optimizer))
+
+    def _open(self) -> bool:
+        return self.decision is not None and len(self.done) < len(self.members)
+
+    def decide(self, optimizer) -> Tuple[bool, bool]:
+        """(skip this step, decided now)."""
+        if self.decision is None or id(optimizer) in self.done or len(self.members) == 1:
+            if self.waiting_zero is not None:
+                pending = len(self.members) - len(self.done)
+                self.waiting_zero = None
+                raise RuntimeError(
+                    f"zero_ext: a zero_grad() of one of this model's optimizers waited for {pending} other "
+                    f"optimizer(s) to step first, and they did not: the gradients were never zeroed, so this "
+                    f"step would use gradients accumulated over several backwards. zero_ext zeroes a model's "
+                    f"gradients together; step every optimizer of the model (or none) between backwards, or "
+                    f"call zero_grad() after the last one's step.")
+            self.decision = bool(self.core.begin_step())
+            self.done = set()
+            return self.decision, True
+        return self.decision, False
+
+    def stepped(self, optimizer) -> None:
+        self.done.add(id(optimizer))
+        if len(self.done) >= len(self.members):
+            self.decision = None  # every optimizer stepped: the round closes
+            if self.waiting_zero is not None:
+                set_to_none, self.waiting_zero = self.waiting_zero, None
+                self.core.zero_grad(set_to_none)
+
+    def zero_grad(self, optimizer, set_to_none: bool) -> None:
+        # Waits only after this optimizer's own step, for another one's: a
+        # zero_grad inside a step (LBFGS's closure) or with one optimizer
+        # runs at once, as in PyTorch.
+        if len(self.members) > 1 and self._open() and id(optimizer) in self.done:
+            self.waiting_zero = set_to_none  # another optimizer still reads these gradients
+            return
+        self.core.zero_grad(set_to_none)

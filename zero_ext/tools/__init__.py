@@ -1,0 +1,3 @@
+"""Around the core: loading it after the torch-version and build checks,
+every difference between supported torch versions, the environment report,
+and test-only fault injection."""
