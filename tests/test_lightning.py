@@ -85,6 +85,15 @@ def test_stage_trains_as_ddp(runs, stage):
     assert mine["synced_backwards"] == STEPS
 
 
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_two_optimizers_muon_and_adamw_train_as_ddp(runs, stage):
+    # configure_optimizers returns [Muon, AdamW]; the strategy wraps them as one list (Muon by whole parameter).
+    mine, ddp = runs[f"muon_adamw_stage{stage}"], runs["muon_adamw_ddp"]
+    _assert_weights_close(mine["weights"], ddp["weights"])
+    torch.testing.assert_close(mine["micro_batch_losses"], ddp["micro_batch_losses"], rtol=RTOL, atol=ATOL)
+    assert _max_diff(ddp["weights"], runs["ddp"]["weights"]) > 1e-2  # Muon ran: not the AdamW run's weights
+
+
 def test_manual_optimization_trains_as_ddp(runs):
     # block_backward_sync(), manual_backward() and self.clip_gradients() by hand, at stage 3.
     manual = runs["manual_stage3"]
@@ -128,4 +137,4 @@ def test_registry_and_refusals(runs):
     checks = runs["checks"]
     assert checks["registered"] == "ZeroExtStrategy stage 2"
     assert checks["bf16_mixed"].startswith("ValueError") and "mixed_precision='bf16'" in checks["bf16_mixed"]
-    assert checks["two_optimizers"].startswith("ValueError") and "exactly one optimizer" in checks["two_optimizers"]
+

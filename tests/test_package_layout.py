@@ -154,8 +154,10 @@ def test_one_variable_arms_every_fault_point(monkeypatch):
     code = ("import os; os.environ['ZERO_EXT_TEST_FAULT'] = 'before_publish:0'; "
             "from zero_ext.tools import faults; faults.exit_if_armed('before_publish', 1); "
             "faults.exit_if_armed('after_shards', 0); faults.exit_if_armed('before_publish', 0); print('alive')")
+    import zero_ext  # the copy under test (an installed one in the torch-version venvs), not the checkout
+
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": REPO})
+                          env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(zero_ext.__file__))})
     assert done.returncode == faults.EXIT_CODE and "alive" not in done.stdout, done.stderr
 
 

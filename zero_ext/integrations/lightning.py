@@ -16,10 +16,11 @@ registers it there; this happens at import when pytorch_lightning is already
 imported).
 
 What it changes in Lightning's DDPStrategy, and why:
-  - setup_optimizers: once Lightning has built the one optimizer (and its LR
+  - setup_optimizers: once Lightning has built the optimizers (and their LR
     schedulers) from configure_optimizers, the LightningModule and the
-    optimizer are wrapped by zero_ext.wrap. The optimizer stays the same
-    object, so the schedulers stay attached. Nothing is wrapped in DDP.
+    optimizer (or the list of them: Muon + AdamW under manual optimization)
+    are wrapped by zero_ext.wrap. The optimizers stay the same objects, so
+    the schedulers stay attached. Nothing is wrapped in DDP.
   - training_step and the other steps are called as DDPStrategy calls them
     without its wrapper: directly. zero_ext's hooks act on the module's
     forward (self(x)) and on its submodules' forwards, exactly as in a plain
@@ -53,7 +54,7 @@ import importlib
 import os
 import sys
 import tempfile
-from typing import Any, Callable, Dict, Generator, Optional, Tuple
+from typing import Any, Callable, Dict, Generator, List, Optional, Tuple, Union
 
 import torch
 
@@ -180,8 +181,9 @@ def _define(pl: Any) -> Tuple[type, type]:
                 read plain checkpoint files for validate/test/predict and to
                 remove checkpoints; zero_ext.save writes them.
 
-        zero_ext always reduces over the world group. The LightningModule
-        must return exactly one optimizer from configure_optimizers.
+        zero_ext always reduces over the world group. configure_optimizers
+        returns one optimizer, or several over disjoint parameters (Lightning
+        steps several under manual optimization only).
         """
 
         def __init__(
@@ -275,23 +277,23 @@ def _define(pl: Any) -> Tuple[type, type]:
                     "the weights over with new_module.load_state_dict(zero_ext.full_state_dict(module)).")
             super().setup_optimizers(trainer)
             optimizers = [plain_optimizer(o) for o in self.optimizers]
-            if len(optimizers) != 1 or isinstance(optimizers[0], _MockOptimizer):
-                found = "none" if not optimizers or isinstance(optimizers[0], _MockOptimizer) else len(optimizers)
+            if not optimizers or isinstance(optimizers[0], _MockOptimizer):
                 raise ValueError(
-                    f"ZeroExtStrategy trains with exactly one optimizer, and configure_optimizers returned {found}. "
-                    "Return a single optimizer over all trainable parameters (with per-parameter-group "
-                    "hyperparameters where they differ) and at most its LR schedulers.")
-            optimizer = optimizers[0]
-            wrap(module, optimizer, **self._wrap_options)
-            # The same object, now of zero_ext's optimizer class: rebuild Lightning's wrapper around it.
-            self.optimizers = [optimizer]
+                    "ZeroExtStrategy trains with the optimizers configure_optimizers returns, and it returned none. "
+                    "Return an optimizer over all trainable parameters, or several over disjoint parameters "
+                    "(Muon for the hidden matrices and AdamW for the rest, with manual optimization).")
+            # Several optimizers over disjoint parameters are one zero_ext.wrap (a list): they make one step.
+            wrap(module, optimizers if len(optimizers) > 1 else optimizers[0], **self._wrap_options)
+            # The same objects, now of zero_ext's optimizer class: rebuild Lightning's wrappers around them.
+            self.optimizers = optimizers
 
-        def _zero_ext_optimizer(self) -> torch.optim.Optimizer:
-            optimizer = plain_optimizer(self.optimizers[0]) if self.optimizers else None
-            if not is_wrapped(optimizer):
+        def _zero_ext_optimizer(self) -> Union[torch.optim.Optimizer, List[torch.optim.Optimizer]]:
+            """The wrapped optimizer, or the list of them (what zero_ext.save and load take)."""
+            optimizers = [plain_optimizer(o) for o in self.optimizers]
+            if not optimizers or not all(is_wrapped(o) for o in optimizers):
                 raise RuntimeError("ZeroExtStrategy: no zero_ext optimizer yet; checkpoints are saved and loaded "
                                    "by trainer.fit, once the module and its optimizer are wrapped")
-            return optimizer
+            return optimizers if len(optimizers) > 1 else optimizers[0]
 
         # --- gradient accumulation -------------------------------------------
 

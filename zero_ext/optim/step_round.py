@@ -24,20 +24,23 @@ from typing import List, Optional, Set, Tuple
 class StepRound:
     def __init__(self, core) -> None:
         self.core = core
-        self.members: List[int] = []  # id() of each optimizer of the model
+        self.members: List[int] = []  # each optimizer's token (_zero_ext_member)
         self.decision: Optional[bool] = None  # None: no round open
         self.done: Set[int] = set()
         self.waiting_zero: Optional[bool] = None  # set_to_none of a zero_grad that waits
 
     def join(self, optimizer) -> None:
-        self.members.append(id(optimizer))
+        # A token in the optimizer's __dict__, not id(): wrappers that copy
+        # it (Lightning's LightningOptimizer) then count as the optimizer.
+        optimizer._zero_ext_member = len(self.members)
+        self.members.append(optimizer._zero_ext_member)
 
     def _open(self) -> bool:
         return self.decision is not None and len(self.done) < len(self.members)
 
     def decide(self, optimizer) -> Tuple[bool, bool]:
         """(skip this step, decided now)."""
-        if self.decision is None or id(optimizer) in self.done or len(self.members) == 1:
+        if self.decision is None or optimizer._zero_ext_member in self.done or len(self.members) == 1:
             if self.waiting_zero is not None:
                 pending = len(self.members) - len(self.done)
                 self.waiting_zero = None
@@ -53,7 +56,7 @@ class StepRound:
         return self.decision, False
 
     def stepped(self, optimizer) -> None:
-        self.done.add(id(optimizer))
+        self.done.add(optimizer._zero_ext_member)
         if len(self.done) >= len(self.members):
             self.decision = None  # every optimizer stepped: the round closes
             if self.waiting_zero is not None:
@@ -64,7 +67,7 @@ class StepRound:
         # Waits only after this optimizer's own step, for another one's: a
         # zero_grad inside a step (LBFGS's closure) or with one optimizer
         # runs at once, as in PyTorch.
-        if len(self.members) > 1 and self._open() and id(optimizer) in self.done:
+        if len(self.members) > 1 and self._open() and optimizer._zero_ext_member in self.done:
             self.waiting_zero = set_to_none  # another optimizer still reads these gradients
             return
         self.core.zero_grad(set_to_none)
