@@ -151,3 +151,29 @@ def test_a_models_optimizers_skip_a_nonfinite_step_together_and_count_it_once(st
         opt.zero_grad()
     after = zero_ext.full_state_dict(model)
     assert all(not torch.equal(before[n], after[n]) for n in before)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fp16_loss_scale_moves_once_per_step_of_a_models_optimizers(stage):
+    """fp16 dynamic loss scaling with [muon, adamw]: an overflow skips both
+    and halves the scale once (not once per optimizer); clean steps then
+    train both."""
+    from whole_param_optimizer_scenarios import muon_and_adamw
+
+    model = WithBiases()
+    precision = zero_ext.MixedPrecision(torch.float16, loss_scale=zero_ext.DynamicLossScale(initial_scale=2.0 ** 8))
+    model, opts = zero_ext.wrap(model, muon_and_adamw(model.parameters()), stage=stage, mixed_precision=precision)
+    scale = model._zero_ext.core.loss_scale()
+    (model(torch.randn(4, 6, dtype=torch.float16)).float().sum() * 1e30).backward()  # overflows in fp16
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
+    assert model._zero_ext.core.loss_scale() == scale / 2
+    assert [opt.skipped_steps for opt in opts] == [1, 1]
+    before = zero_ext.full_state_dict(model)
+    model(torch.randn(4, 6, dtype=torch.float16)).float().square().mean().backward()
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
+    after = zero_ext.full_state_dict(model)
+    assert all(not torch.equal(before[n], after[n]) for n in before)
