@@ -177,3 +177,17 @@ def test_fp16_loss_scale_moves_once_per_step_of_a_models_optimizers(stage):
         opt.zero_grad()
     after = zero_ext.full_state_dict(model)
     assert all(not torch.equal(before[n], after[n]) for n in before)
+
+
+def test_accelerate_prepare_refuses_a_list_with_the_way_around():
+    """Several optimizers are not wired into accelerate's wrappers: zero_ext's
+    own error, naming what works, before anything is wrapped."""
+    pytest.importorskip("accelerate")
+    from whole_param_optimizer_scenarios import muon_and_adamw
+
+    from zero_ext.integrations.accelerate import prepare
+
+    model = WithBiases()
+    with pytest.raises(ValueError, match=r"takes one optimizer.*zero_ext.wrap\(model, \[muon, adamw\]\)"):
+        prepare(None, model, muon_and_adamw(model.parameters()))
+    assert not hasattr(model, "_zero_ext")

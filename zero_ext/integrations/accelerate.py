@@ -71,6 +71,11 @@ def prepare(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Opt
     from accelerate.scheduler import AcceleratedScheduler
 
     where = "zero_ext.integrations.accelerate.prepare"
+    if isinstance(optimizer, (list, tuple)):
+        raise ValueError(
+            f"{where}: takes one optimizer; several (Muon + AdamW) are not wired into accelerate's wrappers yet. "
+            "Call zero_ext.wrap(model, [muon, adamw]) yourself and step the list in your loop (zero_ext.save/load "
+            "take the list), or use one optimizer here.")
     kind = getattr(accelerator.distributed_type, "name", str(accelerator.distributed_type))
     if kind in _REFUSED:
         raise ValueError(f"{where}: the Accelerator is set up for {kind}, another sharding system; "
