@@ -191,3 +191,14 @@ def test_accelerate_prepare_refuses_a_list_with_the_way_around():
     with pytest.raises(ValueError, match=r"takes one optimizer.*zero_ext.wrap\(model, \[muon, adamw\]\)"):
         prepare(None, model, muon_and_adamw(model.parameters()))
     assert not hasattr(model, "_zero_ext")
+
+
+def test_grad_scaler_with_several_optimizers_is_refused_naming_fp16_loss_scaling():
+    from whole_param_optimizer_scenarios import muon_and_adamw
+
+    model = WithBiases()
+    model, opts = zero_ext.wrap(model, muon_and_adamw(model.parameters()), stage=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    scaler.scale(model(torch.randn(4, 6)).square().mean()).backward()
+    with pytest.raises(RuntimeError, match="GradScaler with several optimizers.*mixed_precision='fp16'"):
+        scaler.step(opts[0])

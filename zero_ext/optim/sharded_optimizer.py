@@ -112,6 +112,15 @@ class ZeroExtOptimizer:
         if found_inf is not None:
             grad_scale = getattr(self, "grad_scale", None)
             self.found_inf = self.grad_scale = None  # handled here, not by a fused step
+            if len(self._zero_ext.step_round.members) > 1:
+                # GradScaler decides per optimizer from this rank's tensors; zero_ext
+                # marks a non-finite gradient in one optimizer's shard only, so the
+                # model's optimizers (and ranks) could decide differently.
+                raise RuntimeError(
+                    "zero_ext: torch.amp.GradScaler with several optimizers of one wrapped model is not "
+                    "supported (its per-optimizer overflow check would not agree across the optimizers and "
+                    "ranks). Use zero_ext's own fp16 loss scaling, mixed_precision='fp16', which skips the "
+                    "step of every optimizer of the model together.")
             if core.loss_scaling():
                 warnings.warn(
                     "zero_ext: torch.amp.GradScaler drives this optimizer, so zero_ext's own fp16 "
