@@ -366,7 +366,7 @@ def _wrap_differently(rank: int, world: int, change: Callable[[int], dict]) -> d
         mark()
         spec = change(rank)
         model = spec.pop("model", None) or MoEModel(seed=31)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        opt = spec.pop("optimizer", lambda params: torch.optim.SGD(params, lr=0.05))(model.parameters())
         options = {"stage": 3, "timeout": CHECK_TIMEOUT, "bucket_mb": ONE_UNIT_PER_BLOCK_MB, **spec}
         model, opt = zero_ext.wrap(model, opt, **options)
         outputs.append(float(lm_loss(model, tokens_of(world, 0, rank))))
@@ -390,6 +390,8 @@ DIVERGENCES: Dict[str, Callable[[int, int], dict]] = {
         rank, world, lambda r: {"stage": 2} if r == 1 else {}),
     "wrap_different_units": lambda rank, world: _wrap_differently(
         rank, world, lambda r: {"units": {Expert}} if r == 1 else {}),
+    "wrap_a_different_optimizer_sharding": lambda rank, world: _wrap_differently(  # flat SGD vs whole Adafactor
+        rank, world, lambda r: {"optimizer": lambda params: torch.optim.Adafactor(params)} if r == 1 else {}),
     "wrap_a_different_precision": lambda rank, world: _wrap_differently(
         rank, world, lambda r: {"mixed_precision": "bf16"} if r == 1 else {}),
 }

@@ -56,6 +56,8 @@ EXPECTED = {
     "wrap_a_different_stage": (["zero_ext.wrap: the ranks wrapped different models", "stage: stage="], 0),
     "wrap_different_units": (["zero_ext.wrap: the ranks wrapped different models", "units:"], 0),
     "wrap_a_different_precision": (["zero_ext.wrap: the ranks wrapped different models", "mixed_precision:"], 0),
+    "wrap_a_different_optimizer_sharding": (["zero_ext.wrap: the ranks wrapped different models",
+                                             "optimizer sharding:"], 0),
 }
 
 

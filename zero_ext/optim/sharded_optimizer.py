@@ -112,7 +112,7 @@ class ZeroExtOptimizer:
         if found_inf is not None:
             grad_scale = getattr(self, "grad_scale", None)
             self.found_inf = self.grad_scale = None  # handled here, not by a fused step
-            if len(self._zero_ext.step_round.members) > 1:
+            if self._zero_ext.step_round.size > 1:
                 # GradScaler decides per optimizer from this rank's tensors; zero_ext
                 # marks a non-finite gradient in one optimizer's shard only, so the
                 # model's optimizers (and ranks) could decide differently.

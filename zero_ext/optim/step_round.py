@@ -18,13 +18,13 @@ With one optimizer every step is a round of its own, as before.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Set, Tuple
+from typing import Optional, Set, Tuple
 
 
 class StepRound:
     def __init__(self, core) -> None:
         self.core = core
-        self.members: List[int] = []  # each optimizer's token (_zero_ext_member)
+        self.size = 0  # optimizers of the model; each has a token 0..size-1 (_zero_ext_member)
         self.decision: Optional[bool] = None  # None: no round open
         self.done: Set[int] = set()
         self.waiting_zero: Optional[bool] = None  # set_to_none of a zero_grad that waits
@@ -32,17 +32,17 @@ class StepRound:
     def join(self, optimizer) -> None:
         # A token in the optimizer's __dict__, not id(): wrappers that copy
         # it (Lightning's LightningOptimizer) then count as the optimizer.
-        optimizer._zero_ext_member = len(self.members)
-        self.members.append(optimizer._zero_ext_member)
+        optimizer._zero_ext_member = self.size
+        self.size += 1
 
     def _open(self) -> bool:
-        return self.decision is not None and len(self.done) < len(self.members)
+        return self.decision is not None and len(self.done) < self.size
 
     def decide(self, optimizer) -> Tuple[bool, bool]:
         """(skip this step, decided now)."""
-        if self.decision is None or optimizer._zero_ext_member in self.done or len(self.members) == 1:
+        if self.decision is None or optimizer._zero_ext_member in self.done or self.size == 1:
             if self.waiting_zero is not None:
-                pending = len(self.members) - len(self.done)
+                pending = self.size - len(self.done)
                 self.waiting_zero = None
                 raise RuntimeError(
                     f"zero_ext: a zero_grad() of one of this model's optimizers waited for {pending} other "
@@ -57,7 +57,7 @@ class StepRound:
 
     def stepped(self, optimizer) -> None:
         self.done.add(optimizer._zero_ext_member)
-        if len(self.done) >= len(self.members):
+        if len(self.done) >= self.size:
             self.decision = None  # every optimizer stepped: the round closes
             if self.waiting_zero is not None:
                 set_to_none, self.waiting_zero = self.waiting_zero, None
@@ -67,7 +67,7 @@ class StepRound:
         # Waits only after this optimizer's own step, for another one's: a
         # zero_grad inside a step (LBFGS's closure) or with one optimizer
         # runs at once, as in PyTorch.
-        if len(self.members) > 1 and self._open() and optimizer._zero_ext_member in self.done:
+        if self.size > 1 and self._open() and optimizer._zero_ext_member in self.done:
             self.waiting_zero = set_to_none  # another optimizer still reads these gradients
             return
         self.core.zero_grad(set_to_none)

@@ -124,7 +124,7 @@ def _first_differing_parameter(table: _Table, parameters: List[Tuple[str, torch.
 def wrap_fields(options, topology: Topology, ordered: List[torch.nn.Parameter], names: List[str],
                 counts: List[int], unit_names: List[str], unit_of_bucket: List[int],
                 buffers: List[Tuple[str, torch.Tensor]], deferred: bool, pooled_groups: int,
-                version: str) -> List[Tuple[str, object, str]]:
+                version: str, owners: List[int]) -> List[Tuple[str, object, str]]:
     """What changes the collectives, field by field: (name, value, shown)."""
     precision = options.precision
     parameters = [_parameter_description(n, p) for n, p in zip(names, ordered)]
@@ -140,6 +140,9 @@ def wrap_fields(options, topology: Topology, ordered: List[torch.nn.Parameter], 
                                                   f"{', ...' if len(unit_names) > 4 else ''})"),
         ("mixed_precision", (str(precision.compute_dtype), str(precision.reduce_dtype), repr(precision.loss_scale),
                              precision.cast_inputs), shown_precision),
+        ("optimizer sharding", owners,
+         f"{sum(o >= 0 for o in owners)} of {len(owners)} parameters stepped whole on an owner rank (an optimizer "
+         "that is not elementwise)" if any(o >= 0 for o in owners) else "every optimizer elementwise (flat shards)"),
         ("offload_optimizer", options.offload, f"offload_optimizer={'cpu' if options.offload else None}"),
         ("prefetch", options.prefetch, f"prefetch={options.prefetch}"),
         ("skip_nonfinite", options.skip_nonfinite, f"skip_nonfinite={options.skip_nonfinite}"),

@@ -258,7 +258,8 @@ def wrap(
     from .. import __version__
     check_ranks_agree(topology, model_device, wrap_fields(
         options, topology, ordered, names, counts, unit_names, unit_of_bucket, list(model.named_buffers()),
-        deferred is not None, pooled_groups(), f"zero_ext {__version__}, torch {torch.__version__}"),
+        deferred is not None, pooled_groups(), f"zero_ext {__version__}, torch {torch.__version__}",
+        owners or [-1] * len(ordered)),
         list(zip(names, ordered)))
     if deferred:
         move_to_device(deferred, ordered, names)
