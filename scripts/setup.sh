@@ -14,7 +14,7 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install --quiet torch==2.13.0
 fi
-"$PY" -m pip install --quiet xxhash pytest ninja setuptools wheel safetensors transformers accelerate lightning peft
+"$PY" -m pip install --quiet xxhash pytest pytest-xdist ninja setuptools wheel safetensors transformers accelerate lightning peft
 
 build() {
   # Installed (editable) from this checkout already: rebuild in place, which

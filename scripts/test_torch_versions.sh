@@ -44,7 +44,7 @@ env_torch_version() {  # the torch version a venv has, or nothing
   "$1/bin/python" -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null
 }
 
-TEST_DEPS=(xxhash pytest ninja setuptools wheel numpy safetensors transformers)
+TEST_DEPS=(xxhash pytest pytest-xdist ninja setuptools wheel numpy safetensors transformers)
 
 prepare_env() {  # $1 version, $2 env dir: a venv whose torch is $1
   local version=$1 env=$2
@@ -139,7 +139,7 @@ for version in "${VERSIONS[@]}"; do
   log=$env/pytest.log
   # Run from the env, not the checkout: `import zero_ext` must find the wheel
   # installed for this torch, never the checkout's own build.
-  (cd "$env" && ZERO_EXT_PARITY_WORLDS=1,2 "$env/bin/python" -m pytest -q \
+  (cd "$env" && ZERO_EXT_PARITY_WORLDS=1,2 "$env/bin/python" -m pytest -q -n 2 \
       -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml" \
       "${SUBSET[@]/#/$REPO/}" 2>&1 | tee "$log" | tail -n 40)
   [ "${PIPESTATUS[0]}" -eq 0 ] || STATUS=1

@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import multiprocessing as mp
 import os
 import re
 import shutil
@@ -32,6 +31,7 @@ import torch.nn as nn
 
 import zero_ext
 from checkpoint_trust_scenarios import attempt, params_of
+from dist_harness import rank_context, start_rank
 
 TIMEOUT = 30  # the model group's collective timeout: a hang would take this long
 LR = 0.0123   # Adam's learning rate: its bytes are found in optimizer.pt
@@ -460,13 +460,11 @@ def save_with_a_dying_rank(root: str, deadline_s: float = 90.0) -> Dict[str, Any
     shards. Returns {"survivor": rank 0's outcome, "exit_codes": [...]}. A
     launcher of its own: dist_harness ends a group as soon as a rank dies,
     which could kill the survivor before it reports."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_dying_rank, args=(r, init_file, root, results), daemon=True) for r in range(2)]
-        for p in procs:
-            p.start()
+        procs = [start_rank(ctx, _dying_rank, (r, init_file, root, results)) for r in range(2)]
         survivor = None
         end = time.monotonic() + deadline_s
         try:

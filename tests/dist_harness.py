@@ -1,5 +1,6 @@
-"""Runs a function on N gloo ranks (spawned processes) and returns each rank's result;
-or many scenarios in one group, where a failing one fails alone (run_items_on_ranks).
+"""Runs a function on N gloo ranks (processes forked from a server that
+imported torch) and returns each rank's result; or many scenarios in one
+group, where a failing one fails alone (run_items_on_ranks).
 
 A rank that raises reports its traceback and exits at once; the parent then
 ends the whole group, so one failing scenario can never leave ranks hanging in
@@ -17,6 +18,39 @@ import tempfile
 import time
 import traceback
 from typing import Any, Dict, List, Optional, Tuple
+
+
+# [Note: ranks forked from a server that imported torch]
+# Importing torch costs a rank about 1.4 s of CPU, and the suite starts a few
+# hundred ranks. They fork from multiprocessing's forkserver, which imported
+# torch once and then never ran an op or started a thread (forking is safe
+# there, as it is for a DataLoader). What a spawned rank would have taken from
+# the test's process at start, its environment, is passed along and set
+# first; zero_ext and the scenario modules are imported by each rank after
+# that, so whatever they read from the environment is the test's.
+_CONTEXT = None
+
+
+def rank_context():
+    """The multiprocessing context ranks start from (see the note above)."""
+    global _CONTEXT
+    if _CONTEXT is None:
+        _CONTEXT = mp.get_context("forkserver")
+        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed"])
+    return _CONTEXT
+
+
+def start_rank(ctx, target, args: tuple):
+    """Starts target(*args) as a daemon process with the caller's environment."""
+    process = ctx.Process(target=_with_environment, args=(dict(os.environ), target, args), daemon=True)
+    process.start()
+    return process
+
+
+def _with_environment(environment: dict, target, args: tuple) -> None:
+    os.environ.clear()
+    os.environ.update(environment)
+    target(*args)
 
 
 def _join(rank: int, world: int, init_file: str, target: str):
@@ -57,16 +91,11 @@ def _rank_main(rank: int, world: int, init_file: str, target: str, args: tuple, 
 
 def run_on_ranks(world: int, target: str, args: tuple = (), deadline_s: float = 600.0) -> List[Any]:
     """Calls ``module:function(rank, world, *args)`` on `world` gloo ranks."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [
-            ctx.Process(target=_rank_main, args=(r, world, init_file, target, args, results), daemon=True)
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
+        procs = [start_rank(ctx, _rank_main, (r, world, init_file, target, args, results)) for r in range(world)]
         out: List[Any] = [None] * world
         received = 0
         errors = []
@@ -131,7 +160,7 @@ def run_items_on_ranks(world: int, target: str, items: List[Any], item_deadline_
     {item: "error text"} for an item that raised, killed a rank or made no
     progress within `item_deadline_s`. After a failure the group is ended and
     a fresh one goes on with the items not yet run, so one defect is one failure."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     outcome: Dict[Any, Any] = {}
     remaining = list(items)
     end = time.monotonic() + deadline_s
@@ -143,10 +172,8 @@ def run_items_on_ranks(world: int, target: str, items: List[Any], item_deadline_
         results = ctx.Queue()
         with tempfile.TemporaryDirectory() as tmp:
             init_file = os.path.join(tmp, "rendezvous")
-            procs = [ctx.Process(target=_items_rank_main, args=(r, world, init_file, target, remaining, results),
-                                 daemon=True) for r in range(world)]
-            for p in procs:
-                p.start()
+            procs = [start_rank(ctx, _items_rank_main, (r, world, init_file, target, remaining, results))
+                     for r in range(world)]
             progress_at = time.monotonic()
             try:
                 while finished < world and failure is None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import datetime
 import importlib
 import json
-import multiprocessing as mp
 import os
 import sys
 import tempfile
@@ -22,6 +21,8 @@ import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, List, Optional
+
+from dist_harness import rank_context, start_rank
 
 _fault_file: Optional[str] = None
 
@@ -32,6 +33,17 @@ def record_fault() -> None:
         json.dump({"time": time.time()}, f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def linger_until_the_others_end(world: int, rank: int, at_most_s: float) -> None:
+    """Keeps the calling rank alive (its connections open) until every other
+    rank has written how it ended, or at_most_s passed: the others must end by
+    their own bounded waits, not by noticing that this rank is gone."""
+    tmp = os.path.dirname(_fault_file)
+    others = [os.path.join(tmp, f"rank{r}.json") for r in range(world) if r != rank]
+    end = time.monotonic() + at_most_s
+    while time.monotonic() < end and not all(os.path.exists(f) for f in others):
+        time.sleep(0.1)
 
 
 def _rank_main(rank: int, world: int, tmp: str, target: str, args: tuple) -> None:
@@ -70,12 +82,9 @@ class RankEnd:
 def run_with_fault(world: int, target: str, args: tuple = (), deadline_s: float = 120.0) -> List[RankEnd]:
     """Calls ``module:function(rank, world, *args)`` on `world` ranks and
     waits (at most deadline_s) for every rank to exit by itself."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_rank_main, args=(r, world, tmp, target, args), daemon=True)
-                 for r in range(world)]
-        for p in procs:
-            p.start()
+        procs = [start_rank(ctx, _rank_main, (r, world, tmp, target, args)) for r in range(world)]
         end = time.monotonic() + deadline_s
         exit_times = [None] * world
         while time.monotonic() < end and any(t is None for t in exit_times):

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zero_ext
-from fault_harness import record_fault
+from fault_harness import linger_until_the_others_end, record_fault
 from parity_scenarios import SEQ, VOCAB, Block, Blocks
 
 VICTIM = 1
@@ -84,8 +84,9 @@ def raise_inside_zero_ext(rank: int, world: int, stage: int, point: str, timeout
     FAULT_STEP (test-only ZERO_EXT_TEST_FAULT). The victim sees the error from
     backward(), then goes on training as a user skipping a bad batch would;
     the others must not wait forever for the collectives it skipped. With
-    `linger`, the victim stays alive past the timeout after its last error, so
-    the others can only end by their bounded waits."""
+    `linger`, the victim stays alive after its last error until the others
+    have ended (at most past the timeout), so they can only end by their
+    bounded waits."""
     os.environ["ZERO_EXT_TEST_FAULT"] = f"{point}:{VICTIM}:{FAULT_STEP}"
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -104,7 +105,7 @@ def raise_inside_zero_ext(rank: int, world: int, stage: int, point: str, timeout
             if raised is None:
                 raise  # not the victim: its own error, as zero_ext raised it
             if linger:
-                time.sleep(timeout + 5)
+                linger_until_the_others_end(world, rank, timeout + 5)
             raise RuntimeError(f"after the injected fault ({raised}): {e}") from e
         opt.zero_grad()
     return "finished"
