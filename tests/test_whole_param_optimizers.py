@@ -5,14 +5,16 @@ stages 1-3, world sizes 1, 2 and 4, against the same optimizer on one
 process over the global batch; one group of spawned gloo ranks per world
 size. ZERO_EXT_WHOLE_PARAM_WORLDS=2 limits the world sizes."""
 import functools
+import io
 import os
 
 import pytest
 import torch
 
 import zero_ext
-from dist_harness import assert_item_matched, run_items_on_ranks
-from whole_param_optimizer_scenarios import Matrices, TrustRatioSGD, WithBiases, all_items
+from dist_harness import assert_item_matched, run_items_on_ranks, run_on_ranks
+from whole_param_optimizer_scenarios import (RESHARD_CASES, STAGES, Matrices, TrustRatioSGD, WithBiases, all_items,
+                                             reshard_reference)
 from zero_ext.optim.ownership import FLAT, REPLICATED, WHOLE, optimizer_sharding, plan_owners
 
 WORLD_SIZES = tuple(int(w) for w in os.environ.get("ZERO_EXT_WHOLE_PARAM_WORLDS", "1,2,4").split(","))
@@ -27,6 +29,34 @@ def group_results(world: int):
 @pytest.mark.parametrize("world,item", [(world, item) for world in WORLD_SIZES for item in all_items(world)])
 def test_whole_parameter_optimizer_matches_one_process(world, item):
     assert_item_matched(world, group_results(world)[item])
+
+
+@pytest.fixture(scope="module")
+def saved_at_world_2(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("whole_reshard"))
+    run_on_ranks(2, "whole_param_optimizer_scenarios:save_for_resharding", (root,), deadline_s=300)
+    return root
+
+
+@pytest.mark.parametrize("world,mesh", [(1, ""), (4, ""), (4, "2x2")])
+def test_a_checkpoint_saved_at_world_2_continues_like_one_process_at_another(world, mesh, saved_at_world_2):
+    """[muon, adamw] saved at stage 2, Adafactor (fp32 at stage 2, bf16 at
+    stage 3) and an unknown optimizer at stage 1, all at world size 2 (owners
+    of 2 ranks);
+    loaded at world 1 and 4 (flat, and hybrid over 2x2: owners within a row)
+    into stages 1-3 and trained on: as one process trained straight through."""
+    per_rank = [torch.load(io.BytesIO(raw), weights_only=True) for raw in
+                run_on_ranks(world, "whole_param_optimizer_scenarios:load_resharded", (saved_at_world_2, mesh),
+                             deadline_s=600)]
+    for case in RESHARD_CASES:
+        want = reshard_reference(case)
+        rtol, atol = (2e-2, 2e-3) if RESHARD_CASES[case][2] else (1e-5, 1e-6)
+        for stage in STAGES:
+            label = f"{case}->stage{stage}"
+            for rank, got in enumerate(per_rank):
+                for name, value in want.items():
+                    assert torch.allclose(got[label][name], value, rtol=rtol, atol=atol), \
+                        (rank, label, name, (got[label][name] - value).abs().max())
 
 
 def test_the_optimizer_decides_how_it_is_sharded():

@@ -314,6 +314,93 @@ def checkpoint_of_a_list_across_stages(ctx: Context) -> None:
     _steps(ctx, model, opts, range(2, 4))
 
 
+# -- a checkpoint saved at one world size, loaded at another -----------------
+# The global batch is fixed (RESHARD_ROWS rows a step) and split over however
+# many ranks train, so runs at world 1, 2 and 4 see the same data and compare
+# with one process trained straight through. Owners differ between world
+# sizes: the file must carry each whole parameter's state by name, not by rank.
+
+RESHARD_ROWS = 8
+RESHARD_K = 2  # steps before the save, and after the load
+
+
+def reshard_batch(step: int):
+    g = torch.Generator().manual_seed(5150 + step)
+    return torch.randn(RESHARD_ROWS, IN, generator=g), torch.randn(RESHARD_ROWS, OUT, generator=g)
+
+
+def reshard_train(model: nn.Module, opts, steps: range, rank: int, world: int, dtype=torch.float32) -> None:
+    rows = RESHARD_ROWS // world
+    for step in steps:
+        x, y = reshard_batch(step)
+        x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+        F.mse_loss(model(x.to(dtype)).float(), y).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+
+# name: (model, optimizers as a list, mixed precision, the stage it is saved at)
+RESHARD_CASES = {
+    "muon_adamw_list": (WithBiases, muon_and_adamw, None, 2),
+    "adafactor": (WithBiases, lambda ps: [adafactor(ps)], None, 2),  # factored state: shaped unlike its parameter
+    "adafactor_bf16": (WithBiases, lambda ps: [adafactor(ps)], "bf16", 3),
+    "unknown": (Matrices, lambda ps: [trust_ratio(ps)], None, 1),
+}
+
+
+def reshard_make(case: str, stage: Optional[int], seed: int = 0, mesh: str = ""):
+    build, make, precision, _ = RESHARD_CASES[case]
+    model = build(seed=seed)
+    opts = make(model.parameters())
+    if stage is None:
+        return model, opts
+    group = {"process_group": device_mesh(*(int(v) for v in mesh.split("x")))} if mesh else {}
+    return zero_ext.wrap(model, opts, stage=stage, bucket_mb=BUCKET_MB, mixed_precision=precision, **group)
+
+
+def reshard_dtype(case: str):
+    return torch.bfloat16 if RESHARD_CASES[case][2] else torch.float32
+
+
+def save_for_resharding(rank: int, world: int, root: str) -> None:
+    assert world == 2, "the loads expect a checkpoint saved at world size 2"
+    for case, (_, _, _, stage) in RESHARD_CASES.items():
+        model, opts = reshard_make(case, stage)
+        reshard_train(model, opts, range(RESHARD_K), rank, world, reshard_dtype(case))
+        zero_ext.save(os.path.join(root, case), model, opts, extra={"saved_at": world})
+
+
+def load_resharded(rank: int, world: int, root: str, mesh: str = "") -> bytes:
+    """Every saved case loaded at this world size into stages 1-3 (fresh
+    weights: all must come from the file), trained RESHARD_K more steps;
+    the full parameters as torch.save bytes."""
+    import io
+    out = {}
+    for case in RESHARD_CASES:
+        for stage in STAGES:
+            model, opts = reshard_make(case, stage, seed=7, mesh=mesh)
+            extra = zero_ext.load(os.path.join(root, case), model, opts)
+            assert extra == {"saved_at": 2}, extra
+            reshard_train(model, opts, range(RESHARD_K, 2 * RESHARD_K), rank, world, reshard_dtype(case))
+            out[f"{case}->stage{stage}"] = zero_ext.full_state_dict(model)
+    buffer = io.BytesIO()
+    torch.save(out, buffer)
+    return buffer.getvalue()
+
+
+def reshard_reference(case: str) -> Dict[str, torch.Tensor]:
+    """One process over the global batch, trained 2 * RESHARD_K steps straight
+    through (under bf16: zero_ext at world 1, stage 1, for the fp32 masters)."""
+    if RESHARD_CASES[case][2]:
+        model, opts = reshard_make(case, 1)
+    else:
+        model, opts = reshard_make(case, None)
+    reshard_train(model, opts, range(2 * RESHARD_K), 0, 1, reshard_dtype(case))
+    return zero_ext.full_state_dict(model) if RESHARD_CASES[case][2] else \
+        {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
 SCENARIOS = {f.__name__: f for f in (muon_on_matrices, adafactor_on_matrices_and_vectors, unknown_optimizer,
                                      adafactor_bf16, muon_and_adamw_as_a_list, muon_and_adamw_tuple_zero_grad_first,
                                      muon_and_adamw_offloaded_and_clipped, checkpoint_across_stages,
