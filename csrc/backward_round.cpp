@@ -58,7 +58,7 @@ void BackwardRound::run_epilogue(bool sync) {
     // gradient, and late ones wait in param.grad for the next round.
     const bool check_nonfinite = checks_nonfinite();
     agreement_.start(reducer_, units_, check_nonfinite ? reducer_.local_nonfinite() : at::Tensor(),
-                     store_.device());
+                     store_.device(), TrainableSignature::of(store_.params()));
     if (check_nonfinite) {
       reducer_.mark_nonfinite_on_device(agreement_.last_nonfinite_sum());
     }

@@ -11,14 +11,26 @@ namespace zero_ext {
 namespace {
 // A row: step, synced backwards in the step, deferred ones among them, then
 // stage 3's gathers per unit.
-constexpr int64_t kUnitColumns = 3;
+constexpr int64_t kUnitColumns = 5;  // step, synced, deferred, trainable count, trainable hash
 }  // namespace
 
 RankAgreement::RankAgreement(const Layout& layout, const Mesh& mesh, const StepGate& gate)
     : layout_(layout), mesh_(mesh), gate_(gate) {}
 
+TrainableSignature TrainableSignature::of(const std::vector<at::Tensor>& params) {
+  TrainableSignature signature;
+  uint64_t hash = 1469598103934665603ull;  // FNV-1a over the flags
+  for (const auto& p : params) {
+    const bool trainable = p.requires_grad();
+    signature.count += trainable ? 1 : 0;
+    hash = (hash ^ (trainable ? 1u : 2u)) * 1099511628211ull;
+  }
+  signature.hash = static_cast<int64_t>(hash & ((uint64_t{1} << 23) - 1));
+  return signature;
+}
+
 void RankAgreement::start(const GradReducer& reducer, UnitScheduler* units, const at::Tensor& nonfinite,
-                          const c10::Device& device) {
+                          const c10::Device& device, const TrainableSignature& trainable) {
   const int64_t n = layout_.num_params();
   const std::vector<int64_t> gathers = units ? units->take_gather_counts() : std::vector<int64_t>();
   const int64_t width = kUnitColumns + static_cast<int64_t>(gathers.size());
@@ -41,6 +53,8 @@ void RankAgreement::start(const GradReducer& reducer, UnitScheduler* units, cons
   row[0] = static_cast<float>(progress.step_index % (int64_t{1} << 23));  // exact in a float
   row[1] = static_cast<float>(progress.synced_in_step);
   row[2] = static_cast<float>(progress.deferred_in_step);
+  row[3] = static_cast<float>(trainable.count);
+  row[4] = static_cast<float>(trainable.hash);
   for (size_t u = 0; u < gathers.size(); ++u) {
     row[kUnitColumns + u] = static_cast<float>(gathers[u]);
   }
@@ -159,6 +173,21 @@ void RankAgreement::check_in_step(const float* rows, int64_t width) const {
                   "data, or an exception caught on some ranks only, breaks this), with the same "
                   "no_sync() and set_requires_all_reduce() settings; their "
                   "gradient reductions were paired with each other's and are discarded.");
+    }
+  }
+  for (int64_t r = 1; r < world; ++r) {
+    const float* mine = rows + r * width;
+    if (mine[3] != rows[3] || mine[4] != rows[4]) {
+      std::ostringstream out;
+      for (int64_t q = 0; q < world; ++q) {
+        out << (q ? "; " : "") << "rank " << q << ": " << rows[q * width + 3] << " of "
+            << layout_.num_params() << " parameters require grad (flags hash " << rows[q * width + 4] << ")";
+      }
+      TORCH_CHECK(false, "zero_ext: the ranks' trainable parameters differ in this backward (",
+                  gate_.progress().where(), "): ", out.str(), ". requires_grad may change between "
+                  "steps, but alike on every rank (the same requires_grad_() calls before the same "
+                  "step); the gradients of a parameter frozen on some ranks only would be averaged "
+                  "with zeros from them. This step's gradients are discarded.");
     }
   }
   for (int64_t u = 0; u < width - kUnitColumns; ++u) {

@@ -5,10 +5,10 @@
 // Each rank contributes which parameters got a gradient here (the sum says
 // which got one anywhere: the ones the optimizer steps), whether a gradient
 // came late (a second round runs), whether its reduced shard is non-finite,
-// and a row of its own with where it is (step, synced backward, stage 3
-// gathers per unit): the sum hands every rank every row, so all of them see
-// the same divergence and raise alike instead of pairing mismatched
-// collectives.
+// and a row of its own with where it is (step, synced backward, which
+// parameters require grad, stage 3 gathers per unit): the sum hands every
+// rank every row, so all of them see the same divergence and raise alike
+// instead of pairing mismatched collectives.
 //
 // [Note: host syncs]
 // The exchange is issued in the backward's epilogue and read on the host
@@ -37,6 +37,17 @@
 
 namespace zero_ext {
 
+// Which parameters require grad on this rank now: their count and a 23-bit
+// hash of the flags (both exact in a float). requires_grad may change between
+// steps (freeze or unfreeze after wrap); a change on some ranks only would
+// average the others' gradients with zeros, so the rows of every exchange
+// carry it and the read refuses ranks that differ.
+struct TrainableSignature {
+  int64_t count = 0;
+  int64_t hash = 0;
+  static TrainableSignature of(const std::vector<at::Tensor>& params);
+};
+
 // What the exchanges since the last read said, once read.
 struct Agreed {
   bool late = false;                // the last backward left late gradients on some rank
@@ -52,8 +63,10 @@ class RankAgreement {
   // Collective: issues this backward's exchange. `nonfinite`: this rank's
   // 0-dim flag on the parameters' device (undefined: not checked). No host
   // sync (the mask goes up from pinned memory).
+  // `trainable`: this rank's parameters that require grad now (see
+  // TrainableSignature), compared across ranks at the read.
   void start(const GradReducer& reducer, UnitScheduler* units, const at::Tensor& nonfinite,
-             const c10::Device& device);
+             const c10::Device& device, const TrainableSignature& trainable);
   // Sum over ranks of the last exchange's non-finite flag, on the device,
   // ordered after the exchange (a stream wait under NCCL).
   at::Tensor last_nonfinite_sum();

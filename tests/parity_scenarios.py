@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import shutil
+import tempfile
 import time
 import warnings
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -582,6 +586,97 @@ def frozen_parameters(ctx: Context) -> None:
     model = Net()
     model.mid.requires_grad_(False)
     _mlp_training(ctx, model, adamw, steps=2)  # the optimizer also holds the frozen ones
+
+
+class EmbedBlocksHead(nn.Module):
+    """embed -> blocks (a ModuleList, no forward of its own) -> norm -> head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(11)
+        self.embed = nn.Linear(IN, HIDDEN)
+        self.blocks = nn.ModuleList([nn.Linear(HIDDEN, HIDDEN) for _ in range(3)])
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.head(self.norm(h))
+
+
+def grouped_and_container_units(ctx: Context) -> None:
+    """units=[[embed, norm, head], blocks]: one unit of three siblings (used
+    first and last in the forward, another unit gathered in between) and a
+    ModuleList as one unit; then the head called on its own (a use of its
+    unit like any other)."""
+    model = EmbedBlocksHead()
+    opt = adamw(model)
+    if not ctx.reference:
+        model, opt = zero_ext.wrap(model, opt, stage=ctx.stage, bucket_mb=BUCKET_MB,
+                                   units=[[model.embed, model.norm, model.head], model.blocks],
+                                   **ctx.group_kwargs())
+    for step in range(3):
+        total = 0.0
+        for r, w in ctx.participants():
+            x, y = batch(step, r, ctx.world)
+            extra = model.head(torch.tanh(torch.ones(2, HIDDEN) * 0.1 * (step + 1))).square().mean()
+            total = total + w * (F.mse_loss(model(x), y) + extra)
+        total.backward()
+        step_and_record(ctx, model, opt, step)
+
+
+grouped_and_container_units.stages = (3,)
+
+
+def frozen_and_unfrozen_after_wrap(ctx: Context) -> None:
+    """requires_grad changed between steps after wrap(), GAN-style: `mid`
+    frozen for steps 1-2 and trainable again at 3, and out.weight alone (its
+    bias trainable, the same stage 3 unit) frozen for step 1. A frozen
+    parameter gets no gradient and the optimizer skips it (no weight decay,
+    no moment update), as torch's does."""
+    model = Net()
+    model, opt = ctx.wrap(model, adamw(model))
+    for step in range(4):
+        model.mid.requires_grad_(step in (0, 3))
+        model.out.weight.requires_grad_(step != 1)
+        mlp_loss(ctx, model, step).backward()
+        step_and_record(ctx, model, opt, step)
+
+
+def frozen_after_wrap_offloaded(ctx: Context) -> None:
+    """The same with the optimizer on the host (zero_ext's C++ Adam)."""
+    model = Net()
+    model, opt = ctx.wrap(model, adamw(model), offload_optimizer="cpu")
+    for step in range(4):
+        model.mid.requires_grad_(step in (0, 3))
+        mlp_loss(ctx, model, step).backward()
+        step_and_record(ctx, model, opt, step)
+
+
+def frozen_after_wrap_saved_and_loaded(ctx: Context) -> None:
+    """`mid` frozen after wrap (its AdamW state holds one step), saved, the
+    model wrapped again from other weights and loaded, `mid` unfrozen at
+    step 3: as one process trained straight through."""
+    model = Net()
+    model, opt = ctx.wrap(model, adamw(model))
+    for step in range(4):
+        model.mid.requires_grad_(step in (0, 3))
+        if step == 2 and not ctx.reference:
+            root = [tempfile.mkdtemp(prefix="zero_ext_frozen_") if ctx.rank == 0 else None]
+            dist.broadcast_object_list(root, src=0)
+            path = os.path.join(root[0], "ck")
+            zero_ext.save(path, model, opt)
+            fresh = Net(seed=3)
+            model, opt = ctx.wrap(fresh, adamw(fresh))
+            zero_ext.load(path, model, opt)
+            model.mid.requires_grad_(False)
+            dist.barrier()
+            if ctx.rank == 0:
+                shutil.rmtree(root[0], ignore_errors=True)
+        mlp_loss(ctx, model, step).backward()
+        step_and_record(ctx, model, opt, step)
 
 
 def param_groups_and_scheduler(ctx: Context) -> None:
@@ -1581,6 +1676,76 @@ def fp16_hands_scaling_to_a_grad_scaler(ctx: Context) -> None:
     ctx.record_checks(labels, checks)
 
 
+class FeatureBlock(nn.Module):
+    """A block with a second entry point (a ViT's forward_features) that its
+    forward also calls, then uses a parameter after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.fc3(self.forward_features(h))
+
+    def forward_features(self, h: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(h)))
+
+
+class WithFeatureMethods(nn.Module):
+    """Methods besides forward: `features` (reads the root's own layer and
+    calls one block's forward_features directly) and `generate` (calls the
+    model's forward in a loop, under no_grad)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.inp = nn.Linear(IN, HIDDEN)
+        self.blocks = nn.ModuleList([FeatureBlock() for _ in range(3)])
+        self.head = nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return self.head(self.blocks[1].forward_features(h) + self.blocks[0](h))
+
+    def generate(self, x: torch.Tensor, steps: int = 3) -> torch.Tensor:
+        outs = []
+        for _ in range(steps):
+            y = self(x)
+            outs.append(y)
+            x = torch.cat([y, y], dim=-1)[:, :IN]
+        return torch.stack(outs)
+
+
+def registered_forward_methods(ctx: Context) -> None:
+    """zero_ext.register_forward_method on the model (features, generate) and
+    on each block (forward_features, also called from the block's own
+    forward): trained through both entry points, and generate's outputs, as
+    in one process. At stage 3 each block is a unit of the default policy."""
+    model = WithFeatureMethods()
+    model, opt = ctx.wrap(model, adamw(model))
+    if not ctx.reference:
+        zero_ext.register_forward_method(model, "features")
+        zero_ext.register_forward_method(model, "generate")
+        for block in model.blocks:
+            zero_ext.register_forward_method(block, "forward_features")
+    for step in range(3):
+        total = 0.0
+        for r, w in ctx.participants():
+            x, y = batch(step, r, ctx.world)
+            total = total + w * (F.mse_loss(model(x), y) + F.mse_loss(model.features(x), y))
+        total.backward()
+        step_and_record(ctx, model, opt, step)
+        with torch.no_grad():
+            x, _ = batch(50 + step, 0, 1)
+            ctx.record_value(f"step {step}: generate", model.generate(x).sum())
+
+
 SCENARIOS: Dict[str, Callable[[Context], None]] = {
     f.__name__: f
     for f in [
@@ -1645,6 +1810,11 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
         parameter_listed_twice_in_a_group,
         graph_from_before_the_step_raises,
         full_params_read_ema_and_writeback,
+        registered_forward_methods,
+        frozen_and_unfrozen_after_wrap,
+        frozen_after_wrap_offloaded,
+        frozen_after_wrap_saved_and_loaded,
+        grouped_and_container_units,
     ]
 }
 STAGES = (0, 1, 2, 3)

@@ -360,6 +360,25 @@ def evaluation_loops_of_different_lengths(rank: int, world: int) -> dict:
     return _train_with_evaluation(rank, world, batches=3 if rank == 0 else 2)
 
 
+def frozen_on_one_rank_only(rank: int, world: int, stage: int = 3) -> dict:
+    """Rank 1 freezes the head before step 1 (requires_grad_(False) after
+    wrap, allowed when every rank does it): its gradient would be averaged
+    with rank 1's zeros. Each step's loss is kept once the step is taken."""
+    def body(outputs, mark):
+        model, opt = _moe_wrapped(stage=stage, bucket_mb=ONE_UNIT_PER_BLOCK_MB)
+        for step in range(3):
+            if step == 1:
+                mark()
+                if rank == 1:
+                    model.head.weight.requires_grad_(False)
+            loss = lm_loss(model, tokens_of(world, step, rank))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            outputs.append(loss.item())
+    return _outcome(body)
+
+
 def _wrap_differently(rank: int, world: int, change: Callable[[int], dict]) -> dict:
     """Rank 1 builds or wraps differently (change(rank) gives its model and options)."""
     def body(outputs, mark):
@@ -384,6 +403,8 @@ DIVERGENCES: Dict[str, Callable[[int, int], dict]] = {
     "expert_units_skipped_in_no_grad_evaluation": expert_units_skipped_in_no_grad_evaluation,
     "evaluation_on_rank0_only": evaluation_on_rank0_only,
     "evaluation_loops_of_different_lengths": evaluation_loops_of_different_lengths,
+    "frozen_on_one_rank_only": frozen_on_one_rank_only,
+    "frozen_on_one_rank_only_stage1": lambda rank, world: frozen_on_one_rank_only(rank, world, stage=1),
     "wrap_a_different_shape": lambda rank, world: _wrap_differently(
         rank, world, lambda r: {"model": WiderHead()} if r == 1 else {}),
     "wrap_a_different_stage": lambda rank, world: _wrap_differently(

@@ -60,7 +60,8 @@ def stage3_exact_sent_bytes(model_name: str, world: int) -> dict:
       all_reduce: each unit's bucket once (gloo runs the reduce-scatter as an
         all-reduce), plus the one rank-agreement exchange per backward
         (csrc/rank_agreement.cpp: a float per parameter, the late and
-        non-finite flags, and per rank a row of 3 + one per unit).
+        non-finite flags, and per rank a row of 5 (step, synced and deferred
+        backwards, the trainable count and hash) + one per unit).
     The collective checks' sequence headers (int64 all-gathers) are not data:
     compare.py counts them apart (header_bytes), so they are not here."""
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
@@ -77,7 +78,7 @@ def stage3_exact_sent_bytes(model_name: str, world: int) -> dict:
         numel[owner[id(p)]] += p.numel()
     padded = [-(-n // world) * world for n in numel]
     f = 4.0 * (world - 1) / world  # bytes sent per element of a full-size fp32 buffer (all-gather, reduce-scatter)
-    agreement = len(params) + 2 + world * (3 + len(units))
+    agreement = len(params) + 2 + world * (5 + len(units))
     return {"all_gather": f * (sum(padded) + sum(padded[1:])),
             "all_reduce": 2 * f * (sum(padded) + agreement),
             "units": len(units)}

@@ -191,7 +191,7 @@ def test_units_outside_stage_3_or_matching_nothing():
         zero_ext.wrap(model, opt, stage=2, units={nn.Linear})
     with pytest.raises(ValueError, match="matched no submodule"):
         zero_ext.wrap(model, opt, stage=3, units={nn.Conv2d})
-    with pytest.raises(TypeError, match="set of nn.Module classes or a callable"):
+    with pytest.raises(TypeError, match="set of nn.Module classes, a callable"):
         zero_ext.wrap(model, opt, stage=3, units="blocks")
 
 
@@ -459,3 +459,19 @@ def test_reading_a_sharded_grad_names_zero_exts_clip_functions(stage):
     grad = next(model.parameters()).grad
     with pytest.raises(RuntimeError, match=r"zero_ext.clip_grad_norm_.*zero_ext.clip_grad_value_.*full_grads"):
         grad.abs().max().item()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_parameter_frozen_at_wrap_and_unfrozen_later_is_named_with_the_way_around(stage):
+    """Trainable at wrap and frozen since may be unfrozen again (the parity
+    scenario frozen_and_unfrozen_after_wrap); frozen at wrap cannot train."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    model, opt = zero_ext.wrap(model, torch.optim.AdamW(model.parameters()), stage=stage)
+    model[1].requires_grad_(False)  # trainable at wrap: allowed, and back
+    model[1].requires_grad_(True)
+    model[0].requires_grad_(True)
+    model(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"\['0.weight', '0.bias'\] were frozen .* at zero_ext.wrap\(\).*"
+                                           r"freeze the rest right after wrap"):
+        opt.step()

@@ -51,6 +51,8 @@ EXPECTED = {
     "expert_units_skipped_in_no_grad_evaluation": (["experts."], 1),
     "evaluation_on_rank0_only": (["forward under no_grad", "forward with grad enabled"], 0),
     "evaluation_loops_of_different_lengths": (["forward under no_grad", "forward with grad enabled"], 2),
+    "frozen_on_one_rank_only": (["the ranks' trainable parameters differ", "require grad"], 1),
+    "frozen_on_one_rank_only_stage1": (["the ranks' trainable parameters differ", "require grad"], 1),
     "wrap_a_different_shape": (["zero_ext.wrap: the ranks wrapped different models",
                                 "parameter #", "'head.weight' (12, 8)", "'head.weight' (11, 8)"], 0),
     "wrap_a_different_stage": (["zero_ext.wrap: the ranks wrapped different models", "stage: stage="], 0),

@@ -326,3 +326,45 @@ def group_results(world: int):
 def test_merged_units_match_one_process(world, name):
     from dist_harness import assert_item_matched
     assert_item_matched(world, group_results(world)[name])
+
+
+class _Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.head(self.norm(h))
+
+
+def test_a_list_of_modules_is_one_unit_and_a_container_stands_for_its_children():
+    model = _Head()
+    units = resolve_units(model, [[model.head, model.norm], model.blocks, model.embed])
+    assert units == [(model,), (model.embed,), tuple(model.blocks), (model.norm, model.head)]
+
+
+@pytest.mark.parametrize("listing,match", [
+    (lambda m: [[m.blocks[0], m.head]], "children of one module"),
+    (lambda m: [m.head, [m.head, m.norm]], "lists 'head' twice"),
+    (lambda m: [m], "not a submodule"),
+    (lambda m: [nn.Linear(2, 2)], "not a submodule"),
+])
+def test_a_bad_listing_of_units_is_refused(listing, match):
+    model = _Head()
+    with pytest.raises(ValueError, match=match):
+        resolve_units(model, listing(model))
+
+
+def test_wrap_gathers_a_listed_group_by_its_members_hooks():
+    model = _Head()
+    model, _ = zero_ext.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3,
+                             units=[[model.embed, model.norm, model.head], model.blocks])
+    hooked = [name for name, m in model.named_modules() if m.__dict__.get("_zero_ext_forward_hooks")]
+    assert hooked == ["", "embed", "blocks.0", "blocks.1", "blocks.2", "norm", "head"]
+    assert model(torch.ones(2, 4)).shape == (2, 2)

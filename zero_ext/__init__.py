@@ -12,6 +12,7 @@ try:
     from .files.publish import checkpoint_exists
     from .optim.clip import clip_grad_norm_, clip_grad_value_
     from .wrapping.deferred_init import empty_init, skip_init
+    from .runtime.forward_methods import register_forward_method
     from .runtime.full_params import full_params
     from .runtime.memory_report import memory_report
     from .files.save_weights import save_weights
@@ -46,6 +47,7 @@ __all__ = [
     "load_full_state_dict",
     "load_weights",
     "memory_report",
+    "register_forward_method",
     "save",
     "save_weights",
     "skip_init",

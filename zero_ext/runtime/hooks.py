@@ -191,6 +191,22 @@ class RunState(enum.Enum):
     OPEN = enum.auto()    # its first member gathered it; its last member has not run
 
 
+def hook_forward(module: torch.nn.Module, pre=None, post=None, always_call: bool = False) -> None:
+    """Registers one of zero_ext's forward hooks on `module` (pre: with
+    kwargs) and remembers it, in order, for zero_ext.register_forward_method
+    (runtime/forward_methods.py), which runs the same hooks around another
+    method."""
+    hooks = module.__dict__.setdefault("_zero_ext_forward_hooks", [])
+    if pre is not None:
+        pre = outside_compile(pre)
+        handle = module.register_forward_pre_hook(pre, with_kwargs=True)
+        hooks.append(("pre", pre, handle.id))
+    if post is not None:
+        post = outside_compile(post)
+        handle = module.register_forward_hook(post, always_call=always_call)
+        hooks.append(("always" if always_call else "post", post, handle.id))
+
+
 class RootHooks:
     """The model's own hooks (one per wrapped model)."""
 
@@ -209,10 +225,9 @@ class RootHooks:
         return ModelPhase.FORWARD if self.depth > 0 else ModelPhase.IDLE
 
     def install(self, module: torch.nn.Module) -> None:
-        module.register_forward_pre_hook(outside_compile(self.pre_forward), with_kwargs=True)
-        module.register_forward_hook(outside_compile(self.post_forward))
+        hook_forward(module, pre=self.pre_forward, post=self.post_forward)
         if self.has_merged_units:
-            module.register_forward_hook(outside_compile(self.end_forward), always_call=True)
+            hook_forward(module, post=self.end_forward, always_call=True)
 
     def _inner(self, t: torch.Tensor) -> torch.Tensor:
         # The model's own output fed back in (model(model(x))): use the tensor
@@ -279,8 +294,7 @@ class UnitHooks:
         self.u = u
 
     def install(self, module: torch.nn.Module) -> None:
-        module.register_forward_pre_hook(outside_compile(self.pre_forward), with_kwargs=True)
-        module.register_forward_hook(outside_compile(self.post_forward))
+        hook_forward(module, pre=self.pre_forward, post=self.post_forward)
 
     def pre_forward(self, mod: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         self.root.spent.remove()  # units may run without the root (called directly)
@@ -342,9 +356,8 @@ class MergedUnitHooks:
     def install(self) -> None:
         last = len(self.members) - 1
         for position, member in enumerate(self.members):
-            member.register_forward_pre_hook(outside_compile(self.before_member), with_kwargs=True)
             after = self.after_last_member if position == last else self.after_member
-            member.register_forward_hook(outside_compile(after))
+            hook_forward(member, pre=self.before_member, post=after)
 
     def _still_gathered(self) -> bool:
         # A released parameter points at an unreadable storage, never

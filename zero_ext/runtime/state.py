@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Set
 
 import torch
@@ -36,6 +36,7 @@ class ZeroState:
     cast_inputs: bool  # floating forward inputs are cast to compute_dtype
     offload: bool  # masters, gradient accumulators and optimizer state in host memory
     step_round: Optional[StepRound] = None  # the step of the model's optimizers (set at construction)
+    frozen_at_wrap: Set[int] = field(default_factory=set)  # ids of parameters frozen then
 
     def __post_init__(self) -> None:
         self.step_round = StepRound(self.core)
@@ -86,11 +87,20 @@ class ZeroState:
         would train on silently missing gradients."""
         model = self.model_ref()
         current = [p for p in model.parameters() if p.requires_grad]
-        if len(current) == len(self.params) and all(id(p) in self.param_ids for p in current):
+        if all(id(p) in self.param_ids for p in current):
+            # Trainable at wrap and frozen since (requires_grad_(False)):
+            # such a parameter gets no gradient, as one unused on every rank,
+            # and the optimizer skips it as torch's would (grad None).
             return
         names = {id(p): n for n, p in model.named_parameters()}
         new = [names[id(p)] for p in current if id(p) not in self.param_ids]
-        gone = [n for p, n in zip(self.params, self.names) if id(p) not in names or not p.requires_grad]
+        gone = [n for p, n in zip(self.params, self.names) if id(p) not in names]
+        if not gone and all(id(p) in self.frozen_at_wrap for p in current if id(p) not in self.param_ids):
+            raise RuntimeError(
+                f"zero_ext: {new} were frozen (requires_grad=False) at zero_ext.wrap() and are trainable now. "
+                "zero_ext reduces and steps only what was trainable at wrap(); a parameter trainable then "
+                "may be frozen and unfrozen freely. For progressive unfreezing, wrap with every parameter "
+                "that will train trainable and freeze the rest right after wrap().")
         raise RuntimeError(
             "zero_ext: the model's trainable parameters changed after zero_ext.wrap() "
             f"(new or replaced: {new or 'none'}; no longer trainable or removed: {gone or 'none'}). "

@@ -56,7 +56,7 @@ class Options:
     stage: int
     precision: Precision
     offload: bool
-    units: Union[None, Set[type], Callable[[torch.nn.Module], bool]]
+    units: Union[None, Set[type], Callable[[torch.nn.Module], bool], list]
     bucket_bytes: int
     timeout: Optional[datetime.timedelta]
     prefetch: int

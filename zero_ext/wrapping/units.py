@@ -63,7 +63,7 @@ from typing import Callable, Dict, List, Set, Tuple, Union
 
 import torch.nn as nn
 
-UnitPolicy = Union[None, Set[type], Callable[[nn.Module], bool]]
+UnitPolicy = Union[None, Set[type], Callable[[nn.Module], bool], List[Union[nn.Module, List[nn.Module]]]]
 Unit = Tuple[nn.Module, ...]  # its member modules: one, or siblings (children of one module)
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
@@ -223,16 +223,20 @@ def resolve_units(model: nn.Module, units: UnitPolicy, min_bytes: int = 0) -> Li
     `default_policy`)."""
     if units is None:
         chosen = default_policy(model, min_bytes)
+    elif _lists_modules(units):
+        chosen = _listed_units(model, units)
     else:
         if isinstance(units, (set, frozenset, list, tuple)):
             classes = tuple(units)
             if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
-                raise TypeError("zero_ext.wrap: units must be a set of nn.Module classes or a callable module -> bool")
+                raise TypeError("zero_ext.wrap: units must be a set of nn.Module classes, a callable module -> bool, "
+                            "or a list of modules and lists of modules")
             selected = [m for m in model.modules() if isinstance(m, classes) and m is not model]
         elif callable(units):
             selected = [m for m in model.modules() if m is not model and units(m)]
         else:
-            raise TypeError("zero_ext.wrap: units must be a set of nn.Module classes or a callable module -> bool")
+            raise TypeError("zero_ext.wrap: units must be a set of nn.Module classes, a callable module -> bool, "
+                            "or a list of modules and lists of modules")
         if not selected:
             raise ValueError(
                 "zero_ext.wrap: the units policy matched no submodule of the model; pass the classes of "
@@ -243,6 +247,46 @@ def resolve_units(model: nn.Module, units: UnitPolicy, min_bytes: int = 0) -> Li
     position = {id(m): i for i, m in enumerate(model.modules())}
     chosen.sort(key=lambda unit: position[id(unit[0])])
     return [(model,)] + chosen
+
+
+def _lists_modules(units: UnitPolicy) -> bool:
+    return isinstance(units, (list, tuple)) and bool(units) and all(
+        isinstance(u, nn.Module) or (isinstance(u, (list, tuple)) and u and all(isinstance(m, nn.Module) for m in u))
+        for u in units)
+
+
+def _listed_units(model: nn.Module, units) -> List[Unit]:
+    """units=[module, [module, module], container, ...]: a module is a unit;
+    a list of modules is one unit (gathered before the first member's
+    forward, released after the last member's: [Note: merged units] in
+    runtime/hooks.py), its members siblings; a container without a forward
+    of its own (ModuleList, ModuleDict) stands for its children as one unit."""
+    position = {id(m): i for i, m in enumerate(model.modules())}
+    parent_of = {id(child): id(m) for m in model.modules() for child in m.children()}
+    names = {id(m): n for n, m in model.named_modules()}
+    seen: Set[int] = set()
+    chosen: List[Unit] = []
+    for item in units:
+        members: List[nn.Module] = []
+        for module in (item if isinstance(item, (list, tuple)) else [item]):
+            if id(module) not in position or module is model:
+                raise ValueError(f"zero_ext.wrap: units lists a {type(module).__name__} that is not a submodule "
+                                 "of the model (the model itself is the root unit, always)")
+            if _has_own_forward(module):
+                members.append(module)
+            else:  # a container: its children, which its parent's forward calls
+                members.extend(c for c in module.children() if _has_params(c))
+        for module in members:
+            if id(module) in seen:
+                raise ValueError(f"zero_ext.wrap: units lists {names[id(module)]!r} twice")
+            seen.add(id(module))
+        if len({parent_of[id(m)] for m in members}) > 1:
+            raise ValueError("zero_ext.wrap: the modules of one unit must be children of one module "
+                             f"(siblings); {[names[id(m)] for m in members]} are not")
+        _refuse_forwardless(model, members)
+        if members:
+            chosen.append(tuple(sorted(members, key=lambda m: position[id(m)])))
+    return chosen
 
 
 def assign_parameters(model: nn.Module, units: List[Unit]) -> Dict[int, int]:
