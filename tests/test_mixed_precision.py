@@ -99,3 +99,33 @@ def test_cast_forward_inputs_must_be_a_bool():
     model, opt = _model()
     with pytest.raises(TypeError, match="cast_forward_inputs must be True or False"):
         zero_ext.wrap(model, opt, stage=1, mixed_precision=zero_ext.MixedPrecision(cast_forward_inputs="no"))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_output_dtype_casts_what_forward_returns_and_trains_as_a_cast_by_hand(stage):
+    """MixedPrecision(output_dtype=torch.float32): bf16 compute, fp32 outputs
+    (with grad and under no_grad, a registered method too); training equals
+    the same model whose loss casts the output itself, bit for bit."""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    params = {}
+    for output_dtype in (torch.float32, None):
+        model, opt = _model()
+        model, opt = zero_ext.wrap(model, opt, stage=stage, mixed_precision=zero_ext.MixedPrecision(
+            torch.bfloat16, output_dtype=output_dtype))
+        for _ in range(3):
+            out = model(x)
+            assert out.dtype == (torch.float32 if output_dtype else torch.bfloat16)
+            out.float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            assert model(x).dtype == (torch.float32 if output_dtype else torch.bfloat16)
+        params[output_dtype] = zero_ext.full_state_dict(model)
+    for name, value in params[None].items():
+        assert torch.equal(params[torch.float32][name], value), name
+
+
+def test_output_dtype_must_be_a_floating_dtype():
+    model, opt = _model()
+    with pytest.raises(ValueError, match="output_dtype must be None or one of"):
+        zero_ext.wrap(model, opt, stage=2, mixed_precision=zero_ext.MixedPrecision(output_dtype=torch.int64))

@@ -214,6 +214,7 @@ class RootHooks:
         state = module._zero_ext
         self.core = state.core
         self.cast_to: Optional[torch.dtype] = state.compute_dtype if state.cast_inputs else None
+        self.output_dtype: Optional[torch.dtype] = state.output_dtype
         self.spent = SpentHooks()
         self.uses = UnitUses(self.core, self.spent)
         self.has_merged_units = has_merged_units
@@ -273,6 +274,9 @@ class RootHooks:
         if grad and self.core.loss_scaling():
             output = replaced = _map_outputs(output, self._scale_boundary)
         self.core.end_forward(tensors_requiring_grad(output) if grad else [])
+        if self.output_dtype is not None:
+            dtype = self.output_dtype
+            replaced = tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, output)
         return replaced
 
     def end_forward(self, mod: torch.nn.Module, args: Any, output: Any) -> None:

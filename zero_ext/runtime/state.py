@@ -37,6 +37,7 @@ class ZeroState:
     offload: bool  # masters, gradient accumulators and optimizer state in host memory
     step_round: Optional[StepRound] = None  # the step of the model's optimizers (set at construction)
     frozen_at_wrap: Set[int] = field(default_factory=set)  # ids of parameters frozen then
+    output_dtype: Optional[torch.dtype] = None  # MixedPrecision.output_dtype: the forward's outputs cast to it
 
     def __post_init__(self) -> None:
         self.step_round = StepRound(self.core)

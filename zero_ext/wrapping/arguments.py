@@ -47,6 +47,7 @@ class Precision:
     reduce_dtype: torch.dtype
     loss_scale: Union[None, float, DynamicLossScale]  # fp16 only
     cast_inputs: bool = False  # floating forward inputs cast to compute_dtype
+    output_dtype: Optional[torch.dtype] = None  # floating forward outputs cast to it
 
 
 @dataclass(frozen=True)
@@ -119,9 +120,14 @@ def _precision(mixed_precision: Union[None, str, MixedPrecision]) -> Precision:
     if not isinstance(mixed_precision.cast_forward_inputs, bool):
         raise TypeError(f"zero_ext.wrap: MixedPrecision.cast_forward_inputs must be True or False, "
                         f"got {mixed_precision.cast_forward_inputs!r}")
+    output_dtype = mixed_precision.output_dtype
+    if output_dtype is not None and output_dtype not in _FLOATS:
+        raise ValueError(f"zero_ext.wrap: MixedPrecision.output_dtype must be None or one of "
+                         f"{sorted(_FLOATS.values())}, got {output_dtype!r}")
     compute = None if param_dtype == torch.float32 else param_dtype
     return Precision(compute, reduce_dtype, loss_scale,
-                     cast_inputs=compute is not None and mixed_precision.cast_forward_inputs)
+                     cast_inputs=compute is not None and mixed_precision.cast_forward_inputs,
+                     output_dtype=output_dtype)
 
 
 def optimizer_list(optimizer: Any) -> List[torch.optim.Optimizer]:

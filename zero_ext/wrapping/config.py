@@ -44,9 +44,14 @@ class MixedPrecision:
     differentiate for some losses (mse_loss: "Found dtype Half but expected
     Float"). Pass False to hand the model its inputs untouched (cast the
     batch yourself).
+    output_dtype: floating tensors the model's forward returns are cast to
+    it (FSDP2's MixedPrecisionPolicy.output_dtype), e.g. torch.float32 for a
+    loss computed outside the model in fp32. None (the default) leaves them
+    in whatever dtype the model computed.
     """
 
     param_dtype: torch.dtype = torch.bfloat16
     reduce_dtype: Optional[torch.dtype] = torch.float32
     loss_scale: Union[None, float, DynamicLossScale] = None
     cast_forward_inputs: bool = True
+    output_dtype: Optional[torch.dtype] = None

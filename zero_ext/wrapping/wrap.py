@@ -301,6 +301,7 @@ def wrap(
         cast_inputs=options.precision.cast_inputs,
         offload=options.offload,
         frozen_at_wrap={id(p) for p in model.parameters() if not p.requires_grad},
+        output_dtype=options.precision.output_dtype,
     )
     weakref.finalize(state, retire_if_failed, core,
                      own_groups + ([replica_group] if replica_group is not None else []) + header_groups)
