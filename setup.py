@@ -16,6 +16,7 @@ import glob
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -95,39 +96,39 @@ def precompile_header(cxx: list, cflags: list, post_cflags: list, build_dir: str
     ninja would not see that they changed."""
     if os.environ.get("ZERO_EXT_NO_PCH") or shutil.which("ccache") or shutil.which("sccache"):
         return []  # a compiler cache would be bypassed by a precompiled header
-    import shlex
-    flags = shlex.split(" ".join(cflags)) + shlex.split(" ".join(post_cflags))
+    # ninja's command, less its -c (the .gch and the probe name their own mode)
+    flags = [f for f in shlex.split(" ".join(cflags)) + shlex.split(" ".join(post_cflags)) if f != "-c"]
     pch_dir = os.path.join(build_dir, "precompiled")
     os.makedirs(pch_dir, exist_ok=True)
     header = os.path.join(pch_dir, "zero_ext_precompiled.h")
-    recipe = json.dumps([cxx, flags, open(PRECOMPILED).read()])
-    stamp = os.path.join(pch_dir, "recipe.json")
-    gch = header + ".gch"
-    if not (os.path.exists(gch) and os.path.exists(stamp) and open(stamp).read() == recipe):
-        for stale in (gch, stamp):
+    gch, stamp = header + ".gch", os.path.join(pch_dir, "recipe.json")
+    with open(PRECOMPILED) as f:
+        text = f.read()
+    recipe = json.dumps([cxx, flags, text])
+    if not (os.path.exists(gch) and os.path.exists(stamp) and _read(stamp) == recipe):
+        for stale in [gch, stamp] + list(objects):
             if os.path.exists(stale):
                 os.remove(stale)
-        with open(header, "w") as f:  # its mtime is what sources depend on
-            f.write(open(PRECOMPILED).read())
-        compile_flags = [f for f in flags if f != "-c"]
-        made = subprocess.run(cxx + compile_flags + ["-x", "c++-header", header, "-o", gch],
-                              capture_output=True, text=True)
+        with open(header, "w") as f:
+            f.write(text)
+        made = subprocess.run(cxx + flags + ["-x", "c++-header", header, "-o", gch], capture_output=True, text=True)
         if made.returncode != 0:
             print("zero_ext: building without a precompiled header (it did not compile)", file=sys.stderr)
             return []
         with open(stamp, "w") as f:
             f.write(recipe)
-        for stale in objects:
-            if os.path.exists(stale):
-                os.remove(stale)
-    probe = subprocess.run(cxx + [f for f in flags if f != "-c"] + ["-include", header, "-H", "-fsyntax-only",
-                                                                     "-x", "c++", os.devnull],
+    probe = subprocess.run(cxx + flags + ["-include", header, "-H", "-fsyntax-only", "-x", "c++", os.devnull],
                            capture_output=True, text=True)
     if probe.returncode != 0 or f"! {gch}" not in probe.stderr:
         print("zero_ext: building without a precompiled header (this compiler does not use it)",
               file=sys.stderr)
         return []
     return ["-include", header]
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
 
 
 def compile_with_precompiled_header() -> None:
