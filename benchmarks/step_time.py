@@ -5,9 +5,17 @@
     python benchmarks/step_time.py --systems zero_ext-2 zero_ext-2-bf16 zero_ext-2-offload
 
 A zero_ext system is zero_ext-STAGE, optionally followed by -bf16 or -fp16
-(mixed precision), -offload (offload_optimizer="cpu") and -unchecked (without
-the collective sequence checks, to measure what they cost: see [Note:
-collectives that prove what they are] in csrc/collective_sequence.h).
+(mixed precision), -offload (offload_optimizer="cpu"), -keep (stage 3 with
+reshard_after_forward=False: units stay gathered from forward to backward)
+and -unchecked (without the collective sequence checks, to measure what they
+cost: see [Note: collectives that prove what they are] in
+csrc/collective_sequence.h).
+
+    python benchmarks/step_time.py --systems fsdp2 fsdp2-keep zero_ext-3 zero_ext-3-keep
+
+For zero_ext, two more columns: the parameter bytes a rank holds between
+forward and backward (shards plus gathered units: what reshard_after_forward
+trades) and the all-gathers of parameter buckets per step.
 
     python benchmarks/step_time.py --systems zero_ext-3 zero_ext-3-unchecked --steps 40
 
@@ -68,7 +76,8 @@ def build_system(args, system, world):
         os.environ["ZERO_EXT_COLLECTIVE_CHECKS"] = "0" if "unchecked" in parts else "1"
         trained, opt = zero_ext.wrap(model, opt, stage=int(parts[1]), bucket_mb=args.bucket_mb,
                                      mixed_precision=precision,
-                                     offload_optimizer="cpu" if "offload" in parts else None)
+                                     offload_optimizer="cpu" if "offload" in parts else None,
+                                     reshard_after_forward="keep" not in parts)
         os.environ.pop("ZERO_EXT_COLLECTIVE_CHECKS")
     return model, trained, opt
 
@@ -88,13 +97,25 @@ def run_systems(args, rank, world):
     built = {system: build_system(args, system, world) for system in args.systems}
     times = {system: [] for system in args.systems}
     losses = {}
+    held_after_forward = {system: 0 for system in args.systems}  # zero_ext: parameter bytes, most seen
+    gathers = {system: 0 for system in args.systems}
+
+    def compute_loss(system, trained, x, y):
+        loss = F.cross_entropy(trained(x).float().flatten(0, 1), y.flatten())
+        if system.startswith("zero_ext"):  # one stats() read, outside zero_ext's work
+            held = trained._zero_ext.core.stats()["param_bytes"]
+            held_after_forward[system] = max(held_after_forward[system], held)
+        return loss
+
     for step in range(args.warmup + args.steps):
         x, y = make_batch(args, rank, world, step)
         for system, (model, trained, opt) in built.items():
             if world > 1:
                 dist.barrier()
-            elapsed, losses[system] = timed_step(
-                lambda: F.cross_entropy(trained(x).float().flatten(0, 1), y.flatten()), opt)
+            before = trained._zero_ext.core.stats()["param_gathers"] if system.startswith("zero_ext") else 0
+            elapsed, losses[system] = timed_step(lambda: compute_loss(system, trained, x, y), opt)
+            if system.startswith("zero_ext"):
+                gathers[system] = trained._zero_ext.core.stats()["param_gathers"] - before
             if step >= args.warmup:
                 times[system].append(elapsed)
     results = {}
@@ -105,7 +126,9 @@ def run_systems(args, rank, world):
             report = zero_ext.memory_report(model, opt)
         if system == "ddp":  # zero_grad() cleared them; during a step DDP holds full grads
             report["grads"] = sum(p.numel() * p.element_size() for p in model.parameters())
-        results[system] = {"median_ms": 1e3 * statistics.median(times[system]), "loss": losses[system], **report}
+        results[system] = {"median_ms": 1e3 * statistics.median(times[system]), "loss": losses[system],
+                           "params_after_forward": held_after_forward[system], "gathers_per_step": gathers[system],
+                           **report}
     return results
 
 
@@ -124,7 +147,7 @@ def main():
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--systems", nargs="+",
                         default=["ddp", "fsdp2", "fsdp2-keep", "zero_ext-0", "zero_ext-1", "zero_ext-2", "zero_ext-3"],
-                        help="ddp, fsdp2 (reshard after forward), fsdp2-keep (no reshard), zero_ext-N")
+                        help="ddp, fsdp2 (reshard after forward), fsdp2-keep (no reshard), zero_ext-N[-keep]...")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
 
@@ -134,7 +157,8 @@ def main():
     print(f"{n_params / 1e6:.2f}M parameters, world size {args.world} (gloo, CPU), "
           f"{args.batch}x{args.context} tokens per rank, median of {args.steps} steps")
     base = statistics.mean(r["ddp"]["median_ms"] for r in per_rank) if "ddp" in args.systems else None
-    header = f"{'system':<20} {'ms/step':>9} {'vs DDP':>7} {'params MiB':>11} {'grads MiB':>10} {'optim MiB':>10} {'loss':>7}"
+    header = (f"{'system':<20} {'ms/step':>9} {'vs DDP':>7} {'params MiB':>11} {'grads MiB':>10} {'optim MiB':>10} "
+              f"{'loss':>7} {'params after fwd MiB':>21} {'gathers/step':>13}")
     print(header)
     print("-" * len(header))
     table = {}
@@ -142,8 +166,11 @@ def main():
         ms = statistics.mean(r[system]["median_ms"] for r in per_rank)
         r0 = per_rank[0][system]
         ratio = f"{ms / base:.2f}x" if base else "-"
+        zero = system.startswith("zero_ext")
+        after = f"{r0['params_after_forward'] / 2**20:.2f}" if zero else "-"
         print(f"{system:<20} {ms:>9.1f} {ratio:>7} {r0['params'] / 2**20:>11.2f} {r0['grads'] / 2**20:>10.2f} "
-              f"{r0['optimizer_state'] / 2**20:>10.2f} {r0['loss']:>7.4f}")
+              f"{r0['optimizer_state'] / 2**20:>10.2f} {r0['loss']:>7.4f} {after:>21} "
+              f"{r0['gathers_per_step'] if zero else '-':>13}")
         table[system] = {"ms_per_step": ms, "ratio_vs_ddp": ms / base if base else None, **r0}
     if args.json:
         with open(args.json, "w") as f:

@@ -305,7 +305,7 @@ void GradReducer::launch(int64_t b) {
   // scale in the same pass unless the reduction runs in fp16, whose range
   // the scale is there to use.
   const LossScaler& scaler = gate_.scaler();
-  double divisor = static_cast<double>(comm_.size() * replica_comm_.size());
+  double divisor = divide_factor_ > 0.0 ? divide_factor_ : static_cast<double>(comm_.size() * replica_comm_.size());
   if (scaler.enabled() && reduce_dtype_ != at::kHalf) {
     divisor *= scaler.scale();
   }

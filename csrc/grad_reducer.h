@@ -100,6 +100,10 @@ class GradReducer {
   // Stage 0 reduces whole gradients and never defers: no_sync() is its
   // accumulation tool.
   void set_replica_sync(bool sync) { replica_sync_ = sync; }
+  // FSDP2's set_gradient_divide_factor: reductions divide the sum over every
+  // rank by `factor` instead of the number of ranks (0: that number again).
+  void set_divide_factor(double factor) { divide_factor_ = factor; }
+  double divide_factor() const { return divide_factor_; }
   bool replica_sync() const { return replica_sync_; }
   // Whether a bucket launched now keeps its result back from the replicas.
   bool defers_replica_sync() const { return hybrid_ && !replica_sync_ && layout_.stage() > 0; }
@@ -233,6 +237,7 @@ class GradReducer {
   Communicator& replica_comm_;
   const bool hybrid_;
   bool replica_sync_ = true;  // set_requires_all_reduce()
+  double divide_factor_ = 0.0;  // 0: the number of ranks
   ReductionStream streams_;
   const StepGate& gate_;
   at::ScalarType reduce_dtype_ = at::kFloat;  // staging dtype outside the DDP layout

@@ -3,6 +3,7 @@
 #include "core_ops.h"
 
 #include <algorithm>
+#include <cmath>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -323,6 +324,28 @@ void ShardedModel::gather_all() {
   units_->gather_all();
 }
 
+void ShardedModel::keep_gathered_after_forward(std::vector<int64_t> units) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!units_) return;  // stages 0-2: parameters are never released
+  units_->keep_gathered_after_forward(units);
+}
+
+void ShardedModel::unshard(bool async_op) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!units_) return;  // stages 0-2: parameters are never released
+  begin_round(RoundKind::kInspect, 3);
+  units_->start_gather_all();
+  if (!async_op) {
+    units_->finish_gathers();
+  }
+}
+
+void ShardedModel::wait_unshard() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!units_) return;
+  units_->finish_gathers();
+}
+
 void ShardedModel::gather_units_of(std::vector<int64_t> param_indices) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!units_) return;  // stages 0-2: parameters are never released
@@ -565,6 +588,13 @@ void ShardedModel::set_replica_sync(bool sync) {
 }
 
 bool ShardedModel::replica_sync() { return reducer_.replica_sync(); }
+
+void ShardedModel::set_gradient_divide_factor(double factor) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(factor == 0.0 || (std::isfinite(factor) && factor > 0.0),
+              "zero_ext: the gradient divide factor must be a finite number > 0, got ", factor);
+  reducer_.set_divide_factor(factor);
+}
 
 void ShardedModel::zero_grad(bool set_to_none) {
   std::lock_guard<std::mutex> lock(mutex_);

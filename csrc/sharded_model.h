@@ -102,6 +102,12 @@ class ShardedModel : public torch::CustomClassHolder {
   // so it is queued and handled at the next entry point.
   void defer_use_done(int64_t unit, int64_t round);
   void gather_all();
+  // reshard_after_forward=False units (see UnitScheduler).
+  void keep_gathered_after_forward(std::vector<int64_t> units);
+  // model.unshard(async_op) / the handle's wait(): every unit gathered
+  // ahead of use; model.reshard() is release_all().
+  void unshard(bool async_op);
+  void wait_unshard();
   void gather_units_of(std::vector<int64_t> param_indices);
   void unpin_units_of(std::vector<int64_t> param_indices);
   void release_all();
@@ -157,6 +163,8 @@ class ShardedModel : public torch::CustomClassHolder {
   // Hybrid: whether backwards all-reduce across replicas (FSDP2's
   // set_requires_all_reduce; [Note: deferred replica all-reduce]).
   void set_replica_sync(bool sync);
+  // Gradients reduce to the sum over ranks divided by `factor` (0: the mean).
+  void set_gradient_divide_factor(double factor);
   bool replica_sync();
   void zero_grad(bool set_to_none);
   bool reset_if_stale();

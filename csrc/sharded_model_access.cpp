@@ -172,6 +172,7 @@ c10::Dict<std::string, int64_t> ShardedModel::stats() {
   out.insert("max_in_flight_bytes", reducer_.max_in_flight_bytes());
   out.insert("bound_lifts", reducer_.bound_lifts());
   out.insert("units", units_ ? units_->num_units() : 0);
+  out.insert("units_kept_after_forward", units_ ? units_->kept_after_forward() : 0);
   out.insert("gathered_units", units_ ? units_->gathered_units() : 0);
   out.insert("peak_gathered_units_forward", units_ ? units_->peak_gathered_forward() : 0);
   out.insert("peak_gathered_units_backward", units_ ? units_->peak_gathered_backward() : 0);

@@ -251,6 +251,9 @@ void UnitScheduler::post_forward(int64_t u, bool grad_enabled, bool hooked_outpu
   if (u == 0 && grad_enabled) {
     return;  // the root is needed first thing in backward
   }
+  if (grad_enabled && u < static_cast<int64_t>(kept_after_forward_.size()) && kept_after_forward_[u]) {
+    return;  // reshard_after_forward=False: its backward finds it gathered
+  }
   if (grad_enabled && !hooked_outputs && has_trainable(u)) {
     // No output tensor to hook (an output type zero_ext cannot look into):
     // its backward could not gather it again, so it stays until the epilogue.
@@ -264,6 +267,18 @@ void UnitScheduler::pre_backward(int64_t u) {
   start_gather(u);
   finish_gather(u);
   prefetch_around(u, /*forward=*/false);
+}
+
+void UnitScheduler::keep_gathered_after_forward(const std::vector<int64_t>& units) {
+  kept_after_forward_.assign(units_.size(), false);
+  for (int64_t u : units) {
+    TORCH_INTERNAL_ASSERT(u >= 0 && u < num_units(), "bad unit index");
+    kept_after_forward_[u] = true;
+  }
+}
+
+void UnitScheduler::start_gather_all() {
+  for (int64_t u = 0; u < num_units(); ++u) start_gather(u);
 }
 
 void UnitScheduler::gather_all() {

@@ -11,6 +11,7 @@
 // and the engine may interleave the two differently on ranks whose graphs
 // differ; two groups keep each sequence identical on every rank.
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <vector>
@@ -40,6 +41,10 @@ class UnitScheduler {
   void pre_forward(int64_t u);
   void post_forward(int64_t u, bool grad_enabled, bool hooked_outputs);
   void pre_backward(int64_t u);
+  // reshard_after_forward=False for these units: a forward that records a
+  // graph leaves them gathered until their backward is over (no second
+  // gather); other units release after each forward. Set at wrap().
+  void keep_gathered_after_forward(const std::vector<int64_t>& units);
 
   // Use tracking (see [Note: when a unit's backward is over]): a use whose
   // inputs require grad, its completion, and a use whose inputs do not.
@@ -61,6 +66,9 @@ class UnitScheduler {
 
   // For inspection and full_params: not part of the training peaks.
   void gather_all();
+  // model.unshard(): starts every unit's gather without waiting (an explicit
+  // prefetch); a unit's forward, or finish_gathers(), waits for it.
+  void start_gather_all();
   // The units holding these parameters stay gathered (pinned) until
   // unpin_units_of() with the same indices; pins nest.
   void gather_units_of(const std::vector<int64_t>& param_indices);
@@ -76,6 +84,9 @@ class UnitScheduler {
   // Gathers of each unit since the last call (for the divergence check).
   std::vector<int64_t> take_gather_counts();
   int64_t num_units() const { return static_cast<int64_t>(units_.size()); }
+  int64_t kept_after_forward() const {
+    return std::count(kept_after_forward_.begin(), kept_after_forward_.end(), true);
+  }
   int64_t gathered_units() const;
   int64_t param_gathers() const { return param_gathers_; }
   int64_t peak_gathered_forward() const { return peak_gathered_forward_; }
@@ -111,6 +122,7 @@ class UnitScheduler {
   const int64_t prefetch_;
   std::function<void()> check_usable_;  // before any new gather: refuses a broken rank
   std::vector<Unit> units_;
+  std::vector<bool> kept_after_forward_;  // by unit: reshard_after_forward=False
   std::vector<c10::intrusive_ptr<c10d::Work>> gather_work_;  // per bucket
   std::vector<int64_t> gathers_since_exchange_;  // one per unit with parameters, fixed at wrap()
   std::vector<int64_t> forward_order_;       // being recorded

@@ -1746,6 +1746,40 @@ def registered_forward_methods(ctx: Context) -> None:
             ctx.record_value(f"step {step}: generate", model.generate(x).sum())
 
 
+def gradient_divide_factor(ctx: Context) -> None:
+    """model.set_gradient_divide_factor (FSDP2's): step 0 sums the ranks'
+    gradients (factor 1: a loss normalized by hand), step 1 divides by 3
+    with two backward calls accumulated under no_sync() and a synced one,
+    step 2 averages again (None). SGD with momentum: the scale shows."""
+    model = Net()
+    model, opt = ctx.wrap(model, sgd(model))
+    for step, factor, backwards in ((0, 1.0, 1), (1, 3.0, 3), (2, None, 1)):
+        if not ctx.reference:
+            model.set_gradient_divide_factor(factor)
+        scale = ctx.world / (factor or ctx.world) if ctx.reference else 1.0
+        for k in range(backwards):
+            with ctx.no_sync(model) if k < backwards - 1 else contextlib.nullcontext():
+                (scale * mlp_loss(ctx, model, step, salt=k)).backward()
+        step_and_record(ctx, model, opt, step)
+
+
+# The Blocks scenarios that suites of other stage 3 settings (merged units,
+# units kept gathered after forward) run again.
+STAGE3_BLOCKS_SCENARIOS = [
+    tied_embedding_default_units,
+    block_called_twice_per_forward,
+    block_skipped_on_some_steps,
+    frozen_block,
+    checkpoint_each_block_reentrant,
+    checkpoint_each_block_nonreentrant,
+    dataclass_outputs,
+    dataclass_inputs_with_frozen_weights,
+    zero_grad_keeping_zeros,
+    full_params_read_ema_and_writeback,
+    nonscalar_backward_retained_twice,
+]
+
+
 SCENARIOS: Dict[str, Callable[[Context], None]] = {
     f.__name__: f
     for f in [
@@ -1815,6 +1849,7 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
         frozen_after_wrap_offloaded,
         frozen_after_wrap_saved_and_loaded,
         grouped_and_container_units,
+        gradient_divide_factor,
     ]
 }
 STAGES = (0, 1, 2, 3)

@@ -360,23 +360,38 @@ def evaluation_loops_of_different_lengths(rank: int, world: int) -> dict:
     return _train_with_evaluation(rank, world, batches=3 if rank == 0 else 2)
 
 
-def frozen_on_one_rank_only(rank: int, world: int, stage: int = 3) -> dict:
-    """Rank 1 freezes the head before step 1 (requires_grad_(False) after
-    wrap, allowed when every rank does it): its gradient would be averaged
-    with rank 1's zeros. Each step's loss is kept once the step is taken."""
+def _steps_parting_at_step_1(rank: int, world: int, build: Callable[[], tuple], steps: int,
+                             part: Callable[[nn.Module], None]) -> dict:
+    """Trains the (model, optimizer) build() gives for `steps` steps; before
+    step 1, part(model) makes the ranks differ. Each step's loss is kept once
+    the step is taken."""
     def body(outputs, mark):
-        model, opt = _moe_wrapped(stage=stage, bucket_mb=ONE_UNIT_PER_BLOCK_MB)
-        for step in range(3):
+        model, opt = build()
+        for step in range(steps):
             if step == 1:
                 mark()
-                if rank == 1:
-                    model.head.weight.requires_grad_(False)
+                part(model)
             loss = lm_loss(model, tokens_of(world, step, rank))
             loss.backward()
             opt.step()
             opt.zero_grad()
             outputs.append(loss.item())
     return _outcome(body)
+
+
+def frozen_on_one_rank_only(rank: int, world: int, stage: int = 3) -> dict:
+    """Rank 1 freezes the head before step 1 (requires_grad_(False) after
+    wrap, allowed when every rank does it): its gradient would be averaged
+    with rank 1's zeros."""
+    return _steps_parting_at_step_1(rank, world, lambda: _moe_wrapped(stage=stage, bucket_mb=ONE_UNIT_PER_BLOCK_MB),
+                                    3, lambda model: model.head.weight.requires_grad_(rank != 1))
+
+
+def gradient_divide_factor_differs(rank: int, world: int) -> dict:
+    """Rank 1 sets another gradient divide factor after step 0: its
+    reductions would scale its share differently."""
+    return _steps_parting_at_step_1(rank, world, lambda: _moe_wrapped(stage=2), 2,
+                                    lambda model: model.set_gradient_divide_factor(1.0 if rank == 1 else float(world)))
 
 
 def _wrap_differently(rank: int, world: int, change: Callable[[int], dict]) -> dict:
@@ -405,6 +420,7 @@ DIVERGENCES: Dict[str, Callable[[int, int], dict]] = {
     "evaluation_loops_of_different_lengths": evaluation_loops_of_different_lengths,
     "frozen_on_one_rank_only": frozen_on_one_rank_only,
     "frozen_on_one_rank_only_stage1": lambda rank, world: frozen_on_one_rank_only(rank, world, stage=1),
+    "gradient_divide_factor_differs": gradient_divide_factor_differs,
     "wrap_a_different_shape": lambda rank, world: _wrap_differently(
         rank, world, lambda r: {"model": WiderHead()} if r == 1 else {}),
     "wrap_a_different_stage": lambda rank, world: _wrap_differently(
@@ -415,4 +431,6 @@ DIVERGENCES: Dict[str, Callable[[int, int], dict]] = {
         rank, world, lambda r: {"optimizer": lambda params: torch.optim.Adafactor(params)} if r == 1 else {}),
     "wrap_a_different_precision": lambda rank, world: _wrap_differently(
         rank, world, lambda r: {"mixed_precision": "bf16"} if r == 1 else {}),
+    "wrap_different_reshard_after_forward": lambda rank, world: _wrap_differently(  # units kept on rank 1 only
+        rank, world, lambda r: {"reshard_after_forward": False} if r == 1 else {}),
 }

@@ -336,18 +336,7 @@ def _merged_mixed(name: str) -> Callable[[ps.Context], None]:
 SCENARIOS: Dict[str, Callable[[ps.Context], None]] = {
     f.__name__: f
     for f in [
-        # the parity suite's Blocks scenarios, with merged units
-        ps.tied_embedding_default_units,
-        ps.block_called_twice_per_forward,
-        ps.block_skipped_on_some_steps,
-        ps.frozen_block,
-        ps.checkpoint_each_block_reentrant,
-        ps.checkpoint_each_block_nonreentrant,
-        ps.dataclass_outputs,
-        ps.dataclass_inputs_with_frozen_weights,
-        ps.zero_grad_keeping_zeros,
-        ps.full_params_read_ema_and_writeback,
-        ps.nonscalar_backward_retained_twice,
+        *ps.STAGE3_BLOCKS_SCENARIOS,  # the parity suite's Blocks scenarios, with merged units
         # what merging adds
         members_skipped_or_out_of_order,
         gathers_per_step,

@@ -8,7 +8,8 @@ its parameter names and its state_dict keys stay the same.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator
+import math
+from typing import Any, Dict, Iterator, Optional
 
 import torch
 
@@ -21,6 +22,17 @@ _NO_COPY = (
     "process groups. For weights, use zero_ext.full_state_dict(model) (load it into a fresh, "
     "unwrapped model for an EMA copy, or read values in place inside `with "
     "zero_ext.full_params(model):`); for checkpoints, zero_ext.save(path, model, optimizer).")
+
+
+class UnshardHandle:
+    """What model.unshard(async_op=True) returns: wait() until the gathers
+    it started are done (as FSDP2's UnshardHandle)."""
+
+    def __init__(self, core: Any) -> None:
+        self._core = core
+
+    def wait(self) -> None:
+        self._core.wait_unshard()
 
 
 class ZeroExtModule:
@@ -65,6 +77,49 @@ class ZeroExtModule:
         set it alike. No effect on a flat group, nor in stage 0, which
         reduces whole gradients: use no_sync() there."""
         self._zero_ext.core.set_replica_sync(bool(requires_all_reduce))
+
+    def unshard(self, async_op: bool = False) -> Optional["UnshardHandle"]:
+        """Stage 3: gathers every unit now (collective: every rank calls it),
+        as FSDP2's unshard(): ahead of a forward, whose units then find
+        themselves gathered and release as usual after it, or to keep the
+        whole model gathered until reshard(). With async_op=True the gathers
+        run in the background and a handle is returned: its wait(), or the
+        first forward, waits for them. Stages 0-2 hold whole parameters
+        already: nothing to do."""
+        core = self._zero_ext.core
+        core.unshard(bool(async_op))
+        return UnshardHandle(core) if async_op else None
+
+    def reshard(self) -> None:
+        """Stage 3: releases every gathered unit (after unshard(), or
+        reshard_after_forward=False units after a forward whose backward will
+        not come). Local: no communication."""
+        self._zero_ext.core.release_all()
+
+    def set_gradient_divide_factor(self, factor: Optional[float]) -> None:
+        """FSDP2's: the reduced gradient is the sum over every rank divided
+        by `factor` instead of the number of ranks (None: the mean again),
+        for losses normalized by hand (a sum over tokens, divided by the
+        global token count: factor 1.0). Applies to every reduction from
+        here on, in every stage; gradients accumulated under no_sync() take
+        the factor in force when they are reduced. Collective: every rank
+        calls it with the same factor, or every rank raises."""
+        from ..files.collective import Ranks
+
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))):
+            raise TypeError(f"zero_ext: set_gradient_divide_factor takes a number or None, got "
+                            f"{type(factor).__name__} {factor!r}")
+        value = 0.0 if factor is None else float(factor)
+        if factor is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"zero_ext: the gradient divide factor must be a finite number > 0, got {factor!r}")
+        state = self._zero_ext
+        seen = Ranks(state, "set_gradient_divide_factor").gather(value)
+        if len(set(seen)) > 1:
+            raise RuntimeError(
+                "zero_ext: set_gradient_divide_factor was called with different factors on the ranks "
+                f"({', '.join(f'rank {r}: {v or None}' for r, v in enumerate(seen))}); every rank must pass "
+                "the same one")
+        state.core.set_gradient_divide_factor(value)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         state = self._zero_ext

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from .config import DynamicLossScale, MixedPrecision
 from .deferred_init import has_meta_parameters
+from .reshard import check_policy as check_reshard_policy
 from ..runtime.module import ZeroExtModule
 from ..optim.ownership import WHOLE, optimizer_sharding
 from ..optim.sharded_optimizer import check_step_not_patched
@@ -63,6 +64,7 @@ class Options:
     prefetch: int
     skip_nonfinite: bool
     whole_params: bool = False  # the optimizer steps whole parameters (optim/ownership.py)
+    reshard_after_forward: Any = True  # stage 3: wrapping/reshard.py
 
 
 _FLOATS = {torch.float32: "torch.float32", torch.bfloat16: "torch.bfloat16", torch.float16: "torch.float16"}
@@ -229,7 +231,8 @@ def _check_model_and_optimizer(model, optimizers, stage, mixed_precision, offloa
 
 
 def check_wrap_arguments(model, optimizers, stage, mixed_precision, offload_optimizer, units, bucket_mb, timeout,
-                         prefetch, skip_nonfinite) -> Tuple[List[torch.nn.Parameter], Options]:
+                         prefetch, skip_nonfinite, reshard_after_forward=None
+                         ) -> Tuple[List[torch.nn.Parameter], Options]:
     """The trainable parameters and the normalized options; raises TypeError
     or ValueError on bad input. `optimizers`: optimizer_list()'s."""
     trainable, precision = _check_model_and_optimizer(model, optimizers, stage, mixed_precision, offload_optimizer)
@@ -249,9 +252,18 @@ def check_wrap_arguments(model, optimizers, stage, mixed_precision, offload_opti
         raise ValueError(f"zero_ext.wrap: prefetch must be >= 0, got {prefetch!r}")
     if not isinstance(skip_nonfinite, bool):
         raise TypeError(f"zero_ext.wrap: skip_nonfinite must be True or False, got {skip_nonfinite!r}")
+    if reshard_after_forward is None:
+        reshard_after_forward = True
+    else:
+        check_reshard_policy(reshard_after_forward, stage)
+        if stage != 3 and reshard_after_forward is not False and reshard_after_forward != 1:
+            raise ValueError(
+                f"zero_ext.wrap: reshard_after_forward={reshard_after_forward!r} needs stage=3: stages 0-2 keep "
+                "parameters whole (FSDP2's reshard_after_forward=False is stage 2); pass stage=3 to release "
+                "parameters between uses")
     options = Options(stage=stage, precision=precision, offload=offload_optimizer == "cpu", units=units,
                       bucket_bytes=int(bucket_mb * 2**20), timeout=_timeout(timeout), prefetch=int(prefetch),
-                      skip_nonfinite=skip_nonfinite,
+                      skip_nonfinite=skip_nonfinite, reshard_after_forward=reshard_after_forward,
                       whole_params=any(optimizer_sharding(opt, stage) == WHOLE for opt in optimizers))
     return trainable, options
 

@@ -124,7 +124,7 @@ def _first_differing_parameter(table: _Table, parameters: List[Tuple[str, torch.
 def wrap_fields(options, topology: Topology, ordered: List[torch.nn.Parameter], names: List[str],
                 counts: List[int], unit_names: List[str], unit_of_bucket: List[int],
                 buffers: List[Tuple[str, torch.Tensor]], deferred: bool, pooled_groups: int,
-                version: str, owners: List[int]) -> List[Tuple[str, object, str]]:
+                version: str, owners: List[int], kept: List[int] = ()) -> List[Tuple[str, object, str]]:
     """What changes the collectives, field by field: (name, value, shown)."""
     precision = options.precision
     parameters = [_parameter_description(n, p) for n, p in zip(names, ordered)]
@@ -145,6 +145,9 @@ def wrap_fields(options, topology: Topology, ordered: List[torch.nn.Parameter], 
          "that is not elementwise)" if any(o >= 0 for o in owners) else "every optimizer elementwise (flat shards)"),
         ("offload_optimizer", options.offload, f"offload_optimizer={'cpu' if options.offload else None}"),
         ("prefetch", options.prefetch, f"prefetch={options.prefetch}"),
+        ("reshard_after_forward", list(kept),
+         f"{len(kept)} units kept gathered after forward ({', '.join(unit_names[u] for u in kept[:3])}"
+         f"{', ...' if len(kept) > 3 else ''})" if kept else "every unit resharded after forward"),
         ("skip_nonfinite", options.skip_nonfinite, f"skip_nonfinite={options.skip_nonfinite}"),
         ("deferred initialization", deferred, "a meta model" if deferred else "a materialized model"),
         ("buffers", [(n, tuple(b.shape), str(b.dtype)) for n, b in buffers], f"{len(buffers)} buffers"),

@@ -27,6 +27,7 @@ from ..optim.ownership import WHOLE, optimizer_sharding, plan_owners
 from ..optim.sharded_optimizer import shard_optimizer
 from ..tools import faults
 from .units import Unit, assign_parameters, resolve_units
+from .reshard import kept_units
 from .arguments import Options, check_backend, check_launch, check_wrap_arguments, optimizer_list
 from .fingerprint import check_ranks_agree, wrap_fields
 from ..runtime.state import ZeroState
@@ -183,6 +184,7 @@ def wrap(
     skip_nonfinite: bool = False,
     device: Union[None, str, torch.device] = None,
     param_init_fn: Optional[Callable[[torch.nn.Module], None]] = None,
+    reshard_after_forward: Union[None, bool, int, Callable[[torch.nn.Module], Union[bool, int]]] = None,
 ) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
     """Makes `model` and `optimizer` ZeRO data parallel, in place.
 
@@ -229,6 +231,12 @@ def wrap(
             order (default: the module's own ``reset_parameters()``).
             ``zero_ext.skip_init``: nothing is initialized (weights come
             from ``zero_ext.load_weights`` next; NaN until then).
+        reshard_after_forward: stage 3: True (default) releases each unit
+            after its forward and gathers it again for its backward; False
+            keeps it gathered from forward to backward (one gather less per
+            unit and step, for the memory of the units kept); a callable
+            module -> bool decides per unit (asked about each member). The
+            ints 1 and the shard group size mean False and True.
     Returns:
         ``(model, optimizer)``, the same objects (a list stays that list).
     Raises:
@@ -236,7 +244,8 @@ def wrap(
     """
     optimizers = optimizer_list(optimizer)
     trainable, options = check_wrap_arguments(model, optimizers, stage, mixed_precision, offload_optimizer,
-                                              units, bucket_mb, timeout, prefetch, skip_nonfinite)
+                                              units, bucket_mb, timeout, prefetch, skip_nonfinite,
+                                              reshard_after_forward)
     check_launch(process_group)
     # What transformers' model.dtype says before mixed precision casts the
     # parameters: the dtype exports declare (as the unwrapped model's would).
@@ -255,11 +264,12 @@ def wrap(
     names_by_id = {id(p): n for n, p in model.named_parameters()}
     names = [names_by_id[id(p)] for p in ordered]
     unit_names = _unit_names(model, unit_list)
+    kept = kept_units(options.reshard_after_forward, unit_list, unit_names, topology.shard_size)
     from .. import __version__
     check_ranks_agree(topology, model_device, wrap_fields(
         options, topology, ordered, names, counts, unit_names, unit_of_bucket, list(model.named_buffers()),
         deferred is not None, pooled_groups(), f"zero_ext {__version__}, torch {torch.__version__}",
-        owners or [-1] * len(ordered)),
+        owners or [-1] * len(ordered), kept),
         list(zip(names, ordered)))
     if deferred:
         move_to_device(deferred, ordered, names)
@@ -279,6 +289,7 @@ def wrap(
                        replica_group.group_name if replica_group is not None else "", deferred is not None)
     if unit_names:
         core.set_unit_names(unit_names)
+        core.keep_gathered_after_forward(kept)
     header_groups: List[dist.ProcessGroup] = []
     # ZERO_EXT_COLLECTIVE_CHECKS=0 is for measuring what the checks cost
     # (benchmarks/step_time.py's -unchecked systems); never for training.

@@ -1,0 +1,94 @@
+"""reshard_after_forward (False, per unit, the ints that mean True/False),
+model.unshard()/reshard(), against one process over the global batch at
+world sizes 1, 2 and 4 (tests/reshard_scenarios.py), and wrap()'s refusals."""
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+import zero_ext
+from reshard_scenarios import ON_HYBRID_MESH
+
+WORLD_SIZES = tuple(int(w) for w in os.environ.get("ZERO_EXT_RESHARD_WORLDS", "1,2,4").split(","))
+
+
+def scenario_names():
+    from reshard_scenarios import SCENARIOS
+    return list(SCENARIOS)
+
+
+def items(world: int):
+    return scenario_names() + ([f"{name}/mesh2x2" for name in ON_HYBRID_MESH] if world == 4 else [])
+
+
+@functools.lru_cache(maxsize=None)
+def group_results(world: int):
+    from dist_harness import run_items_on_ranks
+    return run_items_on_ranks(world, "reshard_scenarios:run_one", items(world), item_deadline_s=180)
+
+
+@pytest.mark.parametrize("name", scenario_names())
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_kept_units_match_one_process(world, name):
+    from dist_harness import assert_item_matched
+    assert_item_matched(world, group_results(world)[name])
+
+
+@pytest.mark.skipif(4 not in WORLD_SIZES, reason="world size 4 not selected")
+@pytest.mark.parametrize("name", ON_HYBRID_MESH)
+def test_kept_units_on_a_hybrid_mesh_match_one_process(name):
+    from dist_harness import assert_item_matched
+    assert_item_matched(4, group_results(4)[f"{name}/mesh2x2"])
+
+
+def _blocks():
+    return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+
+
+@pytest.mark.parametrize("value", [True, 1, "no"])
+def test_stages_0_to_2_refuse_resharding(value):
+    model = _blocks()
+    with pytest.raises((ValueError, TypeError), match="reshard_after_forward"):
+        zero_ext.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=2, reshard_after_forward=value
+                      if value != 1 else 2)
+
+
+def test_stage_2_accepts_false():
+    model = _blocks()
+    zero_ext.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=2, reshard_after_forward=False)
+
+
+@pytest.mark.parametrize("value, match", [(0, ">= 1"), (3.0, "must be True, False"), (2, "groups of 2 ranks")])
+def test_bad_values_are_refused(value, match):
+    model = _blocks()
+    with pytest.raises((ValueError, TypeError), match=match):
+        zero_ext.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3, units={nn.Linear},
+                      reshard_after_forward=value)
+
+
+def test_members_of_one_unit_must_agree():
+    model = _blocks()
+    with pytest.raises(ValueError, match="answers differently for the members"):
+        zero_ext.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3,
+                      units=[[model[0], model[1]]], reshard_after_forward=lambda m: m is model[0])
+
+
+def test_ints_one_and_the_group_size_mean_false_and_true():
+    for value, kept in ((1, 3), (True, 0), (False, 3)):
+        model = _blocks()
+        model, _ = zero_ext.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3, units={nn.Linear},
+                                 reshard_after_forward=value)
+        assert model._zero_ext.core.stats()["units_kept_after_forward"] == kept, value
+
+
+def test_unshard_and_reshard_do_nothing_below_stage_3():
+    model = _blocks()
+    model, _ = zero_ext.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=2)
+    assert model.unshard() is None
+    model.unshard(async_op=True).wait()
+    model.reshard()
+    assert model(torch.ones(1, 4)).shape == (1, 2)
