@@ -6,8 +6,9 @@
 
 A zero_ext system is zero_ext-STAGE, optionally followed by -bf16 or -fp16
 (mixed precision), -offload (offload_optimizer="cpu"), -keep (stage 3 with
-reshard_after_forward=False: units stay gathered from forward to backward)
-and -unchecked (without the collective sequence checks, to measure what they
+reshard_after_forward=False: units stay gathered from forward to backward),
+-reshardK (stage 3 with reshard_after_forward=K: units keep 1/K after forward
+and gather within subgroups of K ranks for backward) and -unchecked (without the collective sequence checks, to measure what they
 cost: see [Note: collectives that prove what they are] in
 csrc/collective_sequence.h).
 
@@ -64,7 +65,7 @@ def build_system(args, system, world):
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (world,))
-        reshard = system == "fsdp2"
+        reshard = _reshard_policy(system.split("-"))
         for block in model.blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
@@ -77,9 +78,17 @@ def build_system(args, system, world):
         trained, opt = zero_ext.wrap(model, opt, stage=int(parts[1]), bucket_mb=args.bucket_mb,
                                      mixed_precision=precision,
                                      offload_optimizer="cpu" if "offload" in parts else None,
-                                     reshard_after_forward="keep" not in parts)
+                                     reshard_after_forward=_reshard_policy(parts))
         os.environ.pop("ZERO_EXT_COLLECTIVE_CHECKS")
     return model, trained, opt
+
+
+def _reshard_policy(parts):
+    """-keep: False; -reshardK: K; otherwise True."""
+    if "keep" in parts:
+        return False
+    sizes = [int(p[len("reshard"):]) for p in parts if p.startswith("reshard")]
+    return sizes[0] if sizes else True
 
 
 def fsdp2_bytes(model, opt):
@@ -147,7 +156,8 @@ def main():
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--systems", nargs="+",
                         default=["ddp", "fsdp2", "fsdp2-keep", "zero_ext-0", "zero_ext-1", "zero_ext-2", "zero_ext-3"],
-                        help="ddp, fsdp2 (reshard after forward), fsdp2-keep (no reshard), zero_ext-N[-keep]...")
+                        help="ddp, fsdp2 (reshard after forward), fsdp2-keep (no reshard), fsdp2-reshardK, "
+                             "zero_ext-N[-keep|-reshardK]...")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
 

@@ -94,7 +94,7 @@ TORCH_LIBRARY(zero_ext, m) {
   m.class_<ShardedModel>("ShardedModel")
       .def(torch::init<std::vector<at::Tensor>, std::vector<std::string>, std::vector<int64_t>,
                        std::vector<int64_t>, std::vector<int64_t>, int64_t, std::string, std::string,
-                       std::string, int64_t, std::optional<c10::ScalarType>, std::optional<c10::ScalarType>, bool,
+                       std::string, std::string, int64_t, std::optional<c10::ScalarType>, std::optional<c10::ScalarType>, bool,
                        bool, std::vector<int64_t>>())
       .def("enable_loss_scaling", &ShardedModel::enable_loss_scaling)
       .def("disable_loss_scaling", &ShardedModel::disable_loss_scaling)
@@ -162,6 +162,8 @@ TORCH_LIBRARY(zero_ext, m) {
       .def("unpin_units_of", &ShardedModel::unpin_units_of)
       .def("release_all", &ShardedModel::release_all)
       .def("keep_gathered_after_forward", &ShardedModel::keep_gathered_after_forward)
+      .def("reshard_to_subgroup", &ShardedModel::reshard_to_subgroup)
+      .def("set_prefetch", &ShardedModel::set_prefetch)
       .def("unshard", &ShardedModel::unshard)
       .def("wait_unshard", &ShardedModel::wait_unshard)
       .def("write_back_shards", &ShardedModel::write_back_shards)

@@ -43,11 +43,12 @@ void Communicator::enable_sequence_checks(
     return;  // a single rank cannot disagree with itself
   }
   static const char* const kDescriptions[] = {"the gradient reduction group", "the parameter gather group (stage 3)",
-                                              "the group across replicas"};
+                                              "the group across replicas",
+                                              "the parameter regather subgroup (reshard_after_forward=<int>)"};
   const int slot = static_cast<int>(slot_);
-  TORCH_INTERNAL_ASSERT(slot < 3, "sequence checks are for data groups");
+  TORCH_INTERNAL_ASSERT(slot < kDataSlots, "sequence checks are for data groups");
   sequence_ = std::make_shared<CollectiveSequence>(*this, kDescriptions[slot], header_group_name,
-                                                   static_cast<GroupSlot>(slot + 3), counts_, std::move(order),
+                                                   static_cast<GroupSlot>(slot + kDataSlots), counts_, std::move(order),
                                                    in_order, std::move(describe), std::move(progress));
 }
 
@@ -231,18 +232,20 @@ c10::intrusive_ptr<c10d::Work> Communicator::broadcast_from_rank0(at::Tensor& te
 
 void Communicator::enable_stall_diagnosis(double seconds, const std::string& key_space,
                                           std::vector<int64_t> mesh_ranks, int64_t replicas, int64_t shard_size,
-                                          bool timed_waits) {
+                                          bool timed_waits, int64_t subgroup_size) {
   if (!group_) {
     return;
   }
   TORCH_CHECK(static_cast<int64_t>(mesh_ranks.size()) == size_, "zero_ext internal: ", mesh_ranks.size(),
               " mesh ranks for a group of ", size_);
   if (sequence_) {  // header waits are host waits (gloo) whatever the data's device
-    sequence_->headers().enable_stall_diagnosis(seconds, key_space, mesh_ranks, replicas, shard_size, true);
+    sequence_->headers().enable_stall_diagnosis(seconds, key_space, mesh_ranks, replicas, shard_size, true,
+                                                subgroup_size);
   }
   mesh_ranks_ = std::move(mesh_ranks);
   replicas_ = replicas;
   shard_size_ = shard_size;
+  subgroup_size_ = subgroup_size;
   store_ = group_->getStore();
   // A model's groups each prefix their store; the base store lets a rank
   // stalled on the gather group see one stalled on the reduction group.
@@ -260,10 +263,15 @@ std::vector<int64_t> Communicator::members_of(int slot, int64_t mesh_rank) const
   std::vector<int64_t> out;
   const bool across_replicas = slot == static_cast<int>(GroupSlot::kReplica) ||
                                slot == static_cast<int>(GroupSlot::kReplicaHeaders);
+  const bool in_subgroup = slot == static_cast<int>(GroupSlot::kRegather) ||
+                           slot == static_cast<int>(GroupSlot::kRegatherHeaders);
   const int64_t row = mesh_rank / shard_size_;
   const int64_t column = mesh_rank % shard_size_;
   if (across_replicas) {
     for (int64_t r = 0; r < replicas_; ++r) out.push_back(r * shard_size_ + column);
+  } else if (in_subgroup && subgroup_size_ > 0) {
+    const int64_t first = row * shard_size_ + column / subgroup_size_ * subgroup_size_;
+    for (int64_t s = 0; s < subgroup_size_; ++s) out.push_back(first + s);
   } else {
     for (int64_t s = 0; s < shard_size_; ++s) out.push_back(row * shard_size_ + s);
   }
@@ -375,8 +383,9 @@ StallPost parse_post(const std::string& text) {
 
 const char* slot_name(int slot) {
   static const char* const kNames[] = {"gradient reductions", "parameter gathers", "across replicas",
+                                       "parameter regathers within a subgroup",
                                        "headers of gradient reductions", "headers of parameter gathers",
-                                       "headers across replicas"};
+                                       "headers across replicas", "headers of parameter regathers"};
   return slot >= 0 && slot < kGroupSlots ? kNames[slot] : "?";
 }
 

@@ -36,8 +36,14 @@ class SequenceOrder;
 // The groups of one model, each a slot in the issue counts a stalled rank
 // posts ([Note: stall diagnosis]): the data groups, then their header groups
 // ([Note: collectives that prove what they are] in collective_sequence.h).
-enum class GroupSlot : int { kShard = 0, kGather, kReplica, kShardHeaders, kGatherHeaders, kReplicaHeaders };
-constexpr int kGroupSlots = 6;
+// kRegather: stage 3 units resharded to subgroups of the shard group after
+// forward (reshard_after_forward=<int>) gather again within them.
+enum class GroupSlot : int {
+  kShard = 0, kGather, kReplica, kRegather,
+  kShardHeaders, kGatherHeaders, kReplicaHeaders, kRegatherHeaders
+};
+constexpr int kDataSlots = 4;  // a data group's headers are at slot + kDataSlots
+constexpr int kGroupSlots = 2 * kDataSlots;
 // Collectives may be issued from a header's completion callback (a gloo
 // thread; collective_sequence.h), so what they count is shared safely.
 using IssueCounts = std::array<std::atomic<int64_t>, kGroupSlots>;
@@ -131,8 +137,9 @@ class Communicator {
   // `replicas` x `shard_size`: the mesh's shape (a flat group: 1 x size),
   // so a rank can tell which ranks each posted wait needs.
   // `timed_waits` false (NCCL): no timed waits, only the keys for reports.
+  // `subgroup_size`: of the regather subgroups (consecutive shard ranks), 0 if none.
   void enable_stall_diagnosis(double seconds, const std::string& key_space, std::vector<int64_t> mesh_ranks,
-                              int64_t replicas, int64_t shard_size, bool timed_waits);
+                              int64_t replicas, int64_t shard_size, bool timed_waits, int64_t subgroup_size = 0);
 
   // [Note: whereabouts] A rank stalled in a collective also asks the ranks
   // that posted nothing (not waiting in zero_ext) where they are: each rank
@@ -189,6 +196,7 @@ class Communicator {
   mutable std::deque<std::pair<const c10d::Work*, int64_t>> in_flight_seq_;
   int64_t replicas_ = 1;
   int64_t shard_size_ = 1;
+  int64_t subgroup_size_ = 0;
   // Issues a collective through the sequence checks (now or once its headers
   // are verified), counted and logged when it goes out; nullptr without a group.
   c10::intrusive_ptr<c10d::Work> submit(CollectiveOp op, Purpose purpose, int64_t subject,

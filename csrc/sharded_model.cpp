@@ -38,7 +38,8 @@ Layout make_layout(const std::vector<at::Tensor>& params, std::vector<std::strin
 ShardedModel::ShardedModel(std::vector<at::Tensor> params, std::vector<std::string> names,
                            std::vector<int64_t> trainable, std::vector<int64_t> params_per_bucket,
                            std::vector<int64_t> unit_of_bucket, int64_t stage, std::string group_name,
-                           std::string gather_group_name, std::string replica_group_name, int64_t prefetch,
+                           std::string gather_group_name, std::string replica_group_name,
+                           std::string regather_group_name, int64_t prefetch,
                            std::optional<c10::ScalarType> compute_dtype,
                            std::optional<c10::ScalarType> reduce_dtype, bool offload, bool deferred,
                            std::vector<int64_t> owner_of_param)
@@ -47,13 +48,15 @@ ShardedModel::ShardedModel(std::vector<at::Tensor> params, std::vector<std::stri
       gather_comm_(stage == 3 ? (gather_group_name.empty() ? group_name : gather_group_name) : std::string(),
                    GroupSlot::kGather, issue_counts_),
       replica_comm_(replica_group_name, GroupSlot::kReplica, issue_counts_),
+      regather_comm_(stage == 3 ? regather_group_name : std::string(), GroupSlot::kRegather, issue_counts_),
       mesh_(comm_, replica_comm_),
       layout_(make_layout(params, std::move(names), std::move(trainable), params_per_bucket, unit_of_bucket,
                           stage, compute_dtype, reduce_dtype, offload, comm_, owner_of_param)),
       store_(std::move(params), layout_, mesh_, gate_.progress(), compute_dtype, offload, deferred),
       reducer_(layout_, store_, comm_, replica_comm_, gate_, reduce_dtype),
       units_(layout_.params_sharded()
-                 ? std::make_unique<UnitScheduler>(layout_, store_, gather_comm_, reducer_, gate_, prefetch,
+                 ? std::make_unique<UnitScheduler>(layout_, store_, gather_comm_, regather_comm_, reducer_, gate_,
+                                                   prefetch,
                                                    [this] { round_.check_usable(); })
                  : nullptr),
       agreement_(layout_, mesh_, gate_),
@@ -97,6 +100,7 @@ void ShardedModel::begin_round(RoundKind kind, int64_t detail, const std::string
   const int64_t key = round_key(kind, detail);
   comm_.begin_round(key, label);
   gather_comm_.begin_round(key, label);
+  regather_comm_.begin_round(key, label);
   replica_comm_.begin_round(key, label);
 }
 
@@ -330,6 +334,18 @@ void ShardedModel::keep_gathered_after_forward(std::vector<int64_t> units) {
   units_->keep_gathered_after_forward(units);
 }
 
+void ShardedModel::reshard_to_subgroup(std::vector<int64_t> units) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!units_) return;  // stages 0-2: parameters are never released
+  units_->reshard_to_subgroup(units);
+}
+
+void ShardedModel::set_prefetch(int64_t unit, bool forward, std::vector<int64_t> units) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!units_) return;  // stages 0-2: parameters are never released
+  units_->set_prefetch(unit, forward, units);
+}
+
 void ShardedModel::unshard(bool async_op) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!units_) return;  // stages 0-2: parameters are never released
@@ -508,13 +524,19 @@ void ShardedModel::enable_stall_diagnosis(double seconds, std::string key_space,
   const bool timed = comm_.waits_on_host(store_.device().type());
   const int64_t replicas = replica_comm_.size();
   const int64_t shard_size = comm_.size();
-  comm_.enable_stall_diagnosis(seconds, key_space, shard_mesh_ranks, replicas, shard_size, timed);
-  gather_comm_.enable_stall_diagnosis(seconds, key_space, shard_mesh_ranks, replicas, shard_size, timed);
-  replica_comm_.enable_stall_diagnosis(seconds, key_space, replica_mesh_ranks, replicas, shard_size, timed);
+  const int64_t sub = regather_comm_.distributed() ? regather_comm_.size() : 0;
+  comm_.enable_stall_diagnosis(seconds, key_space, shard_mesh_ranks, replicas, shard_size, timed, sub);
+  gather_comm_.enable_stall_diagnosis(seconds, key_space, shard_mesh_ranks, replicas, shard_size, timed, sub);
+  replica_comm_.enable_stall_diagnosis(seconds, key_space, replica_mesh_ranks, replicas, shard_size, timed, sub);
+  if (sub > 0) {  // the subgroup: consecutive members of the shard group
+    const auto first = shard_mesh_ranks.begin() + comm_.rank() / sub * sub;
+    regather_comm_.enable_stall_diagnosis(seconds, key_space, std::vector<int64_t>(first, first + sub), replicas,
+                                          shard_size, timed, sub);
+  }
 }
 
 void ShardedModel::enable_collective_checks(std::string shard_headers, std::string gather_headers,
-                                            std::string replica_headers) {
+                                            std::string replica_headers, std::string regather_headers) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto describe = [this](const CollectiveId& id, const std::string& label) {
     return describe_collective(id, label);
@@ -527,6 +549,7 @@ void ShardedModel::enable_collective_checks(std::string shard_headers, std::stri
   const bool replicas_in_order = !comm_.waits_on_host(store_.device().type());
   comm_.enable_sequence_checks(shard_headers, order, true, describe, progress);
   gather_comm_.enable_sequence_checks(gather_headers, order, true, describe, progress);
+  regather_comm_.enable_sequence_checks(regather_headers, order, true, describe, progress);
   replica_comm_.enable_sequence_checks(replica_headers, order, replicas_in_order, describe, progress);
 }
 

@@ -58,7 +58,7 @@ class ShardedModel : public torch::CustomClassHolder {
   ShardedModel(std::vector<at::Tensor> params, std::vector<std::string> names, std::vector<int64_t> trainable,
                std::vector<int64_t> params_per_bucket, std::vector<int64_t> unit_of_bucket, int64_t stage,
                std::string group_name, std::string gather_group_name, std::string replica_group_name,
-               int64_t prefetch,
+               std::string regather_group_name, int64_t prefetch,
                std::optional<c10::ScalarType> compute_dtype, std::optional<c10::ScalarType> reduce_dtype,
                bool offload, bool deferred, std::vector<int64_t> owner_of_param);
 
@@ -104,6 +104,10 @@ class ShardedModel : public torch::CustomClassHolder {
   void gather_all();
   // reshard_after_forward=False units (see UnitScheduler).
   void keep_gathered_after_forward(std::vector<int64_t> units);
+  // reshard_after_forward=<the regather group's size> for these units.
+  void reshard_to_subgroup(std::vector<int64_t> units);
+  // set_modules_to_forward/backward_prefetch (see UnitScheduler::set_prefetch).
+  void set_prefetch(int64_t unit, bool forward, std::vector<int64_t> units);
   // model.unshard(async_op) / the handle's wait(): every unit gathered
   // ahead of use; model.reshard() is release_all().
   void unshard(bool async_op);
@@ -149,7 +153,7 @@ class ShardedModel : public torch::CustomClassHolder {
   // header groups (gloo, "" where none) for the shard, gather and replica
   // groups. Before enable_stall_diagnosis.
   void enable_collective_checks(std::string shard_headers, std::string gather_headers,
-                                std::string replica_headers);
+                                std::string replica_headers, std::string regather_headers);
   // Stage 3: each unit's module path, for messages.
   void set_unit_names(std::vector<std::string> names);
   // [Note: whereabouts] in communicator.h: called from the answering thread,
@@ -253,6 +257,9 @@ class ShardedModel : public torch::CustomClassHolder {
   // Stage 3 gathers on a group of its own (see units.h).
   Communicator gather_comm_;
   Communicator replica_comm_;
+  // Stage 3 units resharded to a subgroup after forward gather again in it
+  // ([Note: resharding to a subgroup] in units.cpp); none otherwise.
+  Communicator regather_comm_;
   Mesh mesh_;
   IssueLog issue_log_;
   Layout layout_;

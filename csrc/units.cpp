@@ -12,15 +12,17 @@
 namespace zero_ext {
 
 UnitScheduler::UnitScheduler(const Layout& layout, ParamStore& store, Communicator& gather_comm,
-                             const GradReducer& reducer, const StepGate& gate, int64_t prefetch,
-                             std::function<void()> check_usable)
+                             Communicator& regather_comm, const GradReducer& reducer, const StepGate& gate,
+                             int64_t prefetch, std::function<void()> check_usable)
     : layout_(layout), store_(store), gather_comm_(gather_comm), reducer_(reducer), gate_(gate),
-      prefetch_(prefetch), check_usable_(std::move(check_usable)) {
+      prefetch_(prefetch), check_usable_(std::move(check_usable)), regather_comm_(regather_comm) {
   units_.resize(layout_.num_units());
   for (int64_t u = 0; u < layout_.num_units(); ++u) {
     units_[u].buckets = layout_.unit_buckets(u);
   }
   gather_work_.resize(layout_.num_buckets());
+  partial_.resize(layout_.num_buckets());
+  regathering_.assign(layout_.num_buckets(), false);
   gathers_since_exchange_.assign(units_.size(), 0);  // the same on every rank
 }
 
@@ -44,22 +46,28 @@ bool UnitScheduler::has_trainable(int64_t u) const {
 int64_t UnitScheduler::gathered_units() const {
   int64_t n = 0;
   for (const auto& unit : units_) {
-    n += unit.state != UnitState::kReleased ? 1 : 0;
+    n += unit.state == UnitState::kGathering || unit.state == UnitState::kGathered ? 1 : 0;
   }
   return n;
 }
 
 void UnitScheduler::start_gather(int64_t u) {
   Unit& unit = units_[u];
-  if (unit.state != UnitState::kReleased) {
+  if (unit.state != UnitState::kReleased && unit.state != UnitState::kPartial) {
     return;
   }
   check_usable_();
   RECORD_USER_SCOPE("zero_ext::all_gather unit " + std::to_string(u));  // a profiler label; free when none runs
+  const bool from_partial = unit.state == UnitState::kPartial;
   for (int64_t b : unit.buckets) {
     store_.regrow_flat(b);
-    at::Tensor input = store_.gather_input(b);
-    gather_work_[b] = gather_comm_.all_gather(store_.flat_mut(b), input, Purpose::kUnitGather, b);
+    if (from_partial) {  // within the subgroup, from the parts its members kept
+      gather_work_[b] = regather_comm_.all_gather(store_.flat_mut(b), partial_[b], Purpose::kUnitGather, b);
+    } else {
+      at::Tensor input = store_.gather_input(b);
+      gather_work_[b] = gather_comm_.all_gather(store_.flat_mut(b), input, Purpose::kUnitGather, b);
+    }
+    regathering_[b] = from_partial;
     ++param_gathers_;
   }
   if (u < static_cast<int64_t>(gathers_since_exchange_.size()) && !unit.buckets.empty()) {
@@ -78,11 +86,13 @@ void UnitScheduler::finish_gather(int64_t u) {
     return;
   }
   for (int64_t b : unit.buckets) {
-    gather_comm_.wait(gather_work_[b], [&] {
-      return "all-gather of the parameters of " + layout_.describe_unit(u) + " (" +
+    (regathering_[b] ? regather_comm_ : gather_comm_).wait(gather_work_[b], [&] {
+      return std::string(regathering_[b] ? "all-gather within the subgroup" : "all-gather") +
+             " of the parameters of " + layout_.describe_unit(u) + " (" +
              layout_.describe_bucket(b, gate_.progress().where()) + ")";
     });
     gather_work_[b].reset();
+    partial_[b].reset();  // the subgroup's copy is whole again
     store_.point_params(b, /*gathered=*/true);
   }
   unit.state = UnitState::kGathered;
@@ -94,9 +104,13 @@ void UnitScheduler::release(int64_t u, bool even_pinned) {
     return;
   }
   finish_gather(u);  // never free memory a collective is writing
+  const bool partial = unit.state == UnitState::kPartial;
   for (int64_t b : unit.buckets) {
-    store_.point_params(b, /*gathered=*/false);
-    store_.release_flat(b);
+    partial_[b].reset();
+    if (!partial) {
+      store_.point_params(b, /*gathered=*/false);
+      store_.release_flat(b);
+    }
   }
   unit.state = UnitState::kReleased;
 }
@@ -192,7 +206,27 @@ void UnitScheduler::release_after_backward(bool keep_graph) {
   }
 }
 
+void UnitScheduler::set_prefetch(int64_t u, bool forward, const std::vector<int64_t>& units) {
+  TORCH_INTERNAL_ASSERT(u > 0 && u < num_units(), "bad unit index");
+  auto& lists = forward ? forward_prefetch_ : backward_prefetch_;
+  lists.resize(units_.size());
+  for (int64_t v : units) TORCH_INTERNAL_ASSERT(v > 0 && v < num_units(), "bad unit index");
+  lists[u] = ExplicitPrefetch{true, units};
+}
+
+bool UnitScheduler::prefetch_explicitly(int64_t u, bool forward) {
+  const auto& lists = forward ? forward_prefetch_ : backward_prefetch_;
+  if (u >= static_cast<int64_t>(lists.size()) || !lists[u].set) {
+    return false;
+  }
+  for (int64_t v : lists[u].units) start_gather(v);
+  return true;
+}
+
 void UnitScheduler::prefetch_around(int64_t u, bool forward) {
+  if (prefetch_explicitly(u, forward)) {
+    return;
+  }
   const auto& order = last_forward_order_;
   const int64_t n = static_cast<int64_t>(order.size());
   if (forward) {
@@ -259,7 +293,54 @@ void UnitScheduler::post_forward(int64_t u, bool grad_enabled, bool hooked_outpu
     // its backward could not gather it again, so it stays until the epilogue.
     return;
   }
+  if (grad_enabled && u < static_cast<int64_t>(resharded_to_subgroup_.size()) && resharded_to_subgroup_[u]) {
+    keep_partial(u);
+    return;
+  }
   release(u);
+}
+
+// [Note: resharding to a subgroup]
+// reshard_after_forward=k: the shard group's ranks form subgroups of k
+// consecutive ranks, and after a unit's forward each member keeps 1/k of the
+// full (padded) bucket, the part at its rank in the subgroup, so the
+// subgroup's members together hold a whole copy. The unit's backward (or its
+// next use) gathers it again within the subgroup, from those parts: a
+// gather among k ranks (a node) instead of the whole group, for 1/k of the
+// unit held per rank between forward and backward. Any other release (the
+// end of a backward, a step, reshard()) drops the part.
+void UnitScheduler::keep_partial(int64_t u) {
+  Unit& unit = units_[u];
+  finish_gather(u);
+  if (unit.state != UnitState::kGathered || unit.pins > 0) {
+    return;  // pinned by full_params: stays whole
+  }
+  const int64_t parts = regather_comm_.size();
+  for (int64_t b : unit.buckets) {
+    const at::Tensor& flat = store_.bucket(b).flat;
+    const int64_t length = flat.numel() / parts;
+    partial_[b] = flat.narrow(0, regather_comm_.rank() * length, length).clone();
+    store_.point_params(b, /*gathered=*/false);
+    store_.release_flat(b);
+  }
+  unit.state = UnitState::kPartial;
+}
+
+void UnitScheduler::reshard_to_subgroup(const std::vector<int64_t>& units) {
+  resharded_to_subgroup_.assign(units_.size(), false);
+  TORCH_INTERNAL_ASSERT(units.empty() || regather_comm_.distributed(), "resharding to a subgroup needs its group");
+  for (int64_t u : units) {
+    TORCH_INTERNAL_ASSERT(u >= 0 && u < num_units(), "bad unit index");
+    resharded_to_subgroup_[u] = true;
+  }
+}
+
+int64_t UnitScheduler::partial_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& part : partial_) {
+    if (part.defined()) bytes += part.nbytes();
+  }
+  return bytes;
 }
 
 void UnitScheduler::pre_backward(int64_t u) {

@@ -27,11 +27,13 @@
 
 namespace zero_ext {
 
-enum class UnitState : int8_t { kReleased, kGathering, kGathered };
+// kPartial: after the forward of a unit resharded to a subgroup, only this
+// rank's part of the subgroup's copy is held ([Note: resharding to a subgroup]).
+enum class UnitState : int8_t { kReleased, kGathering, kGathered, kPartial };
 
 class UnitScheduler {
  public:
-  UnitScheduler(const Layout& layout, ParamStore& store, Communicator& gather_comm,
+  UnitScheduler(const Layout& layout, ParamStore& store, Communicator& gather_comm, Communicator& regather_comm,
                 const GradReducer& reducer, const StepGate& gate, int64_t prefetch,
                 std::function<void()> check_usable);
 
@@ -45,6 +47,17 @@ class UnitScheduler {
   // graph leaves them gathered until their backward is over (no second
   // gather); other units release after each forward. Set at wrap().
   void keep_gathered_after_forward(const std::vector<int64_t>& units);
+  // reshard_after_forward=<the regather group's size> for these units.
+  void reshard_to_subgroup(const std::vector<int64_t>& units);
+  // FSDP2's set_modules_to_forward/backward_prefetch: when unit u's forward
+  // (or backward) begins, these units' gathers start, in place of the
+  // automatic prefetch of the next units in the last forward's order.
+  void set_prefetch(int64_t u, bool forward, const std::vector<int64_t>& units);
+  // Bytes of the parts held by units resharded to a subgroup.
+  int64_t partial_bytes() const;
+  int64_t units_holding_parts() const {
+    return std::count_if(units_.begin(), units_.end(), [](const Unit& u) { return u.state == UnitState::kPartial; });
+  }
 
   // Use tracking (see [Note: when a unit's backward is over]): a use whose
   // inputs require grad, its completion, and a use whose inputs do not.
@@ -123,6 +136,20 @@ class UnitScheduler {
   std::function<void()> check_usable_;  // before any new gather: refuses a broken rank
   std::vector<Unit> units_;
   std::vector<bool> kept_after_forward_;  // by unit: reshard_after_forward=False
+  std::vector<bool> resharded_to_subgroup_;  // by unit: reshard_after_forward=<int>
+  Communicator& regather_comm_;  // the subgroup those units gather in again
+  std::vector<at::Tensor> partial_;  // by bucket: this rank's part of the subgroup's copy
+  std::vector<bool> regathering_;    // by bucket: gather_work_ is on regather_comm_
+  // Per unit, the units set_prefetch named (set: given, even if empty).
+  struct ExplicitPrefetch {
+    bool set = false;
+    std::vector<int64_t> units;
+  };
+  std::vector<ExplicitPrefetch> forward_prefetch_;
+  std::vector<ExplicitPrefetch> backward_prefetch_;
+  // Whether unit u's gathers ahead follow an explicit list (and started them).
+  bool prefetch_explicitly(int64_t u, bool forward);
+  void keep_partial(int64_t u);
   std::vector<c10::intrusive_ptr<c10d::Work>> gather_work_;  // per bucket
   std::vector<int64_t> gathers_since_exchange_;  // one per unit with parameters, fixed at wrap()
   std::vector<int64_t> forward_order_;       // being recorded

@@ -394,6 +394,45 @@ def gradient_divide_factor_differs(rank: int, world: int) -> dict:
                                     lambda model: model.set_gradient_divide_factor(1.0 if rank == 1 else float(world)))
 
 
+def blocks_backward_skipped_on_one_rank(rank: int, world: int) -> dict:
+    """reshard_after_forward=2 (at world 4 the blocks keep halves in
+    subgroups of 2; at world 2 it means True): at step 1 rank 1's loss
+    reads the head only, so its blocks' backward, and their gathers within
+    rank 1's subgroup, never come."""
+    def build():
+        return _moe_wrapped(bucket_mb=ONE_UNIT_PER_BLOCK_MB, reshard_after_forward=2)
+
+    def body(outputs, mark):
+        model, opt = build()
+        for step in range(2):
+            if step == 1:
+                mark()
+            logits = model(tokens_of(world, step, rank)[:, :-1])
+            if step == 1 and rank == 1:
+                loss = logits.detach().sum() * 0 + model.head.weight.square().sum()
+            else:
+                loss = logits.square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            outputs.append(loss.item())
+    return _outcome(body)
+
+
+def prefetch_lists_differ(rank: int, world: int) -> dict:
+    """Rank 1 sets another forward prefetch list for block 0 (block 2, where
+    the others prefetch block 1): it would gather the units in another order."""
+    def body(outputs, mark):
+        model, opt = _moe_wrapped(bucket_mb=ONE_UNIT_PER_BLOCK_MB, prefetch=0)
+        blocks = model.blocks
+        zero_ext.set_modules_to_forward_prefetch(blocks[0], [blocks[2] if rank == 1 else blocks[1]])
+        mark()
+        loss = lm_loss(model, tokens_of(world, 0, rank))
+        loss.backward()
+        outputs.append(loss.item())
+    return _outcome(body)
+
+
 def _wrap_differently(rank: int, world: int, change: Callable[[int], dict]) -> dict:
     """Rank 1 builds or wraps differently (change(rank) gives its model and options)."""
     def body(outputs, mark):
@@ -421,6 +460,8 @@ DIVERGENCES: Dict[str, Callable[[int, int], dict]] = {
     "frozen_on_one_rank_only": frozen_on_one_rank_only,
     "frozen_on_one_rank_only_stage1": lambda rank, world: frozen_on_one_rank_only(rank, world, stage=1),
     "gradient_divide_factor_differs": gradient_divide_factor_differs,
+    "prefetch_lists_differ": prefetch_lists_differ,
+    "blocks_backward_skipped_on_one_rank": blocks_backward_skipped_on_one_rank,
     "wrap_a_different_shape": lambda rank, world: _wrap_differently(
         rank, world, lambda r: {"model": WiderHead()} if r == 1 else {}),
     "wrap_a_different_stage": lambda rank, world: _wrap_differently(

@@ -22,11 +22,13 @@ from parity_scenarios import Blocks
 
 
 class KeptContext(ps.Context):
-    """The parity Context at stage 3 with reshard_after_forward=False unless
-    a scenario passes its own."""
+    """The parity Context at stage 3 with reshard_after_forward=False (or
+    `policy`) unless a scenario passes its own."""
+
+    policy = False
 
     def wrap(self, model: nn.Module, opt: torch.optim.Optimizer, **options):
-        policy = options.setdefault("reshard_after_forward", False)
+        policy = options.setdefault("reshard_after_forward", self.policy)
         model, opt = super().wrap(model, opt, **options)
         if policy is False and not self.reference:  # raises rather than records: some scenarios wrap twice
             stats = _stats(self, model)
@@ -119,7 +121,7 @@ def explicit_unshard_and_reshard(ctx: ps.Context) -> None:
     usual, so the step costs 4 + 3 gathers instead of 7; model.reshard()
     releases what unshard() gathered."""
     model = Blocks()
-    model, opt = ctx.wrap(model, ps.adamw(model), reshard_after_forward=True)
+    model, opt = ctx.wrap(model, ps.adamw(model), reshard_after_forward=ctx.policy or True)  # sub2: 2
     for step, mode in enumerate(("sync", "handle", "forward waits")):
         before = _stats(ctx, model).get("param_gathers", 0)
         if not ctx.reference:
@@ -150,7 +152,7 @@ def mixed_requires_grad_across_units(ctx: ps.Context) -> None:
             p.copy_(torch.randn(p.shape) * 0.4)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     if not ctx.reference:
-        model, opt = zero_ext.wrap(model, opt, stage=3, bucket_mb=ps.BUCKET_MB, reshard_after_forward=False,
+        model, opt = zero_ext.wrap(model, opt, stage=3, bucket_mb=ps.BUCKET_MB, reshard_after_forward=ctx.policy,
                                    units={nn.Linear}, **ctx.group_kwargs())
     linears = [m for m in model if isinstance(m, nn.Linear)]
     for lin in linears[::2]:
@@ -169,6 +171,57 @@ def mixed_requires_grad_across_units(ctx: ps.Context) -> None:
         else:
             total.backward()
             ps.step_and_record(ctx, model, opt, step)
+
+
+def regathers_within_subgroups(ctx: ps.Context) -> None:
+    """reshard_after_forward=2 at world 4: after forward each block keeps half
+    of its bucket (the subgroup of 2 holds a whole copy), its backward
+    gathers within the subgroup: 4 all-gathers over the group (root and
+    blocks in forward) and 3 within subgroups a step; then a no_grad forward
+    releases outright, and a block called twice regathers from its parts."""
+    model = Blocks()
+    model, opt = ctx.wrap(model, ps.adamw(model), reshard_after_forward=2)
+    for step in range(2):
+        before = _stats(ctx, model)
+        loss = ps.token_loss(ctx, model, step)
+        after = _stats(ctx, model)
+        ctx.record_check(f"step {step}: three blocks hold parts after forward",
+                         ctx.reference or (after["units_holding_parts"] == 3 and after["gathered_units"] == 1))
+        loss.backward()
+        done = _stats(ctx, model)
+        ctx.record_check(f"step {step}: 7 gathers, 3 of them within subgroups",
+                         ctx.reference or (done["param_gathers"] - before["param_gathers"] == 7
+                                           and done["regathers"] - before["regathers"] == 3))
+        ctx.record_check("nothing held after backward",
+                         ctx.reference or done["units_holding_parts"] + done["gathered_units"] == 0)
+        ps.step_and_record(ctx, model, opt, step)
+    with torch.no_grad():
+        ctx.record_value("no_grad", _same_on_every_rank(model, 3))
+    ctx.record_check("no_grad forward holds nothing", ctx.reference or _stats(ctx, model)["units_holding_parts"] == 0)
+    ps.token_loss(ctx, model, 5, plan=[0, 1, 1, 2]).backward()
+    ps.step_and_record(ctx, model, opt, 5)
+
+
+def explicit_prefetch_lists(ctx: ps.Context) -> None:
+    """set_modules_to_forward/backward_prefetch with prefetch=0: block 0's
+    forward starts blocks 1 and 2's gathers, block 2's backward those of
+    blocks 1 and 0, so every block is gathered at once in each direction
+    (4 units with the root; without the lists 2); block 1 prefetches
+    nothing (an empty list). Gathers per step and results unchanged."""
+    model = Blocks()
+    model, opt = ctx.wrap(model, ps.adamw(model), reshard_after_forward=ctx.policy or True, prefetch=0)
+    if not ctx.reference:
+        b = model.blocks
+        zero_ext.set_modules_to_forward_prefetch(b[0], [b[1], b[2]])
+        zero_ext.set_modules_to_forward_prefetch(b[1], [])
+        zero_ext.set_modules_to_backward_prefetch(b[2], [b[1], b[0]])
+    for step in range(2):
+        ps.token_loss(ctx, model, step).backward()
+        ps.step_and_record(ctx, model, opt, step)
+    stats = _stats(ctx, model)
+    ctx.record_check("every block gathered at once in forward and in backward",
+                     ctx.reference or (stats["peak_gathered_units_forward"] == 4
+                                       and stats["peak_gathered_units_backward"] == 4))
 
 
 _REUSED = [
@@ -201,10 +254,22 @@ SCENARIOS: Dict[str, Callable[[ps.Context], None]] = {
         no_grad_and_dropped_forwards,
         explicit_unshard_and_reshard,
         mixed_requires_grad_across_units,
+        regathers_within_subgroups,
+        explicit_prefetch_lists,
     ]
 }
 
 _REFERENCES: Dict[tuple, list] = {}
+
+
+# At world 4, reshard_after_forward=2 (a unit kept as halves in subgroups of 2
+# between forward and backward) runs the same scenarios as "name/sub2".
+SUBGROUP_SCENARIOS = [f.__name__ for f in _REUSED] + ["explicit_unshard_and_reshard", "regathers_within_subgroups",
+                                                      "mixed_requires_grad_across_units", "explicit_prefetch_lists"]
+
+
+class SubgroupContext(KeptContext):
+    policy = 2
 
 
 # Run again on a 2 x 2 hybrid mesh (world 4): kept units gather over the shard row.
@@ -216,14 +281,15 @@ def run_one(rank: int, world: int, item: str) -> Optional[str]:
     """On each rank: None, or the first mismatch against the single-process
     reference (computed once per scenario and world size). "name/mesh2x2":
     on a 2 x 2 (replicate, shard) mesh."""
-    name, _, mesh_name = item.partition("/mesh")
+    name, _, variant = item.partition("/")
     mesh = None
-    if mesh_name:
-        mesh = ps.device_mesh(*(int(v) for v in mesh_name.split("x")))
+    if variant.startswith("mesh"):
+        mesh = ps.device_mesh(*(int(v) for v in variant[len("mesh"):].split("x")))
     if (name, world) not in _REFERENCES:
         ref_ctx = KeptContext(stage=0, rank=rank, world=world, reference=True)
         SCENARIOS[name](ref_ctx)
         _REFERENCES[(name, world)] = ref_ctx.checkpoints
-    ctx = KeptContext(stage=3, rank=rank, world=world, reference=False, mesh=mesh)
+    context = SubgroupContext if variant == "sub2" else KeptContext
+    ctx = context(stage=3, rank=rank, world=world, reference=False, mesh=mesh)
     SCENARIOS[name](ctx)
     return ps.compare(_REFERENCES[(name, world)], ctx.checkpoints)

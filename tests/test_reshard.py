@@ -11,18 +11,22 @@ import torch
 import torch.nn as nn
 
 import zero_ext
-from reshard_scenarios import ON_HYBRID_MESH
+from reshard_scenarios import ON_HYBRID_MESH, SUBGROUP_SCENARIOS
 
 WORLD_SIZES = tuple(int(w) for w in os.environ.get("ZERO_EXT_RESHARD_WORLDS", "1,2,4").split(","))
 
 
 def scenario_names():
+    """Those run with every unit kept (regathers_within_subgroups needs world 4)."""
     from reshard_scenarios import SCENARIOS
-    return list(SCENARIOS)
+    return [name for name in SCENARIOS if name != "regathers_within_subgroups"]
 
 
 def items(world: int):
-    return scenario_names() + ([f"{name}/mesh2x2" for name in ON_HYBRID_MESH] if world == 4 else [])
+    if world != 4:
+        return scenario_names()
+    return (scenario_names() + [f"{name}/mesh2x2" for name in ON_HYBRID_MESH]
+            + [f"{name}/sub2" for name in SUBGROUP_SCENARIOS])
 
 
 @functools.lru_cache(maxsize=None)
@@ -36,6 +40,14 @@ def group_results(world: int):
 def test_kept_units_match_one_process(world, name):
     from dist_harness import assert_item_matched
     assert_item_matched(world, group_results(world)[name])
+
+
+@pytest.mark.skipif(4 not in WORLD_SIZES, reason="world size 4 not selected")
+@pytest.mark.parametrize("name", SUBGROUP_SCENARIOS)
+def test_units_resharded_to_subgroups_match_one_process(name):
+    """reshard_after_forward=2 at world 4."""
+    from dist_harness import assert_item_matched
+    assert_item_matched(4, group_results(4)[f"{name}/sub2"])
 
 
 @pytest.mark.skipif(4 not in WORLD_SIZES, reason="world size 4 not selected")
@@ -62,7 +74,7 @@ def test_stage_2_accepts_false():
     zero_ext.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=2, reshard_after_forward=False)
 
 
-@pytest.mark.parametrize("value, match", [(0, ">= 1"), (3.0, "must be True, False"), (2, "groups of 2 ranks")])
+@pytest.mark.parametrize("value, match", [(0, ">= 1"), (3.0, "must be True, False"), (2, "must divide the shard")])
 def test_bad_values_are_refused(value, match):
     model = _blocks()
     with pytest.raises((ValueError, TypeError), match=match):

@@ -14,6 +14,7 @@ try:
     from .wrapping.deferred_init import empty_init, skip_init
     from .runtime.forward_methods import register_forward_method
     from .runtime.full_params import full_params
+    from .runtime.prefetch import set_modules_to_backward_prefetch, set_modules_to_forward_prefetch
     from .runtime.memory_report import memory_report
     from .files.save_weights import save_weights
     from .runtime.state_dict import full_grads, full_state_dict, load_full_state_dict
@@ -50,6 +51,8 @@ __all__ = [
     "register_forward_method",
     "save",
     "save_weights",
+    "set_modules_to_backward_prefetch",
+    "set_modules_to_forward_prefetch",
     "skip_init",
     "wrap",
 ]

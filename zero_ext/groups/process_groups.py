@@ -212,3 +212,29 @@ def acquire_mesh_groups(shard_base: dist.ProcessGroup, replicate_base: dist.Proc
     for entry in chosen[0] + chosen[1]:
         entry.owner = weakref.ref(owner)
     return [e.group for e in chosen[0]], chosen[1][0].group
+
+
+# Subgroups of a shard group, by (members, backend): created once per process
+# by their members and kept, as the base that acquire_groups pools over.
+_subgroup_bases: Dict[Tuple[Tuple[int, ...], str], dist.ProcessGroup] = {}
+
+
+def acquire_subgroups(base: dist.ProcessGroup, size: int, shard_rank: int, timeout: Optional[datetime.timedelta],
+                      device: torch.device, owner: object) -> List[dist.ProcessGroup]:
+    """reshard_after_forward=<size>: a data group and a gloo header group over
+    this rank's subgroup of `base` (`size` consecutive members of `base`, by
+    group rank), for `owner`; collective over the subgroup only, so each
+    subgroup acquires its own at once."""
+    timeout = timeout or group_timeout(base)
+    backend = dist.get_backend(base)
+    members = dist.get_process_group_ranks(base)
+    first = shard_rank // size * size
+    ranks = tuple(members[first:first + size])
+    key = (ranks, backend)
+    if key not in _subgroup_bases or _subgroup_bases[key] not in dist.distributed_c10d._world.pg_map:
+        kwargs = {"timeout": timeout} if timeout is not None else {}
+        _subgroup_bases[key] = dist.new_group(ranks=list(ranks), backend=backend, use_local_synchronization=True,
+                                              **kwargs)
+    sub = _subgroup_bases[key]
+    return (acquire_groups(sub, 1, timeout, device, owner)
+            + acquire_groups(sub, 1, timeout, device, owner, backend="gloo"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import weakref
 from dataclasses import dataclass, field
-from typing import List, Optional, Set
+from typing import Dict, List, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,7 @@ class ZeroState:
     step_round: Optional[StepRound] = None  # the step of the model's optimizers (set at construction)
     frozen_at_wrap: Set[int] = field(default_factory=set)  # ids of parameters frozen then
     output_dtype: Optional[torch.dtype] = None  # MixedPrecision.output_dtype: the forward's outputs cast to it
+    unit_of_module: Dict[int, int] = field(default_factory=dict)  # stage 3: id(member module) -> unit index
 
     def __post_init__(self) -> None:
         self.step_round = StepRound(self.core)

@@ -121,10 +121,21 @@ def _first_differing_parameter(table: _Table, parameters: List[Tuple[str, torch.
             + "; ".join(f"{shown} on {_ranks_text(ranks)}" for shown, ranks in by_text.items()))
 
 
+def _describe_reshard(reshard, unit_names: List[str]) -> str:
+    if reshard is None or not (reshard.kept or reshard.to_subgroup):
+        return "every unit resharded after forward"
+    parts = []
+    for units, what in ((reshard.kept, "kept gathered"), (reshard.to_subgroup, f"resharded to {reshard.subgroup_size}")):
+        if units:
+            shown = ", ".join(unit_names[u] for u in units[:3]) + (", ..." if len(units) > 3 else "")
+            parts.append(f"{len(units)} units {what} after forward ({shown})")
+    return "; ".join(parts)
+
+
 def wrap_fields(options, topology: Topology, ordered: List[torch.nn.Parameter], names: List[str],
                 counts: List[int], unit_names: List[str], unit_of_bucket: List[int],
                 buffers: List[Tuple[str, torch.Tensor]], deferred: bool, pooled_groups: int,
-                version: str, owners: List[int], kept: List[int] = ()) -> List[Tuple[str, object, str]]:
+                version: str, owners: List[int], reshard=None) -> List[Tuple[str, object, str]]:
     """What changes the collectives, field by field: (name, value, shown)."""
     precision = options.precision
     parameters = [_parameter_description(n, p) for n, p in zip(names, ordered)]
@@ -145,9 +156,8 @@ def wrap_fields(options, topology: Topology, ordered: List[torch.nn.Parameter], 
          "that is not elementwise)" if any(o >= 0 for o in owners) else "every optimizer elementwise (flat shards)"),
         ("offload_optimizer", options.offload, f"offload_optimizer={'cpu' if options.offload else None}"),
         ("prefetch", options.prefetch, f"prefetch={options.prefetch}"),
-        ("reshard_after_forward", list(kept),
-         f"{len(kept)} units kept gathered after forward ({', '.join(unit_names[u] for u in kept[:3])}"
-         f"{', ...' if len(kept) > 3 else ''})" if kept else "every unit resharded after forward"),
+        ("reshard_after_forward", (reshard.kept, reshard.to_subgroup, reshard.subgroup_size) if reshard else None,
+         _describe_reshard(reshard, unit_names)),
         ("skip_nonfinite", options.skip_nonfinite, f"skip_nonfinite={options.skip_nonfinite}"),
         ("deferred initialization", deferred, "a meta model" if deferred else "a materialized model"),
         ("buffers", [(n, tuple(b.shape), str(b.dtype)) for n, b in buffers], f"{len(buffers)} buffers"),

@@ -1,13 +1,17 @@
-"""reshard_after_forward: which stage 3 units a forward leaves gathered.
+"""reshard_after_forward: what a stage 3 unit holds between its forward and
+its backward.
 
 FSDP2's fully_shard(module, reshard_after_forward=...) per module, here one
 wrap() option: True (the default) releases each unit after its forward and
-gathers it again for its backward, False keeps it gathered from forward to
-backward (one all-gather per unit and step instead of two, for the memory of
-the units kept), a callable decides per unit (torchtitan keeps the last
-block, whose backward comes first). An int resharding to a smaller group is
-accepted where it means one of those: 1 (kept whole: False) and the shard
-group's size (True).
+gathers it again over the shard group for its backward; False keeps it
+gathered from forward to backward (one all-gather per unit and step instead
+of two, for the memory of the units kept); an int k (1 < k < the shard group
+size, dividing it) reshards it to subgroups of k consecutive ranks: each
+keeps 1/k of the unit, and its backward gathers within the subgroup (a node,
+say) instead of the whole group ([Note: resharding to a subgroup] in
+csrc/units.cpp). 1 means False and the shard group size True. A callable
+decides per unit (torchtitan keeps the last block, whose backward comes
+first); the units it reshards to subgroups share one k.
 
 The root (the model's own parameters) always stays gathered from a forward
 with grad to its backward, which starts with it. A forward under no_grad
@@ -16,6 +20,7 @@ releases every unit: no backward will come to release it.
 from __future__ import annotations
 
 import numbers
+from dataclasses import dataclass
 from typing import Callable, List, Union
 
 import torch
@@ -36,40 +41,59 @@ def check_policy(policy: Policy, stage: int) -> None:
                     f"module -> bool, got {type(policy).__name__} {policy!r}")
 
 
-def _as_keep(value: object, shard_size: int, where: str) -> bool:
-    """Whether a unit stays gathered after forward (False given, or int 1)."""
+KEEP, RELEASE = 0, -1
+
+
+def _group_size(value: object, shard_size: int, where: str) -> int:
+    """What a unit holds after forward: KEEP (whole), RELEASE (its shard),
+    or the size of the subgroup it is resharded to."""
     if isinstance(value, bool):
-        return not value
+        return RELEASE if value else KEEP
     if isinstance(value, numbers.Integral):
+        value = int(value)
         if value == 1:
-            return True
+            return KEEP
         if value == shard_size:
-            return False
-        raise ValueError(
-            f"zero_ext.wrap: reshard_after_forward={value}{where} asks to reshard to groups of {value} ranks "
-            f"after forward; zero_ext reshards to the whole shard group ({shard_size} ranks: True or "
-            f"{shard_size}) or not at all (False or 1). For a gather that stays within a node, shard within "
-            f"the node: pass a 2-D DeviceMesh (replicate, shard) with the node as the shard dimension.")
+            return RELEASE
+        if value < 1 or value > shard_size or shard_size % value:
+            raise ValueError(
+                f"zero_ext.wrap: reshard_after_forward={value}{where} asks to reshard to groups of {value} ranks "
+                f"after forward, which must divide the shard group's {shard_size} ranks (True: {shard_size}, "
+                f"False: 1)")
+        return value
     raise TypeError(f"zero_ext.wrap: reshard_after_forward{where} returned {type(value).__name__} {value!r}; "
                     f"it must return True, False or an int")
 
 
-def kept_units(policy: Policy, units: List[List[torch.nn.Module]], unit_names: List[str],
-               shard_size: int) -> List[int]:
-    """The indices of the units (root 0 excluded: always kept) that a forward
-    with grad leaves gathered. A callable is asked about each member of a
-    unit; the members of one unit must agree."""
-    kept = []
+@dataclass(frozen=True)
+class ReshardPlan:
+    kept: List[int]  # units kept gathered from forward to backward
+    to_subgroup: List[int]  # units resharded to subgroups of subgroup_size
+    subgroup_size: int  # 0: none
+
+
+def plan_reshard(policy: Policy, units: List[List[torch.nn.Module]], unit_names: List[str],
+                 shard_size: int) -> ReshardPlan:
+    """Each unit's group after forward (the root, unit 0, is always kept). A
+    callable is asked about each member of a unit; the members of one unit
+    must agree, and the units resharded to subgroups use one size."""
+    kept, to_subgroup, sizes = [], [], set()
     for u in range(1, len(units)):
         if callable(policy) and not isinstance(policy, bool):
-            keeps = {_as_keep(policy(m), shard_size, f" (for unit '{unit_names[u]}')") for m in units[u]}
-            if len(keeps) > 1:
+            found = {_group_size(policy(m), shard_size, f" (for unit '{unit_names[u]}')") for m in units[u]}
+            if len(found) > 1:
                 raise ValueError(
                     f"zero_ext.wrap: reshard_after_forward answers differently for the members of unit "
                     f"'{unit_names[u]}', which gathers and releases as one; return the same value for each")
-            keep = keeps.pop()
+            size = found.pop()
         else:
-            keep = _as_keep(policy, shard_size, "")
-        if keep:
+            size = _group_size(policy, shard_size, "")
+        if size == KEEP:
             kept.append(u)
-    return kept
+        elif size != RELEASE:
+            to_subgroup.append(u)
+            sizes.add(size)
+    if len(sizes) > 1:
+        raise ValueError(f"zero_ext.wrap: reshard_after_forward reshards units to subgroups of {sorted(sizes)} ranks; "
+                         "one wrapped model reshards to one subgroup size")
+    return ReshardPlan(kept, to_subgroup, sizes.pop() if sizes else 0)

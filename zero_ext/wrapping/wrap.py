@@ -18,7 +18,7 @@ from ..files.collective import Ranks
 from ..files.plan import local_views
 from ..files.save_weights import install_pretrained_export
 from .deferred_init import materialize, move_to_device, plan_deferred
-from ..groups.process_groups import acquire_groups, acquire_mesh_groups, group_timeout, pooled_groups, retire_if_failed
+from ..groups.process_groups import acquire_groups, acquire_mesh_groups, acquire_subgroups, group_timeout, pooled_groups, retire_if_failed
 from ..groups.mesh import Topology, resolve_topology
 from ..groups import stall_query as whereabouts
 from ..runtime.hooks import install_forward_hooks
@@ -27,7 +27,7 @@ from ..optim.ownership import WHOLE, optimizer_sharding, plan_owners
 from ..optim.sharded_optimizer import shard_optimizer
 from ..tools import faults
 from .units import Unit, assign_parameters, resolve_units
-from .reshard import kept_units
+from .reshard import plan_reshard
 from .arguments import Options, check_backend, check_launch, check_wrap_arguments, optimizer_list
 from .fingerprint import check_ranks_agree, wrap_fields
 from ..runtime.state import ZeroState
@@ -112,13 +112,13 @@ def _plan(model: torch.nn.Module, trainable: List[torch.nn.Parameter], options: 
 
 def _build_core(ordered: List[torch.nn.Parameter], names: List[str], counts: List[int],
                 unit_of_bucket: List[int], owners: List[int], options: Options, group_names: List[str],
-                replica_name: str, deferred: bool):
+                replica_name: str, regather_name: str, deferred: bool):
     """The C++ core (torch.classes.zero_ext.ShardedModel) with its loss
     scaling and non-finite policy set."""
     precision = options.precision
     core = ShardedModel(ordered, names, [int(p.requires_grad) for p in ordered], counts, unit_of_bucket,
                         options.stage, group_names[0] if group_names else "",
-                        group_names[1] if len(group_names) > 1 else "", replica_name, options.prefetch,
+                        group_names[1] if len(group_names) > 1 else "", replica_name, regather_name, options.prefetch,
                         precision.compute_dtype, precision.reduce_dtype, options.offload, deferred, owners)
     scale = precision.loss_scale
     if isinstance(scale, DynamicLossScale):
@@ -234,9 +234,11 @@ def wrap(
         reshard_after_forward: stage 3: True (default) releases each unit
             after its forward and gathers it again for its backward; False
             keeps it gathered from forward to backward (one gather less per
-            unit and step, for the memory of the units kept); a callable
-            module -> bool decides per unit (asked about each member). The
-            ints 1 and the shard group size mean False and True.
+            unit and step, for the memory of the units kept); an int k
+            dividing the shard group's size keeps 1/k of each unit after
+            forward and gathers it again within subgroups of k consecutive
+            ranks (a node); a callable module -> bool | int decides per unit
+            (asked about each member). 1 means False, the group size True.
     Returns:
         ``(model, optimizer)``, the same objects (a list stays that list).
     Raises:
@@ -264,12 +266,12 @@ def wrap(
     names_by_id = {id(p): n for n, p in model.named_parameters()}
     names = [names_by_id[id(p)] for p in ordered]
     unit_names = _unit_names(model, unit_list)
-    kept = kept_units(options.reshard_after_forward, unit_list, unit_names, topology.shard_size)
+    reshard = plan_reshard(options.reshard_after_forward, unit_list, unit_names, topology.shard_size)
     from .. import __version__
     check_ranks_agree(topology, model_device, wrap_fields(
         options, topology, ordered, names, counts, unit_names, unit_of_bucket, list(model.named_buffers()),
         deferred is not None, pooled_groups(), f"zero_ext {__version__}, torch {torch.__version__}",
-        owners or [-1] * len(ordered), kept),
+        owners or [-1] * len(ordered), reshard),
         list(zip(names, ordered)))
     if deferred:
         move_to_device(deferred, ordered, names)
@@ -285,11 +287,16 @@ def wrap(
                                                         ordered[0].device, model)
     elif base is not None:
         own_groups = acquire_groups(base, count, options.timeout, ordered[0].device, model)
+    # reshard_after_forward=<int>: units gather again within a subgroup (and its headers' group).
+    regather_groups = acquire_subgroups(base, reshard.subgroup_size, topology.shard_rank, options.timeout,
+                                        ordered[0].device, model) if reshard.subgroup_size else []
     core = _build_core(ordered, names, counts, unit_of_bucket, owners, options, [g.group_name for g in own_groups],
-                       replica_group.group_name if replica_group is not None else "", deferred is not None)
+                       replica_group.group_name if replica_group is not None else "",
+                       regather_groups[0].group_name if regather_groups else "", deferred is not None)
     if unit_names:
         core.set_unit_names(unit_names)
-        core.keep_gathered_after_forward(kept)
+        core.keep_gathered_after_forward(reshard.kept)
+        core.reshard_to_subgroup(reshard.to_subgroup)
     header_groups: List[dist.ProcessGroup] = []
     # ZERO_EXT_COLLECTIVE_CHECKS=0 is for measuring what the checks cost
     # (benchmarks/step_time.py's -unchecked systems); never for training.
@@ -298,7 +305,8 @@ def wrap(
                                                           model)
         header_groups = headers + ([replica_headers] if replica_headers is not None else [])
         core.enable_collective_checks(headers[0].group_name, headers[1].group_name if len(headers) > 1 else "",
-                                      replica_headers.group_name if replica_headers is not None else "")
+                                      replica_headers.group_name if replica_headers is not None else "",
+                                      regather_groups[1].group_name if regather_groups else "")
     faults.arm_core(core, topology.mesh_rank if topology.mesh_size > 1 else 0)
     state = ZeroState(
         model_ref=weakref.ref(model), stage=options.stage, core=core,
@@ -315,7 +323,8 @@ def wrap(
         output_dtype=options.precision.output_dtype,
     )
     weakref.finalize(state, retire_if_failed, core,
-                     own_groups + ([replica_group] if replica_group is not None else []) + header_groups)
+                     own_groups + ([replica_group] if replica_group is not None else []) + header_groups
+                     + regather_groups)
     if own_groups:
         _enable_stall_diagnosis(core, Ranks(state), topology, options.timeout or group_timeout(base))
         if state.device.type == "cpu":  # host waits only, as the stall diagnosis (communicator.h)
@@ -345,5 +354,6 @@ def _attach(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], sta
     # zero_ext would reduce every gradient a second time.
     model._is_accelerate_prepared = True
     install_forward_hooks(model, unit_list)
+    state.unit_of_module = {id(m): u for u, members in enumerate(unit_list) if u > 0 for m in members}
     for optimizer in optimizers:
         shard_optimizer(optimizer, state, state.bucketed, several=len(optimizers) > 1)
