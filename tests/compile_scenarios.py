@@ -1,6 +1,6 @@
 """torch.compile with zero_ext, run by test_compile.py on spawned gloo ranks.
 
-An item "MODE/stageN" trains parity_scenarios.Blocks (3 blocks, stage 3's
+An item "MODE/stageN" (or "MODE/stage3/kept": reshard_after_forward=False) trains parity_scenarios.Blocks (3 blocks, stage 3's
 default units, a tied output layer) for a few AdamW steps twice: eagerly,
 and with MODE's compilation; it returns None or the first difference (losses
 per step, then parameters), or the graph breaks Dynamo reported.
@@ -25,10 +25,11 @@ STEPS = 3
 MODES = ("blocks", "whole")
 
 
-def _train(stage: int, rank: int, world: int, mode: Optional[str]) -> Tuple[List[float], Dict[str, torch.Tensor]]:
+def _train(stage: int, rank: int, world: int, mode: Optional[str],
+           **options) -> Tuple[List[float], Dict[str, torch.Tensor]]:
     model = Blocks()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
-    model, opt = zero_ext.wrap(model, opt, stage=stage, bucket_mb=0.0005)
+    model, opt = zero_ext.wrap(model, opt, stage=stage, bucket_mb=0.0005, **options)
     if mode == "blocks":
         for block in model.blocks:
             block.compile(backend=BACKEND)  # FSDP2's idiom: zero_ext's unit hooks are inside what is compiled
@@ -51,10 +52,12 @@ def run_one(rank: int, world: int, item: str) -> Optional[str]:
     from torch._dynamo.utils import counters
 
     mode, stage = item.split("/stage")
+    stage, _, variant = stage.partition("/")
+    options = {"reshard_after_forward": False} if variant == "kept" else {}
     torch._dynamo.reset()
-    eager_losses, eager_params = _train(int(stage), rank, world, None)
+    eager_losses, eager_params = _train(int(stage), rank, world, None, **options)
     counters.clear()
-    losses, params = _train(int(stage), rank, world, mode)
+    losses, params = _train(int(stage), rank, world, mode, **options)
     breaks = dict(counters["graph_break"])
     if mode == "blocks" and breaks:
         return f"graph breaks with each block compiled: {breaks}"
@@ -70,4 +73,6 @@ def run_one(rank: int, world: int, item: str) -> Optional[str]:
 
 
 def all_items() -> List[str]:
-    return [f"{mode}/stage{stage}" for mode in MODES for stage in (0, 1, 2, 3)]
+    """Each mode at each stage, and stage 3 with its units kept gathered from
+    forward to backward (reshard_after_forward=False)."""
+    return [f"{mode}/stage{stage}" for mode in MODES for stage in (0, 1, 2, 3)] + [f"{m}/stage3/kept" for m in MODES]

@@ -630,6 +630,30 @@ def grouped_and_container_units(ctx: Context) -> None:
 grouped_and_container_units.stages = (3,)
 
 
+def tied_weights_in_a_group_unit(ctx: Context) -> None:
+    """units=[[embed, head], *blocks] with the head tied to the embedding:
+    the tied weight lives in the group, gathered before the embedding's
+    forward and kept to the head's (other units gathered in between), its
+    gradient the sum of both uses; the head also called on its own."""
+    model = Blocks()
+    opt = adamw(model)
+    if not ctx.reference:
+        model, opt = zero_ext.wrap(model, opt, stage=ctx.stage, bucket_mb=BUCKET_MB,
+                                   units=[[model.embed, model.head], *model.blocks], **ctx.group_kwargs())
+        ctx.record_check("four units and the root", model._zero_ext.core.stats()["units"] == 5)
+    else:
+        ctx.record_check("four units and the root", True)
+    for step in range(3):
+        extra = 0.0
+        for r, w in ctx.participants():
+            extra = extra + w * model.head(torch.full((2, DIM), 0.1 * (step + 1))).square().mean()
+        (token_loss(ctx, model, step) + extra).backward()
+        step_and_record(ctx, model, opt, step)
+
+
+tied_weights_in_a_group_unit.stages = (3,)
+
+
 def frozen_and_unfrozen_after_wrap(ctx: Context) -> None:
     """requires_grad changed between steps after wrap(), GAN-style: `mid`
     frozen for steps 1-2 and trainable again at 3, and out.weight alone (its
@@ -1746,6 +1770,22 @@ def registered_forward_methods(ctx: Context) -> None:
             ctx.record_value(f"step {step}: generate", model.generate(x).sum())
 
 
+def frozen_at_wrap_unfrozen_later(ctx: Context) -> None:
+    """Progressive unfreezing: `mid` frozen before wrap(unfreeze_later=True)
+    (the optimizer holds it), trained from step 2 on; `inp` frozen before
+    wrap and never unfrozen. Until then they get no gradient and the
+    optimizer skips them, as torch's does."""
+    model = Net()
+    model.mid.requires_grad_(False)
+    model.inp.requires_grad_(False)
+    model, opt = ctx.wrap(model, adamw(model), unfreeze_later=True)
+    for step in range(4):
+        if step == 2:
+            model.mid.requires_grad_(True)
+        mlp_loss(ctx, model, step).backward()
+        step_and_record(ctx, model, opt, step)
+
+
 def gradient_divide_factor(ctx: Context) -> None:
     """model.set_gradient_divide_factor (FSDP2's): step 0 sums the ranks'
     gradients (factor 1: a loss normalized by hand), step 1 divides by 3
@@ -1849,7 +1889,9 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
         frozen_after_wrap_offloaded,
         frozen_after_wrap_saved_and_loaded,
         grouped_and_container_units,
+        tied_weights_in_a_group_unit,
         gradient_divide_factor,
+        frozen_at_wrap_unfrozen_later,
     ]
 }
 STAGES = (0, 1, 2, 3)

@@ -473,5 +473,17 @@ def test_a_parameter_frozen_at_wrap_and_unfrozen_later_is_named_with_the_way_aro
     model[0].requires_grad_(True)
     model(torch.randn(3, 4)).sum().backward()
     with pytest.raises(RuntimeError, match=r"\['0.weight', '0.bias'\] were frozen .* at zero_ext.wrap\(\).*"
-                                           r"freeze the rest right after wrap"):
+                                           r"unfreeze_later=True"):
         opt.step()
+
+
+def test_unfreeze_later_takes_a_bool_and_restores_the_flags():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    with pytest.raises(TypeError, match="unfreeze_later must be True or False"):
+        zero_ext.wrap(model, torch.optim.AdamW(model.parameters()), unfreeze_later="yes")
+    with pytest.raises(ValueError, match="stage must be"):  # a failed wrap leaves requires_grad as it was
+        zero_ext.wrap(model, torch.optim.AdamW(model.parameters()), stage=5, unfreeze_later=True)
+    assert not model[0].weight.requires_grad and model[1].weight.requires_grad
+    model, _ = zero_ext.wrap(model, torch.optim.AdamW(model.parameters()), stage=2, unfreeze_later=True)
+    assert not model[0].weight.requires_grad and model[1].weight.requires_grad

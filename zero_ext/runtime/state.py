@@ -100,9 +100,10 @@ class ZeroState:
         if not gone and all(id(p) in self.frozen_at_wrap for p in current if id(p) not in self.param_ids):
             raise RuntimeError(
                 f"zero_ext: {new} were frozen (requires_grad=False) at zero_ext.wrap() and are trainable now. "
-                "zero_ext reduces and steps only what was trainable at wrap(); a parameter trainable then "
-                "may be frozen and unfrozen freely. For progressive unfreezing, wrap with every parameter "
-                "that will train trainable and freeze the rest right after wrap().")
+                "zero_ext reduces and steps only what was planned as trainable at wrap(); a parameter trainable "
+                "then may be frozen and unfrozen freely. For progressive unfreezing, pass "
+                "zero_ext.wrap(..., unfreeze_later=True) with these parameters in the optimizer (they are planned as "
+                "trainable and frozen again), or wrap with them trainable and freeze them right after wrap().")
         raise RuntimeError(
             "zero_ext: the model's trainable parameters changed after zero_ext.wrap() "
             f"(new or replaced: {new or 'none'}; no longer trainable or removed: {gone or 'none'}). "

@@ -185,6 +185,7 @@ def wrap(
     device: Union[None, str, torch.device] = None,
     param_init_fn: Optional[Callable[[torch.nn.Module], None]] = None,
     reshard_after_forward: Union[None, bool, int, Callable[[torch.nn.Module], Union[bool, int]]] = None,
+    unfreeze_later: bool = False,
 ) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
     """Makes `model` and `optimizer` ZeRO data parallel, in place.
 
@@ -239,11 +240,43 @@ def wrap(
             forward and gathers it again within subgroups of k consecutive
             ranks (a node); a callable module -> bool | int decides per unit
             (asked about each member). 1 means False, the group size True.
+        unfreeze_later: parameters frozen now (requires_grad=False) that are
+            in the optimizer may be made trainable after wrap(): they are
+            planned as trainable and frozen again before wrap() returns
+            (costing their gradient buffers at stages 0-2 meanwhile;
+            optimizer state comes at their first step). Without it, only parameters trainable at wrap()
+            may change requires_grad later (fp32 parameters only: zero_ext
+            trains fp32 masters).
     Returns:
         ``(model, optimizer)``, the same objects (a list stays that list).
     Raises:
         TypeError, ValueError: bad input, before any communication.
     """
+    arguments = {name: value for name, value in locals().items() if name != "unfreeze_later"}
+    if not isinstance(unfreeze_later, bool):
+        raise TypeError(f"zero_ext.wrap: unfreeze_later must be True or False, got {unfreeze_later!r}")
+    optimizers = optimizer_list(optimizer)
+    # Planned as trainable and frozen again right after, the supported way to
+    # unfreeze later (see ZeroState.check_parameters_unchanged).
+    later = [p for p in _optimized_parameters(optimizers)
+             if not p.requires_grad and p.dtype == torch.float32] if unfreeze_later else []
+    for p in later:
+        p.requires_grad_(True)
+    try:
+        return _wrap(**arguments)
+    finally:
+        for p in later:
+            p.requires_grad_(False)
+
+
+def _optimized_parameters(optimizers: List[torch.optim.Optimizer]) -> List[torch.nn.Parameter]:
+    return list({id(p): p for opt in optimizers for g in opt.param_groups for p in g["params"]}.values())
+
+
+def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optimizer, units, bucket_mb, timeout,
+          prefetch, skip_nonfinite, device, param_init_fn,
+          reshard_after_forward) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """wrap(), once the parameters unfreeze_later plans as trainable are marked so."""
     optimizers = optimizer_list(optimizer)
     trainable, options = check_wrap_arguments(model, optimizers, stage, mixed_precision, offload_optimizer,
                                               units, bucket_mb, timeout, prefetch, skip_nonfinite,
