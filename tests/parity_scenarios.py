@@ -1770,6 +1770,26 @@ def registered_forward_methods(ctx: Context) -> None:
             ctx.record_value(f"step {step}: generate", model.generate(x).sum())
 
 
+def output_dtype_cast(ctx: Context) -> None:
+    """MixedPrecision(float32, output_dtype=bfloat16): the model's output
+    comes back in bf16 (the reference casts by hand), the loss reads it."""
+    model = Net()
+    model, opt = ctx.wrap(model, sgd(model),
+                          mixed_precision=zero_ext.MixedPrecision(torch.float32, output_dtype=torch.bfloat16))
+    for step in range(3):
+        total = 0.0
+        for r, w in ctx.participants():
+            x, y = batch(step, r, ctx.world)
+            out = model(x)
+            if ctx.reference:
+                out = out.to(torch.bfloat16)
+            elif out.dtype != torch.bfloat16:
+                raise AssertionError(f"the output is {out.dtype}")
+            total = total + w * F.mse_loss(out.float(), y)
+        total.backward()
+        step_and_record(ctx, model, opt, step)
+
+
 def frozen_at_wrap_unfrozen_later(ctx: Context) -> None:
     """Progressive unfreezing: `mid` frozen before wrap(unfreeze_later=True)
     (the optimizer holds it), trained from step 2 on; `inp` frozen before
@@ -1892,6 +1912,7 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
         tied_weights_in_a_group_unit,
         gradient_divide_factor,
         frozen_at_wrap_unfrozen_later,
+        output_dtype_cast,
     ]
 }
 STAGES = (0, 1, 2, 3)

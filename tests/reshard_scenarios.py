@@ -280,16 +280,18 @@ ON_HYBRID_MESH = ["gathers_per_step_kept", "no_sync_accumulation", "retain_graph
 def run_one(rank: int, world: int, item: str) -> Optional[str]:
     """On each rank: None, or the first mismatch against the single-process
     reference (computed once per scenario and world size). "name/mesh2x2":
-    on a 2 x 2 (replicate, shard) mesh."""
-    name, _, variant = item.partition("/")
+    on a 2 x 2 (replicate, shard) mesh; "name/sub2": resharded to subgroups of
+    2 after forward (both: "name/mesh2x4/sub2")."""
+    name, *variants = item.split("/")
     mesh = None
-    if variant.startswith("mesh"):
-        mesh = ps.device_mesh(*(int(v) for v in variant[len("mesh"):].split("x")))
+    for variant in variants:
+        if variant.startswith("mesh"):
+            mesh = ps.device_mesh(*(int(v) for v in variant[len("mesh"):].split("x")))
     if (name, world) not in _REFERENCES:
         ref_ctx = KeptContext(stage=0, rank=rank, world=world, reference=True)
         SCENARIOS[name](ref_ctx)
         _REFERENCES[(name, world)] = ref_ctx.checkpoints
-    context = SubgroupContext if variant == "sub2" else KeptContext
+    context = SubgroupContext if "sub2" in variants else KeptContext
     ctx = context(stage=3, rank=rank, world=world, reference=False, mesh=mesh)
     SCENARIOS[name](ctx)
     return ps.compare(_REFERENCES[(name, world)], ctx.checkpoints)

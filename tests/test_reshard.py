@@ -50,6 +50,25 @@ def test_units_resharded_to_subgroups_match_one_process(name):
     assert_item_matched(4, group_results(4)[f"{name}/sub2"])
 
 
+# World 8 as a 2 x 4 mesh: units resharded to subgroups of 2 within each row of 4.
+ON_MESH_2X4 = ["regathers_within_subgroups", "checkpoint_each_block_nonreentrant", "no_sync_accumulation",
+               "explicit_unshard_and_reshard"]
+
+
+@functools.lru_cache(maxsize=None)
+def mesh_2x4_results():
+    from dist_harness import run_items_on_ranks
+    return run_items_on_ranks(8, "reshard_scenarios:run_one", [f"{n}/mesh2x4/sub2" for n in ON_MESH_2X4],
+                              item_deadline_s=180)
+
+
+@pytest.mark.skipif(4 not in WORLD_SIZES, reason="world size 4 not selected")
+@pytest.mark.parametrize("name", ON_MESH_2X4)
+def test_units_resharded_to_subgroups_of_a_mesh_row_match_one_process(name):
+    from dist_harness import assert_item_matched
+    assert_item_matched(8, mesh_2x4_results()[f"{name}/mesh2x4/sub2"])
+
+
 @pytest.mark.skipif(4 not in WORLD_SIZES, reason="world size 4 not selected")
 @pytest.mark.parametrize("name", ON_HYBRID_MESH)
 def test_kept_units_on_a_hybrid_mesh_match_one_process(name):
