@@ -43,6 +43,7 @@ void BackwardRound::run_epilogue(bool sync) {
     // would disagree on the collectives.)
     if (!sync) {
       hooks_.verify_accumulators();
+      reducer_.note_unsynced_backward();
       reducer_.start_round();
       if (units_) units_->release_after_backward(info.keep_graph);
       return;

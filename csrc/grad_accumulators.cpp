@@ -314,6 +314,7 @@ void GradReducer::mark_nonfinite_on_device(const at::Tensor& flag) {
 
 void GradReducer::zero_grad(bool set_to_none) {
   finish_host_adds();  // the host accumulators are written below
+  unsynced_since_reduce_ = false;  // what no_sync() accumulated is dropped
   at::NoGradGuard no_grad;
   for (auto& bucket : buckets_) {
     bucket.unsynced.reset();

@@ -119,6 +119,7 @@ void GradReducer::ensure_staging(int64_t b) {
 }
 
 void GradReducer::start_round() {
+  frozen_skip_allowed_ = false;  // until the next backward round allows it
   for (int64_t b = 0; b < layout_.num_buckets(); ++b) {
     buckets_[b].waiting = layout_.bucket(b).trainable;
     buckets_[b].phase = BucketPhase::kFilling;
@@ -222,6 +223,16 @@ void GradReducer::launch_ready_buckets() {
   }
 }
 
+bool GradReducer::frozen_now(int64_t b) const {
+  const BucketShape& shape = layout_.bucket(b);
+  for (int64_t i = shape.first; i < shape.first + shape.count; ++i) {
+    if (layout_.trainable(i) && store_.param(i).requires_grad()) {
+      return false;
+    }
+  }
+  return true;
+}
+
 void GradReducer::flush() {
   // Unused parameters contribute zeros, so the sequence of collectives is
   // the same on every rank.
@@ -232,6 +243,7 @@ void GradReducer::flush() {
   }
   next_launch_ = layout_.num_buckets();
   wait_all();
+  unsynced_since_reduce_ = false;
 }
 
 void GradReducer::rerun_all() {
@@ -248,6 +260,11 @@ void GradReducer::launch(int64_t b) {
   at::NoGradGuard no_grad;
   if (shape.trainable == 0) {
     bucket.phase = BucketPhase::kRetired;  // frozen parameters only: nothing to reduce
+    return;
+  }
+  if (frozen_skip_allowed_ && frozen_now(b)) {
+    bucket.phase = BucketPhase::kRetired;  // [Note: buckets frozen since wrap]
+    ++frozen_skips_;
     return;
   }
   if (layout_.ddp_in_place()) {

@@ -113,6 +113,17 @@ class GradReducer {
   void sync_deferred();
   // Epilogue: launch every bucket not yet launched (in order), then wait.
   void flush();
+  // [Note: buckets frozen since wrap] A bucket whose parameters are all
+  // frozen now (requires_grad_(False) after wrap) gets no gradient on any
+  // rank, so reducing it would only add zeros: it is retired unreduced,
+  // provided nothing of an earlier backward waits to be reduced (no no_sync()
+  // backward since the last synced one, and the last exchange settled):
+  // whether it is skipped then depends only on what every rank agrees on
+  // (the flags, checked in each backward's exchange, and the loop's shape).
+  // Allowed per backward round: set when it starts, cleared when it ends.
+  void allow_frozen_skip(bool settled) { frozen_skip_allowed_ = settled && !unsynced_since_reduce_; }
+  void note_unsynced_backward() { unsynced_since_reduce_ = true; }
+  int64_t frozen_skips() const { return frozen_skips_; }
   void wait_all();
   // Offload from an accelerator: the host adds of landed results, done when
   // the host gradients are read ([Note: offload without a host sync in backward]).
@@ -237,6 +248,10 @@ class GradReducer {
   Communicator& replica_comm_;
   const bool hybrid_;
   bool replica_sync_ = true;  // set_requires_all_reduce()
+  bool frozen_skip_allowed_ = false;   // this round (allow_frozen_skip)
+  bool unsynced_since_reduce_ = false;  // a no_sync() backward left gradients to reduce
+  int64_t frozen_skips_ = 0;            // buckets retired unreduced, for tests
+  bool frozen_now(int64_t b) const;
   double divide_factor_ = 0.0;  // 0: the number of ranks
   ReductionStream streams_;
   const StepGate& gate_;

@@ -93,6 +93,7 @@ void ShardedModel::enter_backward_round() {
     return;
   }
   in_backward_round_ = true;
+  reducer_.allow_frozen_skip(!agreement_.pending());
   begin_round(RoundKind::kBackward);
 }
 

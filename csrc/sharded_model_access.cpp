@@ -174,6 +174,7 @@ c10::Dict<std::string, int64_t> ShardedModel::stats() {
   out.insert("peak_staging_bytes", reducer_.peak_staging_bytes());
   out.insert("max_in_flight_bytes", reducer_.max_in_flight_bytes());
   out.insert("bound_lifts", reducer_.bound_lifts());
+  out.insert("frozen_skips", reducer_.frozen_skips());
   out.insert("units", units_ ? units_->num_units() : 0);
   out.insert("units_kept_after_forward", units_ ? units_->kept_after_forward() : 0);
   out.insert("units_holding_parts", units_ ? units_->units_holding_parts() : 0);
