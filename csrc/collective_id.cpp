@@ -36,7 +36,8 @@ const char* divergence_causes() {
          "generate() or state_dict() on one rank only (`if rank == 0:`; run it on every rank and write on rank "
          "0, or read weights with zero_ext.full_params(model) on every rank); evaluation or training loops of "
          "different lengths on different ranks (give every rank the same number of batches); no_sync() or "
-         "optimizer.step() on some ranks only.";
+         "optimizer.step() on some ranks only; requires_grad_() changed on some ranks only (a layer frozen "
+         "there: its gradient buckets are then reduced on the other ranks only; freeze on every rank).";
 }
 
 const char* op_name(CollectiveOp op) {

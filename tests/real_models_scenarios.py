@@ -387,6 +387,14 @@ def frozen_on_one_rank_only(rank: int, world: int, stage: int = 3) -> dict:
                                     3, lambda model: model.head.weight.requires_grad_(rank != 1))
 
 
+def layer_frozen_on_one_rank_only(rank: int, world: int) -> dict:
+    """Rank 1 freezes the whole head (its buckets hold nothing else at
+    ~100-byte buckets): it would retire them unreduced while the others
+    reduce them."""
+    return _steps_parting_at_step_1(rank, world, lambda: _moe_wrapped(stage=1, bucket_mb=ONE_UNIT_PER_BLOCK_MB),
+                                    3, lambda model: model.head.requires_grad_(rank != 1))
+
+
 def gradient_divide_factor_differs(rank: int, world: int) -> dict:
     """Rank 1 sets another gradient divide factor after step 0: its
     reductions would scale its share differently."""
@@ -460,6 +468,7 @@ DIVERGENCES: Dict[str, Callable[[int, int], dict]] = {
     "frozen_on_one_rank_only": frozen_on_one_rank_only,
     "frozen_on_one_rank_only_stage1": lambda rank, world: frozen_on_one_rank_only(rank, world, stage=1),
     "gradient_divide_factor_differs": gradient_divide_factor_differs,
+    "layer_frozen_on_one_rank_only": layer_frozen_on_one_rank_only,
     "prefetch_lists_differ": prefetch_lists_differ,
     "blocks_backward_skipped_on_one_rank": blocks_backward_skipped_on_one_rank,
     "wrap_a_different_shape": lambda rank, world: _wrap_differently(
