@@ -45,3 +45,15 @@ def timed_step(compute_loss: Callable[[], torch.Tensor], opt: Any) -> Tuple[floa
     opt.step()
     opt.zero_grad()
     return time.perf_counter() - start, loss.item()
+
+
+def add_tiny_gpt_arguments(parser: Any, bucket_mb: float = 25.0) -> None:
+    """The shape of examples/train_lm.py's TinyGPT and the per-rank batch, as
+    step_time.py and phases.py take them."""
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank")
+    parser.add_argument("--bucket-mb", type=float, default=bucket_mb)

@@ -42,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from train_lm import TinyGPT  # noqa: E402
 
-from _ranks import run_on_ranks, timed_step  # noqa: E402
+from _ranks import add_tiny_gpt_arguments, run_on_ranks, timed_step  # noqa: E402
 
 import zero_ext  # noqa: E402
 
@@ -145,13 +145,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=8, help="sequences per rank")
-    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    add_tiny_gpt_arguments(parser)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--systems", nargs="+",
