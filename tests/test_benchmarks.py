@@ -129,3 +129,22 @@ def test_hybrid_bytes_sent_by_group_and_state_follow_the_shard_size(hybrid_table
     assert (got["across_replicas"] > 0) == system.endswith("2x2")
     losses = {s: v["losses"] for s, v in hybrid_table["results"].items()}
     assert r["losses"] == pytest.approx(losses["zero_ext-2"], rel=1e-5)
+
+
+@pytest.mark.parametrize("script, systems", [
+    ("step_time.py", ["ddp", "zero_ext-2", "zero_ext-3-keep"]),
+    ("phases.py", ["ddp", "zero_ext-0", "zero_ext-3"]),
+])
+def test_table_scripts_print_a_row_per_system(script, systems):
+    """step_time.py and phases.py end to end on a tiny model (world 2): every
+    system trains and gets its row (timings are not checked)."""
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", script), "--world", "2", "--systems", *systems,
+           "--layers", "1", "--dim", "32", "--steps", "1", "--warmup", "1"]
+    cmd += ["--rounds", "1"] if script == "phases.py" else []
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line.split()[0] for line in done.stdout.splitlines() if line.split() and line.split()[0] in systems]
+    assert rows == systems, done.stdout
+    if script == "step_time.py":  # the same model and batches: the same loss everywhere
+        losses = {line.split()[6] for line in done.stdout.splitlines() if line.split()[:1] and line.split()[0] in systems}
+        assert len(losses) == 1, done.stdout
