@@ -11,10 +11,10 @@ namespace zero_ext {
 BackwardRound::BackwardRound(const Layout& layout, ParamStore& store, GradReducer& reducer,
                              UnitScheduler* units, RankAgreement& agreement, StepGate& gate,
                              const GradHooks& hooks, FaultInjector& faults, const Mesh& mesh,
-                             const Communicator& gather_comm)
+                             const Communicator& gather_comm, const Communicator& regather_comm)
     : layout_(layout), store_(store), reducer_(reducer), units_(units), agreement_(agreement), gate_(gate),
       hooks_(hooks), faults_(faults), mesh_(mesh), comm_(mesh.shard()),
-      gather_comm_(gather_comm) {}
+      gather_comm_(gather_comm), regather_comm_(regather_comm) {}
 
 RoundState BackwardRound::state() const {
   if (!broken_.empty()) return RoundState::kBroken;
@@ -179,7 +179,7 @@ void BackwardRound::mark_broken() {
 }
 
 void BackwardRound::check_usable() const {
-  TORCH_CHECK(!mesh_.failed() && !gather_comm_.failed(), "zero_ext: rank ", mesh_.rank(),
+  TORCH_CHECK(!mesh_.failed() && !gather_comm_.failed() && !regather_comm_.failed(), "zero_ext: rank ", mesh_.rank(),
               " cannot go on training: an earlier collective of this model failed (see the first "
               "error), so this rank's collectives are out of step with the other ranks'. Restart "
               "every rank from the last checkpoint.");

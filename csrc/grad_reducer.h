@@ -115,7 +115,9 @@ class GradReducer {
   void flush();
   // [Note: buckets frozen since wrap] A bucket whose parameters are all
   // frozen now (requires_grad_(False) after wrap) gets no gradient on any
-  // rank, so reducing it would only add zeros: it is retired unreduced,
+  // rank (torch's AccumulateGrad drops the gradient of a parameter frozen
+  // when it runs, even one frozen after its forward), so reducing it would
+  // only add zeros: it is retired unreduced,
   // provided nothing of an earlier backward waits to be reduced (no no_sync()
   // backward since the last synced one, and the last exchange settled):
   // whether it is skipped then depends only on what every rank agrees on

@@ -69,7 +69,8 @@ ShardedModel::ShardedModel(std::vector<at::Tensor> params, std::vector<std::stri
                  on_grad_ready(i);  // nothing to accumulate; arms the epilogue
                }
              }),
-      round_(layout_, store_, reducer_, units_.get(), agreement_, gate_, hooks_, faults_, mesh_, gather_comm_) {}
+      round_(layout_, store_, reducer_, units_.get(), agreement_, gate_, hooks_, faults_, mesh_, gather_comm_,
+             regather_comm_) {}
 
 // --- autograd ----------------------------------------------------------------
 

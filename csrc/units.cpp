@@ -207,10 +207,11 @@ void UnitScheduler::release_after_backward(bool keep_graph) {
 }
 
 void UnitScheduler::set_prefetch(int64_t u, bool forward, const std::vector<int64_t>& units) {
-  TORCH_INTERNAL_ASSERT(u > 0 && u < num_units(), "bad unit index");
+  TORCH_INTERNAL_ASSERT(u > 0, "bad unit index");
+  unit_at(u);
+  for (int64_t v : units) unit_at(v);
   auto& lists = forward ? forward_prefetch_ : backward_prefetch_;
   lists.resize(units_.size());
-  for (int64_t v : units) TORCH_INTERNAL_ASSERT(v > 0 && v < num_units(), "bad unit index");
   lists[u] = ExplicitPrefetch{true, units};
 }
 
@@ -327,12 +328,10 @@ void UnitScheduler::keep_partial(int64_t u) {
 }
 
 void UnitScheduler::reshard_to_subgroup(const std::vector<int64_t>& units) {
-  resharded_to_subgroup_.assign(units_.size(), false);
   TORCH_INTERNAL_ASSERT(units.empty() || regather_comm_.distributed(), "resharding to a subgroup needs its group");
-  for (int64_t u : units) {
-    TORCH_INTERNAL_ASSERT(u >= 0 && u < num_units(), "bad unit index");
-    resharded_to_subgroup_[u] = true;
-  }
+  for (int64_t u : units) unit_at(u);
+  resharded_to_subgroup_.assign(units_.size(), false);
+  for (int64_t u : units) resharded_to_subgroup_[u] = true;
 }
 
 int64_t UnitScheduler::partial_bytes() const {
@@ -351,11 +350,9 @@ void UnitScheduler::pre_backward(int64_t u) {
 }
 
 void UnitScheduler::keep_gathered_after_forward(const std::vector<int64_t>& units) {
+  for (int64_t u : units) unit_at(u);  // a unit with no parameters of its own may lie past the layout's last
   kept_after_forward_.assign(units_.size(), false);
-  for (int64_t u : units) {
-    TORCH_INTERNAL_ASSERT(u >= 0 && u < num_units(), "bad unit index");
-    kept_after_forward_[u] = true;
-  }
+  for (int64_t u : units) kept_after_forward_[u] = true;
 }
 
 void UnitScheduler::start_gather_all() {

@@ -1778,7 +1778,9 @@ def frozen_buckets_skip_their_reduction(ctx: Context) -> None:
     one (those local gradients are reduced), and the second of two synced
     backwards before a step (the first one's exchange is not settled yet).
     At stage 0-2 one bucket holds only theirs, at stage 3 their two units.
-    Unfrozen, they reduce again. The gradients match one process throughout."""
+    Unfrozen, they reduce again; frozen between a forward and its backward,
+    they get no gradient (torch's AccumulateGrad drops it) and are skipped.
+    The gradients match one process throughout."""
     model = Net()
     model, opt = ctx.wrap(model, sgd(model))
 
@@ -1790,7 +1792,7 @@ def frozen_buckets_skip_their_reduction(ctx: Context) -> None:
         model.out.requires_grad_(not frozen)
 
     skips = []
-    for step in range(6):
+    for step in range(7):
         freeze(step in (1, 2, 3, 4))
         before = skipped()
         if step == 2:  # accumulated while trainable, reduced after they froze
@@ -1801,12 +1803,15 @@ def frozen_buckets_skip_their_reduction(ctx: Context) -> None:
         if step == 3:  # the first of two synced backwards skips, the second reduces
             mlp_loss(ctx, model, step, salt=2).backward()
             skips_first = skipped() - before
-        mlp_loss(ctx, model, step).backward()
+        loss = mlp_loss(ctx, model, step)
+        if step == 6:  # frozen between forward and backward: torch drops their gradients, and so does zero_ext
+            freeze(True)
+        loss.backward()
         skips.append(skipped() - before)
         step_and_record(ctx, model, opt, step)
     # A skipped bucket issues no collective; the sequence checks make every
     # rank skip alike or raise.
-    ok = (skips[1] > 0 and skips[4] == skips[1] and skips[0] == skips[2] == skips[5] == 0
+    ok = (skips[1] > 0 and skips[4] == skips[6] == skips[1] and skips[0] == skips[2] == skips[5] == 0
           and skips[3] == skips_first == skips[1])
     ctx.record_check("frozen buckets skipped only where nothing waits", ctx.reference or ok)
 

@@ -123,3 +123,62 @@ def test_unshard_and_reshard_do_nothing_below_stage_3():
     model.unshard(async_op=True).wait()
     model.reshard()
     assert model(torch.ones(1, 4)).shape == (1, 2)
+
+
+class _TiedHead(nn.Module):
+    """A unit with no parameter of its own: it reads the embedding's."""
+
+    def __init__(self, embed):
+        super().__init__()
+        self.weight = embed.weight
+
+    def forward(self, x):
+        return x @ self.weight.t()
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+class _TiedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+        self.head = _TiedHead(self.embed)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("how", ["kept", "prefetch"])
+def test_a_last_unit_without_parameters_of_its_own(how):
+    """The tied head is the last unit and owns no parameter (the root holds
+    the embedding): keeping units and prefetch lists naming it work, and
+    training equals the unwrapped model's."""
+    torch.manual_seed(0)
+    model = _TiedModel()
+    reference = _TiedModel()
+    reference.load_state_dict(model.state_dict())
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    options = {"reshard_after_forward": False} if how == "kept" else {}
+    model, opt = zero_ext.wrap(model, opt, stage=3, units={_Block, _TiedHead}, **options)
+    if how == "prefetch":
+        zero_ext.set_modules_to_forward_prefetch(model.blocks[0], model.blocks[1:] + [model.head])
+    tokens = torch.randint(0, 10, (2, 5))
+    for _ in range(2):
+        for m, o in ((model, opt), (reference, ref_opt)):
+            m(tokens).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    full = zero_ext.full_state_dict(model)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(full[name], value)

@@ -122,6 +122,10 @@ def retire_if_failed(core, groups: List[dist.ProcessGroup]) -> None:
         for entry in entries:
             if id(entry.group) in ids:
                 entry.broken = True
+    for sets in _subgroup_sets.values():
+        for entry, subgroup_groups in sets:
+            if any(id(g) in ids for pair in subgroup_groups for g in pair):
+                entry.broken = True
 
 
 def pooled_groups() -> int:
@@ -217,19 +221,28 @@ def acquire_mesh_groups(shard_base: dist.ProcessGroup, replicate_base: dist.Proc
 # Subgroups of a shard group, by (members, backend): created once per process
 # by their members and kept, as the base that acquire_groups pools over.
 _subgroup_bases: Dict[Tuple[Tuple[int, ...], str], dist.ProcessGroup] = {}
+# Over the world group: every subgroup's (data, header) groups, created by
+# every rank in one order, pooled as sets (one set serves one model).
+_subgroup_sets: Dict[Tuple, List[Tuple[_Entry, List[Tuple[dist.ProcessGroup, dist.ProcessGroup]]]]] = {}
 
 
 def acquire_subgroups(base: dist.ProcessGroup, size: int, shard_rank: int, timeout: Optional[datetime.timedelta],
                       device: torch.device, owner: object) -> List[dist.ProcessGroup]:
     """reshard_after_forward=<size>: a data group and a gloo header group over
     this rank's subgroup of `base` (`size` consecutive members of `base`, by
-    group rank), for `owner`; collective over the subgroup only, so each
-    subgroup acquires its own at once."""
+    group rank), for `owner`. Over the world group every rank creates every
+    subgroup's groups, in one order (a plain collective creation, which NCCL
+    communicators split from a parent bound to a device need); over a smaller
+    group (a mesh row) each subgroup creates its own, as its members alone
+    call wrap's collectives there."""
     timeout = timeout or group_timeout(base)
     backend = dist.get_backend(base)
     members = dist.get_process_group_ranks(base)
-    first = shard_rank // size * size
-    ranks = tuple(members[first:first + size])
+    subgroups = [tuple(members[first:first + size]) for first in range(0, len(members), size)]
+    mine = shard_rank // size
+    if base is dist.group.WORLD:
+        return _acquire_world_subgroups(subgroups, mine, backend, timeout, device, owner)
+    ranks = subgroups[mine]
     key = (ranks, backend)
     if key not in _subgroup_bases or _subgroup_bases[key] not in dist.distributed_c10d._world.pg_map:
         kwargs = {"timeout": timeout} if timeout is not None else {}
@@ -238,3 +251,26 @@ def acquire_subgroups(base: dist.ProcessGroup, size: int, shard_rank: int, timeo
     sub = _subgroup_bases[key]
     return (acquire_groups(sub, 1, timeout, device, owner)
             + acquire_groups(sub, 1, timeout, device, owner, backend="gloo"))
+
+
+def _acquire_world_subgroups(subgroups, mine: int, backend: str, timeout, device: torch.device,
+                             owner: object) -> List[dist.ProcessGroup]:
+    key = (tuple(subgroups), backend, timeout.total_seconds() if timeout else None)
+    live = dist.distributed_c10d._world.pg_map
+    sets = [(e, groups) for e, groups in _subgroup_sets.get(key, []) if groups[mine][0] in live]
+    _subgroup_sets[key] = sets
+    chosen = None
+    if sets:  # free only where free on every rank, so every rank picks the same set
+        busy = torch.tensor([float(e.in_use()) for e, _ in sets], dtype=torch.float32, device=device)
+        with handed_to_backend(busy):
+            dist.all_reduce(busy, op=dist.ReduceOp.MAX)
+        chosen = next(((e, g) for (e, g), b in zip(sets, busy.tolist()) if b == 0.0), None)
+    if chosen is None:
+        kwargs = {"timeout": timeout} if timeout is not None else {}
+        groups = [(dist.new_group(ranks=list(ranks), backend=backend, **kwargs),
+                   dist.new_group(ranks=list(ranks), backend="gloo", **kwargs)) for ranks in subgroups]
+        chosen = (_Entry(groups[mine][0]), groups)
+        sets.append(chosen)
+    entry, groups = chosen
+    entry.owner = weakref.ref(owner)
+    return list(groups[mine])

@@ -93,7 +93,8 @@ class ZeroExtModule:
     def reshard(self) -> None:
         """Stage 3: releases every gathered unit (after unshard(), or
         reshard_after_forward=False units after a forward whose backward will
-        not come). Local: no communication."""
+        not come). It sends nothing, but it decides what later forwards and
+        backwards gather: every rank calls it at the same point."""
         self._zero_ext.core.release_all()
 
     def set_gradient_divide_factor(self, factor: Optional[float]) -> None:

@@ -30,6 +30,8 @@ def _set(module: torch.nn.Module, modules: Sequence[torch.nn.Module], forward: b
     state = owner_state(module)
     if not state.params_sharded:
         return  # stages 0-2: parameters are never released, nothing to gather ahead
+    if isinstance(modules, (torch.nn.ModuleList, torch.nn.Sequential)):
+        modules = list(modules)
     if isinstance(modules, torch.nn.Module) or not all(isinstance(m, torch.nn.Module) for m in modules):
         raise TypeError(f"zero_ext.{what}: pass a list of modules (units of the model)")
     u = _unit_index(state, module, what)
