@@ -103,7 +103,6 @@ class GradReducer {
   // FSDP2's set_gradient_divide_factor: reductions divide the sum over every
   // rank by `factor` instead of the number of ranks (0: that number again).
   void set_divide_factor(double factor) { divide_factor_ = factor; }
-  double divide_factor() const { return divide_factor_; }
   bool replica_sync() const { return replica_sync_; }
   // Whether a bucket launched now keeps its result back from the replicas.
   bool defers_replica_sync() const { return hybrid_ && !replica_sync_ && layout_.stage() > 0; }

@@ -255,7 +255,7 @@ def check_wrap_arguments(model, optimizers, stage, mixed_precision, offload_opti
     if reshard_after_forward is None:
         reshard_after_forward = True
     else:
-        check_reshard_policy(reshard_after_forward, stage)
+        check_reshard_policy(reshard_after_forward)
         if stage != 3 and reshard_after_forward is not False and reshard_after_forward != 1:
             raise ValueError(
                 f"zero_ext.wrap: reshard_after_forward={reshard_after_forward!r} needs stage=3: stages 0-2 keep "

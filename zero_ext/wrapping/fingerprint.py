@@ -125,7 +125,8 @@ def _describe_reshard(reshard, unit_names: List[str]) -> str:
     if reshard is None or not (reshard.kept or reshard.to_subgroup):
         return "every unit resharded after forward"
     parts = []
-    for units, what in ((reshard.kept, "kept gathered"), (reshard.to_subgroup, f"resharded to {reshard.subgroup_size}")):
+    resharded = f"resharded to {reshard.subgroup_size}"
+    for units, what in ((reshard.kept, "kept gathered"), (reshard.to_subgroup, resharded)):
         if units:
             shown = ", ".join(unit_names[u] for u in units[:3]) + (", ..." if len(units) > 3 else "")
             parts.append(f"{len(units)} units {what} after forward ({shown})")

@@ -28,7 +28,7 @@ import torch
 Policy = Union[bool, int, Callable[[torch.nn.Module], Union[bool, int]]]
 
 
-def check_policy(policy: Policy, stage: int) -> None:
+def check_policy(policy: Policy) -> None:
     """Type checks at wrap(), before any communication."""
     if isinstance(policy, bool) or callable(policy):
         return

@@ -18,7 +18,8 @@ from ..files.collective import Ranks
 from ..files.plan import local_views
 from ..files.save_weights import install_pretrained_export
 from .deferred_init import materialize, move_to_device, plan_deferred
-from ..groups.process_groups import acquire_groups, acquire_mesh_groups, acquire_subgroups, group_timeout, pooled_groups, retire_if_failed
+from ..groups.process_groups import (acquire_groups, acquire_mesh_groups, acquire_subgroups, group_timeout,
+                                     pooled_groups, retire_if_failed)
 from ..groups.mesh import Topology, resolve_topology
 from ..groups import stall_query as whereabouts
 from ..runtime.hooks import install_forward_hooks
