@@ -395,6 +395,13 @@ def layer_frozen_on_one_rank_only(rank: int, world: int) -> dict:
                                     3, lambda model: model.head.requires_grad_(rank != 1))
 
 
+def unshard_on_rank0_only(rank: int, world: int) -> dict:
+    """Rank 0 alone calls model.unshard() before step 1 (a one-rank call of a
+    collective API): its gathers would pair with the others' forward gathers."""
+    return _steps_parting_at_step_1(rank, world, lambda: _moe_wrapped(bucket_mb=ONE_UNIT_PER_BLOCK_MB), 3,
+                                    lambda model: model.unshard() if rank == 0 else None)
+
+
 def gradient_divide_factor_differs(rank: int, world: int) -> dict:
     """Rank 1 sets another gradient divide factor after step 0: its
     reductions would scale its share differently."""
@@ -468,6 +475,7 @@ DIVERGENCES: Dict[str, Callable[[int, int], dict]] = {
     "frozen_on_one_rank_only": frozen_on_one_rank_only,
     "frozen_on_one_rank_only_stage1": lambda rank, world: frozen_on_one_rank_only(rank, world, stage=1),
     "gradient_divide_factor_differs": gradient_divide_factor_differs,
+    "unshard_on_rank0_only": unshard_on_rank0_only,
     "layer_frozen_on_one_rank_only": layer_frozen_on_one_rank_only,
     "prefetch_lists_differ": prefetch_lists_differ,
     "blocks_backward_skipped_on_one_rank": blocks_backward_skipped_on_one_rank,

@@ -56,6 +56,7 @@ EXPECTED = {
     "blocks_backward_skipped_on_one_rank": (["stalled waiting for each other", "blocks."], 1),
     "prefetch_lists_differ": (["about to issue different collectives on the parameter gather group"], 0),
     "layer_frozen_on_one_rank_only": (["requires_grad_() changed on some ranks only"], 1),
+    "unshard_on_rank0_only": (["about to issue different collectives on the parameter gather group"], 1),
     "gradient_divide_factor_differs": (["set_gradient_divide_factor was called with different factors"], 1),
     "wrap_a_different_shape": (["zero_ext.wrap: the ranks wrapped different models",
                                 "parameter #", "'head.weight' (12, 8)", "'head.weight' (11, 8)"], 0),
