@@ -101,6 +101,7 @@ class Job:
     result_dir: str
     log_prefix: str
     deepspeed_fp32: bool = False  # the CPU fallback when DeepSpeed's bf16 fails there
+    profile: bool = False  # one more step under torch.profiler: zero_ext's ranges, kernel time by kind
 
 
 # ---------------------------------------------------------------------------
@@ -257,6 +258,54 @@ def peak_rss_bytes() -> int:
     return 0
 
 
+# zero_ext's profiler ranges (csrc), grouped as the per-phase breakdown names them.
+ZERO_EXT_RANGES = {"hooks": ("zero_ext::accumulate_grad",),
+                   "gather": ("zero_ext::gather_unit", "zero_ext::release_unit"),
+                   "epilogue": ("zero_ext::run_epilogue",), "opt": ("zero_ext::step",)}
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    if "nccl" in lowered:
+        return "nccl"
+    if "memcpy" in lowered or "memset" in lowered:
+        return "memcpy"
+    if "gemm" in lowered or "cutlass" in lowered or "sm90" in lowered or "flash" in lowered or "attention" in lowered:
+        return "matmul"
+    return "other"
+
+
+def profiled_step(run_step: Callable[[], None], cuda: bool) -> dict:
+    """One step under torch.profiler: milliseconds of host time inside
+    zero_ext's ranges (children included) and of GPU kernel time by kind
+    (matmul and attention, NCCL, copies and fills, the rest: elementwise,
+    reductions, optimizer kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        run_step()
+    # key_averages keeps a range's host event apart from its GPU-side user
+    # annotation (same name, device CUDA): the host time is the CPU event's,
+    # and the kernel time leaves annotations out (they span kernels already
+    # counted).
+    events = prof.key_averages()
+    cpu = torch.autograd.DeviceType.CPU
+    host = {e.key: e.cpu_time_total for e in events if getattr(e, "device_type", cpu) == cpu}
+    out = {name: sum(host.get(k, 0.0) for k in keys) / 1e3 for name, keys in ZERO_EXT_RANGES.items()}
+    if cuda:
+        kinds = {"matmul": 0.0, "nccl": 0.0, "memcpy": 0.0, "other": 0.0}
+        for e in events:
+            if getattr(e, "device_type", cpu) == cpu or getattr(e, "is_user_annotation", False):
+                continue
+            self_device = getattr(e, "self_device_time_total", None)
+            if self_device is None:  # older torch
+                self_device = getattr(e, "self_cuda_time_total", 0.0)
+            kinds[kernel_kind(e.key)] += self_device / 1e3
+        out.update({f"gpu_{k}": v for k, v in kinds.items()}, gpu_total=sum(kinds.values()))
+    return out
+
+
 def benchmark_rank(job: Job, rank: int, local_rank: Optional[int] = None) -> dict:
     cuda = job.device == "cuda"
     device = torch.device("cuda", rank if local_rank is None else local_rank) if cuda else torch.device("cpu")
@@ -267,7 +316,8 @@ def benchmark_rank(job: Job, rank: int, local_rank: Optional[int] = None) -> dic
         model = build_model(job.model, builtin=True, seed=0)
     n_params = sum(p.numel() for p in model.parameters())  # the tied embedding counts once
     trainer = build_trainer(job, model, rank)
-    batches = token_batches(job, vocab, rank, job.warmup + job.steps, device)
+    batches = token_batches(job, vocab, rank, job.warmup + job.steps + int(job.profile), device)
+    profiled_batch = batches.pop() if job.profile else None
     autocast = torch.autocast(job.device, dtype=torch.bfloat16) if trainer.autocast else nullcontext()
 
     sync()
@@ -280,24 +330,33 @@ def benchmark_rank(job: Job, rank: int, local_rank: Optional[int] = None) -> dic
     # CPU): reading them adds no sync inside the step.
     marks = (lambda: torch.cuda.Event(enable_timing=True)) if cuda else PerfMark
     times, phases, loss = [], [], None
+
+    def train_step(tokens: torch.Tensor, events: list) -> torch.Tensor:
+        # The logits stay referenced until the step is over, as in a plain
+        # training loop (peak memory is compared with earlier runs).
+        events[0].record()
+        with autocast:
+            logits = trainer.forward(tokens[:, :-1])
+            step_loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        events[1].record()
+        trainer.backward(step_loss)
+        events[2].record()
+        trainer.step()
+        events[3].record()
+        return step_loss
+
     for step, tokens in enumerate(batches):
         sync()
         start = time.perf_counter()
         events = [marks() for _ in range(4)]
-        events[0].record()
-        with autocast:
-            logits = trainer.forward(tokens[:, :-1])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-        events[1].record()
-        trainer.backward(loss)
-        events[2].record()
-        trainer.step()
-        events[3].record()
+        loss = train_step(tokens, events)
         sync()
         if step >= job.warmup:
             times.append(time.perf_counter() - start)
             phases.append([events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(3)])
-        del logits
+    profiled = None
+    if profiled_batch is not None:
+        profiled = profiled_step(lambda: (train_step(profiled_batch, [marks() for _ in range(4)]), sync()), cuda)
 
     return {
         "rank": rank,
@@ -316,6 +375,7 @@ def benchmark_rank(job: Job, rank: int, local_rank: Optional[int] = None) -> dic
         "precision": trainer.precision,
         "optimizer": trainer.optimizer,
         "collectives": trainer.collectives,
+        "profiled_ms": profiled,
     }
 
 
@@ -494,6 +554,8 @@ def combine(job: Job, per_rank: List[dict]) -> dict:
         gpu_after_build_gib=peak_gib("gpu_after_build_bytes"),
         peak_rss_gib=peak_gib("peak_rss_bytes"),
         loss=statistics.mean(r["loss"] for r in per_rank),
+        profiled_ms=({k: max(r["profiled_ms"][k] for r in per_rank) for k in per_rank[0]["profiled_ms"]}
+                     if per_rank[0].get("profiled_ms") else None),
         per_rank=per_rank,
     )
     return row
@@ -517,7 +579,7 @@ def run_system(args, model: str, system: str, world: int, log_dir: str) -> dict:
                       seq=args.seq, steps=args.steps, warmup=args.warmup, threads=args.threads,
                       port=free_port(), timeout_s=args.system_timeout, result_dir=result_dir,
                       log_prefix=os.path.join(log_dir, f"{model}_{system}{suffix}"),
-                      deepspeed_fp32=deepspeed_fp32)
+                      deepspeed_fp32=deepspeed_fp32, profile=args.profile)
             return combine(job, run_job(job))
 
     row = attempt(False)
@@ -590,6 +652,31 @@ def print_table(rows: List[dict]) -> None:
               f"{phases:>17} {fmt(r.get('tokens_per_s_per_rank'), ',.0f'):>11} "
               f"{fmt(r.get('tokens_per_s_total'), ',.0f'):>12} {fmt(r.get('mfu'), '.1%'):>6} "
               f"{gpu:>19} {fmt(r.get('peak_rss_gib'), '.2f'):>8} {fmt(r.get('loss'), '.4f'):>7}  {status[:110]}")
+    for line in profile_lines(rows, markdown=False):
+        print(line)
+
+
+PROFILE_COLUMNS = ("hooks", "gather", "epilogue", "opt", "gpu_matmul", "gpu_nccl", "gpu_memcpy", "gpu_other",
+                   "gpu_total")
+
+
+def profile_lines(rows: List[dict], markdown: bool) -> List[str]:
+    """The profiled step's breakdown, a line per system that has one (ms)."""
+    profiled = [r for r in rows if r.get("profiled_ms")]
+    if not profiled:
+        return []
+    cells = lambda r: [fmt(r["profiled_ms"].get(c), ".1f") for c in PROFILE_COLUMNS]  # noqa: E731
+    if markdown:
+        lines = ["", "One profiled step, ms: host time inside zero_ext's ranges (hooks = accumulate_grad, gather = "
+                 "gather_unit + release_unit, epilogue = run_epilogue, opt = zero_ext::step) and GPU kernel time "
+                 "by kind (gpu_total: all kernels; the step's wall time less it is time the GPU waited for the host).", "", "| system | model | " + " | ".join(PROFILE_COLUMNS) + " |",
+                 "|---|---|" + "---|" * len(PROFILE_COLUMNS)]
+        lines += [f"| {r['system']} | {r['model']} | " + " | ".join(cells(r)) + " |" for r in profiled]
+        return lines
+    lines = ["", "one profiled step, ms (host time in zero_ext's ranges; GPU kernel time by kind)",
+             f"{'system':<19} {'model':<10} " + " ".join(f"{c:>10}" for c in PROFILE_COLUMNS)]
+    lines += [f"{r['system']:<19} {r['model']:<10} " + " ".join(f"{v:>10}" for v in cells(r)) for r in profiled]
+    return lines
 
 
 def markdown_table(rows: List[dict], facts: dict) -> str:
@@ -608,7 +695,7 @@ def markdown_table(rows: List[dict], facts: dict) -> str:
             + (f"{r['peak_gpu_allocated_gib']:.2f}/{r['peak_gpu_reserved_gib']:.2f}"
                if r.get("peak_gpu_allocated_gib") is not None else "-")
             + f" | {fmt(r.get('loss'), '.4f')} | {r['status'] if ok else r['status'] + ': ' + str(r['error'])[:80]} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + profile_lines(rows, markdown=True)) + "\n"
 
 
 def parse_args() -> argparse.Namespace:
@@ -630,6 +717,9 @@ def parse_args() -> argparse.Namespace:
                         help="torch CPU threads per rank (default: CPU cores / world size)")
     parser.add_argument("--system-timeout", type=float, default=600.0,
                         help="seconds one (model, system) run may take before its ranks are killed")
+    parser.add_argument("--profile", action="store_true",
+                        help="one more step under torch.profiler: host time in zero_ext's ranges and GPU kernel "
+                             "time by kind (a second table)")
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "gpu.json"),
                         help="JSON results; rank logs go to a directory beside it")
     args = parser.parse_args()
@@ -686,7 +776,7 @@ def torchrun_main(args) -> None:
         dist.init_process_group("gloo", timeout=timeout)
     job = Job(model=args.models[0], system=args.systems[0], device=args.device, world=world, batch=args.batch,
               seq=args.seq, steps=args.steps, warmup=args.warmup, threads=args.threads, port=0,
-              timeout_s=args.system_timeout, result_dir="", log_prefix="torchrun")
+              timeout_s=args.system_timeout, result_dir="", log_prefix="torchrun", profile=args.profile)
     if job.system == "plain" and world != 1:
         raise SystemExit("plain runs at world size 1 only")
     result = benchmark_rank(job, rank, local_rank)

@@ -8,7 +8,8 @@
 #   2. tests/cuda, the self-check and CPU Adam tests.
 #   3. benchmarks/gpu.py at world size 1: GPT-2 124M with every system, GPT-2
 #      1.3B with plain, FSDP2 and stages 2, 3 and 3 + offload (short runs), into
-#      benchmarks/results/gpu-<date>-<model>.json and .md (copied to $OUT).
+#      benchmarks/results/gpu-<date>-<model>.json and .md (copied to $OUT), each
+#      with one profiled step per system (zero_ext's ranges, GPU kernel time by kind).
 # Sized to run in about 8 minutes on one H100/H200 (16 cores).
 # Prints a summary table at the end.
 set -uo pipefail
@@ -53,7 +54,7 @@ bench() {  # bench NAME MODEL SYSTEMS...
   local name=$1 model=$2; shift 2
   local result="benchmarks/results/gpu-$stamp-$name.json" start=$(date +%s)
   "$PY" benchmarks/gpu.py --world 1 --models "$model" --steps "${GPU_CHECK_STEPS:-10}" --warmup 3 \
-      --systems "$@" --system-timeout 240 --out "$result" 2>&1 | tee "$OUT_DIR/gpu_bench_$name.log" | tail -n 15
+      --systems "$@" --system-timeout 240 --profile --out "$result" 2>&1 | tee "$OUT_DIR/gpu_bench_$name.log" | tail -n 15
   cp "$result" "${result%.json}.md" "$OUT_DIR/" 2>/dev/null
   ROWS+=("| benchmarks/gpu.py $model | $(( $(date +%s) - start ))s | $result |")
 }

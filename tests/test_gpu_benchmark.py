@@ -38,9 +38,13 @@ def check_rows(rows, world):
 def test_spawned_ranks_world_one(tmp_path):
     out = str(tmp_path / "gpu.json")
     rows = run([sys.executable, os.path.join(REPO, "benchmarks", "gpu.py"), *SMALL, "--world", "1",
-                "--systems", "plain", "zero_ext-2", "--out", out], out)
+                "--systems", "plain", "zero_ext-2", "--profile", "--out", out], out)
     assert [r["system"] for r in rows] == ["plain", "zero_ext-2"]
     check_rows(rows, world=1)
+    # The profiled step: zero_ext's ranges are empty for plain, filled for zero_ext.
+    plain, zero = (r["profiled_ms"] for r in rows)
+    assert plain["hooks"] == plain["epilogue"] == plain["opt"] == 0.0
+    assert zero["hooks"] > 0 and zero["epilogue"] > 0 and zero["opt"] > 0
 
 
 def test_one_system_under_torchrun(tmp_path):
