@@ -209,6 +209,7 @@ class GradReducer {
 
   at::Tensor staging_region(int64_t b, int64_t i);
   void ensure_staging(int64_t b);
+  bool stages_into_accum(int64_t b) const;  // [Note: one rank's staging is its accumulator]
   void launch_ready_buckets();
   void launch(int64_t b);
   void retire(int64_t b);  // waits one reduction and folds it in

@@ -69,6 +69,12 @@ class ParamStore {
   void regrow_flat(int64_t b);
   void release_flat(int64_t b);
   bool flat_released(int64_t b) const;
+  // [Note: one rank's shard is its flat buffer] Stage 3 alone in its shard
+  // group without masters: the shard is the whole flat buffer, never
+  // released (regrow_flat and release_flat leave it be).
+  bool shard_is_flat(int64_t b) const {
+    return layout_.params_sharded() && values_[b].shard.defined() && values_[b].shard.is_alias_of(values_[b].flat);
+  }
   at::Tensor& flat_mut(int64_t b) { return values_[b].flat; }
   // Stage 3: what a gather of bucket b sends, in the compute dtype: the
   // shard, or the master cast into flat's own slot (flat must be grown).

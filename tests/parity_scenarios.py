@@ -1259,6 +1259,42 @@ def straggler_rank_bounds_reductions_in_flight(ctx: Context) -> None:
 straggler_rank_bounds_reductions_in_flight.stages = (2, 3)
 
 
+def one_rank_group_reduces_locally(ctx: Context) -> None:
+    """Alone in its group (world size 1 under torch.distributed), a rank
+    sends nothing: its reductions and gathers are local copies, and stages
+    2-3 stage a backward's gradients straight into their empty accumulators
+    (no staging buffer); stage 3 keeps one copy of the parameters, its
+    shard being the whole buffer, so a gather allocates and copies nothing.
+    Over more ranks the same model issues its collectives and stages as
+    before. Then gradient accumulation over two backwards (the second stages
+    apart, as it adds), exact."""
+    model = DeepNet()
+    model, opt = ctx.wrap(model, adamw(model))
+    peak_staging, in_forward = 0, []
+    if not ctx.reference:
+        core = model._zero_ext.core
+        model.layers[2].register_forward_hook(lambda *_: in_forward.append(core.stats()["param_bytes"]))
+    for step in range(4):
+        mlp_loss(ctx, model, step).backward()
+        if step == 1 and not ctx.reference:
+            peak_staging = model._zero_ext.core.stats()["peak_staging_bytes"]
+        if step >= 2:
+            mlp_loss(ctx, model, step, salt=1).backward()
+        step_and_record(ctx, model, opt, step)
+    labels = ["collectives only over more than one rank", "staging buffers only over more than one rank",
+              "alone, one copy of the parameters during forward"]
+    if ctx.reference:
+        ctx.record_checks(labels)
+        return
+    stats = model._zero_ext.core.stats()
+    alone = ctx.world == 1
+    transient = ctx.stage >= 2
+    whole_bytes = sum(model._zero_ext.core.bucket_layout()[2::3]) * 4  # every bucket, padded, fp32
+    ctx.record_checks(labels, [(stats["collectives"] + stats["all_gathers"] == 0) == alone,
+                               not transient or (peak_staging == 0) == alone,
+                               not alone or set(in_forward) == {whole_bytes}])
+
+
 class GatedBlock(nn.Module):
     def __init__(self):
         super().__init__()
@@ -1931,6 +1967,7 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
         dataclass_inputs_with_frozen_weights,
         user_collective_in_backward_with_rank_dependent_layer,
         straggler_rank_bounds_reductions_in_flight,
+        one_rank_group_reduces_locally,
         issue_order_same_on_every_rank,
         *MIXED_PRECISION_SCENARIOS,
         fp16_output_on_another_outputs_path,

@@ -1,7 +1,7 @@
 """benchmarks/gpu.py end to end on CPU (gloo), as the GPU check runs it:
 spawned ranks and torchrun, the table's columns, zero_ext's own group even at
-world size 1 (so its collectives run as on more ranks), and the same loss for
-every system. Timings are printed, never asserted."""
+world size 1 (whose collectives over one rank are local copies), and the same
+loss for every system. Timings are printed, never asserted."""
 import json
 import os
 import subprocess

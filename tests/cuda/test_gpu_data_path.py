@@ -1,7 +1,9 @@
-"""On a GPU, with real NCCL at world size 1 (zero_ext's own groups run their
-collectives even there): parity against plain PyTorch for stages 0-3 x
-fp32/bf16 x offload, the bound on gradient memory in backward, and host syncs
-in backward counted from the profiler."""
+"""On a GPU, at world size 1 over NCCL: parity against plain PyTorch for
+stages 0-3 x fp32/bf16 x offload, the bound on gradient memory in backward,
+and host syncs in backward counted from the profiler. A group of one rank
+runs its collectives as local copies; these tests send them through NCCL all
+the same (ZERO_EXT_ONE_RANK_COLLECTIVES=1), to cover NCCL's path on one GPU,
+and run parity, memory and host syncs once more the local way."""
 import datetime
 import os
 import tempfile
@@ -21,8 +23,10 @@ WIDTH, DEPTH = 1024, 12  # one 4 MiB (fp32) bucket per layer at bucket_mb=4
 
 @pytest.fixture(scope="module", autouse=True)
 def nccl_world_of_one():
+    os.environ["ZERO_EXT_ONE_RANK_COLLECTIVES"] = "1"  # NCCL's path, unless a test asks for the local one
     if dist.is_initialized():
         yield
+        os.environ.pop("ZERO_EXT_ONE_RANK_COLLECTIVES", None)
         return
     torch.cuda.set_device(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -31,6 +35,7 @@ def nccl_world_of_one():
                                 device_id=torch.device("cuda", 0))
         yield
         dist.destroy_process_group()
+    os.environ.pop("ZERO_EXT_ONE_RANK_COLLECTIVES", None)
 
 
 class Deep(nn.Module):
@@ -67,8 +72,14 @@ CASES = [(stage, precision, offload) for stage in (0, 1, 2, 3) for precision in 
          for offload in (False, True) if not (offload and stage == 0)]
 
 
+def one_rank_collectives(monkeypatch, collectives: str) -> None:
+    monkeypatch.setenv("ZERO_EXT_ONE_RANK_COLLECTIVES", "1" if collectives == "nccl" else "0")
+
+
+@pytest.mark.parametrize("collectives", ["nccl", "local"])
 @pytest.mark.parametrize("stage,precision,offload", CASES)
-def test_parity_with_plain_pytorch_over_nccl(stage, precision, offload):
+def test_parity_with_plain_pytorch_over_nccl(stage, precision, offload, collectives, monkeypatch):
+    one_rank_collectives(monkeypatch, collectives)
     data = batches(3)
     reference = Deep(depth=4).cuda()
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1)
@@ -80,6 +91,8 @@ def test_parity_with_plain_pytorch_over_nccl(stage, precision, offload):
                                units={nn.Linear} if stage == 3 else None)
     assert model._zero_ext.process_group is not None, "world size 1 still runs zero_ext's own group"
     train(model, opt, data)
+    sent = model._zero_ext.core.stats()["collectives"]
+    assert (sent > 0) == (collectives == "nccl"), sent
     got = zero_ext.full_state_dict(model)
     # bf16: autocast keeps fp32 weights and rounds per op; zero_ext computes in
     # bf16 weights rounded from fp32 masters. Both land within bf16 ulps.
@@ -88,13 +101,16 @@ def test_parity_with_plain_pytorch_over_nccl(stage, precision, offload):
         torch.testing.assert_close(got[name].float().cpu(), p.detach().float().cpu(), **tol, msg=name)
 
 
+@pytest.mark.parametrize("collectives", ["nccl", "local"])
 @pytest.mark.parametrize("stage", [2, 3])
-def test_gradient_memory_in_backward_is_bounded_by_the_buckets(stage):
+def test_gradient_memory_in_backward_is_bounded_by_the_buckets(stage, collectives, monkeypatch):
     """Stages 2-3 hold staging only for reductions in flight, bounded in
     bytes: besides the fp32 gradient shard (freed at zero_grad, allocated
     again by the next backward: the whole gradient at world size 1), the
     memory backward adds is the bound plus a bucket, not the model's
-    gradient (12 layers x 4 MiB here)."""
+    gradient (12 layers x 4 MiB here). Alone, without NCCL, it stages
+    straight into the gradient shard: no staging at all."""
+    one_rank_collectives(monkeypatch, collectives)
     model = Deep().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = zero_ext.wrap(model, opt, stage=stage, bucket_mb=4, units={nn.Linear} if stage == 3 else None)
@@ -113,6 +129,7 @@ def test_gradient_memory_in_backward_is_bounded_by_the_buckets(stage):
     assert shard_before == 0 and shard == model_grad // dist.get_world_size(), (shard_before, shard, model_grad)
     added = torch.cuda.max_memory_allocated() - before - shard
     assert stats["peak_staging_bytes"] <= stats["max_in_flight_bytes"] + 2 * bucket, stats
+    assert (stats["peak_staging_bytes"] == 0) == (collectives == "local"), stats
     # Besides staging: one layer's param.grad before it moves into its bucket,
     # activations (4 rows) and stage 3's gathered layers.
     allowance = stats["max_in_flight_bytes"] + 2 * bucket + (2 * bucket if stage == 3 else 0) + 2**20
@@ -144,11 +161,13 @@ def host_syncs(fn) -> dict:
     return {name: n for name, n in counts.items() if n}
 
 
+@pytest.mark.parametrize("collectives", ["nccl", "local"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_no_host_sync_in_backward_and_one_per_step(stage):
+def test_no_host_sync_in_backward_and_one_per_step(stage, collectives, monkeypatch):
     """Four backward passes accumulate without the host waiting once; the
     step reads the ranks' agreement (which parameters got gradients,
     non-finite, in step) once for all four (README, "Host syncs")."""
+    one_rank_collectives(monkeypatch, collectives)
     model = Deep(depth=4).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     model, opt = zero_ext.wrap(model, opt, stage=stage, bucket_mb=4, mixed_precision="bf16",

@@ -100,7 +100,7 @@ def _plan(model: torch.nn.Module, trainable: List[torch.nn.Parameter], options: 
         # After the trainable buckets: with nothing to wait for, a frozen
         # bucket is retired as soon as the launch order reaches it.
         frozen, frozen_counts = plan_buckets(_frozen_to_compute_in_low_precision(model, options),
-                                             options.bucket_bytes)
+                                             options.bucket_bytes, first_bucket_bytes=options.bucket_bytes)
         return [], ordered + frozen, counts + frozen_counts, []
     # The default policy merges consecutive small blocks until a unit holds
     # bucket_mb: one all-gather and one reduce-scatter per unit, each as big
@@ -311,8 +311,9 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
         move_to_device(deferred, ordered, names)
     # Groups of zero_ext's own (see groups/process_groups.py), owned by this model; stage 3
     # gathers parameters on a second one (see csrc/units.h).
-    # Even at world size 1 under torch.distributed: the collectives run as
-    # they will on more ranks (as DDP's do), so one GPU measures the real path.
+    # Even at world size 1 under torch.distributed, the model gets groups of
+    # its own; their collectives over one rank are local copies there
+    # (csrc/communicator.h), as without torch.distributed.
     own_groups, replica_group = [], None
     count = 2 if options.stage == 3 else 1
     base = topology.shard_group
