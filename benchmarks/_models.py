@@ -29,6 +29,7 @@ class Preset:
     vocab: int
     context: int
     ffn: int = 0  # llama only: SwiGLU hidden size
+    kv_heads: int = 0  # llama only: key/value heads (grouped-query attention); 0: as many as heads
 
 
 PRESETS = {
@@ -36,6 +37,7 @@ PRESETS = {
     "gpt2-10m": Preset("gpt2", 256, 4, 4, 32000, 512),
     "gpt2-50m": Preset("gpt2", 512, 8, 8, 32000, 1024),
     "gpt2-124m": Preset("gpt2", 768, 12, 12, 50257, 1024),  # GPT-2 small
+    "llama-tiny": Preset("llama", 256, 4, 4, 2048, 256, ffn=688, kv_heads=2),  # RMSNorm, GQA, SwiGLU
     "llama-200m": Preset("llama", 1024, 10, 16, 32000, 2048, ffn=2816),
     "gpt2-1b": Preset("gpt2", 2048, 18, 16, 50257, 1024),
 }
@@ -107,7 +109,8 @@ def _transformers_model(p: Preset) -> nn.Module:
     else:
         config = transformers.LlamaConfig(
             vocab_size=p.vocab, hidden_size=p.dim, intermediate_size=p.ffn, num_hidden_layers=p.layers,
-            num_attention_heads=p.heads, num_key_value_heads=p.heads, max_position_embeddings=p.context,
+            num_attention_heads=p.heads, num_key_value_heads=p.kv_heads or p.heads,
+            max_position_embeddings=p.context,
             tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
         lm = transformers.LlamaForCausalLM(config)
     lm.config.use_cache = False

@@ -3,10 +3,19 @@ DDP, and zero_ext stages 0-3, measured in one run.
 
     python benchmarks/phases.py --world 1
     python benchmarks/phases.py --world 2 --systems ddp zero_ext-0 zero_ext-2
+    python benchmarks/phases.py --world 2 --model llama-tiny --systems ddp fsdp2-s2 fsdp2 zero_ext-2 zero_ext-3
+    python benchmarks/phases.py --world 2 --model small-blocks
 
-Each system trains the same TinyGPT (examples/train_lm.py) on the same token
-batches; the systems take their steps in interleaved rounds (so drift in
-machine load hits all alike). Per step, wall time of each phase:
+Each system trains the same model on the same token batches: TinyGPT
+(examples/train_lm.py, shaped by --dim, --layers, ...), a preset of
+benchmarks/_models.py (llama-tiny: RMSNorm, grouped-query attention, SwiGLU,
+d=256, 4 layers; needs transformers), or small-blocks (--blocks residual
+tanh(Linear(32, 32)) blocks between an embedding and a head: per-module
+overhead). Systems: plain (world 1), ddp, fsdp2 (fully_shard on each block
+and the root, resharded after forward: ZeRO-3), fsdp2-s2 (the same kept
+gathered after forward: ZeRO-2's traffic), zero_ext-N (stage N). The
+systems take their steps in interleaved rounds (so drift in machine load
+hits all alike). Per step, wall time of each phase:
 
   forward     the model's forward and the loss
   backward    loss.backward(): compute, zero_ext's gradient hooks, the
@@ -41,12 +50,14 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from train_lm import TinyGPT  # noqa: E402
 
+from _models import PRESETS, blocks_of, build_model  # noqa: E402
 from _ranks import add_tiny_gpt_arguments, run_on_ranks  # noqa: E402
 
 import zero_ext  # noqa: E402
@@ -56,11 +67,50 @@ RANGES = {"hooks": ("zero_ext::accumulate_grad",), "gather": ("zero_ext::gather_
           "epilogue": ("zero_ext::run_epilogue",), "opt": ("zero_ext::step",)}
 
 
-def build(args, system, world):
+class SmallBlocks(nn.Module):
+    """Many small residual blocks between an embedding and a head."""
+
+    def __init__(self, vocab: int, blocks: int, width: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.head(h)
+
+
+def vocab_of(args) -> int:
+    return PRESETS[args.model].vocab if args.model in PRESETS else args.vocab
+
+
+def model_and_blocks(args):
     torch.manual_seed(0)
-    model = TinyGPT(args.vocab, args.dim, args.layers, args.heads, args.context)
+    if args.model == "tinygpt":
+        model = TinyGPT(args.vocab, args.dim, args.layers, args.heads, args.context)
+        return model, list(model.blocks)
+    if args.model == "small-blocks":
+        model = SmallBlocks(args.vocab, args.blocks)
+        return model, list(model.blocks)
+    model = build_model(args.model, seed=0)
+    return model, blocks_of(model)
+
+
+def build(args, system, world):
+    model, blocks = model_and_blocks(args)
+    if system.startswith("fsdp2"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for block in blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=system == "fsdp2")
+        fully_shard(model, mesh=mesh, reshard_after_forward=system == "fsdp2")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=True)
-    if system in ("plain", "ddp"):
+    if system in ("plain", "ddp") or system.startswith("fsdp2"):
         trained = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb) if system == "ddp" else model
         return trained, opt
     return zero_ext.wrap(model, opt, stage=int(system.split("-")[1]), bucket_mb=args.bucket_mb)
@@ -68,7 +118,7 @@ def build(args, system, world):
 
 def batch(args, rank, world, step):
     g = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, args.vocab, (world * args.batch, args.context + 1), generator=g)
+    tokens = torch.randint(0, vocab_of(args), (world * args.batch, args.context + 1), generator=g)
     mine = tokens[rank * args.batch:(rank + 1) * args.batch]
     return mine[:, :-1], mine[:, 1:]
 
@@ -131,7 +181,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, default=1)
     parser.add_argument("--systems", nargs="+", default=None,
-                        help="plain (world 1), ddp, zero_ext-N (default: plain or ddp, then stages 0-3)")
+                        help="plain (world 1), ddp, fsdp2, fsdp2-s2, zero_ext-N "
+                             "(default: plain or ddp, then stages 0-3)")
+    parser.add_argument("--model", default="tinygpt", choices=["tinygpt", "small-blocks"] + sorted(PRESETS))
+    parser.add_argument("--blocks", type=int, default=1000, help="small-blocks: how many")
     add_tiny_gpt_arguments(parser)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5, help="steps per system per round")
@@ -142,7 +195,9 @@ def main():
     per_rank = run_on_ranks(args.world, run, args)
     mean = lambda values: statistics.mean(values)  # noqa: E731 - over ranks
     base = mean(r[args.systems[0]]["total"] for r in per_rank)
-    print(f"TinyGPT d={args.dim} x{args.layers}, world {args.world} (gloo, CPU, 1 thread per rank), "
+    shape = {"tinygpt": f"TinyGPT d={args.dim} x{args.layers}",
+             "small-blocks": f"{args.blocks} small blocks"}.get(args.model, args.model)
+    print(f"{shape}, world {args.world} (gloo, CPU, 1 thread per rank), "
           f"{args.batch}x{args.context} tokens per rank; ms, median of {args.rounds} rounds x {args.steps} steps")
     header = (f"{'system':<12} {'step':>8} {'range':>15} {'vs ' + args.systems[0]:>9} "
               + " ".join(f"{p:>9}" for p in PHASES) + " | " + " ".join(f"{r:>8}" for r in RANGES))
