@@ -118,7 +118,7 @@ class Trainer:
     autocast: bool  # forward and loss under torch.autocast (plain and DDP keep fp32 weights)
     precision: str
     optimizer: str
-    collectives: str = "-"  # zero_ext: the backend of its own group ("none": no collectives run)
+    collectives: str = "-"  # zero_ext: the backend of its own group, "local" (one rank) or "none"
 
 
 def adamw(params, device: str, fused: bool) -> torch.optim.Optimizer:
@@ -136,6 +136,17 @@ def plain_step(opt: torch.optim.Optimizer) -> Callable[[], None]:
         opt.step()
         opt.zero_grad(set_to_none=True)
     return step
+
+
+def collectives_of(group) -> str:
+    """What carries zero_ext's collectives: its group's backend, or "local"
+    for a group of one rank (local copies; ZERO_EXT_ONE_RANK_COLLECTIVES=1
+    sends them through the backend all the same)."""
+    if group is None:
+        return "none"
+    if group.size() == 1 and os.environ.get("ZERO_EXT_ONE_RANK_COLLECTIVES") != "1":
+        return "local"
+    return dist.get_backend(group)
 
 
 def build_trainer(job: Job, model: torch.nn.Module, rank: int) -> Trainer:
@@ -179,7 +190,7 @@ def build_trainer(job: Job, model: torch.nn.Module, rank: int) -> Trainer:
         group = model._zero_ext.process_group
         return Trainer(model, backward, plain_step(opt), False, "bf16",
                        "zero_ext C++ AdamW (host)" if offload else optimizer_name(opt),
-                       collectives=dist.get_backend(group) if group is not None else "none")
+                       collectives=collectives_of(group))
     raise ValueError(f"unknown system {system!r}")
 
 
