@@ -377,7 +377,7 @@ std::exception_ptr GradReducer::abandon(bool wait) {
         dropped_.push_back({work, {bucket.staging, bucket.reduce_out}});
       }
     }
-    if (layout_.transient_staging()) {
+    if (staging_is_transient()) {
       bucket.staging.reset();  // the round's partial gradients go (a dropped entry may still hold it)
     }
     bucket.work.reset();
@@ -459,7 +459,7 @@ std::vector<at::Tensor> GradReducer::full_grads() {
 int64_t GradReducer::grad_bytes() const {
   int64_t bytes = 0;
   for (const auto& bucket : buckets_) {
-    if (bucket.staging.defined()) bytes += bucket.staging.nbytes();
+    if (bucket.staging.defined() && !bucket.staging.is_same(bucket.accum)) bytes += bucket.staging.nbytes();
     if (bucket.accum.defined()) bytes += bucket.accum.storage().nbytes();  // 0 when released
     if (bucket.unsynced.defined()) bytes += bucket.unsynced.nbytes();
   }

@@ -44,7 +44,7 @@ GradReducer::GradReducer(const Layout& layout, ParamStore& store, Communicator& 
     const auto options = store_.bucket(b).flat.options();
     if (layout_.ddp_in_place()) {
       bucket.staging = at::zeros({shape.padded}, options);
-    } else if (!layout_.transient_staging() && shape.trainable > 0) {  // frozen parameters only: never reduced
+    } else if (!staging_is_transient() && shape.trainable > 0) {  // frozen parameters only: never reduced
       bucket.staging = at::zeros({shape.padded}, options.dtype(reduce_dtype_));
     }
     if (!layout_.ddp_in_place() && shape.trainable > 0) {
@@ -92,7 +92,7 @@ GradReducer::GradReducer(const Layout& layout, ParamStore& store, Communicator& 
     const int64_t bytes = (shape.padded + shape.shard) * at::elementSize(reduce_dtype_);
     max_in_flight_bytes_ = std::max(max_in_flight_bytes_, 2 * bytes);
   }
-  if (!layout_.transient_staging()) {
+  if (!staging_is_transient()) {
     for (const auto& bucket : buckets_) {  // persistent: the peak is all of it, always
       peak_staging_bytes_ += bucket.staging.defined() ? bucket.staging.nbytes() : 0;
     }
@@ -118,13 +118,22 @@ at::Tensor GradReducer::staging_region(int64_t b, int64_t i) {
 // per gradient instead of two, and no staging buffer (measured at world 1,
 // stage 2: 4 ms of a 138 ms step were the second copy and its fresh memory).
 // Not with offload, a reduction dtype other than fp32, or a mesh (the
-// replicas' all-reduce reads the result later).
+// replicas' all-reduce reads the result later). Stage 1 then keeps no
+// persistent staging either: a backward that adds to what the accumulator
+// holds stages apart, as stages 2-3 do, and frees it once reduced.
+bool GradReducer::may_stage_into_accum() const {
+  const GradLayout grad_layout = layout_.grad_layout();
+  return (grad_layout == GradLayout::kShardedTransient || grad_layout == GradLayout::kShardedPersistent) &&
+         comm_.local() && !hybrid_ && !store_.offload() && reduce_dtype_ == at::kFloat;
+}
+
 bool GradReducer::stages_into_accum(int64_t b) const {
   const BucketGrads& bucket = buckets_[b];
-  return layout_.transient_staging() && comm_.local() && !hybrid_ && !store_.offload() && !bucket.accum_has_value &&
-         bucket.accum.defined() && bucket.accum.scalar_type() == reduce_dtype_ &&
+  return may_stage_into_accum() && !bucket.accum_has_value && bucket.accum.defined() &&
          bucket.accum.numel() == layout_.bucket(b).padded;
 }
+
+bool GradReducer::staging_is_transient() const { return layout_.transient_staging() || may_stage_into_accum(); }
 
 void GradReducer::ensure_staging(int64_t b) {
   BucketGrads& bucket = buckets_[b];
@@ -377,7 +386,7 @@ void GradReducer::launch(int64_t b) {
       issue_replica_reduction(b);  // ordered after the shard's reduction on the streams: no host wait
     }
   }
-  if (layout_.transient_staging() && !bucket.staging.is_same(bucket.accum)) {
+  if (staging_is_transient() && !bucket.staging.is_same(bucket.accum)) {
     // The staging moves from filling to in flight, with the output it needs.
     const bool own_output = !bucket.reduce_out.is_alias_of(bucket.staging) && !bucket.reduce_out.is_same(bucket.accum);
     filling_staging_bytes_ -= bucket.staging.nbytes();
@@ -533,7 +542,7 @@ void GradReducer::retire(int64_t b) {
     fold_into_accum(bucket, bucket.reduce_out, unscale);
   }
   bucket.reduce_out.reset();
-  if (layout_.transient_staging()) {
+  if (staging_is_transient()) {
     bucket.staging.reset();
   }
 }

@@ -209,7 +209,11 @@ class GradReducer {
 
   at::Tensor staging_region(int64_t b, int64_t i);
   void ensure_staging(int64_t b);
-  bool stages_into_accum(int64_t b) const;  // [Note: one rank's staging is its accumulator]
+  // [Note: one rank's staging is its accumulator]
+  bool may_stage_into_accum() const;
+  bool stages_into_accum(int64_t b) const;
+  // Staging allocated per reduction and freed once reduced (stages 2-3; stage 1 alone in its group).
+  bool staging_is_transient() const;
   void launch_ready_buckets();
   void launch(int64_t b);
   void retire(int64_t b);  // waits one reduction and folds it in

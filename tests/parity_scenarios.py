@@ -1262,7 +1262,7 @@ straggler_rank_bounds_reductions_in_flight.stages = (2, 3)
 def one_rank_group_reduces_locally(ctx: Context) -> None:
     """Alone in its group (world size 1 under torch.distributed), a rank
     sends nothing: its reductions and gathers are local copies, and stages
-    2-3 stage a backward's gradients straight into their empty accumulators
+    1-3 stage a backward's gradients straight into their empty accumulators
     (no staging buffer); stage 3 keeps one copy of the parameters, its
     shard being the whole buffer, so a gather allocates and copies nothing.
     Over more ranks the same model issues its collectives and stages as
@@ -1288,10 +1288,10 @@ def one_rank_group_reduces_locally(ctx: Context) -> None:
         return
     stats = model._zero_ext.core.stats()
     alone = ctx.world == 1
-    transient = ctx.stage >= 2
+    sharded = ctx.stage >= 1
     whole_bytes = sum(model._zero_ext.core.bucket_layout()[2::3]) * 4  # every bucket, padded, fp32
     ctx.record_checks(labels, [(stats["collectives"] + stats["all_gathers"] == 0) == alone,
-                               not transient or (peak_staging == 0) == alone,
+                               not sharded or (peak_staging == 0) == alone,
                                not alone or set(in_forward) == {whole_bytes}])
 
 
