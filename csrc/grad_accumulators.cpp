@@ -377,6 +377,9 @@ std::exception_ptr GradReducer::abandon(bool wait) {
         dropped_.push_back({work, {bucket.staging, bucket.reduce_out}});
       }
     }
+    if (bucket.staging.defined() && bucket.staging.is_same(bucket.accum) && !bucket.accum_has_value) {
+      bucket.accum.zero_();  // staged into the accumulator ([Note: one rank's staging is its accumulator])
+    }
     if (staging_is_transient()) {
       bucket.staging.reset();  // the round's partial gradients go (a dropped entry may still hold it)
     }

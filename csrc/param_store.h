@@ -36,6 +36,9 @@ struct BucketValues {
   // dtype in pinned host memory, which the fused CPU Adam writes and the
   // refresh copies to the device asynchronously.
   at::Tensor host_compute;
+  // Stage 3, shard_is_flat: a copy of flat the parameters view while
+  // gathered for inspection ([Note: one rank's shard is its flat buffer]).
+  at::Tensor inspected;
 };
 
 class ParamStore {
@@ -75,6 +78,10 @@ class ParamStore {
   bool shard_is_flat(int64_t b) const {
     return layout_.params_sharded() && values_[b].shard.defined() && values_[b].shard.is_alias_of(values_[b].flat);
   }
+  // Gathered for inspection (full_params, state_dict, load_state_dict): a
+  // shard_is_flat bucket's parameters view a copy, so what is changed there
+  // is kept only by write_back_shards, as on more ranks. No-op otherwise.
+  void open_inspection_copy(int64_t b);
   at::Tensor& flat_mut(int64_t b) { return values_[b].flat; }
   // Stage 3: what a gather of bucket b sends, in the compute dtype: the
   // shard, or the master cast into flat's own slot (flat must be grown).

@@ -363,7 +363,19 @@ void UnitScheduler::gather_all() {
   gathering_for_inspection_ = true;
   for (int64_t u = 0; u < num_units(); ++u) start_gather(u);
   gathering_for_inspection_ = false;
-  for (int64_t u = 0; u < num_units(); ++u) finish_gather(u);
+  for (int64_t u = 0; u < num_units(); ++u) {
+    finish_gather(u);
+    inspect(u);
+  }
+}
+
+void UnitScheduler::inspect(int64_t u) {
+  for (int64_t b : units_[u].buckets) {
+    if (units_[u].state == UnitState::kGathered) {
+      store_.open_inspection_copy(b);
+      store_.point_params(b, /*gathered=*/true);
+    }
+  }
 }
 
 std::vector<int64_t> UnitScheduler::units_of(const std::vector<int64_t>& param_indices) const {
@@ -386,6 +398,7 @@ void UnitScheduler::gather_units_of(const std::vector<int64_t>& param_indices) {
   gathering_for_inspection_ = false;
   for (int64_t u : wanted) {
     finish_gather(u);
+    inspect(u);
     ++units_[u].pins;  // nested contexts, state_dict() or a forward inside keep it gathered
   }
 }
@@ -411,8 +424,11 @@ void UnitScheduler::drop_stale() {
   for (int64_t u = 0; u < num_units(); ++u) {
     release(u, /*even_pinned=*/true);
     if (units_[u].pins > 0) {  // a step inside full_params: gather the new values
+      gathering_for_inspection_ = true;
       start_gather(u);
+      gathering_for_inspection_ = false;
       finish_gather(u);
+      inspect(u);
     }
   }
 }

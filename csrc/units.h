@@ -120,6 +120,9 @@ class UnitScheduler {
   void finish_gather(int64_t u);
   // A pinned unit stays gathered (full_params) unless `even_pinned`.
   void release(int64_t u, bool even_pinned = false);
+  // A gathered unit opened for inspection: its shard_is_flat buckets'
+  // parameters view a copy (ParamStore::open_inspection_copy).
+  void inspect(int64_t u);
   bool backward_done(int64_t u, int64_t epilogue_owner) const;
   void maybe_release_after_backward(int64_t u, int64_t epilogue_owner);
   bool has_trainable(int64_t u) const;

@@ -448,6 +448,15 @@ def ddp_require_backward_grad_sync(ctx: Context) -> None:
     ctx.record_check("require_backward_grad_sync reads back", ctx.reference or model.require_backward_grad_sync)
 
 
+def stage1_keeps_full_staging(ctx: Context, offload: bool = False, reduce_dtype=torch.float32) -> bool:
+    """Stage 1 keeps a full fp32 staging buffer per bucket, unless its rank
+    is alone in its group (world size 1), where gradients stage straight
+    into the gradient shard ([Note: one rank's staging is its accumulator]):
+    not with offload or a reduction dtype other than fp32."""
+    alone = ctx.world == 1 and not offload and reduce_dtype == torch.float32
+    return ctx.stage == 1 and not alone
+
+
 def _replica_traffic_and_bytes(ctx: Context, model: nn.Module, collectives_before: int, backwards: int,
                                deferring: bool = True, **options) -> List[bool]:
     """While backwards keep the all-reduce across replicas back (hybrid,
@@ -462,8 +471,9 @@ def _replica_traffic_and_bytes(ctx: Context, model: nn.Module, collectives_befor
     sent = stats["replica_collectives"] - collectives_before
     padded = sum(model._zero_ext.core.bucket_layout()[2::3])  # (first, count, padded) per bucket
     shard = padded if ctx.stage == 0 else padded // ctx.shard_size
-    staging = 4 * padded if ctx.stage < 2 else 0
-    accum = 4 * shard if ctx.stage > 0 or "offload_optimizer" in options else 0
+    offload = "offload_optimizer" in options
+    staging = 4 * padded if ctx.stage == 0 or stage1_keeps_full_staging(ctx, offload) else 0
+    accum = 4 * shard if ctx.stage > 0 or offload else 0
     traffic_ok = sent == backwards if defers else True
     return [traffic_ok, stats["grad_bytes"] == staging + accum * (2 if defers else 1)]
 
@@ -924,7 +934,8 @@ def full_state_dict_round_trip(ctx: Context) -> None:
 
 def state_bytes_match_the_stage(ctx: Context) -> None:
     """Exact bytes each rank holds after a step: full parameters; gradients
-    full (stage 0), full staging + fp32 shard (1) or only the shard (2);
+    full (stage 0), full staging + fp32 shard (1; alone in its group only the
+    shard) or only the shard (2);
     AdamW state for this rank's shard only (stages 1-2)."""
     model = Net(branch=True)
     n_elems = sum(p.numel() for p in model.parameters())
@@ -945,7 +956,8 @@ def state_bytes_match_the_stage(ctx: Context) -> None:
     stats = model._zero_ext.core.stats()
     padded = sum(model._zero_ext.core.bucket_layout()[2::3])
     shard = padded // ctx.shard_size
-    expected_grad = {0: padded, 1: padded + shard, 2: shard, 3: shard}[ctx.stage] * 4
+    full_staging = padded if ctx.stage == 0 or stage1_keeps_full_staging(ctx) else 0
+    expected_grad = (full_staging + (shard if ctx.stage > 0 else 0)) * 4
     expected_params = (shard if ctx.stage == 3 else padded) * 4
     state_elems = sum(t.numel() for st in opt.state.values() for k, t in st.items() if k != "step")
     opt_elems = sum(p.numel() for g in opt.param_groups for p in g["params"])
@@ -959,13 +971,13 @@ def state_bytes_match_the_stage(ctx: Context) -> None:
     opt.zero_grad(set_to_none=False)
     after_zeroing = model._zero_ext.core.stats()["grad_bytes"]
     checks = [
-        before_backward == {0: padded, 1: padded, 2: 0, 3: 0}[ctx.stage] * 4,
+        before_backward == full_staging * 4,
         n_elems <= padded < n_elems + ctx.shard_size * stats["buckets"],
         stats["param_bytes"] == expected_params and stats["gathered_units"] == 0,
         stats["grad_bytes"] == expected_grad,
         state_elems == 2 * opt_elems,
         int(total) == n_elems * (ctx.replicas if ctx.stage > 0 else 1),  # each replica tiles it once
-        after_zero_grad == {0: padded, 1: padded, 2: 0, 3: 0}[ctx.stage] * 4,
+        after_zero_grad == full_staging * 4,
         after_zeroing == expected_grad,
     ]
     ctx.record_checks(labels, checks)
@@ -1507,7 +1519,8 @@ def _mixed_bytes_after_zero_grad(ctx: Context, model: nn.Module, precision, offl
     padded = sum(core.bucket_layout()[2::3])  # (first, count, padded) per bucket
     shard = padded if ctx.stage == 0 else padded // ctx.shard_size
     reduce_dtype = precision.reduce_dtype or torch.float32
-    staging = padded * reduce_dtype.itemsize if ctx.stage < 2 else 0
+    staging = padded * reduce_dtype.itemsize if ctx.stage == 0 or stage1_keeps_full_staging(
+        ctx, offload, reduce_dtype) else 0
     accum = 4 * shard if offload else 0
     compute = precision.param_dtype.itemsize
     params = (shard * compute if offload else 0) if ctx.stage == 3 else padded * compute
