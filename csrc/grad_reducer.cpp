@@ -522,7 +522,7 @@ void GradReducer::retire(int64_t b) {
     return "gradient all-reduce across replicas of " + layout_.describe_bucket(b, gate_.progress().where());
   });
   bucket.replica_work.reset();
-  if (streams_.enabled() && layout_.transient_staging()) {
+  if (streams_.enabled() && staging_is_transient()) {
     // The staging was allocated on the compute stream: it frees it once
     // the collective that read it is done ([Note: the reduction stream]).
     ReductionStream::wait(on_reduction_stream->original_stream(), streams_.reduction());
