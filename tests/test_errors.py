@@ -4,6 +4,7 @@ import torch
 import torch.nn as nn
 
 import zero_ext
+from alongside import step_alongside
 
 
 def make(seed=0):
@@ -223,10 +224,7 @@ def test_training_recovers_after_a_backward_that_raised(stage):
     opt.zero_grad()
     FailingBackward.fail = False
     for _ in range(2):
-        for m, o in ((model, opt), (reference, ref_opt)):
-            m(x).square().mean().backward()
-            o.step()
-            o.zero_grad()
+        step_alongside(((model, opt), (reference, ref_opt)), x)
     full = zero_ext.full_state_dict(model)
     for name, q in reference.named_parameters():
         assert torch.allclose(full[name], q, atol=1e-6), name
@@ -328,10 +326,7 @@ def test_nested_units_are_supported_not_refused():
     zero_ext.wrap(model, opt, stage=3, units=lambda m: isinstance(m, (nn.Sequential, nn.Linear)))
     for _ in range(3):
         x = torch.randn(3, 4)
-        for m, o in ((model, opt), (reference, ref_opt)):
-            m(x).square().mean().backward()
-            o.step()
-            o.zero_grad()
+        step_alongside(((model, opt), (reference, ref_opt)), x)
     full = zero_ext.full_state_dict(model)
     for name, p in reference.state_dict().items():
         assert torch.equal(full[name], p), name

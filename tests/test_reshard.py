@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 import zero_ext
+from alongside import step_alongside
 from reshard_scenarios import ON_HYBRID_MESH, SUBGROUP_SCENARIOS
 
 WORLD_SIZES = tuple(int(w) for w in os.environ.get("ZERO_EXT_RESHARD_WORLDS", "1,2,4").split(","))
@@ -175,10 +176,7 @@ def test_a_last_unit_without_parameters_of_its_own(how):
         zero_ext.set_modules_to_forward_prefetch(model.blocks[0], model.blocks[1:] + [model.head])
     tokens = torch.randint(0, 10, (2, 5))
     for _ in range(2):
-        for m, o in ((model, opt), (reference, ref_opt)):
-            m(tokens).square().mean().backward()
-            o.step()
-            o.zero_grad()
+        step_alongside(((model, opt), (reference, ref_opt)), tokens)
     full = zero_ext.full_state_dict(model)
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(full[name], value)

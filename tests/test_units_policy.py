@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 import zero_ext
+from alongside import step_alongside
 from zero_ext.wrapping.units import assign_parameters, resolve_units
 
 MiB = 2 ** 20
@@ -229,10 +230,7 @@ def test_no_container_without_forward_is_a_unit_and_training_works(build, expect
     zero_ext.wrap(model, opt, stage=3)
     for step in range(2):
         x = torch.randn(4, 8)
-        for m, o in ((model, opt), (reference, ref_opt)):
-            m(x).square().mean().backward()
-            o.step()
-            o.zero_grad()
+        step_alongside(((model, opt), (reference, ref_opt)), x)
     full = zero_ext.full_state_dict(model)
     for name, p in reference.state_dict().items():
         assert torch.equal(full[name], p), name
