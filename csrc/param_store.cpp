@@ -263,8 +263,8 @@ std::vector<at::Tensor> ParamStore::segment_compute_copies() const {
 
 void ParamStore::point_params(int64_t b, bool gathered) {
   const BucketShape& shape = layout_.bucket(b);
+  const at::Tensor& full = values_[b].inspected.defined() ? values_[b].inspected : values_[b].flat;
   for (int64_t i = shape.first; i < shape.first + shape.count; ++i) {
-    const at::Tensor& full = values_[b].inspected.defined() ? values_[b].inspected : values_[b].flat;
     point_at(params_[i], gathered ? full.storage() : released_[i]);
   }
 }
@@ -486,11 +486,10 @@ bool ParamStore::still_in_place(int64_t i) const {
 
 int64_t ParamStore::param_bytes() const {
   int64_t bytes = 0;
-  for (const auto& values : values_) {
+  for (int64_t b = 0; b < layout_.num_buckets(); ++b) {
+    const BucketValues& values = values_[b];
     bytes += values.flat.storage().nbytes();
-    if (layout_.params_sharded() && values.shard.defined() && !values.shard.is_alias_of(values.flat)) {
-      bytes += values.shard.nbytes();
-    }
+    if (layout_.params_sharded() && values.shard.defined() && !shard_is_flat(b)) bytes += values.shard.nbytes();
     if (values.host_compute.defined()) bytes += values.host_compute.nbytes();  // pinned, in host memory
   }
   return bytes;

@@ -370,11 +370,12 @@ void UnitScheduler::gather_all() {
 }
 
 void UnitScheduler::inspect(int64_t u) {
+  if (units_[u].state != UnitState::kGathered) {
+    return;
+  }
   for (int64_t b : units_[u].buckets) {
-    if (units_[u].state == UnitState::kGathered) {
-      store_.open_inspection_copy(b);
-      store_.point_params(b, /*gathered=*/true);
-    }
+    store_.open_inspection_copy(b);
+    store_.point_params(b, /*gathered=*/true);
   }
 }
 
