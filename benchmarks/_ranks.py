@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import tempfile
@@ -18,6 +19,11 @@ def _rank_main(rank: int, world: int, init_file: str, body: Callable, args: Any,
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     result = body(args, rank, world)
+    # What the body built (a DDP reducer, wrapped models) holds the group:
+    # freed now (cycles included), destroy_process_group() below frees it and
+    # joins its gloo threads while the interpreter is whole ([Note: groups die
+    # with destroy_process_group] in zero_ext/groups/process_groups.py).
+    gc.collect()
     gathered = [None] * world
     dist.all_gather_object(gathered, result)
     if rank == 0:

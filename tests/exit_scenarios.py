@@ -13,11 +13,24 @@ is how their processes end.
         ROOT/attempt-<n>-rank<r> when it is done. Needs
         TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 with torch 2.13
         (docs/multi-node.md, "Restarts").
+    torchrun --nproc-per-node 4 exit_scenarios.py groups-freed
+        Models wrapped and trained at stages 2 and 3 (one stage 3 model
+        regathering in subgroups of 2), then dropped, then
+        destroy_process_group(): every group torch had (the world's and
+        zero_ext's) must be freed by then, and zero_ext's threads gone. A
+        group alive at exit keeps gloo threads that may let go of a
+        collective's tensors while the interpreter finalizes, which aborts
+        the process ([Note: groups die with destroy_process_group] in
+        zero_ext/groups/process_groups.py).
 """
 from __future__ import annotations
 
+import gc
 import os
 import sys
+import threading
+import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -27,11 +40,11 @@ import torch.nn.functional as F
 import zero_ext
 
 
-def _model(stage: int):
+def _model(stage: int, **options):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    return zero_ext.wrap(model, opt, stage=stage, timeout=30)
+    return zero_ext.wrap(model, opt, stage=stage, timeout=30, **options)
 
 
 def _step(model, opt, rank: int) -> None:
@@ -63,11 +76,39 @@ def restart(root: str) -> None:
     dist.destroy_process_group()
 
 
+def groups_freed() -> None:
+    # The user's order: the group first, then the optimizer, whose first
+    # creation imports torch._dynamo and with it torch.distributed.nn.functional.
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    for stage, reshard in ((2, True), (3, True), (3, 2)):
+        model, opt = _model(stage, reshard_after_forward=reshard)
+        _step(model, opt, rank)
+        _step(model, opt, rank)
+    del model, opt
+    groups = [weakref.ref(g) for g in dist.distributed_c10d._world.pg_map]
+    assert len(groups) > 1, "zero_ext made no groups of its own: the scenario tests nothing"
+    dist.destroy_process_group()
+    gc.collect()
+    deadline = time.monotonic() + 5.0  # the whereabouts thread sees its model gone within a second
+    while any(t.name.startswith("zero_ext") for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    gc.collect()
+    alive = [i for i, g in enumerate(groups) if g() is not None]
+    threads = [t.name for t in threading.enumerate() if t.name.startswith("zero_ext")]
+    assert not alive and not threads, (
+        f"rank {rank}: after destroy_process_group() groups {alive} of {len(groups)} (0: the world's) are still "
+        f"alive, and zero_ext threads {threads}")
+    print(f"rank {rank}: {len(groups)} groups freed", flush=True)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     if sys.argv[1] == "dead-peer":
         dead_peer(int(sys.argv[2]), sys.argv[3])
     elif sys.argv[1] == "restart":
         restart(sys.argv[2])
+    elif sys.argv[1] == "groups-freed":
+        groups_freed()
     else:
         raise SystemExit(f"unknown scenario {sys.argv[1]!r}")

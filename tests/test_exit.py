@@ -14,6 +14,10 @@
   hands the new workers the dead incarnation's store, and torch's own
   default group connects to the dead workers' gloo addresses before any
   zero_ext code runs (docs/multi-node.md, "Restarts").
+- destroy_process_group() frees every group, the world's and zero_ext's,
+  once the models are gone: no gloo thread outlives it into interpreter
+  exit, where letting go of a collective's tensors aborts the process
+  ([Note: groups die with destroy_process_group]).
 """
 from __future__ import annotations
 
@@ -51,3 +55,13 @@ def test_elastic_restart_wraps_again(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("attempt-")) == \
         ["attempt-1-rank0", "attempt-1-rank1"]
+
+
+def test_destroy_process_group_frees_every_group():
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           os.path.join(TESTS, "exit_scenarios.py"), "groups-freed"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert done.stdout.count("groups freed") == 4, done.stdout

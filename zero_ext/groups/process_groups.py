@@ -9,8 +9,10 @@ between ranks relative to another model's collectives or the user's own
 independent. The groups carry the timeout that bounds every wait.
 
 Groups are pooled and reused once the model that held them is gone on every
-rank. They are never destroyed: torch names new groups by how many exist, so
-destroying one on some ranks before others would make later names differ.
+rank. They are never destroyed by zero_ext: torch names new groups by how
+many exist, so destroying one on some ranks before others would make later
+names differ. destroy_process_group() frees them ([Note: groups die with
+destroy_process_group]).
 Over the world group they are created by every rank together, named by the
 group counter all ranks share; over a subgroup only its members take part,
 and torch names those by how many groups this rank knows, so every member
@@ -23,10 +25,28 @@ import datetime
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+
+# [Note: groups die with destroy_process_group]
+# A group alive when the interpreter finalizes keeps its gloo worker threads,
+# and a worker that lets go of a collective's tensors then takes the GIL and
+# aborts the process ([Note: tensors a backend thread lets go of]; the
+# user's own last collective, all_gather_object say, is enough). torch frees
+# a group at destroy_process_group() only if nothing else holds it, so:
+# - zero_ext's pool holds its groups weakly (torch's registry holds them
+#   until destroy_process_group(); a wrapped model's core while it lives);
+# - torch.distributed.nn.functional is imported here, before the user's
+#   init_process_group(): its functions take `group=group.WORLD` as a default
+#   argument, evaluated at import, so imported later (torch._dynamo imports
+#   it, and the first optimizer made imports torch._dynamo) they would hold
+#   the world group forever (torch 2.11-2.15).
+try:
+    import torch.distributed.nn.functional  # noqa: F401 - imported for its default arguments' sake
+except ImportError:  # a torch without distributed support: zero_ext's checks say so where it matters
+    pass
 
 
 # [Note: tensors a backend thread lets go of]
@@ -87,11 +107,29 @@ def group_timeout(group: dist.ProcessGroup) -> Optional[datetime.timedelta]:
     return None
 
 
+def _held_weakly(group: object) -> Callable[[], object]:
+    """`group` while torch (or a model) holds it, then None; a non-member's
+    placeholder (not a group, nothing to free) as it is."""
+    try:
+        return weakref.ref(group)
+    except TypeError:
+        return lambda: group
+
+
 @dataclass
 class _Entry:
-    group: dist.ProcessGroup
+    held: Callable[[], Optional[dist.ProcessGroup]]
     owner: Optional["weakref.ref"] = None
     broken: bool = False  # its model's collectives failed: some may still be pending on it
+
+    @staticmethod
+    def of(group: dist.ProcessGroup) -> "_Entry":
+        return _Entry(_held_weakly(group))
+
+    @property
+    def group(self) -> Optional[dist.ProcessGroup]:
+        """None once destroy_process_group() freed it."""
+        return self.held()
 
     def in_use(self) -> bool:
         return self.broken or (self.owner is not None and self.owner() is not None)
@@ -124,7 +162,7 @@ def retire_if_failed(core, groups: List[dist.ProcessGroup]) -> None:
                 entry.broken = True
     for sets in _subgroup_sets.values():
         for entry, subgroup_groups in sets:
-            if any(id(g) in ids for pair in subgroup_groups for g in pair):
+            if any(id(held()) in ids for pair in subgroup_groups for held in pair):
                 entry.broken = True
 
 
@@ -162,7 +200,7 @@ def acquire_groups(base: dist.ProcessGroup, count: int, timeout: Optional[dateti
             ranks=dist.get_process_group_ranks(base), backend=backend,
             use_local_synchronization=base is not dist.group.WORLD, **kwargs,
         )
-        entry = _Entry(group)
+        entry = _Entry.of(group)
         entries.append(entry)
         chosen.append(entry)
     for entry in chosen:
@@ -210,7 +248,7 @@ def acquire_mesh_groups(shard_base: dist.ProcessGroup, replicate_base: dist.Proc
             kwargs = {"timeout": timeout} if timeout is not None else {}
             group = dist.new_group(ranks=dist.get_process_group_ranks(base), backend=backend,
                                    use_local_synchronization=True, **kwargs)
-            entry = _Entry(group)
+            entry = _Entry.of(group)
             pools[role].append(entry)
             chosen[role].append(entry)
     for entry in chosen[0] + chosen[1]:
@@ -220,10 +258,10 @@ def acquire_mesh_groups(shard_base: dist.ProcessGroup, replicate_base: dist.Proc
 
 # Subgroups of a shard group, by (members, backend): created once per process
 # by their members and kept, as the base that acquire_groups pools over.
-_subgroup_bases: Dict[Tuple[Tuple[int, ...], str], dist.ProcessGroup] = {}
+_subgroup_bases: Dict[Tuple[Tuple[int, ...], str], Callable[[], Optional[dist.ProcessGroup]]] = {}
 # Over the world group: every subgroup's (data, header) groups, created by
 # every rank in one order, pooled as sets (one set serves one model).
-_subgroup_sets: Dict[Tuple, List[Tuple[_Entry, List[Tuple[dist.ProcessGroup, dist.ProcessGroup]]]]] = {}
+_subgroup_sets: Dict[Tuple, List[Tuple[_Entry, List[Tuple[Callable[[], object], Callable[[], object]]]]]] = {}
 
 
 def acquire_subgroups(base: dist.ProcessGroup, size: int, shard_rank: int, timeout: Optional[datetime.timedelta],
@@ -244,11 +282,11 @@ def acquire_subgroups(base: dist.ProcessGroup, size: int, shard_rank: int, timeo
         return _acquire_world_subgroups(subgroups, mine, backend, timeout, device, owner)
     ranks = subgroups[mine]
     key = (ranks, backend)
-    if key not in _subgroup_bases or _subgroup_bases[key] not in dist.distributed_c10d._world.pg_map:
+    sub = _subgroup_bases[key]() if key in _subgroup_bases else None
+    if sub not in dist.distributed_c10d._world.pg_map:
         kwargs = {"timeout": timeout} if timeout is not None else {}
-        _subgroup_bases[key] = dist.new_group(ranks=list(ranks), backend=backend, use_local_synchronization=True,
-                                              **kwargs)
-    sub = _subgroup_bases[key]
+        sub = dist.new_group(ranks=list(ranks), backend=backend, use_local_synchronization=True, **kwargs)
+        _subgroup_bases[key] = _held_weakly(sub)
     return (acquire_groups(sub, 1, timeout, device, owner)
             + acquire_groups(sub, 1, timeout, device, owner, backend="gloo"))
 
@@ -257,7 +295,7 @@ def _acquire_world_subgroups(subgroups, mine: int, backend: str, timeout, device
                              owner: object) -> List[dist.ProcessGroup]:
     key = (tuple(subgroups), backend, timeout.total_seconds() if timeout else None)
     live = dist.distributed_c10d._world.pg_map
-    sets = [(e, groups) for e, groups in _subgroup_sets.get(key, []) if groups[mine][0] in live]
+    sets = [(e, groups) for e, groups in _subgroup_sets.get(key, []) if groups[mine][0]() in live]
     _subgroup_sets[key] = sets
     chosen = None
     if sets:  # free only where free on every rank, so every rank picks the same set
@@ -267,10 +305,10 @@ def _acquire_world_subgroups(subgroups, mine: int, backend: str, timeout, device
         chosen = next(((e, g) for (e, g), b in zip(sets, busy.tolist()) if b == 0.0), None)
     if chosen is None:
         kwargs = {"timeout": timeout} if timeout is not None else {}
-        groups = [(dist.new_group(ranks=list(ranks), backend=backend, **kwargs),
-                   dist.new_group(ranks=list(ranks), backend="gloo", **kwargs)) for ranks in subgroups]
-        chosen = (_Entry(groups[mine][0]), groups)
+        created = [(dist.new_group(ranks=list(ranks), backend=backend, **kwargs),
+                    dist.new_group(ranks=list(ranks), backend="gloo", **kwargs)) for ranks in subgroups]
+        chosen = (_Entry.of(created[mine][0]), [(_held_weakly(d), _held_weakly(h)) for d, h in created])
         sets.append(chosen)
     entry, groups = chosen
     entry.owner = weakref.ref(owner)
-    return list(groups[mine])
+    return [held() for held in groups[mine]]
