@@ -31,10 +31,13 @@ Reported per system (mean over ranks unless said):
                (torch.profiler records each gloo/nccl collective with its
                tensor size) under bandwidth-optimal algorithms: all-reduce
                2(N-1)/N x S, reduce-scatter and reduce (N-1)/N x S,
-               all-gather (N-1) x the shard, broadcast (N-1)/N x S. Gloo runs
-               a reduce-scatter as a full all-reduce (it shows up as one), so
-               on gloo stages 1-2 send 3(N-1)/N x 4P and stage 3 4(N-1)/N x 4P,
-               where NCCL would send 2 and 3; "theory" is that gloo figure.
+               all-gather (N-1) x the shard, all-to-all and broadcast
+               (N-1)/N x S. Gloo runs a reduce-scatter as a full all-reduce
+               (it shows up as one), so FSDP2 and DeepSpeed send 3(N-1)/N x 4P
+               at stages 1-2 and 4(N-1)/N x 4P at stage 3 on gloo, where NCCL
+               would send 2 and 3; zero_ext reduce-scatters with an all-to-all
+               there and sends the 2 and 3. "theory" is each system's gloo
+               figure.
                Hybrid systems (zero_ext-STAGE-RxS) are counted from
                zero_ext's issue log instead, split by group: within the row
                (as a flat run over S ranks) and across replicas, an
@@ -128,7 +131,9 @@ def theory_sent_bytes(system: str, numel: int, world: int) -> float:
     if system == "fsdp2-keep":
         return 3 * s  # one all-gather, reduce-scatter as all-reduce
     stage = stage_of(system)
-    return {1: 3 * s, 2: 3 * s, 3: 4 * s}[stage]
+    if system.startswith("zero_ext"):  # an all-to-all and a sum: a reduce-scatter's bytes
+        return {1: 2 * s, 2: 2 * s, 3: 3 * s}[stage]
+    return {1: 3 * s, 2: 3 * s, 3: 4 * s}[stage]  # gloo's reduce-scatter: an all-reduce
 
 
 # --- data --------------------------------------------------------------------

@@ -16,6 +16,7 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include "collective_sequence.h"
+#include "exchange_reduce_scatter.h"
 
 namespace zero_ext {
 
@@ -139,10 +140,17 @@ bool Communicator::waits_on_host(c10::DeviceType device_type) const {
   if (device_type == c10::DeviceType::CPU) {
     return true;
   }
+  return backend_name(device_type) != "nccl";  // "" (no backend for the device yet): the general case
+}
+
+std::string Communicator::backend_name(c10::DeviceType device_type) const {
+  if (!group_) {
+    return "";
+  }
   try {
-    return group_->getBackend(device_type)->getBackendName() != "nccl";
+    return group_->getBackend(device_type)->getBackendName();
   } catch (const c10::Error&) {
-    return true;  // no backend registered for the device yet: assume the general case
+    return "";
   }
 }
 
@@ -199,6 +207,10 @@ c10::intrusive_ptr<c10d::Work> Communicator::reduce_scatter_sum(at::Tensor& shar
     return nullptr;
   }
   auto group = group_;
+  if (reduce_scatter_scratch_numel(full_in.numel(), full_in.device()) > 0) {  // [Note: gloo's reduce-scatter as an exchange]
+    return submit(CollectiveOp::kReduceScatter, purpose, subject, full_in, {}, "reduce_scatter", full_in,
+                  [group, shard_out, full_in] { return ExchangeReduceScatterWork::start(group, shard_out, full_in); });
+  }
   return submit(CollectiveOp::kReduceScatter, purpose, subject, full_in, {}, "reduce_scatter", full_in,
                 [group, shard_out, full_in] {
                   c10d::ReduceScatterOptions opts;
@@ -206,6 +218,11 @@ c10::intrusive_ptr<c10d::Work> Communicator::reduce_scatter_sum(at::Tensor& shar
                   at::Tensor out = shard_out, in = full_in;
                   return group->_reduce_scatter_base(out, in, opts);
                 });
+}
+
+int64_t Communicator::reduce_scatter_scratch_numel(int64_t full_numel, c10::Device device) const {
+  const bool exchange = !local() && device.is_cpu() && backend_name(c10::DeviceType::CPU) == "gloo";
+  return exchange ? full_numel : 0;
 }
 
 c10::intrusive_ptr<c10d::Work> Communicator::all_gather(at::Tensor& full_out, at::Tensor& shard_in, Purpose purpose,

@@ -74,6 +74,8 @@ class Communicator {
   // the host until it is done (gloo, any CPU backend), rather than ordering
   // the current stream after it (NCCL). False without a group.
   bool waits_on_host(c10::DeviceType device_type) const;
+  // The group's backend for the device ("gloo", "nccl"), "" when none is registered.
+  std::string backend_name(c10::DeviceType device_type) const;
   // Polls until `work` is done or `limit` passes, never raising: whether it
   // is done. A bounded host wait where a full one could deadlock.
   static bool done_within(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds limit);
@@ -91,6 +93,11 @@ class Communicator {
                                                 const std::string& label = {});
   c10::intrusive_ptr<c10d::Work> reduce_scatter_sum(at::Tensor& shard_out, at::Tensor& full_in, Purpose purpose,
                                                     int64_t subject = 0);
+  // Elements (of the input's type) that reduce_scatter_sum over `full_numel`
+  // elements on `device` holds besides its buffers while in flight: gloo's
+  // exchange receives every rank's chunk ([Note: gloo's reduce-scatter as an
+  // exchange]); 0 elsewhere.
+  int64_t reduce_scatter_scratch_numel(int64_t full_numel, c10::Device device) const;
   c10::intrusive_ptr<c10d::Work> all_gather(at::Tensor& full_out, at::Tensor& shard_in, Purpose purpose,
                                             int64_t subject = 0, const std::string& label = {});
   c10::intrusive_ptr<c10d::Work> broadcast_from_rank0(at::Tensor& tensor, Purpose purpose, int64_t subject = 0,

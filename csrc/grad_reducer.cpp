@@ -89,7 +89,10 @@ GradReducer::GradReducer(const Layout& layout, ParamStore& store, Communicator& 
     if (shape.trainable == 0) {
       continue;  // never in flight
     }
-    const int64_t bytes = (shape.padded + shape.shard) * at::elementSize(reduce_dtype_);
+    const int64_t scratch = layout_.ddp_in_place() || layout_.replicated()
+                                ? 0
+                                : comm_.reduce_scatter_scratch_numel(shape.padded, store_.device());
+    const int64_t bytes = (shape.padded + shape.shard + scratch) * at::elementSize(reduce_dtype_);
     max_in_flight_bytes_ = std::max(max_in_flight_bytes_, 2 * bytes);
   }
   if (!staging_is_transient()) {
@@ -361,22 +364,19 @@ void GradReducer::launch(int64_t b) {
   if (divisor != 1.0) {
     bucket.staging.div_(divisor);
   }
+  int64_t scratch_bytes = 0;  // what the collective holds besides the bucket's buffers
   if (layout_.ddp_in_place()) {
     bucket.work = comm_.all_reduce_sum(bucket.staging, Purpose::kGradReduce, b);
   } else if (layout_.replicated()) {
     bucket.reduce_out = bucket.staging;
     bucket.work = comm_.all_reduce_sum(bucket.staging, Purpose::kGradReduce, b);
-  } else if (!comm_.local() && bucket.staging.device().is_cpu()) {
-    // Gloo runs a reduce-scatter as an all-reduce plus a copy made inside
-    // wait(), where no bounded wait (see communicator.h) can see it finish.
-    // The same all-reduce issued here, in place, then read at this rank's shard.
-    bucket.reduce_out = bucket.staging.narrow(0, layout_.shard_start(b), shape.shard);
-    bucket.work = comm_.all_reduce_sum(bucket.staging, Purpose::kGradReduce, b);
-  } else {
+  } else {  // over gloo an all-to-all and a sum ([Note: gloo's reduce-scatter as an exchange])
     const bool direct = !bucket.defers && !bucket.accum_has_value && bucket.accum.dtype() == bucket.staging.dtype() &&
                         bucket.accum.device() == bucket.staging.device();
     bucket.reduce_out = direct ? bucket.accum : at::empty({shape.shard}, bucket.staging.options());
     bucket.work = comm_.reduce_scatter_sum(bucket.reduce_out, bucket.staging, Purpose::kGradReduce, b);
+    scratch_bytes = comm_.reduce_scatter_scratch_numel(bucket.staging.numel(), bucket.staging.device()) *
+                    bucket.staging.element_size();
   }
   bucket.phase = BucketPhase::kInFlight;
   in_flight_.push_back(b);
@@ -390,7 +390,7 @@ void GradReducer::launch(int64_t b) {
     // The staging moves from filling to in flight, with the output it needs.
     const bool own_output = !bucket.reduce_out.is_alias_of(bucket.staging) && !bucket.reduce_out.is_same(bucket.accum);
     filling_staging_bytes_ -= bucket.staging.nbytes();
-    bucket.in_flight_bytes = bucket.staging.nbytes() + (own_output ? bucket.reduce_out.nbytes() : 0);
+    bucket.in_flight_bytes = bucket.staging.nbytes() + (own_output ? bucket.reduce_out.nbytes() : 0) + scratch_bytes;
     in_flight_bytes_ += bucket.in_flight_bytes;
     note_staging_peak();
   }
