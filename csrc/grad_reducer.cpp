@@ -89,7 +89,7 @@ GradReducer::GradReducer(const Layout& layout, ParamStore& store, Communicator& 
     if (shape.trainable == 0) {
       continue;  // never in flight
     }
-    const int64_t scratch = layout_.ddp_in_place() || layout_.replicated()
+    const int64_t scratch = layout_.ddp_in_place() || layout_.replicated() || !layout_.transient_staging()
                                 ? 0
                                 : comm_.reduce_scatter_scratch_numel(shape.padded, store_.device());
     const int64_t bytes = (shape.padded + shape.shard + scratch) * at::elementSize(reduce_dtype_);
@@ -364,19 +364,34 @@ void GradReducer::launch(int64_t b) {
   if (divisor != 1.0) {
     bucket.staging.div_(divisor);
   }
-  int64_t scratch_bytes = 0;  // what the collective holds besides the bucket's buffers
+  // Over gloo, an all-to-all and a sum ([Note: gloo's reduce-scatter as an
+  // exchange]) where the in-flight bound holds its receive buffer (stages
+  // 2-3): stage 1 keeps every bucket's staging until the flush, where a
+  // receive buffer per bucket would double the gradient's memory.
+  const int64_t scratch_bytes = layout_.transient_staging()
+                                    ? comm_.reduce_scatter_scratch_numel(bucket.staging.numel(),
+                                                                         bucket.staging.device()) *
+                                          bucket.staging.element_size()
+                                    : 0;
   if (layout_.ddp_in_place()) {
     bucket.work = comm_.all_reduce_sum(bucket.staging, Purpose::kGradReduce, b);
   } else if (layout_.replicated()) {
     bucket.reduce_out = bucket.staging;
     bucket.work = comm_.all_reduce_sum(bucket.staging, Purpose::kGradReduce, b);
-  } else {  // over gloo an all-to-all and a sum ([Note: gloo's reduce-scatter as an exchange])
-    const bool direct = !bucket.defers && !bucket.accum_has_value && bucket.accum.dtype() == bucket.staging.dtype() &&
+  } else if (!comm_.local() && bucket.staging.is_cpu() && scratch_bytes == 0) {
+    // Any other CPU reduction: an all-reduce in place (gloo's reduce-scatter
+    // is one, plus a copy inside wait() that no bounded wait can see), read
+    // at this rank's shard.
+    bucket.reduce_out = bucket.staging.narrow(0, layout_.shard_start(b), shape.shard);
+    bucket.work = comm_.all_reduce_sum(bucket.staging, Purpose::kGradReduce, b);
+  } else {
+    // Never straight into the accumulator from a gloo thread: a reduction a
+    // failed backward abandons may still write it after zero_grad() freed it.
+    const bool direct = scratch_bytes == 0 && !bucket.defers && !bucket.accum_has_value &&
+                        bucket.accum.dtype() == bucket.staging.dtype() &&
                         bucket.accum.device() == bucket.staging.device();
     bucket.reduce_out = direct ? bucket.accum : at::empty({shape.shard}, bucket.staging.options());
     bucket.work = comm_.reduce_scatter_sum(bucket.reduce_out, bucket.staging, Purpose::kGradReduce, b);
-    scratch_bytes = comm_.reduce_scatter_scratch_numel(bucket.staging.numel(), bucket.staging.device()) *
-                    bucket.staging.element_size();
   }
   bucket.phase = BucketPhase::kInFlight;
   in_flight_.push_back(b);

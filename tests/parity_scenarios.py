@@ -1254,7 +1254,7 @@ def straggler_rank_bounds_reductions_in_flight(ctx: Context) -> None:
     for step in range(3):
         mlp_loss(ctx, model, step).backward()
         step_and_record(ctx, model, opt, step)
-    labels = ["peak staging within the in-flight bound plus two buckets (one launching, one filling)",
+    labels = ["peak staging within the in-flight bound plus a bucket launching and one filling",
               "bound never lifted"]
     if ctx.reference:
         ctx.record_checks(labels)
@@ -1263,8 +1263,10 @@ def straggler_rank_bounds_reductions_in_flight(ctx: Context) -> None:
     stats = core.stats()
     largest = max(core.bucket_layout()[2::3]) * 4
     # The bound is enforced after each launch, so the bucket being launched
-    # and one filling (stage 3: the next unit's) come on top of it.
-    ctx.record_checks(labels, [stats["peak_staging_bytes"] <= stats["max_in_flight_bytes"] + 2 * largest,
+    # (in flight with its output and, over gloo, the exchange's receive
+    # buffer: half the bound, which is two of the largest in flight) and one
+    # filling (stage 3: the next unit's) come on top of it.
+    ctx.record_checks(labels, [stats["peak_staging_bytes"] <= 1.5 * stats["max_in_flight_bytes"] + largest,
                                stats["bound_lifts"] == 0])
 
 
