@@ -5,6 +5,7 @@ import datetime
 import gc
 import json
 import os
+import sys
 import tempfile
 import time
 from typing import Any, Callable, List, Tuple
@@ -30,6 +31,12 @@ def _rank_main(rank: int, world: int, init_file: str, body: Callable, args: Any,
         with open(out_file, "w") as f:
             json.dump(gathered, f)
     dist.destroy_process_group()
+    # FSDP2's device meshes (torch's own cache) keep the world group and its
+    # gloo threads alive past destroy_process_group(); leaving before the
+    # interpreter finalizes gives no such thread a teardown to abort.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_on_ranks(world: int, body: Callable, args: Any, threads: int = 1) -> List[Any]:
