@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import datetime
-import gc
 import json
 import os
 import sys
@@ -20,20 +19,16 @@ def _rank_main(rank: int, world: int, init_file: str, body: Callable, args: Any,
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     result = body(args, rank, world)
-    # What the body built (a DDP reducer, wrapped models) holds the group:
-    # freed now (cycles included), destroy_process_group() below frees it and
-    # joins its gloo threads while the interpreter is whole ([Note: groups die
-    # with destroy_process_group] in zero_ext/groups/process_groups.py).
-    gc.collect()
     gathered = [None] * world
     dist.all_gather_object(gathered, result)
     if rank == 0:
         with open(out_file, "w") as f:
             json.dump(gathered, f)
     dist.destroy_process_group()
-    # FSDP2's device meshes (torch's own cache) keep the world group and its
-    # gloo threads alive past destroy_process_group(); leaving before the
-    # interpreter finalizes gives no such thread a teardown to abort.
+    # DDP's reducer and FSDP2's device meshes (torch's own cache) keep the
+    # world group and its gloo threads alive past destroy_process_group();
+    # leaving before the interpreter finalizes gives no such thread a
+    # teardown to abort ([Note: groups die with destroy_process_group]).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

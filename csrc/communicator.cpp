@@ -207,7 +207,7 @@ c10::intrusive_ptr<c10d::Work> Communicator::reduce_scatter_sum(at::Tensor& shar
     return nullptr;
   }
   auto group = group_;
-  if (reduce_scatter_scratch_numel(full_in.numel(), full_in.device()) > 0) {  // [Note: gloo's reduce-scatter as an exchange]
+  if (reduces_scatter_by_exchange(full_in.device())) {
     return submit(CollectiveOp::kReduceScatter, purpose, subject, full_in, {}, "reduce_scatter", full_in,
                   [group, shard_out, full_in] { return ExchangeReduceScatterWork::start(group, shard_out, full_in); });
   }
@@ -220,9 +220,8 @@ c10::intrusive_ptr<c10d::Work> Communicator::reduce_scatter_sum(at::Tensor& shar
                 });
 }
 
-int64_t Communicator::reduce_scatter_scratch_numel(int64_t full_numel, c10::Device device) const {
-  const bool exchange = !local() && device.is_cpu() && backend_name(c10::DeviceType::CPU) == "gloo";
-  return exchange ? full_numel : 0;
+bool Communicator::reduces_scatter_by_exchange(c10::Device device) const {
+  return !local() && device.is_cpu() && backend_name(c10::DeviceType::CPU) == "gloo";
 }
 
 c10::intrusive_ptr<c10d::Work> Communicator::all_gather(at::Tensor& full_out, at::Tensor& shard_in, Purpose purpose,

@@ -93,11 +93,10 @@ class Communicator {
                                                 const std::string& label = {});
   c10::intrusive_ptr<c10d::Work> reduce_scatter_sum(at::Tensor& shard_out, at::Tensor& full_in, Purpose purpose,
                                                     int64_t subject = 0);
-  // Elements (of the input's type) that reduce_scatter_sum over `full_numel`
-  // elements on `device` holds besides its buffers while in flight: gloo's
-  // exchange receives every rank's chunk ([Note: gloo's reduce-scatter as an
-  // exchange]); 0 elsewhere.
-  int64_t reduce_scatter_scratch_numel(int64_t full_numel, c10::Device device) const;
+  // Whether reduce_scatter_sum on `device`'s tensors runs as gloo's exchange
+  // ([Note: gloo's reduce-scatter as an exchange]), which holds a receive
+  // buffer the size of its input while in flight.
+  bool reduces_scatter_by_exchange(c10::Device device) const;
   c10::intrusive_ptr<c10d::Work> all_gather(at::Tensor& full_out, at::Tensor& shard_in, Purpose purpose,
                                             int64_t subject = 0, const std::string& label = {});
   c10::intrusive_ptr<c10d::Work> broadcast_from_rank0(at::Tensor& tensor, Purpose purpose, int64_t subject = 0,

@@ -82,6 +82,7 @@ GradReducer::GradReducer(const Layout& layout, ParamStore& store, Communicator& 
               "zero_ext.full_grads(model).");
     }
   }
+  by_exchange_ = layout_.transient_staging() && comm_.reduces_scatter_by_exchange(store_.device());
   // Two of the largest bucket in flight: one reducing while the next fills
   // and launches (see [Note: reductions in flight]).
   for (int64_t b = 0; b < layout_.num_buckets(); ++b) {
@@ -89,9 +90,7 @@ GradReducer::GradReducer(const Layout& layout, ParamStore& store, Communicator& 
     if (shape.trainable == 0) {
       continue;  // never in flight
     }
-    const int64_t scratch = layout_.ddp_in_place() || layout_.replicated() || !layout_.transient_staging()
-                                ? 0
-                                : comm_.reduce_scatter_scratch_numel(shape.padded, store_.device());
+    const int64_t scratch = by_exchange_ ? shape.padded : 0;  // the exchange's receive buffer
     const int64_t bytes = (shape.padded + shape.shard + scratch) * at::elementSize(reduce_dtype_);
     max_in_flight_bytes_ = std::max(max_in_flight_bytes_, 2 * bytes);
   }
@@ -364,21 +363,13 @@ void GradReducer::launch(int64_t b) {
   if (divisor != 1.0) {
     bucket.staging.div_(divisor);
   }
-  // Over gloo, an all-to-all and a sum ([Note: gloo's reduce-scatter as an
-  // exchange]) where the in-flight bound holds its receive buffer (stages
-  // 2-3): stage 1 keeps every bucket's staging until the flush, where a
-  // receive buffer per bucket would double the gradient's memory.
-  const int64_t scratch_bytes = layout_.transient_staging()
-                                    ? comm_.reduce_scatter_scratch_numel(bucket.staging.numel(),
-                                                                         bucket.staging.device()) *
-                                          bucket.staging.element_size()
-                                    : 0;
+  const int64_t scratch_bytes = by_exchange_ ? bucket.staging.nbytes() : 0;  // the exchange's receive buffer
   if (layout_.ddp_in_place()) {
     bucket.work = comm_.all_reduce_sum(bucket.staging, Purpose::kGradReduce, b);
   } else if (layout_.replicated()) {
     bucket.reduce_out = bucket.staging;
     bucket.work = comm_.all_reduce_sum(bucket.staging, Purpose::kGradReduce, b);
-  } else if (!comm_.local() && bucket.staging.is_cpu() && scratch_bytes == 0) {
+  } else if (!comm_.local() && bucket.staging.is_cpu() && !by_exchange_) {
     // Any other CPU reduction: an all-reduce in place (gloo's reduce-scatter
     // is one, plus a copy inside wait() that no bounded wait can see), read
     // at this rank's shard.
@@ -387,7 +378,7 @@ void GradReducer::launch(int64_t b) {
   } else {
     // Never straight into the accumulator from a gloo thread: a reduction a
     // failed backward abandons may still write it after zero_grad() freed it.
-    const bool direct = scratch_bytes == 0 && !bucket.defers && !bucket.accum_has_value &&
+    const bool direct = !by_exchange_ && !bucket.defers && !bucket.accum_has_value &&
                         bucket.accum.dtype() == bucket.staging.dtype() &&
                         bucket.accum.device() == bucket.staging.device();
     bucket.reduce_out = direct ? bucket.accum : at::empty({shape.shard}, bucket.staging.options());

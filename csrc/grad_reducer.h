@@ -278,6 +278,11 @@ class GradReducer {
   int64_t filling_staging_bytes_ = 0;  // staging of buckets not launched yet
   int64_t max_in_flight_bytes_ = 0;  // 0 until the constructor sets it
   bool host_waits_ = false;          // waits on this device's reductions block the host
+  // Stages 2-3 over gloo: reduce-scatters by exchange, whose receive buffer
+  // the in-flight bound counts. Stage 1 keeps every bucket's staging until
+  // the flush, where a receive buffer per bucket would double the
+  // gradient's memory: it all-reduces in place.
+  bool by_exchange_ = false;
   bool bound_lifted_ = false;        // this round: a bounded host wait ran out
   int64_t bound_lifts_ = 0;
   int64_t peak_staging_bytes_ = 0;
