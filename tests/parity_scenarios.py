@@ -188,11 +188,10 @@ class Context:
     def wrap(self, model: nn.Module, opt: torch.optim.Optimizer, **options):
         if self.reference:
             return model, opt
-        units = None
         if self.stage == 3 and isinstance(model, Net):
-            units = net_units  # each Linear its own unit; Blocks use the default policy
+            options.setdefault("units", net_units)  # each Linear its own unit; Blocks use the default policy
         options = {**self.group_kwargs(), **options}
-        return zero_ext.wrap(model, opt, stage=self.stage, bucket_mb=BUCKET_MB, units=units, **options)
+        return zero_ext.wrap(model, opt, stage=self.stage, bucket_mb=BUCKET_MB, **options)
 
     def no_sync(self, model: nn.Module):
         return contextlib.nullcontext() if self.reference else model.no_sync()
@@ -662,6 +661,77 @@ def tied_weights_in_a_group_unit(ctx: Context) -> None:
 
 
 tied_weights_in_a_group_unit.stages = (3,)
+
+
+class ParallelLists(nn.Module):
+    """A model that keeps its layers' parts in parallel ModuleLists iterated
+    together in forward (norms[i], bases[i], downs[i], ups[i]), LoRA-style:
+    the input layer, norms and bases frozen, downs and ups trainable. Small
+    siblings of one list merge into one stage 3 unit (the default policy at
+    BUCKET_MB) whose members run interleaved with the other lists' modules;
+    the norms' backward needs their frozen weights for the input gradients.
+    The first norm's input requires no grad (the frozen input layer's output),
+    so that member returns nothing to hook."""
+
+    LAYERS = 3
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(IN, HIDDEN)
+        self.norms = nn.ModuleList(nn.LayerNorm(HIDDEN) for _ in range(self.LAYERS))
+        self.bases = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in range(self.LAYERS))
+        self.downs = nn.ModuleList(nn.Linear(HIDDEN, 2, bias=False) for _ in range(self.LAYERS))
+        self.ups = nn.ModuleList(nn.Linear(2, HIDDEN, bias=False) for _ in range(self.LAYERS))
+        self.out = nn.Linear(HIDDEN, OUT)
+        with torch.no_grad():  # not 1 and 0: the norms' weights matter to their input gradients
+            for norm in self.norms:
+                norm.weight.copy_(1.0 + 0.3 * torch.randn(HIDDEN))
+                norm.bias.copy_(0.3 * torch.randn(HIDDEN))
+        for frozen in (self.inp, self.norms, self.bases):
+            frozen.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for norm, base, down, up in zip(self.norms, self.bases, self.downs, self.ups):
+            n = norm(h)
+            h = h + torch.tanh(base(n) + up(down(n)))
+        return self.out(h)
+
+    def listed_units(self) -> list:
+        """The same units as the default policy's, listed by the user."""
+        return [self.norms, *self.bases, self.downs, self.ups]
+
+    @classmethod
+    def units(cls) -> int:
+        """Stage 3: the root, one merged unit per small list, one per base."""
+        return 1 + 3 + cls.LAYERS
+
+
+def _parallel_lists(ctx: Context, listed: bool) -> None:
+    model = ParallelLists()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01, weight_decay=0.1)
+    options = {"units": model.listed_units()} if listed else {}
+    model, opt = ctx.wrap(model, opt, **options)
+    ctx.record_check("stage 3: the small lists merged into units",
+                     ctx.reference or ctx.stage != 3 or model._zero_ext.core.stats()["units"] == ParallelLists.units())
+    for step in range(3):
+        mlp_loss(ctx, model, step).backward()
+        step_and_record(ctx, model, opt, step)
+
+
+def parallel_lists_lora(ctx: Context) -> None:
+    """LoRA on a model of parallel ModuleLists: merged units whose members
+    run interleaved with other units, frozen members read by backward."""
+    _parallel_lists(ctx, listed=False)
+
+
+def parallel_lists_lora_listed_units(ctx: Context) -> None:
+    """The same with units=[norms, *bases, downs, ups] (containers as units)."""
+    _parallel_lists(ctx, listed=True)
+
+
+parallel_lists_lora_listed_units.stages = (3,)  # units= is a stage 3 option
 
 
 def frozen_and_unfrozen_after_wrap(ctx: Context) -> None:
@@ -1456,7 +1526,8 @@ FP16_SCALE = 2.0 ** 10  # no overflow in these models: parity runs see no skippe
 
 
 def _mixed_training(ctx: Context, model: nn.Module, make_optimizer, loss_of_step, steps: int,
-                    backwards: int, mixed_precision, offload: bool = False, defer_replicas: bool = False) -> None:
+                    backwards: int, mixed_precision, offload: bool = False, defer_replicas: bool = False,
+                    units=None) -> None:
     precision = mixed_precision if isinstance(mixed_precision, zero_ext.MixedPrecision) else \
         zero_ext.MixedPrecision({"bf16": torch.bfloat16, "fp16": torch.float16}[mixed_precision])
     dtype = precision.param_dtype
@@ -1471,7 +1542,7 @@ def _mixed_training(ctx: Context, model: nn.Module, make_optimizer, loss_of_step
     else:
         model, opt = zero_ext.wrap(model, make_optimizer(model.parameters()), stage=ctx.stage,
                                    mixed_precision=precision, bucket_mb=BUCKET_MB, **ctx.group_kwargs(),
-                                   offload_optimizer="cpu" if offload else None)
+                                   offload_optimizer="cpu" if offload else None, units=units)
     for step in range(steps):
         for micro in range(backwards):
             if defer_replicas:  # all but the last backward keep the sum across replicas back
@@ -1515,15 +1586,19 @@ def _mixed_bytes_after_zero_grad(ctx: Context, model: nn.Module, precision, offl
     shard memory (stages 0-1 keep their full buckets, as DDP does; offload
     keeps its pinned host accumulator), and in stage 3 no parameter
     memory in the compute dtype beside the fp32 master (a gather casts the
-    master; offload keeps the compute-dtype shard on the device)."""
-    core = model._zero_ext.core
+    master; offload keeps the compute-dtype shard on the device). Frozen
+    buckets (mixed precision bucket frozen weights apart) stage nothing."""
+    state = model._zero_ext
+    core = state.core
     stats = core.stats()
-    padded = sum(core.bucket_layout()[2::3])  # (first, count, padded) per bucket
+    layout = core.bucket_layout()  # (first, count, padded) per bucket
+    padded = sum(layout[2::3])
+    trainable = sum(size for first, size in zip(layout[0::3], layout[2::3]) if state.bucketed[first].requires_grad)
     shard = padded if ctx.stage == 0 else padded // ctx.shard_size
     reduce_dtype = precision.reduce_dtype or torch.float32
-    staging = padded * reduce_dtype.itemsize if ctx.stage == 0 or stage1_keeps_full_staging(
+    staging = trainable * reduce_dtype.itemsize if ctx.stage == 0 or stage1_keeps_full_staging(
         ctx, offload, reduce_dtype) else 0
-    accum = 4 * shard if offload else 0
+    accum = 4 * (trainable if ctx.stage == 0 else trainable // ctx.shard_size) if offload else 0
     compute = precision.param_dtype.itemsize
     params = (shard * compute if offload else 0) if ctx.stage == 3 else padded * compute
     return stats["grad_bytes"] == staging + accum and stats["param_bytes"] == params
@@ -1563,11 +1638,14 @@ def _mixed_sgd(params):
 
 
 def _mixed_scenario(name: str, doc: str, build, make_optimizer, dtype: torch.dtype, backwards: int,
-                    mixed_precision, offload: bool = False, defer_replicas: bool = False) -> Callable[[Context], None]:
+                    mixed_precision, offload: bool = False, defer_replicas: bool = False,
+                    units_of=None) -> Callable[[Context], None]:
     def scenario(ctx: Context) -> None:
         loss = _token_mixed_loss(ctx) if build is Blocks else _mlp_mixed_loss(ctx, dtype)
-        _mixed_training(ctx, build(), make_optimizer, loss, steps=3, backwards=backwards,
-                        mixed_precision=mixed_precision, offload=offload, defer_replicas=defer_replicas)
+        model = build()
+        _mixed_training(ctx, model, make_optimizer, loss, steps=3, backwards=backwards,
+                        mixed_precision=mixed_precision, offload=offload, defer_replicas=defer_replicas,
+                        units=units_of(model) if units_of is not None else None)
     scenario.__name__, scenario.__doc__ = name, doc
     return scenario
 
@@ -1594,8 +1672,15 @@ MIXED_PRECISION_SCENARIOS = [
          torch.float16, 3, FP16_FP16, False, True),
         ("offload_bf16_replicas_deferred", "kept back on the device, landed on the host once", Net, _mixed_adamw,
          torch.bfloat16, 2, "bf16", True, True),
+        ("parallel_lists_lora_bf16", "LoRA on parallel ModuleLists in bf16: merged units run interleaved",
+         ParallelLists, _mixed_adamw, torch.bfloat16, 1, "bf16"),
+        ("parallel_lists_lora_bf16_listed_units", "the same with units=[norms, *bases, downs, ups]",
+         ParallelLists, _mixed_adamw, torch.bfloat16, 1, "bf16", False, False, ParallelLists.listed_units),
     ]
 ]
+for _scenario in MIXED_PRECISION_SCENARIOS:
+    if _scenario.__name__.endswith("_listed_units"):
+        _scenario.stages = (3,)  # units= is a stage 3 option
 
 
 class LogitsAndLoss(Net):
@@ -2003,6 +2088,8 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
         graph_from_before_the_step_raises,
         full_params_read_ema_and_writeback,
         registered_forward_methods,
+        parallel_lists_lora,
+        parallel_lists_lora_listed_units,
         frozen_and_unfrozen_after_wrap,
         frozen_after_wrap_offloaded,
         frozen_after_wrap_saved_and_loaded,

@@ -333,6 +333,12 @@ class UnitHooks:
 #   when the run closes (a call into the core costs ~10-40 us).
 # - If the last member does not run (skipped, or an early return), the
 #   model's post-forward hook releases u.
+# - Members need not run consecutively: parallel ModuleLists iterated together
+#   (norms[i], bases[i], ...) interleave one list's merged unit with other
+#   units. u stays gathered from its first member to its last, and every
+#   output that requires grad is hooked, also when a member returned nothing
+#   to hook: a frozen unit is released at the run's end, and its members'
+#   backward (input gradients read frozen weights) gathers it again.
 # Outside the model's forward (a member called on its own, a checkpoint's
 # recompute during backward) each member call is one use, gathered before and
 # released after, exactly as a unit of one module.
@@ -409,9 +415,15 @@ class MergedUnitHooks:
         to_hook, hold = self.to_hook, self.hold
         self.state = RunState.CLOSED
         self._clear_run()
+        if hold:
+            # A member returned nothing to hook: post_forward without outputs
+            # keeps a trainable unit until the epilogue; a frozen one is
+            # released, so the outputs that exist still gather it for the
+            # backward that reads its weights (its members' input gradients).
+            to_hook = to_hook + outputs
         if to_hook:
             self.core.hook_regather(to_hook, self.u)
-        self.core.post_forward(self.u, [] if hold else outputs)  # grad enabled, no outputs: C++ keeps a trainable unit
+        self.core.post_forward(self.u, [] if hold else outputs)
 
     def close_if_open(self) -> None:
         """The model's forward ends and its last member did not run."""
