@@ -6,20 +6,14 @@
 The gradient path (hooks, buckets, reductions, the once-per-backward epilogue)
 runs in C++ inside the autograd engine; this package is the wiring.
 """
+from .tools import __version__
+
 try:
-    from .wrapping.config import DynamicLossScale, MixedPrecision
-    from .files.checkpoint import load, save
-    from .files.publish import checkpoint_exists
-    from .optim.clip import clip_grad_norm_, clip_grad_value_
-    from .wrapping.deferred_init import empty_init, skip_init
-    from .runtime.forward_methods import register_forward_method
-    from .runtime.full_params import full_params
-    from .runtime.prefetch import set_modules_to_backward_prefetch, set_modules_to_forward_prefetch
-    from .runtime.memory_report import memory_report
-    from .files.save_weights import save_weights
-    from .runtime.state_dict import full_grads, full_state_dict, load_full_state_dict
-    from .files.load_weights import load_weights
-    from .wrapping.wrap import wrap
+    from .files import checkpoint_exists, load, load_weights, save, save_weights
+    from .optim import clip_grad_norm_, clip_grad_value_
+    from .runtime import (full_grads, full_params, full_state_dict, load_full_state_dict, memory_report,
+                          register_forward_method, set_modules_to_backward_prefetch, set_modules_to_forward_prefetch)
+    from .wrapping import DynamicLossScale, MixedPrecision, empty_init, skip_init, wrap
 except ImportError as _error:
     import sys as _sys
 
@@ -56,4 +50,3 @@ __all__ = [
     "skip_init",
     "wrap",
 ]
-__version__ = "0.1.0"

@@ -1,6 +1,7 @@
 """`python -m zero_ext.convert`: the command line of zero_ext/files/convert.py
 (a checkpoint into a state_dict file or safetensors, or --verify)."""
-from .files.convert import convert, main
+from .files import convert
+from .files import convert_main as main
 
 __all__ = ["convert", "main"]
 

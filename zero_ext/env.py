@@ -2,7 +2,9 @@
 (tools/env_report.py)."""
 import sys
 
-from .tools.env_report import collect, main
+from .tools import env_report
+
+collect, main = env_report.collect, env_report.main
 
 __all__ = ["collect", "main"]
 

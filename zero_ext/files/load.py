@@ -20,9 +20,9 @@ from typing import Any, Dict, List, Set
 import torch
 
 from . import plan
-from ..optim.optimizer_set import as_one
-from ..runtime.state import state_of
-from .collective import Ranks, refuse_different_paths
+from ..optim import as_one
+from ..tools import state_of, state_or_none
+from ..groups import Ranks, refuse_different_paths
 from .format import dtype_of
 from .metadata import CheckpointMeta, Scalar
 from .reader import Checkpoint, PieceReader
@@ -190,7 +190,7 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         # Phase A: open and validate; nothing in the model changes yet.
         error, token = None, None
         try:
-            if getattr(optimizer, "_zero_ext", None) is not state:
+            if state_or_none(optimizer) is not state:
                 raise ValueError("zero_ext.load: this optimizer was not wrapped together with this model")
             checkpoint = Checkpoint(target, "zero_ext.load")
             token, meta, where = checkpoint.token, checkpoint.meta, checkpoint.where

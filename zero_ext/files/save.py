@@ -25,11 +25,11 @@ import torch
 
 from . import format as files
 from . import plan, publish
-from ..optim.optimizer_set import as_one, class_name
+from ..optim import as_one, class_name
 from ..tools import faults
-from ..runtime.state import state_of
+from ..tools import state_of, state_or_none
 from .checksum import digest
-from .collective import Ranks, refuse_different_paths
+from ..groups import Ranks, refuse_different_paths
 from .metadata import (CHUNK_BYTES, CheckpointMeta, FileMeta, LossScaler, ParamMeta, Piece, Scalar, count_problem,
                        file_names)
 
@@ -252,7 +252,7 @@ def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ex
     # Phase 0: every input checked on every rank; nothing written yet.
     error, target, blobs = None, None, {}
     try:
-        if getattr(optimizer, "_zero_ext", None) is not state:
+        if state_or_none(optimizer) is not state:
             raise ValueError("zero_ext.save: this optimizer was not wrapped together with this model")
         target = os.path.abspath(os.fspath(path))
         blobs[f"extra-rank{ranks.rank}.pt"] = _checked_file(token, ranks.rank, extra, "extra")

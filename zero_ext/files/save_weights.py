@@ -24,10 +24,10 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 
 from . import safetensors as st
-from .collective import Ranks
+from ..groups import Ranks
 from .plan import persistent_buffers
-from ..runtime.state import state_of
-from ..runtime.state_dict import full_state_dict
+from ..tools import state_of
+from ..runtime import full_state_dict
 
 def _entries(model, state, dtype: Optional[torch.dtype]):
     """(name, dtype, shape, source) in the order they are written: the

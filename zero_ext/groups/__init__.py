@@ -1,3 +1,25 @@
 """Process groups: zero_ext's own groups and their pooling, what a
 process_group argument resolves to (flat or a replica x shard mesh), and the
 stall query a waiting rank sends its peers."""
+from __future__ import annotations
+
+from . import stall_query
+from .mesh import Topology, resolve_topology
+from .process_groups import (acquire_groups, acquire_mesh_groups, acquire_subgroups, group_timeout,
+                             handed_to_backend, pooled_groups, retire_if_failed)
+from .ranks import Ranks, refuse_different_paths
+
+__all__ = [
+    "Ranks",
+    "Topology",
+    "acquire_groups",
+    "acquire_mesh_groups",
+    "acquire_subgroups",
+    "group_timeout",
+    "handed_to_backend",
+    "pooled_groups",
+    "refuse_different_paths",
+    "resolve_topology",
+    "retire_if_failed",
+    "stall_query",
+]

@@ -7,7 +7,8 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from ..wrapping.wrap import wrap
+from ..tools import state_or_none
+from ..wrapping import wrap
 
 # zero_ext.wrap's keyword options, taken from its signature so the
 # integrations accept exactly what wrap does.
@@ -23,7 +24,7 @@ def check_wrap_options(options: Dict[str, Any], where: str) -> Dict[str, Any]:
 
 def is_wrapped(obj: Any) -> bool:
     """Whether zero_ext.wrap took this model or optimizer (None: no)."""
-    return getattr(obj, "_zero_ext", None) is not None
+    return state_or_none(obj) is not None
 
 
 def wrap_once(model: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -46,11 +46,11 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from ..files.checkpoint import load as zero_ext_load
-from ..files.checkpoint import save as zero_ext_save
-from ..optim.clip import clip_grad_norm_ as zero_ext_clip_grad_norm_
-from ..optim.clip import clip_grad_value_ as zero_ext_clip_grad_value_
-from ..files.save_weights import export_state_dict
+from ..files import export_state_dict
+from ..files import load as zero_ext_load
+from ..files import save as zero_ext_save
+from ..optim import clip_grad_norm_ as zero_ext_clip_grad_norm_
+from ..optim import clip_grad_value_ as zero_ext_clip_grad_value_
 from ._common import check_wrap_options, is_wrapped, library_mixed_precision, wrap_once
 
 _REFUSED = ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA")

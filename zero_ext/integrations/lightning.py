@@ -58,11 +58,12 @@ from typing import Any, Callable, Dict, Generator, List, Optional, Tuple, Union
 
 import torch
 
-from ..files.save import weights_only_loadable  # whether torch.load(weights_only=True) reads a value back
-from ..files.checkpoint import load as zero_ext_load
-from ..files.checkpoint import save as zero_ext_save
-from ..runtime.state_dict import load_full_state_dict
-from ..wrapping.wrap import wrap
+from ..files import load as zero_ext_load
+from ..files import save as zero_ext_save
+from ..files import weights_only_loadable  # whether torch.load(weights_only=True) reads a value back
+from ..runtime import load_full_state_dict
+from ..tools import state_of
+from ..wrapping import wrap
 from ._common import is_wrapped
 
 # Lightning's own state lives under this key of zero_ext.save's `extra`.
@@ -89,7 +90,7 @@ def _lightning_state(checkpoint: Dict[str, Any], hparams_keys: Tuple[str, ...],
 def _full_weights(path: str) -> Dict[str, torch.Tensor]:
     """The checkpoint's full state_dict (parameters as fp32 masters), on CPU,
     by zero_ext.convert through a private temporary file."""
-    from ..files.convert import convert
+    from ..files import convert
 
     with tempfile.TemporaryDirectory(prefix="zero_ext_lightning_") as scratch:
         out = os.path.join(scratch, "weights.pt")
@@ -100,7 +101,7 @@ def _full_weights(path: str) -> Dict[str, torch.Tensor]:
 def _saved_extra(path: str, rank: int) -> Any:
     """This rank's `extra` of a checkpoint (rank 0's for a rank the writer
     did not have), read as zero_ext.load reads it, without a wrapped model."""
-    from ..files.reader import Checkpoint
+    from ..files import Checkpoint
 
     checkpoint = Checkpoint(path, "ZeroExtStrategy")
     try:
@@ -146,7 +147,7 @@ def _define(pl: Any) -> Tuple[type, type]:
             if is_wrapped(optimizer):
                 # Elementwise, so clipping the shards this rank steps is right
                 # once the gradients are final: late reductions settled first.
-                optimizer._zero_ext.core.settle()
+                state_of(optimizer).core.settle()
             super().clip_grad_by_value(optimizer, clip_val)
 
     def check_precision(plugin: Any) -> Any:

@@ -32,12 +32,10 @@ from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
-from ..files.checkpoint import load as zero_ext_load
-from ..files.publish import checkpoint_exists
-from ..files.checkpoint import save as zero_ext_save
-from ..optim.clip import clip_grad_norm_ as zero_ext_clip_grad_norm_
-from ..files.load_weights import load_weights
-from ..files.save_weights import describe_pretrained_config, save_weights
+from ..files import checkpoint_exists, describe_pretrained_config, load_weights, save_weights
+from ..files import load as zero_ext_load
+from ..files import save as zero_ext_save
+from ..optim import clip_grad_norm_ as zero_ext_clip_grad_norm_
 from ._common import check_wrap_options, is_wrapped, library_mixed_precision, wrap_once
 
 CHECKPOINT_DIR = "zero_ext"  # inside each checkpoint-N directory

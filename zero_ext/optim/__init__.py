@@ -1,2 +1,22 @@
 """The optimizer side: the user's optimizer re-pointed at zero_ext's shards,
 gradient clipping over sharded gradients, and the CPU Adam kernel."""
+from __future__ import annotations
+
+from .clip import clip_grad_norm_, clip_grad_value_
+from .optimizer_set import as_one, class_name
+from .ownership import WHOLE, optimizer_sharding, plan_owners
+from .sharded_optimizer import check_step_not_patched, shard_optimizer
+from .step_round import StepRound
+
+__all__ = [
+    "StepRound",
+    "WHOLE",
+    "as_one",
+    "check_step_not_patched",
+    "class_name",
+    "clip_grad_norm_",
+    "clip_grad_value_",
+    "optimizer_sharding",
+    "plan_owners",
+    "shard_optimizer",
+]

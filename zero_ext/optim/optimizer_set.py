@@ -63,7 +63,7 @@ class OptimizerSet:
     @property
     def _zero_ext(self):
         """The wrapped model's state, if every optimizer was wrapped with the same model."""
-        states = {id(getattr(opt, "_zero_ext", None)): getattr(opt, "_zero_ext", None) for opt in self.optimizers}
+        states = {id(state_or_none(opt)): state_or_none(opt) for opt in self.optimizers}
         return next(iter(states.values())) if len(states) == 1 else None
 
     @property
@@ -77,7 +77,7 @@ def class_name(optimizer: Union[torch.optim.Optimizer, OptimizerSet]) -> str:
     if isinstance(optimizer, OptimizerSet):
         return optimizer.class_name
     cls = type(optimizer)
-    return cls.__mro__[1].__name__ if getattr(optimizer, "_zero_ext", None) is not None else cls.__name__
+    return cls.__mro__[1].__name__ if state_or_none(optimizer) is not None else cls.__name__
 
 
 def as_one(optimizer: Any) -> Any:

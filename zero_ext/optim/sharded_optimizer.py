@@ -23,7 +23,7 @@ from typing import Dict, List
 
 import torch
 
-from ..wrapping.class_swap import swap_class
+from ..tools import attach_state, state_of, swap_class
 from .clip import clip_sharded
 from .cpu_adam import adam_step_
 from .ownership import is_elementwise
@@ -68,7 +68,7 @@ def _cpu_adam_step(self, closure=None):
                 max_exp_avg_sq=state.get("max_exp_avg_sq"), param_lowp=copies.get(id(p)),
             )
     if copies and len(copies) == sum(len(g["params"]) for g in self.param_groups):
-        self._zero_ext.core.note_compute_copy_written()
+        state_of(self).core.note_compute_copy_written()
     return loss
 
 
@@ -81,7 +81,7 @@ class ZeroExtOptimizer:
 
     def step(self, closure=None):
         with torch.profiler.record_function("zero_ext::step"):  # a label in profiler traces
-            if closure is None or not (self._zero_ext.whole_params or is_elementwise(type(self).__bases__[1])):
+            if closure is None or not (state_of(self).whole_params or is_elementwise(type(self).__bases__[1])):
                 # Only stage 0 takes optimizers that read across parameters:
                 # its gradients are reduced in place by the backward itself,
                 # so the optimizer may call the closure as it likes (LBFGS,
@@ -100,19 +100,19 @@ class ZeroExtOptimizer:
         try:
             return self._zero_ext_decided_step(closure)
         finally:  # stepped or skipped: this optimizer's part of the step is done (after its refresh)
-            self._zero_ext.step_round.stepped(self)
+            state_of(self).step_round.stepped(self)
 
     def _zero_ext_decided_step(self, closure=None):
-        core = self._zero_ext.core
+        core = state_of(self).core
         # fp16 overflow or skip_nonfinite, on some rank (updates the scale):
         # decided once for all of a model's optimizers (StepRound).
-        skip, decided_now = self._zero_ext.step_round.decide(self)
+        skip, decided_now = state_of(self).step_round.decide(self)
         nonfinite_skip = skip and not core.loss_scaling() and decided_now
         found_inf = getattr(self, "found_inf", None)  # set by torch.amp.GradScaler.step()
         if found_inf is not None:
             grad_scale = getattr(self, "grad_scale", None)
             self.found_inf = self.grad_scale = None  # handled here, not by a fused step
-            if self._zero_ext.step_round.size > 1:
+            if state_of(self).step_round.size > 1:
                 # GradScaler decides per optimizer from this rank's tensors; zero_ext
                 # marks a non-finite gradient in one optimizer's shard only, so the
                 # model's optimizers (and ranks) could decide differently.
@@ -154,7 +154,7 @@ class ZeroExtOptimizer:
     def skipped_steps(self) -> int:
         """Steps skipped for non-finite gradients (skip_nonfinite=True or fp16
         loss scaling), the same count on every rank."""
-        return int(self._zero_ext.core.stats()["skipped_steps"])
+        return int(state_of(self).core.stats()["skipped_steps"])
 
     @property
     def step_was_skipped(self) -> bool:
@@ -163,7 +163,7 @@ class ZeroExtOptimizer:
         return getattr(self, "_zero_ext_step_was_skipped", False)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._zero_ext.step_round.zero_grad(self, set_to_none)
+        state_of(self).step_round.zero_grad(self, set_to_none)
 
     # In stages 1-3 (and under mixed precision) the optimizer steps zero_ext's
     # segments of this rank's shard, not the parameters: torch's state_dict()
@@ -171,7 +171,7 @@ class ZeroExtOptimizer:
     # wrong on any other rank, world size or stage (accelerate's save_state
     # writes rank 0's for every rank).
     def _refuse_sharded_state(self, call: str) -> None:
-        state = self._zero_ext
+        state = state_of(self)
         if state.sharded_optimizer:
             raise RuntimeError(
                 f"zero_ext: optimizer.{call}() is refused: at stage {state.stage} the optimizer's state lives in "
@@ -193,7 +193,7 @@ class ZeroExtOptimizer:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the global gradient (every rank's shards) in place and returns
         its total norm before clipping, like torch.nn.utils.clip_grad_norm_."""
-        state = self._zero_ext
+        state = state_of(self)
         state.core.settle()  # late gradients reduced, .grad final
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         if state.sharded_optimizer:
@@ -228,7 +228,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, state, ordered_params: Lis
 
     cpu_adam = state.offload and _uses_cpu_adam(optimizer)
     swap_class(optimizer, ZeroExtOptimizer)
-    optimizer._zero_ext = state
+    attach_state(optimizer, state)
     optimizer._zero_ext_cpu_adam = cpu_adam
     optimizer._zero_ext_compute_copies = {}
     if optimizer._zero_ext_cpu_adam:

@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from .state import owner_state
+from ..tools import owner_state
 
 _DEPTH = "_zero_ext_method_depth"
 

@@ -7,7 +7,7 @@ from typing import Iterator, List
 
 import torch
 
-from .state import owner_state
+from ..tools import owner_state
 
 
 @contextlib.contextmanager

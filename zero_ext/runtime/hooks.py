@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch.utils._pytree import tree_flatten, tree_iter, tree_map_only, tree_unflatten
 
-from ..tools.torch_compat import outside_compile
+from ..tools import outside_compile, state_of
 
 
 def tensors_requiring_grad(output: Any) -> List[torch.Tensor]:
@@ -211,7 +211,7 @@ class RootHooks:
     """The model's own hooks (one per wrapped model)."""
 
     def __init__(self, module: torch.nn.Module, has_merged_units: bool) -> None:
-        state = module._zero_ext
+        state = state_of(module)
         self.core = state.core
         self.cast_to: Optional[torch.dtype] = state.compute_dtype if state.cast_inputs else None
         self.output_dtype: Optional[torch.dtype] = state.output_dtype
@@ -440,18 +440,15 @@ class MergedUnitHooks:
         self._clear_run()
 
 
-def install_forward_hooks(module: torch.nn.Module, units: List[tuple]) -> RootHooks:
+def install_forward_hooks(module: torch.nn.Module, units: List[tuple], owner: Dict[int, int]) -> RootHooks:
     """Hooks the model and (stage 3) each unit. `units`: root first, each a
     tuple of its member modules (several for a merged unit; see [Note: merged
-    units])."""
+    units]); `owner`: id(parameter) -> the index of the unit that owns it."""
     has_merged_units = any(len(members) > 1 for members in units[1:])
     root = RootHooks(module, has_merged_units)
     root.install(module)
     probes: Dict[int, torch.Tensor] = {}
     if has_merged_units:
-        from ..wrapping.units import assign_parameters
-
-        owner = assign_parameters(module, units)
         for p in module.parameters():
             if p.numel() > 0:
                 probes.setdefault(owner[id(p)], p)

@@ -5,7 +5,8 @@ from typing import Dict
 
 import torch
 
-from ..optim.optimizer_set import as_one
+from ..optim import as_one
+from ..tools import state_or_none
 
 
 def _optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -27,7 +28,7 @@ def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> D
     """
     optimizer = as_one(optimizer)  # a list or tuple of the model's optimizers
     masters = 0
-    state = getattr(model, "_zero_ext", None)
+    state = state_or_none(model)
     if state is not None:
         stats = state.core.stats()
         bucketed = {id(p) for p in state.bucketed}  # counted by the core (frozen ones too, stage 3 or mixed precision)

@@ -13,7 +13,8 @@ from typing import Any, Dict, Iterator, Optional
 
 import torch
 
-from ..wrapping.class_swap import swap_class
+from ..groups import Ranks
+from ..tools import state_of, swap_class
 
 
 _NO_COPY = (
@@ -42,7 +43,7 @@ class ZeroExtModule:
     def no_sync(self) -> Iterator[None]:
         """Backward calls inside accumulate gradients locally, with no
         communication; the next backward outside reduces them all."""
-        core = self._zero_ext.core
+        core = state_of(self).core
         previous = core.sync()
         core.set_sync(False)
         try:
@@ -55,11 +56,11 @@ class ZeroExtModule:
         """DDP's knob, as nanoGPT and other DDP loops set it on micro-steps:
         False means the same as being inside no_sync() (the backward passes
         that follow accumulate locally), True reduces again."""
-        return bool(self._zero_ext.core.sync())
+        return bool(state_of(self).core.sync())
 
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
-        self._zero_ext.core.set_sync(bool(value))
+        state_of(self).core.set_sync(bool(value))
 
     def set_requires_all_reduce(self, requires_all_reduce: bool) -> None:
         """Hybrid sharding (a 2-D mesh), as FSDP2's: with False, the backward
@@ -76,7 +77,7 @@ class ZeroExtModule:
         one fp32 gradient shard while anything is deferred. Every rank must
         set it alike. No effect on a flat group, nor in stage 0, which
         reduces whole gradients: use no_sync() there."""
-        self._zero_ext.core.set_replica_sync(bool(requires_all_reduce))
+        state_of(self).core.set_replica_sync(bool(requires_all_reduce))
 
     def unshard(self, async_op: bool = False) -> Optional["UnshardHandle"]:
         """Stage 3: gathers every unit now (collective: every rank calls it),
@@ -86,7 +87,7 @@ class ZeroExtModule:
         run in the background and a handle is returned: its wait(), or the
         first forward, waits for them. Stages 0-2 hold whole parameters
         already: nothing to do."""
-        core = self._zero_ext.core
+        core = state_of(self).core
         core.unshard(bool(async_op))
         return UnshardHandle(core) if async_op else None
 
@@ -95,7 +96,7 @@ class ZeroExtModule:
         reshard_after_forward=False units after a forward whose backward will
         not come). It sends nothing, but it decides what later forwards and
         backwards gather: every rank calls it at the same point."""
-        self._zero_ext.core.release_all()
+        state_of(self).core.release_all()
 
     def set_gradient_divide_factor(self, factor: Optional[float]) -> None:
         """FSDP2's: the reduced gradient is the sum over every rank divided
@@ -105,7 +106,6 @@ class ZeroExtModule:
         here on, in every stage; gradients accumulated under no_sync() take
         the factor in force when they are reduced. Collective: every rank
         calls it with the same factor, or every rank raises."""
-        from ..files.collective import Ranks
 
         if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))):
             raise TypeError(f"zero_ext: set_gradient_divide_factor takes a number or None, got "
@@ -113,7 +113,7 @@ class ZeroExtModule:
         value = 0.0 if factor is None else float(factor)
         if factor is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"zero_ext: the gradient divide factor must be a finite number > 0, got {factor!r}")
-        state = self._zero_ext
+        state = state_of(self)
         seen = Ranks(state, "set_gradient_divide_factor").gather(value)
         if len(set(seen)) > 1:
             raise RuntimeError(
@@ -123,7 +123,7 @@ class ZeroExtModule:
         state.core.set_gradient_divide_factor(value)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        state = self._zero_ext
+        state = state_of(self)
         state.core.zero_grad(set_to_none)
         # zero_ext's parameters are done; the rest (frozen ones that got a
         # gradient anyway) as nn.Module.zero_grad would.
@@ -164,9 +164,9 @@ class ZeroExtModule:
     # state_dict() returns gathered copies and load_state_dict() writes the
     # shards; in stages 0-2 both are PyTorch's own.
     def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
-        if not self._zero_ext.params_sharded:
+        if not state_of(self).params_sharded:
             return super().state_dict(*args, **kwargs)  # type: ignore[misc]
-        core = self._zero_ext.core
+        core = state_of(self).core
         core.gather_all()
         try:
             sd = super().state_dict(*args, **kwargs)  # type: ignore[misc]
@@ -175,11 +175,11 @@ class ZeroExtModule:
             core.release_all()
 
     def load_state_dict(self, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
-        if not self._zero_ext.params_sharded:
+        if not state_of(self).params_sharded:
             result = super().load_state_dict(state_dict, *args, **kwargs)  # type: ignore[misc]
             self._load_masters(state_dict)
             return result
-        core = self._zero_ext.core
+        core = state_of(self).core
         core.gather_all()
         try:
             result = super().load_state_dict(state_dict, *args, **kwargs)  # type: ignore[misc]
@@ -192,7 +192,7 @@ class ZeroExtModule:
     def _load_masters(self, state_dict: Any) -> None:
         """Mixed precision: fp32 values from the state_dict become the master
         weights (the parameters hold them rounded to the compute dtype)."""
-        state = self._zero_ext
+        state = state_of(self)
         if not state.core.has_masters():
             return
         missing = [n for n in state.bucketed_names if n not in state_dict]

@@ -14,7 +14,7 @@ from typing import List, Sequence
 
 import torch
 
-from .state import owner_state
+from ..tools import owner_state
 
 
 def _unit_index(state, module: torch.nn.Module, what: str) -> int:

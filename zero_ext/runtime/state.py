@@ -10,7 +10,7 @@ from typing import Dict, List, Optional, Set
 import torch
 import torch.distributed as dist
 
-from ..optim.step_round import StepRound
+from ..optim import StepRound
 
 
 @dataclass
@@ -110,23 +110,3 @@ class ZeroState:
             "Their gradients would not be reduced or stepped. Update parameters in place "
             "(param.data.copy_(...)) or freeze/replace them before calling wrap()."
         )
-
-
-def state_of(model: torch.nn.Module):
-    state = getattr(model, "_zero_ext", None)
-    if state is None:
-        raise ValueError("zero_ext: this model is not wrapped; call zero_ext.wrap(model, optimizer) first")
-    return state
-
-
-def owner_state(module: torch.nn.Module):
-    """The zero_ext state of the wrapped model that `module` is or belongs to."""
-    state = getattr(module, "_zero_ext", None)
-    if state is not None:
-        return state
-    for p in module.parameters():
-        ref = getattr(p, "_zero_ext_owner", None)
-        if ref is not None and ref() is not None:
-            return ref()
-    raise ValueError("zero_ext: this module is neither a model wrapped by zero_ext nor a submodule of one "
-                     "(with parameters); call zero_ext.wrap(model, optimizer) first")

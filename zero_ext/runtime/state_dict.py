@@ -5,7 +5,7 @@ from typing import Dict, Mapping, Optional
 
 import torch
 
-from .state import state_of
+from ..tools import state_of
 
 
 @torch.no_grad()

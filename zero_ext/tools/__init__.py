@@ -1,3 +1,28 @@
 """Around the core: loading it after the torch-version and build checks,
 every difference between supported torch versions, the environment report,
 and test-only fault injection."""
+from __future__ import annotations
+
+from .class_swap import swap_class
+from .module_state import attach_state, owner_state, state_of, state_or_none
+from .torch_compat import all_gather_into_tensor, outside_compile
+from .version import __version__
+
+# Also offered, as submodules imported where used (core_loader loads the
+# compiled core, which `python -m zero_ext.env` must be able to do without):
+# core_loader (ShardedModel), faults, env_report, build_check, torch_compat.
+__all__ = [
+    "__version__",
+    "all_gather_into_tensor",
+    "attach_state",
+    "build_check",
+    "core_loader",
+    "env_report",
+    "faults",
+    "outside_compile",
+    "owner_state",
+    "state_of",
+    "state_or_none",
+    "swap_class",
+    "torch_compat",
+]

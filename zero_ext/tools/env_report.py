@@ -81,7 +81,7 @@ def _core_fields() -> Dict[str, str]:
 
 def collect() -> Dict[str, str]:
     """Every field of the report, as strings."""
-    from .. import __version__
+    from .version import __version__
 
     out = {
         "zero_ext": __version__,

@@ -15,9 +15,8 @@ import torch.distributed as dist
 from .config import DynamicLossScale, MixedPrecision
 from .deferred_init import has_meta_parameters
 from .reshard import check_policy as check_reshard_policy
-from ..runtime.module import ZeroExtModule
-from ..optim.ownership import WHOLE, optimizer_sharding
-from ..optim.sharded_optimizer import check_step_not_patched
+from ..optim import WHOLE, check_step_not_patched, optimizer_sharding
+from ..runtime import ZeroExtModule
 
 
 def _is_real(value: Any) -> bool:

@@ -18,7 +18,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Set
 
 import torch
 
-from ..tools.core_loader import ShardedModel  # noqa: F401  registers torch.ops.zero_ext
+from ..tools import core_loader  # noqa: F401  registers torch.ops.zero_ext
 
 
 @contextlib.contextmanager

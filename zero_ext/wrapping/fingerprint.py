@@ -19,8 +19,8 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from ..groups.mesh import Topology
-from ..tools.torch_compat import all_gather_into_tensor
+from ..groups import Topology
+from ..tools import all_gather_into_tensor
 
 _DESCRIPTION_BYTES = 200
 

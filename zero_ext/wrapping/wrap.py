@@ -13,25 +13,18 @@ import torch.distributed as dist
 
 from .config import DynamicLossScale, MixedPrecision
 from .buckets import plan_buckets
-from ..tools.core_loader import ShardedModel
-from ..files.collective import Ranks
-from ..files.plan import local_views
-from ..files.save_weights import install_pretrained_export
+from ..files import install_pretrained_export, local_views
 from .deferred_init import materialize, move_to_device, plan_deferred
-from ..groups.process_groups import (acquire_groups, acquire_mesh_groups, acquire_subgroups, group_timeout,
-                                     pooled_groups, retire_if_failed)
-from ..groups.mesh import Topology, resolve_topology
+from ..groups import (Ranks, Topology, acquire_groups, acquire_mesh_groups, acquire_subgroups, group_timeout,
+                     pooled_groups, resolve_topology, retire_if_failed)
 from ..groups import stall_query as whereabouts
-from ..runtime.hooks import install_forward_hooks
-from ..runtime.module import swap_module_class
-from ..optim.ownership import WHOLE, optimizer_sharding, plan_owners
-from ..optim.sharded_optimizer import shard_optimizer
-from ..tools import faults
+from ..optim import WHOLE, optimizer_sharding, plan_owners, shard_optimizer
+from ..runtime import ZeroState, install_forward_hooks, swap_module_class
+from ..tools import __version__, attach_state, core_loader, faults
 from .units import Unit, assign_parameters, resolve_units
 from .reshard import plan_reshard
 from .arguments import Options, check_backend, check_launch, check_wrap_arguments, optimizer_list
 from .fingerprint import check_ranks_agree, wrap_fields
-from ..runtime.state import ZeroState
 
 def _plan_units(model: torch.nn.Module, units: List[Unit]):
     """Stage 3: one bucket per unit and dtype, frozen parameters included.
@@ -117,7 +110,7 @@ def _build_core(ordered: List[torch.nn.Parameter], names: List[str], counts: Lis
     """The C++ core (torch.classes.zero_ext.ShardedModel) with its loss
     scaling and non-finite policy set."""
     precision = options.precision
-    core = ShardedModel(ordered, names, [int(p.requires_grad) for p in ordered], counts, unit_of_bucket,
+    core = core_loader.ShardedModel(ordered, names, [int(p.requires_grad) for p in ordered], counts, unit_of_bucket,
                         options.stage, group_names[0] if group_names else "",
                         group_names[1] if len(group_names) > 1 else "", replica_name, regather_name, options.prefetch,
                         precision.compute_dtype, precision.reduce_dtype, options.offload, deferred, owners)
@@ -301,7 +294,6 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
     names = [names_by_id[id(p)] for p in ordered]
     unit_names = _unit_names(model, unit_list)
     reshard = plan_reshard(options.reshard_after_forward, unit_list, unit_names, topology.shard_size)
-    from .. import __version__
     check_ranks_agree(topology, model_device, wrap_fields(
         options, topology, ordered, names, counts, unit_names, unit_of_bucket, list(model.named_buffers()),
         deferred is not None, pooled_groups(), f"zero_ext {__version__}, torch {torch.__version__}",
@@ -384,11 +376,11 @@ def _attach(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], sta
     # unwrapped class's name (files/save_weights.py); before the class swap.
     install_pretrained_export(model, export_dtype)
     swap_module_class(model)
-    model._zero_ext = state
+    attach_state(model, state)
     # accelerate's prepare() leaves a model so marked alone: DDP on top of
     # zero_ext would reduce every gradient a second time.
     model._is_accelerate_prepared = True
-    install_forward_hooks(model, unit_list)
+    install_forward_hooks(model, unit_list, assign_parameters(model, unit_list))
     state.unit_of_module = {id(m): u for u, members in enumerate(unit_list) if u > 0 for m in members}
     for optimizer in optimizers:
         shard_optimizer(optimizer, state, state.bucketed, several=len(optimizers) > 1)

@@ -10,7 +10,7 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..groups.process_groups import handed_to_backend
+from .process_groups import handed_to_backend
 
 
 def refuse_different_paths(paths: List[Any], who: str, reads_or_writes: str, nothing: str) -> None:

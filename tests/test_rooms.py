@@ -1,0 +1,219 @@
+"""The rooms of zero_ext/ are boundaries (docs/design.md, "Rooms"): every
+import between rooms points down the declared order, so the room graph has
+no cycle; a room offers what its `__init__` lists in `__all__` and other
+rooms import only that, from the room itself; the state zero_ext attaches to
+a model or optimizer is read through one accessor (tools/module_state.py).
+Each rule has a positive control: a small source that breaks it is caught."""
+import ast
+import os
+from typing import Dict, List, Set, Tuple
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(REPO, "zero_ext")
+# Bottom first. An arrow may point only to a room before it; the package
+# root (the public API and the command lines) sits above them all, and the
+# compiled core (zero_ext._C) below them all.
+ORDER = ["tools", "groups", "optim", "runtime", "files", "wrapping", "integrations"]
+ROOT, CORE = "<root>", "<core>"
+STATE_ACCESSOR = "tools/module_state.py"
+
+
+def room_of(module: str) -> str:
+    parts = module.split(".")
+    if parts[:2] == ["zero_ext", "_C"]:
+        return CORE
+    return parts[1] if len(parts) > 1 and parts[1] in ORDER else ROOT
+
+
+def rank_of(room: str) -> int:
+    return -1 if room == CORE else len(ORDER) if room == ROOT else ORDER.index(room)
+
+
+def dotted(rel: str) -> str:
+    parts = ["zero_ext"] + rel[:-3].split("/")
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(rel: str, source: str) -> List[Tuple[str, str, int]]:
+    """(imported module, imported name or '', line) for every zero_ext import
+    in one file, function-level ones included; relative imports resolved."""
+    module = dotted(rel)
+    package = module if rel.endswith("__init__.py") else module.rsplit(".", 1)[0]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(a.name, "", node.lineno) for a in node.names if a.name.split(".")[0] == "zero_ext"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] == "zero_ext":
+                found += [(target, a.name, node.lineno) for a in node.names]
+    return found
+
+
+def sources() -> Dict[str, str]:
+    out = {}
+    for root, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(root, name)
+                with open(path) as f:
+                    out[os.path.relpath(path, PACKAGE).replace(os.sep, "/")] = f.read()
+    return out
+
+
+def offered(init_source: str) -> Set[str]:
+    """The names a room's __init__ lists in __all__."""
+    for node in ast.parse(init_source).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return {e.value for e in node.value.elts}
+    return set()
+
+
+def room_edges(files: Dict[str, str]) -> Dict[Tuple[str, str], List[str]]:
+    """(from room, to room) -> the imports that make the arrow."""
+    edges: Dict[Tuple[str, str], List[str]] = {}
+    for rel, source in files.items():
+        here = room_of(dotted(rel))
+        for target, name, line in imports_of(rel, source):
+            full = f"{target}.{name}" if name and target == "zero_ext" else target
+            there = room_of(full)
+            if there != here:
+                edges.setdefault((here, there), []).append(f"{rel}:{line} imports {target} {name}".strip())
+    return edges
+
+
+def upward_arrows(edges) -> List[str]:
+    return [f"{a} -> {b}: {where[0]}" for (a, b), where in sorted(edges.items()) if rank_of(b) >= rank_of(a)]
+
+
+def cycles(edges) -> List[List[str]]:
+    """The strongly connected components of more than one room (Tarjan)."""
+    graph: Dict[str, Set[str]] = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+        graph.setdefault(b, set())
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    found: List[List[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def imports_past_the_door(files: Dict[str, str]) -> List[str]:
+    """Imports from another room that do not take a name its __init__ offers
+    from the room itself (`from ..runtime.state import X` instead of
+    `from ..runtime import X`)."""
+    offers = {room: offered(files.get(f"{room}/__init__.py", "")) for room in ORDER}
+    found = []
+    for rel, source in files.items():
+        here = room_of(dotted(rel))
+        for target, name, line in imports_of(rel, source):
+            there = room_of(f"{target}.{name}" if name and target == "zero_ext" else target)
+            if there in (here, CORE, ROOT):
+                continue
+            if target != f"zero_ext.{there}" or name not in offers[there]:
+                found.append(f"{rel}:{line}: {target} import {name or '*'}")
+    return found
+
+
+def state_read_directly(files: Dict[str, str]) -> List[str]:
+    """Reads or writes of the `_zero_ext` attribute outside the accessor."""
+    found = []
+    for rel, source in files.items():
+        if rel == STATE_ACCESSOR:
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Attribute) and node.attr == "_zero_ext":
+                found.append(f"{rel}:{node.lineno}")
+            elif isinstance(node, ast.Constant) and node.value == "_zero_ext":
+                found.append(f"{rel}:{node.lineno}")
+    return found
+
+
+# --- the package -----------------------------------------------------------
+
+def test_every_arrow_between_rooms_points_down_and_no_cycle():
+    edges = room_edges(sources())
+    assert not upward_arrows(edges), upward_arrows(edges)
+    assert cycles(edges) == []
+    assert {a for a, _ in edges} - {ROOT} <= set(ORDER)
+
+
+def test_other_rooms_import_only_what_a_room_offers():
+    assert imports_past_the_door(sources()) == []
+
+
+def test_every_room_declares_what_it_offers():
+    files = sources()
+    for room in ORDER:
+        names = offered(files[f"{room}/__init__.py"])
+        assert names or room == "integrations", f"zero_ext/{room}/__init__.py lists no __all__"
+        tree = ast.parse(files[f"{room}/__init__.py"])
+        bound = {a.asname or a.name for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+        submodules = {rel.split("/")[1][:-3] for rel in files if rel.startswith(f"{room}/")}
+        assert names <= bound | submodules, f"{room} lists names it neither imports nor holds: {names - bound - submodules}"
+
+
+def test_module_state_is_read_through_one_accessor():
+    assert state_read_directly(sources()) == []
+
+
+# --- positive controls -------------------------------------------------------
+
+def test_the_checks_catch_an_upward_arrow_and_a_cycle():
+    files = {
+        "optim/step_round.py": "from ..runtime.state import ZeroState\n",  # up: optim -> runtime
+        "runtime/state.py": "from ..optim import StepRound\n",
+        "tools/version.py": "from .. import __version__\n",  # up: tools -> the root
+    }
+    edges = room_edges(files)
+    assert upward_arrows(edges) == [
+        "optim -> runtime: optim/step_round.py:1 imports zero_ext.runtime.state ZeroState",
+        "tools -> <root>: tools/version.py:1 imports zero_ext __version__"]
+    assert cycles(edges) == [["optim", "runtime"]]
+    assert cycles(room_edges({"runtime/state.py": "from ..optim import StepRound\n"})) == []
+
+
+def test_the_check_catches_an_import_past_a_rooms_door():
+    files = {
+        "optim/__init__.py": '__all__ = ["StepRound"]\nfrom .step_round import StepRound\n',
+        "runtime/__init__.py": '__all__ = []\n',
+        "runtime/state.py": "from ..optim import StepRound\nfrom ..optim.step_round import StepRound\n"
+                            "from ..optim import as_one\n",
+    }
+    assert imports_past_the_door(files) == [
+        "runtime/state.py:2: zero_ext.optim.step_round import StepRound",
+        "runtime/state.py:3: zero_ext.optim import as_one"]
+
+
+def test_the_check_catches_module_state_read_directly():
+    files = {"files/save.py": 'state = model._zero_ext\nother = getattr(opt, "_zero_ext", None)\n',
+             STATE_ACCESSOR: 'x = getattr(obj, "_zero_ext", None)\n'}
+    assert state_read_directly(files) == ["files/save.py:1", "files/save.py:2"]
