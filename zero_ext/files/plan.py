@@ -19,7 +19,7 @@ import torch
 def owned_ranges(state, rank: int) -> List[Tuple[int, int, int]]:
     """(param index, start, end) this rank writes: its equal slice of each
     bucket (the core's layout knows the arithmetic)."""
-    raw = state.core.owned_ranges(rank)
+    raw = state.handles.checkpoint.owned_ranges(rank)
     return [tuple(raw[k:k + 3]) for k in range(0, len(raw), 3)]
 
 
@@ -29,8 +29,8 @@ def local_views(state) -> List[Tuple[int, int, torch.Tensor]]:
     masters the parameters themselves."""
     if not state.sharded_optimizer:
         return [(i, 0, p.detach().view(-1)) for i, p in enumerate(state.bucketed)]
-    shards = state.core.local_value_shards()
-    raw = state.core.local_pieces()  # (param, start in param, bucket, start in its shard, length)
+    shards = state.handles.checkpoint.local_value_shards()
+    raw = state.handles.checkpoint.local_pieces()  # (param, start in param, bucket, start in its shard, length)
     return [(i, start, shards[b][at:at + length])
             for i, start, b, at, length in (raw[k:k + 5] for k in range(0, len(raw), 5))]
 
@@ -43,9 +43,9 @@ def optimizer_pieces(state, optimizer) -> List[Tuple[torch.Tensor, int, int]]:
     if not state.sharded_optimizer:
         index = {id(p): i for i, p in enumerate(state.bucketed)}
         return [(p, index[id(p)], 0) for p in listed if id(p) in index]
-    segments = state.core.segments()
-    owners = state.core.segment_param_indices()
-    starts = state.core.segment_param_starts()
+    segments = state.handles.optimizer.segments()
+    owners = state.handles.optimizer.segment_param_indices()
+    starts = state.handles.checkpoint.segment_param_starts()
     by_id = {id(s): (i, st) for s, i, st in zip(segments, owners, starts)}
     return [(p, *by_id[id(p)]) for p in listed]
 

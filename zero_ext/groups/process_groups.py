@@ -143,14 +143,14 @@ class _Pool:
 _pool = _Pool()
 
 
-def retire_if_failed(core, groups: List[dist.ProcessGroup]) -> None:
+def retire_if_failed(handles, groups: List[dist.ProcessGroup]) -> None:
     """Called once a model is gone: if its collectives failed (a peer died, the
     ranks took different paths), collectives may be pending on its groups
     forever, so they are never handed to another model. Every rank of a
     failed model fails (a collective error reaches every rank), so every rank
     keeps them busy alike."""
     try:
-        failed = core.failed()
+        failed = handles.diagnostics.failed()
     except Exception:  # noqa: BLE001 - a core that cannot answer is not trusted either
         failed = True
     if not failed:

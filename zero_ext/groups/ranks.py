@@ -39,7 +39,7 @@ class Ranks:
         self.distributed = self.group is not None and state.mesh_size > 1
         self.rank = state.mesh_rank if self.distributed else 0
         self.world = state.mesh_size
-        self.core = state.core
+        self.handles = state.handles
         # NCCL moves device tensors only; gloo takes host tensors.
         self.device = state.device if dist.is_initialized() and self.distributed and \
             dist.get_backend(self.group) == "nccl" else torch.device("cpu")
@@ -47,7 +47,7 @@ class Ranks:
     def where(self) -> str:
         """Where training stands, in the words training-time errors use."""
         try:
-            done = int(self.core.stats()["step_index"])
+            done = int(self.handles.diagnostics.stats()["step_index"])
         except RuntimeError:
             return f"stage {self.stage}"
         return f"stage {self.stage}, after {done} optimizer step(s) (steps count from 0: the next is step {done})"
@@ -59,7 +59,7 @@ class Ranks:
         out = torch.empty(self.world * tensor.numel(), dtype=tensor.dtype, device=self.device)
         with handed_to_backend(out, tensor):
             try:
-                self.core.mesh_all_gather(out, tensor, what)
+                self.handles.collectives.mesh_all_gather(out, tensor, what)
             except RuntimeError as error:  # a peer died or left: say where this rank was
                 raise self._failed(error) from error
         return out.view(self.world, -1)
@@ -67,7 +67,7 @@ class Ranks:
     def _broadcast(self, tensor: torch.Tensor, what: str) -> None:
         with handed_to_backend(tensor):
             try:
-                self.core.mesh_broadcast_from_rank0(tensor, what)
+                self.handles.collectives.mesh_broadcast_from_rank0(tensor, what)
             except RuntimeError as error:
                 raise self._failed(error) from error
 

@@ -71,7 +71,7 @@ def describe(thread_id: int) -> Tuple[bool, str]:
     return True, f"in torch.distributed.{name}() of the whole world, called from {caller}"
 
 
-def start(model: torch.nn.Module, core: object) -> Optional[threading.Thread]:
+def start(model: torch.nn.Module, handles: object) -> Optional[threading.Thread]:
     """The answering thread for one wrapped model; it ends with the model."""
     if not hasattr(sys, "_current_frames"):
         return None
@@ -85,10 +85,10 @@ def start(model: torch.nn.Module, core: object) -> Optional[threading.Thread]:
             if model_ref() is None:
                 return
             try:
-                query = core.stall_queries()
+                query = handles.diagnostics.stall_queries()
                 if query > seen:
                     blocked, where = describe(main_thread)
-                    core.post_whereabouts(query, blocked, where)
+                    handles.diagnostics.post_whereabouts(query, blocked, where)
                     seen = query
             except Exception:  # noqa: BLE001 - the store is gone (group destroyed): nothing left to answer
                 return

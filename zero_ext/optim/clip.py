@@ -25,7 +25,8 @@ def _reduce(local: torch.Tensor, state, norm_type: float) -> torch.Tensor:
     if not sharded:
         return local
     on_device = local.to(state.device)  # NCCL reduces device tensors; offloaded grads are on the host
-    state.core.group_all_reduce(on_device, math.isinf(norm_type), "clip_grad_norm_: the gradient norm's all-reduce")
+    state.handles.collectives.group_all_reduce(on_device, math.isinf(norm_type),
+                                               "clip_grad_norm_: the gradient norm's all-reduce")
     return on_device.to(local.device)
 
 
@@ -69,7 +70,7 @@ def settle_owners(params: List[torch.Tensor]) -> None:
             if state is not None:
                 owners[id(state)] = state
     for state in sorted(owners.values(), key=lambda s: s.names[0] if s.names else ""):
-        state.core.settle()
+        state.handles.optimizer.settle()
 
 
 def _held_gradients(params: List[torch.Tensor]
@@ -95,8 +96,8 @@ def _held_gradients(params: List[torch.Tensor]
             plain.append(p.grad)
     parts = []
     for state, wanted, segment_grads in sharded.values():
-        segments = state.core.segments()
-        owners = state.core.segment_param_indices()
+        segments = state.handles.optimizer.segments()
+        owners = state.handles.optimizer.segment_param_indices()
         grads = [seg.grad for seg, owner in zip(segments, owners)
                  if id(state.bucketed[owner]) in wanted and seg.grad is not None]
         parts.append((state, grads + segment_grads))

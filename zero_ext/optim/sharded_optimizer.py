@@ -68,7 +68,7 @@ def _cpu_adam_step(self, closure=None):
                 max_exp_avg_sq=state.get("max_exp_avg_sq"), param_lowp=copies.get(id(p)),
             )
     if copies and len(copies) == sum(len(g["params"]) for g in self.param_groups):
-        state_of(self).core.note_compute_copy_written()
+        state_of(self).handles.optimizer.note_compute_copy_written()
     return loss
 
 
@@ -103,11 +103,11 @@ class ZeroExtOptimizer:
             state_of(self).step_round.stepped(self)
 
     def _zero_ext_decided_step(self, closure=None):
-        core = state_of(self).core
+        handles = state_of(self).handles
         # fp16 overflow or skip_nonfinite, on some rank (updates the scale):
         # decided once for all of a model's optimizers (StepRound).
         skip, decided_now = state_of(self).step_round.decide(self)
-        nonfinite_skip = skip and not core.loss_scaling() and decided_now
+        nonfinite_skip = skip and not handles.optimizer.loss_scaling() and decided_now
         found_inf = getattr(self, "found_inf", None)  # set by torch.amp.GradScaler.step()
         if found_inf is not None:
             grad_scale = getattr(self, "grad_scale", None)
@@ -121,12 +121,12 @@ class ZeroExtOptimizer:
                     "supported (its per-optimizer overflow check would not agree across the optimizers and "
                     "ranks). Use zero_ext's own fp16 loss scaling, mixed_precision='fp16', which skips the "
                     "step of every optimizer of the model together.")
-            if core.loss_scaling():
+            if handles.optimizer.loss_scaling():
                 warnings.warn(
                     "zero_ext: torch.amp.GradScaler drives this optimizer, so zero_ext's own fp16 "
                     "loss scaling is now off (both would scale the gradient). To silence this, pass "
                     "mixed_precision=zero_ext.MixedPrecision(torch.float16, loss_scale=1.0).")
-                core.disable_loss_scaling()
+                handles.optimizer.disable_loss_scaling()
             # GradScaler's overflow check read this rank's shards, which
             # zero_ext marks non-finite whenever any rank's are.
             # (A plain 0 when this rank's optimizer holds no gradient at all.)
@@ -154,7 +154,7 @@ class ZeroExtOptimizer:
     def skipped_steps(self) -> int:
         """Steps skipped for non-finite gradients (skip_nonfinite=True or fp16
         loss scaling), the same count on every rank."""
-        return int(state_of(self).core.stats()["skipped_steps"])
+        return int(state_of(self).handles.diagnostics.stats()["skipped_steps"])
 
     @property
     def step_was_skipped(self) -> bool:
@@ -194,7 +194,7 @@ class ZeroExtOptimizer:
         """Clips the global gradient (every rank's shards) in place and returns
         its total norm before clipping, like torch.nn.utils.clip_grad_norm_."""
         state = state_of(self)
-        state.core.settle()  # late gradients reduced, .grad final
+        state.handles.optimizer.settle()  # late gradients reduced, .grad final
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         if state.sharded_optimizer:
             return clip_sharded([(state, grads)], [], max_norm, norm_type, error_if_nonfinite=False)
@@ -207,8 +207,8 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, state, ordered_params: Lis
     installs the hooks. `several`: one of a model's optimizers (StepRound)."""
     group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
     if state.sharded_optimizer:
-        segments = state.core.segments()
-        owners = state.core.segment_param_indices()
+        segments = state.handles.optimizer.segments()
+        owners = state.handles.optimizer.segment_param_indices()
         for segment in segments:  # zero_ext.clip_grad_norm_ over the optimizer's tensors finds them
             segment._zero_ext_segment_of = weakref.ref(state)
         # A parameter listed twice in a group is stepped twice, as torch.optim
@@ -232,9 +232,9 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, state, ordered_params: Lis
     optimizer._zero_ext_cpu_adam = cpu_adam
     optimizer._zero_ext_compute_copies = {}
     if optimizer._zero_ext_cpu_adam:
-        copies = state.core.segment_compute_copies()
+        copies = state.handles.optimizer.segment_compute_copies()
         optimizer._zero_ext_compute_copies = {
-            id(seg): copy for seg, copy in zip(state.core.segments(), copies) if copy is not None}
+            id(seg): copy for seg, copy in zip(state.handles.optimizer.segments(), copies) if copy is not None}
     _route_scheduler_wrapper(optimizer)
     # Which parameters this optimizer steps, by the core's index: the same on
     # every rank, so its refresh gathers the same buckets everywhere.
@@ -245,7 +245,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, state, ordered_params: Lis
 
     def before_step(opt, args, kwargs) -> None:
         state.check_parameters_unchanged()
-        state.core.check_before_step()
+        state.handles.optimizer.check_before_step()
         foreign = [t for group in opt.param_groups for t in group["params"] if id(t) not in managed]
         if foreign:
             raise ValueError(
@@ -255,7 +255,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, state, ordered_params: Lis
                 f"diverge. Add every parameter group before wrap(), or wrap the model that owns them.")
 
     def after_step(opt, args, kwargs) -> None:
-        state.core.after_step(mine)
+        state.handles.optimizer.after_step(mine)
 
     optimizer.register_step_pre_hook(before_step)
     optimizer.register_step_post_hook(after_step)

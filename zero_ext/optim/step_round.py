@@ -22,8 +22,8 @@ from typing import Optional, Set, Tuple
 
 
 class StepRound:
-    def __init__(self, core) -> None:
-        self.core = core
+    def __init__(self, handles) -> None:
+        self.handles = handles
         self.size = 0  # optimizers of the model; each has a token 0..size-1 (_zero_ext_member)
         self.decision: Optional[bool] = None  # None: no round open
         self.done: Set[int] = set()
@@ -50,7 +50,7 @@ class StepRound:
                     f"step would use gradients accumulated over several backwards. zero_ext zeroes a model's "
                     f"gradients together; step every optimizer of the model (or none) between backwards, or "
                     f"call zero_grad() after the last one's step.")
-            self.decision = bool(self.core.begin_step())
+            self.decision = bool(self.handles.optimizer.begin_step())
             self.done = set()
             return self.decision, True
         return self.decision, False
@@ -61,7 +61,7 @@ class StepRound:
             self.decision = None  # every optimizer stepped: the round closes
             if self.waiting_zero is not None:
                 set_to_none, self.waiting_zero = self.waiting_zero, None
-                self.core.zero_grad(set_to_none)
+                self.handles.reduction.zero_grad(set_to_none)
 
     def zero_grad(self, optimizer, set_to_none: bool) -> None:
         # Waits only after this optimizer's own step, for another one's: a
@@ -70,4 +70,4 @@ class StepRound:
         if self.size > 1 and self._open() and optimizer._zero_ext_member in self.done:
             self.waiting_zero = set_to_none  # another optimizer still reads these gradients
             return
-        self.core.zero_grad(set_to_none)
+        self.handles.reduction.zero_grad(set_to_none)

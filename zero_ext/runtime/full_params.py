@@ -31,24 +31,24 @@ def full_params(module: torch.nn.Module, writeback: bool = False) -> Iterator[No
     state = owner_state(module)
     position = {id(p): i for i, p in enumerate(state.bucketed)}
     mine: List[int] = sorted({position[id(p)] for p in module.parameters() if id(p) in position})
-    core = state.core
+    handles = state.handles
     before: List[torch.Tensor] = []
-    if writeback and core.has_masters():
-        before = core.full_masters()  # collective in stages 1-3
+    if writeback and handles.optimizer.has_masters():
+        before = handles.optimizer.full_masters()  # collective in stages 1-3
     if state.params_sharded:
-        core.gather_units_of(mine)
+        handles.units.gather_units_of(mine)
     try:
         yield
         if writeback:
             _write_back(state, mine, before)
     finally:
         if state.params_sharded:
-            core.unpin_units_of(mine)  # released unless an enclosing context holds them
+            handles.units.unpin_units_of(mine)  # released unless an enclosing context holds them
 
 
 @torch.no_grad()
 def _write_back(state, mine: List[int], before: List[torch.Tensor]) -> None:
-    core = state.core
+    handles = state.handles
     params = state.bucketed
     changed = []
     if before:
@@ -62,10 +62,10 @@ def _write_back(state, mine: List[int], before: List[torch.Tensor]) -> None:
                 masters[i] = p.detach().to(torch.float32).reshape(masters[i].shape)
                 changed.append(i)
         if changed:
-            core.load_masters(masters)
+            handles.optimizer.load_masters(masters)
     elif state.params_sharded:
         changed = list(mine)
     if state.params_sharded:
-        core.write_back_shards()  # this rank's shard of the (gathered) full values
+        handles.units.write_back_shards()  # this rank's shard of the (gathered) full values
     for i in changed:
         torch.autograd.graph.increment_version(params[i])

@@ -30,7 +30,7 @@ def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> D
     masters = 0
     state = state_or_none(model)
     if state is not None:
-        stats = state.core.stats()
+        stats = state.handles.diagnostics.stats()
         bucketed = {id(p) for p in state.bucketed}  # counted by the core (frozen ones too, stage 3 or mixed precision)
         params = stats["param_bytes"] + sum(
             p.numel() * p.element_size() for p in model.parameters() if id(p) not in bucketed

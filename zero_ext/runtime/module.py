@@ -14,7 +14,7 @@ from typing import Any, Dict, Iterator, Optional
 import torch
 
 from ..groups import Ranks
-from ..tools import state_of, swap_class
+from ..tools import GradLayout, state_of, swap_class
 
 
 _NO_COPY = (
@@ -29,11 +29,11 @@ class UnshardHandle:
     """What model.unshard(async_op=True) returns: wait() until the gathers
     it started are done (as FSDP2's UnshardHandle)."""
 
-    def __init__(self, core: Any) -> None:
-        self._core = core
+    def __init__(self, units: Any) -> None:
+        self._units = units
 
     def wait(self) -> None:
-        self._core.wait_unshard()
+        self._units.wait_unshard()
 
 
 class ZeroExtModule:
@@ -43,24 +43,24 @@ class ZeroExtModule:
     def no_sync(self) -> Iterator[None]:
         """Backward calls inside accumulate gradients locally, with no
         communication; the next backward outside reduces them all."""
-        core = state_of(self).core
-        previous = core.sync()
-        core.set_sync(False)
+        handles = state_of(self).handles
+        previous = handles.reduction.sync()
+        handles.reduction.set_sync(False)
         try:
             yield
         finally:
-            core.set_sync(previous)
+            handles.reduction.set_sync(previous)
 
     @property
     def require_backward_grad_sync(self) -> bool:
         """DDP's knob, as nanoGPT and other DDP loops set it on micro-steps:
         False means the same as being inside no_sync() (the backward passes
         that follow accumulate locally), True reduces again."""
-        return bool(state_of(self).core.sync())
+        return bool(state_of(self).handles.reduction.sync())
 
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
-        state_of(self).core.set_sync(bool(value))
+        state_of(self).handles.reduction.set_sync(bool(value))
 
     def set_requires_all_reduce(self, requires_all_reduce: bool) -> None:
         """Hybrid sharding (a 2-D mesh), as FSDP2's: with False, the backward
@@ -77,7 +77,7 @@ class ZeroExtModule:
         one fp32 gradient shard while anything is deferred. Every rank must
         set it alike. No effect on a flat group, nor in stage 0, which
         reduces whole gradients: use no_sync() there."""
-        state_of(self).core.set_replica_sync(bool(requires_all_reduce))
+        state_of(self).handles.reduction.set_replica_sync(bool(requires_all_reduce))
 
     def unshard(self, async_op: bool = False) -> Optional["UnshardHandle"]:
         """Stage 3: gathers every unit now (collective: every rank calls it),
@@ -87,16 +87,16 @@ class ZeroExtModule:
         run in the background and a handle is returned: its wait(), or the
         first forward, waits for them. Stages 0-2 hold whole parameters
         already: nothing to do."""
-        core = state_of(self).core
-        core.unshard(bool(async_op))
-        return UnshardHandle(core) if async_op else None
+        handles = state_of(self).handles
+        handles.units.unshard(bool(async_op))
+        return UnshardHandle(handles.units) if async_op else None
 
     def reshard(self) -> None:
         """Stage 3: releases every gathered unit (after unshard(), or
         reshard_after_forward=False units after a forward whose backward will
         not come). It sends nothing, but it decides what later forwards and
         backwards gather: every rank calls it at the same point."""
-        state_of(self).core.release_all()
+        state_of(self).handles.units.release_all()
 
     def set_gradient_divide_factor(self, factor: Optional[float]) -> None:
         """FSDP2's: the reduced gradient is the sum over every rank divided
@@ -120,11 +120,11 @@ class ZeroExtModule:
                 "zero_ext: set_gradient_divide_factor was called with different factors on the ranks "
                 f"({', '.join(f'rank {r}: {v or None}' for r, v in enumerate(seen))}); every rank must pass "
                 "the same one")
-        state.core.set_gradient_divide_factor(value)
+        state.handles.reduction.set_gradient_divide_factor(value)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         state = state_of(self)
-        state.core.zero_grad(set_to_none)
+        state.handles.reduction.zero_grad(set_to_none)
         # zero_ext's parameters are done; the rest (frozen ones that got a
         # gradient anyway) as nn.Module.zero_grad would.
         for p in self.parameters():
@@ -166,26 +166,26 @@ class ZeroExtModule:
     def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         if not state_of(self).params_sharded:
             return super().state_dict(*args, **kwargs)  # type: ignore[misc]
-        core = state_of(self).core
-        core.gather_all()
+        handles = state_of(self).handles
+        handles.units.gather_all()
         try:
             sd = super().state_dict(*args, **kwargs)  # type: ignore[misc]
             return type(sd)((k, v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in sd.items())
         finally:
-            core.release_all()
+            handles.units.release_all()
 
     def load_state_dict(self, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
         if not state_of(self).params_sharded:
             result = super().load_state_dict(state_dict, *args, **kwargs)  # type: ignore[misc]
             self._load_masters(state_dict)
             return result
-        core = state_of(self).core
-        core.gather_all()
+        handles = state_of(self).handles
+        handles.units.gather_all()
         try:
             result = super().load_state_dict(state_dict, *args, **kwargs)  # type: ignore[misc]
-            core.write_back_shards()
+            handles.units.write_back_shards()
         finally:
-            core.release_all()
+            handles.units.release_all()
         self._load_masters(state_dict)
         return result
 
@@ -193,14 +193,14 @@ class ZeroExtModule:
         """Mixed precision: fp32 values from the state_dict become the master
         weights (the parameters hold them rounded to the compute dtype)."""
         state = state_of(self)
-        if not state.core.has_masters():
+        if not state.handles.optimizer.has_masters():
             return
         missing = [n for n in state.bucketed_names if n not in state_dict]
         # strict=False: a parameter the state_dict lacks keeps its master.
-        kept = state.core.full_masters() if missing else [None] * len(state.bucketed)
+        kept = state.handles.optimizer.full_masters() if missing else [None] * len(state.bucketed)
         full = [state_dict[n].detach().to(p.device, torch.float32) if n in state_dict else kept[i]
                 for i, (n, p) in enumerate(zip(state.bucketed_names, state.bucketed))]
-        state.core.load_masters(full)
+        state.handles.optimizer.load_masters(full)
 
 
 # [Note: parameters under torch's Python tracer]
@@ -236,7 +236,7 @@ def swap_module_class(module: torch.nn.Module) -> None:
     the parameters zero_ext manages (those wrap() marked with _zero_ext_owner)."""
     swap_class(module, ZeroExtModule)
     owned = [p for p in module.parameters() if getattr(p, "_zero_ext_owner", None) is not None]
-    if owned and owned[0]._zero_ext_owner().core.grad_layout() != "ddp_in_place":
+    if owned and owned[0]._zero_ext_owner().handles.reduction.grad_layout() is not GradLayout.DDP_IN_PLACE:
         for p in owned:
             if not isinstance(p, ZeroExtParameter):  # a copy of one (deepcopy keeps the class)
                 swap_class(p, ZeroExtParameter)

@@ -36,7 +36,7 @@ def _set(module: torch.nn.Module, modules: Sequence[torch.nn.Module], forward: b
         raise TypeError(f"zero_ext.{what}: pass a list of modules (units of the model)")
     u = _unit_index(state, module, what)
     targets: List[int] = [_unit_index(state, m, what) for m in modules]
-    state.core.set_prefetch(u, forward, targets)
+    state.handles.units.set_prefetch(u, forward, targets)
 
 
 def set_modules_to_forward_prefetch(module: torch.nn.Module, modules: Sequence[torch.nn.Module]) -> None:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..optim import StepRound
+from ..tools import CoreHandles
 
 
 @dataclass
@@ -19,7 +20,7 @@ class ZeroState:
 
     model_ref: "weakref.ref[torch.nn.Module]"  # weak: the model holds this state
     stage: int
-    core: object  # torch.classes.zero_ext.ShardedModel: the C++ core
+    core: object  # torch.classes.zero_ext.ShardedModel: the C++ core, reached through `handles`
     process_group: Optional[dist.ProcessGroup]  # zero_ext's own reduction group (the shard group)
     world_size: int  # of the shard group
     replicate_group: Optional[dist.ProcessGroup]  # hybrid sharding: across the copies of the shard (None: flat)
@@ -41,39 +42,40 @@ class ZeroState:
     unit_of_module: Dict[int, int] = field(default_factory=dict)  # stage 3: id(member module) -> unit index
 
     def __post_init__(self) -> None:
-        self.step_round = StepRound(self.core)
+        self.handles = CoreHandles.of(self.core)  # the core by concern (tools/core_handles.py)
+        self.step_round = StepRound(self.handles)
 
     # The modes, as the core's layout decided them at wrap() (csrc/layout.h):
     # read here, and nowhere else compared with stage numbers.
     @functools.cached_property
     def params_sharded(self) -> bool:
         """Stage 3: parameters hold no memory between uses (gathered per unit)."""
-        return bool(self.core.params_sharded())
+        return bool(self.handles.units.params_sharded())
 
     @functools.cached_property
     def replicated(self) -> bool:
         """Stage 0 with fp32 masters or a low-precision reduce: every rank
         holds the whole gradient and steps the whole model on zero_ext's copies."""
-        return bool(self.core.replicated())
+        return bool(self.handles.reduction.replicated())
 
     @functools.cached_property
     def grads_sharded(self) -> bool:
         """Stages 1-3: each rank holds the reduced gradient of its shard only,
         so its optimizer state is that of its shard."""
-        return self.core.grad_layout() in ("sharded_persistent", "sharded_transient")
+        return self.handles.reduction.grad_layout().grads_sharded
 
     @functools.cached_property
     def whole_params(self) -> bool:
         """Stages 1-3 with an optimizer that is not elementwise: each
         parameter has one owner rank, whose shard holds it whole
         (optim/ownership.py)."""
-        return bool(self.core.whole_params())
+        return bool(self.handles.optimizer.whole_params())
 
     @functools.cached_property
     def sharded_optimizer(self) -> bool:
         """The optimizer steps zero_ext's segments (a shard, or the replicated
         copies), not the model's parameters."""
-        return self.grads_sharded or bool(self.core.has_masters())
+        return self.grads_sharded or bool(self.handles.optimizer.has_masters())
 
     @property
     def mesh_size(self) -> int:

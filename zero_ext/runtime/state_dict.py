@@ -13,8 +13,8 @@ def full_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """Every entry of ``model.state_dict()``, full shape, on CPU, on every rank."""
     state = state_of(model)
     full = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-    if state.core.has_masters():  # mixed precision: the fp32 masters, not the rounded copies
-        masters = {id(p): m for p, m in zip(state.bucketed, state.core.full_masters())}
+    if state.handles.optimizer.has_masters():  # mixed precision: the fp32 masters, not the rounded copies
+        masters = {id(p): m for p, m in zip(state.bucketed, state.handles.optimizer.full_masters())}
         for name, p in model.named_parameters(remove_duplicate=False):  # tied names too
             if name in full and id(p) in masters:
                 full[name] = masters[id(p)].to("cpu", copy=True)
@@ -38,7 +38,7 @@ def full_grads(model: torch.nn.Module) -> Dict[str, Optional[torch.Tensor]]:
     before optimizer.step().
     """
     state = state_of(model)
-    grads = state.core.full_grads()
-    has = state.core.has_grad()
+    grads = state.handles.reduction.full_grads()
+    has = state.handles.reduction.has_grad()
     by_id = {id(p): (g.float().cpu() if h else None) for p, g, h in zip(state.bucketed, grads, has)}
     return {name: by_id.get(id(p)) for name, p in model.named_parameters()}

@@ -4,6 +4,7 @@ and test-only fault injection."""
 from __future__ import annotations
 
 from .class_swap import swap_class
+from .core_handles import CoreHandles, CoreStats, GradLayout
 from .module_state import attach_state, owner_state, state_of, state_or_none
 from .torch_compat import all_gather_into_tensor, outside_compile
 from .version import __version__
@@ -12,6 +13,9 @@ from .version import __version__
 # compiled core, which `python -m zero_ext.env` must be able to do without):
 # core_loader (ShardedModel), faults, env_report, build_check, torch_compat.
 __all__ = [
+    "CoreHandles",
+    "CoreStats",
+    "GradLayout",
     "__version__",
     "all_gather_into_tensor",
     "attach_state",

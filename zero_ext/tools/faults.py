@@ -70,8 +70,8 @@ def exit_if_armed(point: str, rank: int) -> None:
         os._exit(EXIT_CODE)
 
 
-def arm_core(core, rank: int) -> None:
+def arm_core(handles, rank: int) -> None:
     """Hands the C++ core the faults armed for this rank in it."""
     for fault in armed_faults():
         if fault.point in CORE_POINTS and (fault.rank is None or fault.rank == rank):
-            core.set_test_fault(fault.point, fault.step)
+            handles.diagnostics.set_test_fault(fault.point, fault.step)

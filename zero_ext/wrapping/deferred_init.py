@@ -148,7 +148,7 @@ def move_to_device(plan: DeferredPlan, bucketed: List[torch.nn.Parameter], names
         torch.utils.swap_tensors(p, _stand_in(p, empty))
 
 
-def materialize(plan: DeferredPlan, core, ranks, bucketed: List[torch.nn.Parameter], counts: List[int],
+def materialize(plan: DeferredPlan, handles, ranks, bucketed: List[torch.nn.Parameter], counts: List[int],
                 groups_of_bucket: List[int], local_views: Callable[[], list], params_sharded: bool) -> None:
     """Initializes the wrapped model in named_modules() order, opening and
     closing buckets by group (a unit in stage 3, a bucket otherwise).
@@ -156,7 +156,7 @@ def materialize(plan: DeferredPlan, core, ranks, bucketed: List[torch.nn.Paramet
     bucket_index = [b for b, count in enumerate(counts) for _ in range(count)]  # bucketed is in bucket order
     bucket_of: Dict[int, int] = {id(p): b for p, b in zip(bucketed, bucket_index)}
     if plan.param_init_fn is skip_init:
-        _fill_for_loading(plan, core, ranks, bucketed, bucket_of, local_views, params_sharded)
+        _fill_for_loading(plan, handles, ranks, bucketed, bucket_of, local_views, params_sharded)
         return
     buckets_of_group: Dict[int, List[int]] = {}
     for b, g in enumerate(groups_of_bucket):
@@ -174,7 +174,7 @@ def materialize(plan: DeferredPlan, core, ranks, bucketed: List[torch.nn.Paramet
     error: Optional[BaseException] = None
     for k, module in enumerate(plan.modules):
         newly = sorted(touches[k] - opened)
-        core.begin_materialize([b for g in newly for b in buckets_of_group[g]])
+        handles.checkpoint.begin_materialize([b for g in newly for b in buckets_of_group[g]])
         opened.update(newly)
         if error is None:
             # A failure here is kept, not raised: this rank goes on opening and
@@ -189,14 +189,15 @@ def materialize(plan: DeferredPlan, core, ranks, bucketed: List[torch.nn.Paramet
             except Exception as e:  # noqa: BLE001 - raised on every rank by settle
                 error = _named(e, plan.names[k], module, plan.param_init_fn is not None)
         closing = sorted(g for g in touches[k] if last_touch[g] == k)
-        core.end_materialize([b for g in closing for b in buckets_of_group[g]])
+        handles.checkpoint.end_materialize([b for g in closing for b in buckets_of_group[g]])
     ranks.settle(error)
     with torch.no_grad():
         for p in frozen:
-            core.mesh_broadcast_from_rank0(p.detach(), "wrap(): broadcasting an initialized frozen parameter")
+            handles.collectives.mesh_broadcast_from_rank0(p.detach(),
+                                                          "wrap(): broadcasting an initialized frozen parameter")
 
 
-def _fill_for_loading(plan: DeferredPlan, core, ranks, bucketed, bucket_of, local_views,
+def _fill_for_loading(plan: DeferredPlan, handles, ranks, bucketed, bucket_of, local_views,
                       params_sharded: bool) -> None:
     """skip_init: this rank's values NaN (masters or shards, the replicated
     compute copies, frozen parameters outside the buckets), buffers on the
@@ -221,7 +222,8 @@ def _fill_for_loading(plan: DeferredPlan, core, ranks, bucketed, bucket_of, loca
         error = e
     ranks.settle(error)
     if params_sharded:
-        core.refresh_params_from_shards()  # offload's device shards from the masters; no collective in stage 3
+        # offload's device shards from the masters; no collective in stage 3
+        handles.checkpoint.refresh_params_from_shards()
 
 
 def _materialize_unbucketed(plan: DeferredPlan, module: torch.nn.Module, bucket_of):

@@ -20,7 +20,7 @@ from ..groups import (Ranks, Topology, acquire_groups, acquire_mesh_groups, acqu
 from ..groups import stall_query as whereabouts
 from ..optim import WHOLE, optimizer_sharding, plan_owners, shard_optimizer
 from ..runtime import ZeroState, install_forward_hooks, swap_module_class
-from ..tools import __version__, attach_state, core_loader, faults
+from ..tools import CoreHandles, __version__, attach_state, core_loader, faults
 from .units import Unit, assign_parameters, resolve_units
 from .reshard import plan_reshard
 from .arguments import Options, check_backend, check_launch, check_wrap_arguments, optimizer_list
@@ -145,7 +145,8 @@ def _acquire_header_groups(topology: Topology, count: int, timeout, device: torc
     return acquire_groups(base, count, timeout, device, owner, backend="gloo"), None
 
 
-def _enable_stall_diagnosis(core, ranks: Ranks, topology: Topology, limit: Optional[datetime.timedelta]) -> None:
+def _enable_stall_diagnosis(handles: CoreHandles, ranks: Ranks, topology: Topology,
+                            limit: Optional[datetime.timedelta]) -> None:
     """A wait stalled a quarter of the timeout (between 1 s and 5 s)
     compares notes with the other ranks (see communicator.h)."""
     seconds = limit.total_seconds() if limit is not None else 1800.0
@@ -153,15 +154,15 @@ def _enable_stall_diagnosis(core, ranks: Ranks, topology: Topology, limit: Optio
     # model (or a restarted job whose store outlived the last one, as
     # torchrun's agent store does) never reads an earlier one's posts.
     key_space = ranks.from_rank0(uuid.uuid4().hex)
-    core.enable_stall_diagnosis(min(max(seconds / 4, 1.0), 5.0), key_space, topology.shard_mesh_ranks(),
-                                topology.replica_mesh_ranks())
+    handles.diagnostics.enable_stall_diagnosis(min(max(seconds / 4, 1.0), 5.0), key_space,
+                                               topology.shard_mesh_ranks(), topology.replica_mesh_ranks())
 
 
-def _broadcast_buffers(model: torch.nn.Module, core) -> None:
+def _broadcast_buffers(model: torch.nn.Module, handles: CoreHandles) -> None:
     """Every rank starts from rank 0's buffers."""
     with torch.no_grad():
         for name, buffer in model.named_buffers():
-            core.mesh_broadcast_from_rank0(buffer, f"wrap(): broadcasting buffer {name} from rank 0")
+            handles.collectives.mesh_broadcast_from_rank0(buffer, f"wrap(): broadcasting buffer {name} from rank 0")
 
 
 def wrap(
@@ -320,10 +321,11 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
     core = _build_core(ordered, names, counts, unit_of_bucket, owners, options, [g.group_name for g in own_groups],
                        replica_group.group_name if replica_group is not None else "",
                        regather_groups[0].group_name if regather_groups else "", deferred is not None)
+    handles = CoreHandles.of(core)
     if unit_names:
-        core.set_unit_names(unit_names)
-        core.keep_gathered_after_forward(reshard.kept)
-        core.reshard_to_subgroup(reshard.to_subgroup)
+        handles.units.set_unit_names(unit_names)
+        handles.units.keep_gathered_after_forward(reshard.kept)
+        handles.units.reshard_to_subgroup(reshard.to_subgroup)
     header_groups: List[dist.ProcessGroup] = []
     # ZERO_EXT_COLLECTIVE_CHECKS=0 is for measuring what the checks cost
     # (benchmarks/step_time.py's -unchecked systems); never for training.
@@ -331,10 +333,11 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
         headers, replica_headers = _acquire_header_groups(topology, count, options.timeout, ordered[0].device,
                                                           model)
         header_groups = headers + ([replica_headers] if replica_headers is not None else [])
-        core.enable_collective_checks(headers[0].group_name, headers[1].group_name if len(headers) > 1 else "",
-                                      replica_headers.group_name if replica_headers is not None else "",
-                                      regather_groups[1].group_name if regather_groups else "")
-    faults.arm_core(core, topology.mesh_rank if topology.mesh_size > 1 else 0)
+        handles.diagnostics.enable_collective_checks(
+            headers[0].group_name, headers[1].group_name if len(headers) > 1 else "",
+            replica_headers.group_name if replica_headers is not None else "",
+            regather_groups[1].group_name if regather_groups else "")
+    faults.arm_core(handles, topology.mesh_rank if topology.mesh_size > 1 else 0)
     state = ZeroState(
         model_ref=weakref.ref(model), stage=options.stage, core=core,
         process_group=own_groups[0] if own_groups else None, world_size=topology.shard_size,
@@ -349,19 +352,19 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
         frozen_at_wrap={id(p) for p in model.parameters() if not p.requires_grad},
         output_dtype=options.precision.output_dtype,
     )
-    weakref.finalize(state, retire_if_failed, core,
+    weakref.finalize(state, retire_if_failed, handles,
                      own_groups + ([replica_group] if replica_group is not None else []) + header_groups
                      + regather_groups)
     if own_groups:
-        _enable_stall_diagnosis(core, Ranks(state), topology, options.timeout or group_timeout(base))
+        _enable_stall_diagnosis(handles, Ranks(state), topology, options.timeout or group_timeout(base))
         if state.device.type == "cpu":  # host waits only, as the stall diagnosis (communicator.h)
-            whereabouts.start(model, core)
+            whereabouts.start(model, handles)
     if deferred:
         groups_of_bucket = unit_of_bucket if state.params_sharded else list(range(len(counts)))
-        materialize(deferred, core, Ranks(state), ordered, counts, groups_of_bucket, lambda: local_views(state),
+        materialize(deferred, handles, Ranks(state), ordered, counts, groups_of_bucket, lambda: local_views(state),
                     params_sharded=state.params_sharded)
     if own_groups:
-        _broadcast_buffers(model, core)
+        _broadcast_buffers(model, handles)
     _attach(model, optimizers, state, unit_list, export_dtype)
     return model, optimizer
 

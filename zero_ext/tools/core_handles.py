@@ -1,0 +1,280 @@
+"""The C++ core seen from Python by concern.
+
+One wrapped model is one `torch.classes.zero_ext.ShardedModel` (csrc/README.md):
+a facade over the components that do the work. Python reaches it only through
+the handles here, one per concern, so a room names what it needs (a unit's
+gather, a bucket's reduction, the optimizer's shards, a checkpoint's ranges,
+diagnostics, the model's group collectives) and nothing else:
+
+| handle             | for                                                        |
+|--------------------|------------------------------------------------------------|
+| `Units`            | stage 3 units: forward entry and exit, gather, release, prefetch, pins |
+| `Reduction`        | gradient buckets: sync, accumulation, zero_grad, full gradients, the layout |
+| `OptimizerShards`  | what the optimizer steps: segments, masters, the step gate and loss scale |
+| `CheckpointRanges` | which ranges of which tensors this rank holds; loading into them |
+| `Diagnostics`      | counters (`CoreStats`), failure, stall diagnosis, collective checks, faults |
+| `GroupCollectives` | the collectives of a user's call, on the model's own groups |
+
+A handle binds the core's methods as attributes (no Python call in between:
+hooks call them per unit per step); the few that return a layout or the
+counters convert them into `GradLayout` and `CoreStats`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Callable, ClassVar, Dict, List, Tuple
+
+import torch
+
+Tensor = torch.Tensor
+
+
+class GradLayout(enum.Enum):
+    """Where a backward's gradients live (csrc/layout.h, [Note: gradient layouts])."""
+
+    DDP_IN_PLACE = "ddp_in_place"              # stage 0: full buckets reduced in place, `.grad` views them
+    REPLICATED = "replicated"                  # stage 0 with fp32 masters or a low-precision reduce
+    SHARDED_PERSISTENT = "sharded_persistent"  # stage 1: full staging kept to the step
+    SHARDED_TRANSIENT = "sharded_transient"    # stages 2-3: staging per reduction, into the shard
+
+    @property
+    def grads_sharded(self) -> bool:
+        """Each rank holds the reduced gradient of its shard only."""
+        return self in (GradLayout.SHARDED_PERSISTENT, GradLayout.SHARDED_TRANSIENT)
+
+
+@dataclasses.dataclass(frozen=True)
+class CoreStats:
+    """The core's counters at one moment (ShardedModel::stats). Every field is
+    an int: a count, or bytes where the name says so. Built strictly: a
+    counter the core adds or drops fails here, not in a reader far away."""
+
+    epilogues: int
+    synced_epilogues: int
+    late_rounds: int
+    agreement_reads: int
+    blocking_headers: int
+    ahead_headers: int
+    last_graph_task: int
+    last_keep_graph: int
+    collectives: int
+    replica_collectives: int
+    mesh_rank: int
+    mesh_size: int
+    all_gathers: int
+    param_gathers: int
+    buckets: int
+    host_bytes: int
+    host_landing_buffers: int
+    nonfinite_backwards: int
+    skipped_steps: int
+    step_index: int
+    param_bytes: int
+    regathers: int
+    master_bytes: int
+    materializing_bytes: int
+    grad_bytes: int
+    peak_staging_bytes: int
+    max_in_flight_bytes: int
+    bound_lifts: int
+    frozen_skips: int
+    units: int
+    units_kept_after_forward: int
+    units_holding_parts: int
+    gathered_units: int
+    peak_gathered_units_forward: int
+    peak_gathered_units_backward: int
+    extra: Dict[str, int] = dataclasses.field(default_factory=dict)  # any other counter, by name
+
+    @classmethod
+    def from_core(cls, counters: Dict[str, int]) -> "CoreStats":
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        missing = names - set(counters)
+        if missing:
+            raise RuntimeError(f"zero_ext: the core reports no {sorted(missing)}: the Python package and the "
+                               "compiled core are from different builds; rebuild (bash scripts/setup.sh)")
+        known = {k: int(v) for k, v in counters.items() if k in names}
+        return cls(**known, extra={k: int(v) for k, v in counters.items() if k not in names})
+
+    def __getitem__(self, name: str) -> int:
+        """stats["units"] reads like the dict it replaces."""
+        if name in self.extra:
+            return self.extra[name]
+        return getattr(self, name)
+
+
+class _Handle:
+    """Binds the core's methods named in BOUND as attributes of the handle."""
+
+    BOUND: ClassVar[Tuple[str, ...]] = ()
+
+    def __init__(self, core: Any) -> None:
+        self._core = core
+        for name in self.BOUND:
+            setattr(self, name, getattr(core, name))
+
+
+class Units(_Handle):
+    """Stage 3 units (csrc/units.h): the model's forward entry and exit, a
+    unit's gather before and release after each use, the boundaries that
+    report a use over, prefetch, and the pins of full_params."""
+
+    begin_forward: Callable[[], None]
+    end_forward: Callable[[List[Tensor]], None]
+    pre_forward: Callable[[int], None]
+    enter_unit: Callable[[int, List[Tensor]], List[Tensor]]
+    track_unit_inputs: Callable[[int, List[Tensor]], List[Tensor]]
+    post_forward: Callable[[int, List[Tensor]], None]
+    hook_regather: Callable[[List[Tensor], int], None]
+    scale_outputs: Callable[[List[Tensor]], List[Tensor]]
+    add_pending_use: Callable[[int], int]
+    post_backward_use: Callable[[int], None]
+    note_untracked_use: Callable[[int], None]
+    gather_all: Callable[[], None]
+    gather_units_of: Callable[[List[int]], None]  # parameter indices
+    unpin_units_of: Callable[[List[int]], None]
+    release_all: Callable[[], None]
+    keep_gathered_after_forward: Callable[[List[int]], None]
+    reshard_to_subgroup: Callable[[List[int]], None]
+    set_prefetch: Callable[[int, bool, List[int]], None]  # unit, forward, the units to prefetch
+    set_unit_names: Callable[[List[str]], None]
+    unshard: Callable[[bool], None]
+    wait_unshard: Callable[[], None]
+    write_back_shards: Callable[[], None]
+    params_sharded: Callable[[], bool]
+
+    BOUND = ("begin_forward", "end_forward", "pre_forward", "enter_unit", "track_unit_inputs", "post_forward",
+             "hook_regather", "scale_outputs", "add_pending_use", "post_backward_use", "note_untracked_use",
+             "gather_all", "gather_units_of", "unpin_units_of", "release_all", "keep_gathered_after_forward",
+             "reshard_to_subgroup", "set_prefetch", "set_unit_names", "unshard", "wait_unshard",
+             "write_back_shards", "params_sharded")
+
+
+class Reduction(_Handle):
+    """Gradient buckets (csrc/grad_reducer.h): whether a backward reduces,
+    accumulation and its end at zero_grad, the full averaged gradients, and
+    the layout of the buckets."""
+
+    set_sync: Callable[[bool], None]
+    sync: Callable[[], bool]
+    set_replica_sync: Callable[[bool], None]
+    replica_sync: Callable[[], bool]
+    set_gradient_divide_factor: Callable[[float], None]
+    zero_grad: Callable[[bool], None]
+    full_grads: Callable[[], List[Tensor]]
+    has_grad: Callable[[], List[bool]]
+    bucket_layout: Callable[[], List[int]]  # (first param, count, padded numel) per bucket
+    replicated: Callable[[], bool]
+    set_max_in_flight_bytes: Callable[[int], None]
+
+    BOUND = ("set_sync", "sync", "set_replica_sync", "replica_sync", "set_gradient_divide_factor", "zero_grad",
+             "full_grads", "has_grad", "bucket_layout", "replicated", "set_max_in_flight_bytes")
+
+    def grad_layout(self) -> GradLayout:
+        return GradLayout(self._core.grad_layout())
+
+
+class OptimizerShards(_Handle):
+    """What the optimizer steps (csrc/param_store.h, step_gate.h): the
+    segments of this rank's shards and their compute copies, the fp32
+    masters, the step decision and the fp16 loss scale."""
+
+    segments: Callable[[], List[Tensor]]
+    segment_param_indices: Callable[[], List[int]]
+    segment_compute_copies: Callable[[], List[Tensor]]
+    note_compute_copy_written: Callable[[], None]
+    begin_step: Callable[[], int]
+    check_before_step: Callable[[], None]
+    after_step: Callable[[List[int]], None]  # the parameters stepped
+    settle: Callable[[], None]
+    enable_loss_scaling: Callable[[float, float, float, int, float, int, bool], None]
+    disable_loss_scaling: Callable[[], None]
+    loss_scale: Callable[[], float]
+    loss_scaling: Callable[[], bool]
+    set_skip_nonfinite: Callable[[bool], None]
+    whole_params: Callable[[], bool]
+    has_masters: Callable[[], bool]
+    full_masters: Callable[[], List[Tensor]]
+    load_masters: Callable[[List[Tensor]], None]
+
+    BOUND = ("segments", "segment_param_indices", "segment_compute_copies", "note_compute_copy_written",
+             "begin_step", "check_before_step", "after_step", "settle", "enable_loss_scaling",
+             "disable_loss_scaling", "loss_scale", "loss_scaling", "set_skip_nonfinite", "whole_params",
+             "has_masters", "full_masters", "load_masters")
+
+
+class CheckpointRanges(_Handle):
+    """Which ranges of which tensors this rank holds (csrc/layout.h), for a
+    checkpoint's plan, and loading into them: values, the loss scaler, a
+    meta model's materialization."""
+
+    local_pieces: Callable[[], List[int]]
+    owned_ranges: Callable[[int], List[int]]  # (param, start, end) triples of a rank
+    local_value_shards: Callable[[], List[Tensor]]
+    segment_param_starts: Callable[[], List[int]]
+    full_masters_of: Callable[[List[int]], List[Tensor]]  # buckets
+    refresh_params_from_shards: Callable[[], None]
+    loss_scaler_state: Callable[[], List[float]]
+    restore_loss_scaler: Callable[[float, int, int], None]  # scale, clean steps, skipped steps
+    begin_materialize: Callable[[List[int]], None]  # buckets
+    end_materialize: Callable[[List[int]], None]
+
+    BOUND = ("local_pieces", "owned_ranges", "local_value_shards", "segment_param_starts", "full_masters_of",
+             "refresh_params_from_shards", "loss_scaler_state", "restore_loss_scaler", "begin_materialize",
+             "end_materialize")
+
+
+class Diagnostics(_Handle):
+    """What the core knows about itself: its counters, whether its groups
+    failed, the stall diagnosis and collective checks it runs, and the
+    test-only faults it can inject."""
+
+    failed: Callable[[], bool]
+    enable_stall_diagnosis: Callable[..., None]
+    stall_queries: Callable[[], int]
+    post_whereabouts: Callable[[int, bool, str], None]  # query, blocked, where
+    enable_collective_checks: Callable[..., None]
+    set_test_fault: Callable[[str, int], None]  # point, step
+    log_issues: Callable[[bool], None]
+    take_issue_log: Callable[[], List[str]]
+
+    BOUND = ("failed", "enable_stall_diagnosis", "stall_queries", "post_whereabouts", "enable_collective_checks",
+             "set_test_fault", "log_issues", "take_issue_log")
+
+    def stats(self) -> CoreStats:
+        return CoreStats.from_core(dict(self._core.stats()))
+
+
+class GroupCollectives(_Handle):
+    """A user's call's collectives (a save, a load, a clip norm) on the
+    model's own groups, through the core's communicator: a failure marks the
+    group failed and a stalled wait is diagnosed, as in training."""
+
+    # (tensor, max, what) / (tensor, what) / (out, in, what): `what` names the call in errors
+    group_all_reduce: Callable[[Tensor, bool, str], None]
+    group_broadcast_from_rank0: Callable[[Tensor, str], None]
+    group_all_gather: Callable[[Tensor, Tensor, str], None]
+    mesh_all_reduce: Callable[[Tensor, bool, str], None]
+    mesh_broadcast_from_rank0: Callable[[Tensor, str], None]
+    mesh_all_gather: Callable[[Tensor, Tensor, str], None]
+
+    BOUND = ("group_all_reduce", "group_broadcast_from_rank0", "group_all_gather", "mesh_all_reduce",
+             "mesh_broadcast_from_rank0", "mesh_all_gather")
+
+
+@dataclasses.dataclass(frozen=True)
+class CoreHandles:
+    """Every handle of one core."""
+
+    units: Units
+    reduction: Reduction
+    optimizer: OptimizerShards
+    checkpoint: CheckpointRanges
+    diagnostics: Diagnostics
+    collectives: GroupCollectives
+
+    @classmethod
+    def of(cls, core: Any) -> "CoreHandles":
+        return cls(Units(core), Reduction(core), OptimizerShards(core), CheckpointRanges(core), Diagnostics(core),
+                   GroupCollectives(core))
