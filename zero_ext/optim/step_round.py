@@ -18,15 +18,24 @@ With one optimizer every step is a round of its own, as before.
 """
 from __future__ import annotations
 
+import enum
 from typing import Optional, Set, Tuple
+
+
+class RoundState(enum.Enum):
+    """Where a model's optimizer step stands."""
+
+    IDLE = enum.auto()      # no round open: the next step decides for the model's optimizers
+    STEPPING = enum.auto()  # a round is open and its optimizers step
+    SKIPPING = enum.auto()  # a round is open and its optimizers skip (non-finite gradients)
 
 
 class StepRound:
     def __init__(self, handles) -> None:
         self.handles = handles
         self.size = 0  # optimizers of the model; each has a token 0..size-1 (_zero_ext_member)
-        self.decision: Optional[bool] = None  # None: no round open
-        self.done: Set[int] = set()
+        self.state = RoundState.IDLE
+        self.done: Set[int] = set()  # the open round's optimizers that have stepped
         self.waiting_zero: Optional[bool] = None  # set_to_none of a zero_grad that waits
 
     def join(self, optimizer) -> None:
@@ -35,12 +44,9 @@ class StepRound:
         optimizer._zero_ext_member = self.size
         self.size += 1
 
-    def _open(self) -> bool:
-        return self.decision is not None and len(self.done) < self.size
-
     def decide(self, optimizer) -> Tuple[bool, bool]:
         """(skip this step, decided now)."""
-        if self.decision is None or optimizer._zero_ext_member in self.done or self.size == 1:
+        if self.state is RoundState.IDLE or optimizer._zero_ext_member in self.done or self.size == 1:
             if self.waiting_zero is not None:
                 pending = self.size - len(self.done)
                 self.waiting_zero = None
@@ -50,15 +56,18 @@ class StepRound:
                     f"step would use gradients accumulated over several backwards. zero_ext zeroes a model's "
                     f"gradients together; step every optimizer of the model (or none) between backwards, or "
                     f"call zero_grad() after the last one's step.")
-            self.decision = bool(self.handles.optimizer.begin_step())
+            skip = bool(self.handles.optimizer.begin_step())
+            self.state = RoundState.SKIPPING if skip else RoundState.STEPPING
             self.done = set()
-            return self.decision, True
-        return self.decision, False
+            return skip, True
+        return self.state is RoundState.SKIPPING, False
 
     def stepped(self, optimizer) -> None:
+        if self.state is RoundState.IDLE:
+            return  # a step that failed before its round opened (begin_step raised)
         self.done.add(optimizer._zero_ext_member)
         if len(self.done) >= self.size:
-            self.decision = None  # every optimizer stepped: the round closes
+            self.state = RoundState.IDLE  # every optimizer stepped: the round closes
             if self.waiting_zero is not None:
                 set_to_none, self.waiting_zero = self.waiting_zero, None
                 self.handles.reduction.zero_grad(set_to_none)
@@ -67,7 +76,7 @@ class StepRound:
         # Waits only after this optimizer's own step, for another one's: a
         # zero_grad inside a step (LBFGS's closure) or with one optimizer
         # runs at once, as in PyTorch.
-        if self.size > 1 and self._open() and optimizer._zero_ext_member in self.done:
+        if self.size > 1 and self.state is not RoundState.IDLE and optimizer._zero_ext_member in self.done:
             self.waiting_zero = set_to_none  # another optimizer still reads these gradients
             return
         self.handles.reduction.zero_grad(set_to_none)
