@@ -30,7 +30,8 @@ class RecordingCore:
 
 
 def joined(core: RecordingCore, count: int):
-    step_round = StepRound(core)
+    # The core's handles (tools/core_handles.py): the step decision and zero_grad, recorded in one list.
+    step_round = StepRound(types.SimpleNamespace(optimizer=core, reduction=core))
     optimizers = [types.SimpleNamespace() for _ in range(count)]
     for optimizer in optimizers:
         step_round.join(optimizer)
