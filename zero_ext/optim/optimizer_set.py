@@ -12,6 +12,8 @@ from typing import Any, Dict, Iterator, List, MutableMapping, Sequence, Union
 
 import torch
 
+from ..tools import state_or_none
+
 
 class _StateView(MutableMapping):
     def __init__(self, optimizers: List[torch.optim.Optimizer]) -> None:
