@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 hf_integration_scenarios.py compare OUT_DIR
     torchrun --nproc-per-node 1 hf_integration_scenarios.py resume-at-world-1 OUT_DIR
+    torchrun --nproc-per-node 2 hf_integration_scenarios.py accelerate-without-cpu OUT_DIR
 
 `compare` trains a tiny GPT-2 with Hugging Face Trainer over DDP and with
 ZeroExtTrainer at stages 0-3 (accumulation 2, clipping that bites, AdamW with
@@ -9,7 +10,9 @@ weight decay groups, a linear schedule), resumes stage 3 from a mid-run
 checkpoint, loads the saved weights with from_pretrained; then the same with
 an accelerate loop (accumulate, clip_grad_norm_, save_state/load_state).
 `resume-at-world-1` resumes the 2-rank stage 3 checkpoint on one rank with
-the same global batch. Rank 0 writes OUT_DIR/<mode>.json: the problems found
+the same global batch. `accelerate-without-cpu` makes an Accelerator without
+cpu=True on CPU ranks (accelerate builds the 2-rank group yet reports one
+process) and expects zero_ext's prepare to refuse it on every rank. Rank 0 writes OUT_DIR/<mode>.json: the problems found
 (empty when every comparison held) and the figures compared."""
 from __future__ import annotations
 
@@ -249,8 +252,47 @@ def check_best_model_from_weights_only(out: str, problems: list, figures: dict) 
                     loaded, problems, figures, rtol=0, atol=0)
 
 
+def accelerate_without_cpu(out: str) -> None:
+    """The launch the docs used to show: torchrun on CPU ranks, Accelerator()
+    without cpu=True and no process group of the script's own. accelerate
+    then builds the 2-rank group but reports num_processes 1, so every rank
+    would train on every batch and act as the main process. zero_ext's
+    prepare must refuse it on every rank, naming Accelerator(cpu=True), before
+    wrapping anything."""
+    from accelerate import Accelerator
+
+    from zero_ext.integrations.accelerate import prepare
+
+    problems: list = []
+    accelerator = Accelerator(gradient_accumulation_steps=MICRO)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world != 2 or accelerator.num_processes != 1:  # the premise, as accelerate 1.x behaves
+        problems.append(f"not the issue's setup: {world} ranks, accelerate reports {accelerator.num_processes}")
+    model = fresh_model()
+    try:
+        prepare(accelerator, model, torch.optim.AdamW(model.parameters(), lr=3e-3), stage=2, bucket_mb=0.01)
+        message = "prepare took it without error"
+    except ValueError as error:
+        message = str(error)
+    if getattr(model, "_zero_ext", None) is not None:
+        message += " (and wrapped the model)"
+    messages = [None] * world
+    dist.all_gather_object(messages, message)
+    for rank, text in enumerate(messages):
+        if not ("Accelerator(cpu=True)" in text and "num_processes 1" in text and "2 ranks" in text
+                and "wrapped" not in text):
+            problems.append(f"rank {rank}: {text}")
+    if dist.get_rank() == 0:
+        with open(os.path.join(out, "accelerate-without-cpu.json"), "w") as f:
+            json.dump({"problems": problems, "figures": {"messages": messages}}, f, indent=1)
+    dist.destroy_process_group()
+
+
 def main() -> None:
     mode, out = sys.argv[1], sys.argv[2]
+    if mode == "accelerate-without-cpu":  # accelerate makes the process group itself
+        accelerate_without_cpu(out)
+        return
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     problems, figures = [], {}

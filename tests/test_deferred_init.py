@@ -212,3 +212,56 @@ def test_a_non_persistent_meta_buffer_nothing_fills_is_refused():
     model.inv_freq = torch.ones(2)
     model, _ = zero_ext.wrap(model, _optimizer(model), stage=3)
     assert torch.isnan(model.running).all()
+
+
+# --- transformers models ------------------------------------------------------------
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_transformers_model_gets_the_values_normal_construction_gives(world):
+    """deepspeed.zero.Init's counterpart (docs/coming-from-deepspeed.md): a
+    Llama built from its config under empty_init, wrapped with no
+    param_init_fn in every stage, equals the model built normally from the
+    same seed, and trains as it does."""
+    pytest.importorskip("transformers")
+    from deferred_init_scenarios import PRETRAINED_CONFIGS
+
+    results = run_on_ranks(world, "deferred_init_scenarios:pretrained_values", deadline_s=600)
+    failures = [f"rank {r} {label}: {problem}" for r, per_rank in enumerate(results)
+                for label, problem in per_rank.items() if problem]
+    assert len(results[0]) == 2 * len(PRETRAINED_CONFIGS)
+    assert not failures, "\n".join(failures)
+
+
+def test_gpt2_under_empty_init_has_the_distributions_of_normal_construction():
+    pytest.importorskip("transformers")
+    assert run_on_ranks(2, "deferred_init_scenarios:gpt2_statistics", deadline_s=300) == [None, None]
+
+
+def test_param_init_fn_init_weights_is_the_default_for_a_transformers_model():
+    transformers = pytest.importorskip("transformers")
+    from deferred_init_scenarios import llama_config
+
+    config = llama_config(tied=True)
+    torch.manual_seed(0)
+    want = transformers.LlamaForCausalLM(config).state_dict()
+    with zero_ext.empty_init():
+        model = transformers.LlamaForCausalLM(config)
+    torch.manual_seed(0)
+    model, _ = zero_ext.wrap(model, _optimizer(model), stage=3, param_init_fn=model._init_weights)
+    full = zero_ext.full_state_dict(model)
+    assert [n for n, v in want.items() if not torch.equal(full[n], v)] == []
+
+
+def test_a_transformers_parameter_nothing_initializes_is_named():
+    transformers = pytest.importorskip("transformers")
+    from deferred_init_scenarios import llama_config
+
+    class WithGain(transformers.LlamaForCausalLM):
+        def __init__(self, config):
+            super().__init__(config)
+            self.gain = nn.Parameter(torch.ones(4))  # after post_init: neither reset_parameters nor _init_weights
+
+    with zero_ext.empty_init():
+        model = WithGain(llama_config(tied=False))
+    with pytest.raises(ValueError, match=r"1 parameters .* neither by a reset_parameters\(\) nor by its _init_weights: "
+                       r"gain \(WithGain\)\. .*param_init_fn"):
+        zero_ext.wrap(model, _optimizer(model), stage=3)

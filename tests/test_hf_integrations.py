@@ -3,9 +3,11 @@ under torchrun with CPU ranks, against the same libraries over DDP: losses,
 gradient norms and weights equal at stages 0-3; save -> resume equal to the
 uninterrupted run (Trainer: also on one rank from a 2-rank checkpoint;
 accelerate: saved at stage 2, resumed at stage 3); from_pretrained reads the
-saved weights."""
+saved weights. An Accelerator made without cpu=True on CPU ranks is
+refused on every rank."""
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -38,3 +40,18 @@ def test_trainer_and_accelerate_match_ddp_and_resume(tmp_path):
     result = launch(1, "resume-at-world-1", tmp_path, 29676)
     assert result["problems"] == [], result
     print(json.dumps(result["figures"], indent=1))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_accelerate_refuses_an_accelerator_without_cpu_true_on_cpu_ranks(tmp_path):
+    """torchrun on CPU ranks with Accelerator() lacking cpu=True: accelerate
+    builds the 2-rank group but reports one process (each rank would train on
+    every batch and act as main). prepare() raises on every rank, naming
+    Accelerator(cpu=True)."""
+    result = launch(2, "accelerate-without-cpu", tmp_path, _free_port())
+    assert result["problems"] == [], result

@@ -124,3 +124,39 @@ def test_save_weights_replaces_an_earlier_layout(tmp_path):
     assert sorted(os.listdir(out)) == ["model.safetensors"]
     with pytest.raises(ValueError, match="max_shard_size"):
         zero_ext.save_weights(model, out, max_shard_size="lots")
+
+
+def test_save_weights_of_a_transformers_model_writes_its_config_for_from_pretrained(tmp_path):
+    """save_weights(model, "out") then from_pretrained("out") (docs/huggingface.md):
+    config.json and generation_config.json beside the weights, naming the class
+    before wrap() and the dtype written; the model's own config is left alone."""
+    transformers = pytest.importorskip("transformers")
+    import json
+
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    model, _ = zero_ext.wrap(model, torch.optim.AdamW(model.parameters()), stage=3, mixed_precision="bf16")
+    architectures_before = model.config.architectures
+    out = str(tmp_path / "out")
+    zero_ext.save_weights(model, out)
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]
+    with open(os.path.join(out, "config.json")) as f:
+        written = json.load(f)
+    assert written["architectures"] == ["GPT2LMHeadModel"] and written["dtype"] == "float32", written
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert type(loaded) is transformers.GPT2LMHeadModel
+    full = zero_ext.full_state_dict(model)
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, full[name]), name
+    assert model.config.architectures == architectures_before
+    # Cast on the way out: the config says so, as save_pretrained of a bf16 model would.
+    zero_ext.save_weights(model, str(tmp_path / "bf16"), dtype=torch.bfloat16)
+    with open(tmp_path / "bf16" / "config.json") as f:
+        assert json.load(f)["dtype"] == "bfloat16"
+    # One .safetensors file: nothing beside it; a model without a config: weights only.
+    zero_ext.save_weights(model, str(tmp_path / "one" / "weights.safetensors"))
+    assert os.listdir(tmp_path / "one") == ["weights.safetensors"]
+    plain, _ = _wrapped(stage=3)
+    zero_ext.save_weights(plain, str(tmp_path / "plain"))
+    assert os.listdir(tmp_path / "plain") == ["model.safetensors"]

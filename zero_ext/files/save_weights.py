@@ -7,7 +7,9 @@ in Hugging Face's layout: model.safetensors, or, past max_shard_size,
 model-0000k-of-0000K.safetensors plus model.safetensors.index.json. Each file
 appears complete or not at all (written aside, then renamed); the index is
 written last, and weight files of an earlier save that the new one does not
-list are removed after it.
+list are removed after it. A transformers model's directory also gets
+config.json (and generation_config.json when it has one) after the weights,
+as save_pretrained writes them: from_pretrained(path) reads the result.
 
 Collective: every rank takes part in the gathers; rank 0 writes. A write
 error on rank 0 raises on every rank at the end, never leaving one waiting.
@@ -15,6 +17,7 @@ error on rank 0 raises on every rank at the end, never leaving one waiting.
 from __future__ import annotations
 
 import collections
+import copy
 import inspect
 import os
 import sys
@@ -91,11 +94,45 @@ def save_weights(model: torch.nn.Module, path, dtype: Optional[torch.dtype] = No
         try:
             if error is None:
                 writer.finish()
+                if not path.endswith(".safetensors"):
+                    _write_pretrained_config(model, path, _written_dtype(entries))
         except BaseException as e:  # noqa: BLE001
             error = e
         writer.abort()  # files not finished go; complete ones stay
     ranks.settle(error, action=f"zero_ext.save_weights: writing {path}",
                  note="Files already complete are left in place; the index is written last")
+
+
+def _written_dtype(entries) -> Optional[torch.dtype]:
+    """The floating dtype the weights were written in (transformers'
+    model.dtype: the first floating parameter's)."""
+    return next((d for _, d, _, _ in entries if d.is_floating_point), None)
+
+
+def _write_pretrained_config(model: torch.nn.Module, directory: str, dtype: Optional[torch.dtype]) -> None:
+    """Rank 0, after the weights: a transformers model's config.json, saying
+    the class it had before wrap() and the dtype just written, and its
+    generation_config.json if it has one (save_pretrained writes both; without
+    config.json from_pretrained cannot tell the architecture). The model's own
+    config is left as it is."""
+    if _library_of(model) != "transformers" or getattr(model, "config", None) is None:
+        return
+    config = copy.deepcopy(model.config)
+    export = vars(model).get("save_pretrained")
+    config.architectures = [export.class_name if isinstance(export, PretrainedExport) else type(model).__name__]
+    _declare_dtype(config, dtype)
+    config.save_pretrained(directory)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:
+        generation.save_pretrained(directory)
+
+
+def _declare_dtype(config: Any, dtype: Optional[torch.dtype]) -> None:
+    """config's dtype field as save_pretrained sets it (transformers:
+    ``dtype``; before 4.56: ``torch_dtype``)."""
+    if dtype is not None:
+        field = "torch_dtype" if "torch_dtype" in vars(config) and "dtype" not in vars(config) else "dtype"
+        setattr(config, field, str(dtype).split(".")[1])
 
 
 # --- Exports through the libraries' own savers ---------------------------------
@@ -163,9 +200,7 @@ class PretrainedExport:
         """Sets config's dtype and architectures as the unwrapped model's
         save_pretrained sets them (transformers: ``dtype``; before 4.56:
         ``torch_dtype``)."""
-        if self.dtype is not None:
-            field = "torch_dtype" if "torch_dtype" in vars(config) and "dtype" not in vars(config) else "dtype"
-            setattr(config, field, str(self.dtype).split(".")[1])
+        _declare_dtype(config, self.dtype)
         config.architectures = [self.class_name]
 
     def __call__(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:

@@ -1,6 +1,6 @@
 """zero_ext in an `accelerate` training loop.
 
-    accelerator = Accelerator(gradient_accumulation_steps=2)
+    accelerator = Accelerator(gradient_accumulation_steps=2, cpu=not torch.cuda.is_available())
     model, optimizer, scheduler = zero_ext.integrations.accelerate.prepare(
         accelerator, model, optimizer, scheduler, stage=3)
     dataloader = accelerator.prepare(dataloader)
@@ -33,6 +33,10 @@ is a closed enum), so zero_ext takes the objects out of accelerate's hands:
     dataloaders, RNG). Every rank calls them, as accelerate asks anyway;
   - a later `accelerator.prepare(...)` of these objects gives back what
     prepare() returned (the model stays out of accelerate's model list).
+These hooks are one AccelerateAdapter per Accelerator, installed by the
+first prepare(). On CPU ranks the Accelerator must be made with cpu=True:
+without it accelerate still builds the torchrun group but reports one
+process, and prepare() refuses it (every rank would see every batch).
 `accelerator.prepare` alone cannot take a zero_ext optimizer in stages 1-3:
 its AcceleratedOptimizer reads the sharded state_dict(), which zero_ext
 refuses with an error naming this module.
@@ -41,10 +45,10 @@ from __future__ import annotations
 
 import functools
 import os
-import types
 from typing import Any, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from ..files import export_state_dict
 from ..files import load as zero_ext_load
@@ -80,14 +84,14 @@ def prepare(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Opt
     if kind in _REFUSED:
         raise ValueError(f"{where}: the Accelerator is set up for {kind}, another sharding system; "
                          "launch without its plugin/config (plain multi-process) and let zero_ext shard")
+    check_process_count(accelerator, where)
     options = check_wrap_options(wrap_options, where)
     options = library_mixed_precision(str(accelerator.mixed_precision), options, where)
-    if getattr(accelerator, "_zero_ext_models", None) is None:
-        _take_over(accelerator)
+    adapter = AccelerateAdapter.of(accelerator)
     model, optimizer = wrap_once(model, optimizer, options)
     model._is_accelerate_prepared = True
-    if all(m is not model for m, _ in accelerator._zero_ext_models):
-        accelerator._zero_ext_models.append((model, optimizer))
+    if all(m is not model for m, _ in adapter.models):
+        adapter.models.append((model, optimizer))
 
     accelerated = next((o for o in accelerator._optimizers if getattr(o, "optimizer", None) is optimizer), None)
     if accelerated is None:
@@ -105,6 +109,23 @@ def prepare(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Opt
         stepped._is_accelerate_prepared = True
         accelerator._schedulers.append(stepped)  # saved and loaded by save_state/load_state as accelerate's own
     return model, accelerated, stepped
+
+
+def check_process_count(accelerator: Any, where: str) -> None:
+    """The ranks accelerate counts must be the process group's. Launched by
+    torchrun on a machine without GPUs, an Accelerator made without
+    cpu=True still initializes the group (of every rank) but says
+    num_processes 1 and process_index 0: its dataloaders would give every
+    rank every batch and every rank would act as the main process (writing
+    the outputs). Each rank sees the same two numbers, so each raises."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    counted = int(accelerator.num_processes)
+    if counted != world:
+        raise ValueError(
+            f"{where}: accelerate reports num_processes {counted} but torch.distributed has {world} ranks, so every "
+            "rank would train on every batch and act as the main process. On CPU ranks (no GPU) make the "
+            "Accelerator with Accelerator(cpu=True) (under torchrun, or accelerate launch --cpu); on GPUs, launch "
+            "one process per GPU with torchrun or accelerate launch")
 
 
 @functools.lru_cache(maxsize=None)
@@ -130,97 +151,117 @@ def _accelerated_optimizer_class() -> type:
     return ZeroExtAcceleratedOptimizer
 
 
-def _take_over(accelerator: Any) -> None:
-    """Once per Accelerator: zero_ext's checkpoint hooks, clipping, exports,
-    precision, and prepare() of objects zero_ext already holds."""
-    accelerator._zero_ext_models: List[Tuple[torch.nn.Module, torch.optim.Optimizer]] = []
-    # zero_ext casts parameters and scales fp16 losses itself: accelerate's
-    # scaler would scale gradients nothing unscales, its autocast recast them.
-    accelerator.scaler = None
-    accelerator.native_amp = False
+_NOT_GIVEN = ("accelerator.prepare: this {what} is wrapped by zero_ext but was not given to "
+              "zero_ext.integrations.accelerate.prepare(accelerator, model, optimizer, ...); pass the model and "
+              "its optimizer there (accelerate's own handling would read sharded state and skip zero_ext's "
+              "clipping and checkpoints)")
 
-    def install(function: Any, doc: str) -> None:
-        function.__doc__ = f"{doc} (installed by zero_ext.integrations.accelerate.prepare)"
-        setattr(accelerator, function.__name__, types.MethodType(function, accelerator))
 
-    def clip_grad_norm_(self: Any, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+class AccelerateAdapter:
+    """zero_ext inside one Accelerator: the zero_ext models it holds, and the
+    accelerator methods that must act on them (PATCHED, set on the
+    accelerator as this object's methods; the originals are kept for
+    everything else) plus its save_state/load_state hooks. Installed once,
+    by the first prepare(); find it with AccelerateAdapter.of(accelerator).
+
+    zero_ext casts parameters and scales fp16 losses itself, so accelerate's
+    GradScaler (it would scale gradients nothing unscales) and autocast (it
+    would recast them) are switched off."""
+
+    PATCHED = ("clip_grad_norm_", "clip_grad_value_", "get_state_dict", "prepare_model", "prepare_optimizer",
+               "prepare_scheduler")
+
+    def __init__(self, accelerator: Any) -> None:
+        self.accelerator = accelerator
+        self.models: List[Tuple[torch.nn.Module, torch.optim.Optimizer]] = []  # in prepare() order
+        self._original = {name: getattr(accelerator, name) for name in self.PATCHED}
+
+    @classmethod
+    def of(cls, accelerator: Any) -> "AccelerateAdapter":
+        """The accelerator's adapter, installed on the first call."""
+        adapter = vars(accelerator).get("_zero_ext_adapter")
+        if adapter is None:
+            adapter = cls(accelerator)
+            adapter._install()
+        return adapter
+
+    def _install(self) -> None:
+        accelerator = self.accelerator
+        accelerator.scaler = None
+        accelerator.native_amp = False
+        for name in self.PATCHED:
+            setattr(accelerator, name, getattr(self, name))
+        accelerator.register_save_state_pre_hook(self.save_hook)
+        accelerator.register_load_state_pre_hook(self.load_hook)
+        accelerator._zero_ext_adapter = self
+
+    # --- clipping: torch's, which accelerate calls, sees only this rank's shards or none
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        """zero_ext.clip_grad_norm_: the global norm over every rank's shards
+        (installed by zero_ext.integrations.accelerate.prepare)."""
         return zero_ext_clip_grad_norm_(parameters, max_norm, norm_type)
 
-    install(clip_grad_norm_, "zero_ext.clip_grad_norm_: the global norm over every rank's shards")
-
-    # accelerate's calls torch's, which in stages 2-3 meets the param.grad
-    # stand-ins; clamping is elementwise, so each rank clamps its shard.
-    def clip_grad_value_(self: Any, parameters: Any, clip_value: float) -> None:
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        """zero_ext.clip_grad_value_: clamps the gradient each rank holds
+        (clamping is elementwise; in stages 2-3 torch's would meet the
+        param.grad stand-ins). Installed by zero_ext.integrations.accelerate.prepare."""
         zero_ext_clip_grad_value_(parameters, clip_value)
 
-    install(clip_grad_value_, "zero_ext.clip_grad_value_: clamps the gradient each rank holds")
-
-    # accelerate's returns model.state_dict(): under mixed precision the
-    # compute-dtype copies. save_model and save_state read it through here.
-    original_get_state_dict = accelerator.get_state_dict
-
-    def get_state_dict(self: Any, model: torch.nn.Module, unwrap: bool = True) -> dict:
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict:
+        """The model's state_dict, with zero_ext's fp32 masters under mixed
+        precision (accelerate's gives model.state_dict(): the compute-dtype
+        copies); save_model and save_state read it through here. Collective
+        for a zero_ext model under mixed precision or at stage 3 (installed
+        by zero_ext.integrations.accelerate.prepare)."""
         if is_wrapped(model):
             return export_state_dict(model)
-        return original_get_state_dict(model, unwrap)
+        return self._original["get_state_dict"](model, unwrap)
 
-    install(get_state_dict, "The model's state_dict, with zero_ext's fp32 masters under mixed precision; "
-            "collective for a zero_ext model under mixed precision or at stage 3")
-
-    # accelerator.prepare(model, optimizer, ...) after prepare(accelerator,
-    # ...) gives back what prepare() made. The model stays out of
+    # --- accelerator.prepare(model, optimizer, ...) after prepare(accelerator, ...)
+    # gives back what prepare() made. The model stays out of
     # accelerator._models: save_state/load_state would write it again and
     # load it through safetensors' load_model, which refuses parameters that
     # are views of zero_ext's flat buffers; the zero_ext checkpoint holds it.
     # The optimizer gets its wrapper (a new AcceleratedOptimizer would read
     # the sharded state_dict and fail), the scheduler its wrapper.
-    original_prepare_model = accelerator.prepare_model
-    original_prepare_optimizer = accelerator.prepare_optimizer
-    original_prepare_scheduler = accelerator.prepare_scheduler
-    not_given = ("accelerator.prepare: this {what} is wrapped by zero_ext but was not given to "
-                 "zero_ext.integrations.accelerate.prepare(accelerator, model, optimizer, ...); pass the model and "
-                 "its optimizer there (accelerate's own handling would read sharded state and skip zero_ext's "
-                 "clipping and checkpoints)")
-
-    def prepare_model(self: Any, model: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
+    def prepare_model(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        """accelerate's prepare_model; a zero_ext model is returned as is,
+        unregistered (installed by zero_ext.integrations.accelerate.prepare)."""
         if is_wrapped(model):
-            if all(m is not model for m, _ in self._zero_ext_models):
-                raise ValueError(not_given.format(what="model"))
+            if all(m is not model for m, _ in self.models):
+                raise ValueError(_NOT_GIVEN.format(what="model"))
             return model
-        return original_prepare_model(model, *args, **kwargs)
+        return self._original["prepare_model"](model, *args, **kwargs)
 
-    def prepare_optimizer(self: Any, optimizer: Any, device_placement: Any = None) -> Any:
+    def prepare_optimizer(self, optimizer: Any, device_placement: Any = None) -> Any:
+        """accelerate's prepare_optimizer; a zero_ext optimizer gets the
+        wrapper zero_ext.integrations.accelerate.prepare made."""
         if is_wrapped(optimizer):
-            for accelerated in self._optimizers:
+            for accelerated in self.accelerator._optimizers:
                 if getattr(accelerated, "optimizer", None) is optimizer:
                     return accelerated
-            raise ValueError(not_given.format(what="optimizer"))
-        return original_prepare_optimizer(optimizer, device_placement)
+            raise ValueError(_NOT_GIVEN.format(what="optimizer"))
+        return self._original["prepare_optimizer"](optimizer, device_placement)
 
-    def prepare_scheduler(self: Any, scheduler: Any) -> Any:
-        for stepped in self._schedulers:
+    def prepare_scheduler(self, scheduler: Any) -> Any:
+        """accelerate's prepare_scheduler; a scheduler already prepared is
+        returned as is (installed by zero_ext.integrations.accelerate.prepare)."""
+        for stepped in self.accelerator._schedulers:
             if getattr(stepped, "scheduler", None) is scheduler:
                 return stepped
-        return original_prepare_scheduler(scheduler)
+        return self._original["prepare_scheduler"](scheduler)
 
-    install(prepare_model, "accelerate's prepare_model; a zero_ext model is returned as is, unregistered")
-    install(prepare_optimizer, "accelerate's prepare_optimizer; a zero_ext optimizer gets the wrapper "
-            "zero_ext.integrations.accelerate.prepare made")
-    install(prepare_scheduler, "accelerate's prepare_scheduler; a scheduler already prepared is returned as is")
-
-    def save_hook(models: Any, weights: Any, output_dir: str) -> None:
+    # --- save_state/load_state: the models and optimizers as zero_ext checkpoints
+    def save_hook(self, models: Any, weights: Any, output_dir: str) -> None:
         os.makedirs(output_dir, exist_ok=True)  # every rank may arrive before the main process made it
-        for i, (model, optimizer) in enumerate(accelerator._zero_ext_models):
+        for i, (model, optimizer) in enumerate(self.models):
             zero_ext_save(os.path.join(output_dir, checkpoint_dir_name(i)), model, optimizer)
 
-    def load_hook(models: Any, input_dir: str) -> None:
-        for i, (model, optimizer) in enumerate(accelerator._zero_ext_models):
+    def load_hook(self, models: Any, input_dir: str) -> None:
+        for i, (model, optimizer) in enumerate(self.models):
             path = os.path.join(input_dir, checkpoint_dir_name(i))
             if not os.path.isdir(path):
                 raise FileNotFoundError(f"accelerator.load_state: {input_dir} has no zero_ext checkpoint "
                                         f"{checkpoint_dir_name(i)}/ for the zero_ext model #{i}; it was not saved "
                                         "by accelerator.save_state after zero_ext.integrations.accelerate.prepare")
             zero_ext_load(path, model, optimizer)
-
-    accelerator.register_save_state_pre_hook(save_hook)
-    accelerator.register_load_state_pre_hook(load_hook)

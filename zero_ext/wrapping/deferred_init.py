@@ -9,7 +9,14 @@ as ``Module.__init__`` runs it for ordinary modules, so the same seed gives
 the values an unsharded model built normally gets. A bucket (stage 3: a unit)
 is opened when the first module holding one of its parameters comes and
 closed after the last such module (tied parameters: the last owner), so in
-stage 3 only the root unit and the current one exist whole."""
+stage 3 only the root unit and the current one exist whole.
+
+A transformers model given no param_init_fn (or its own _init_weights) is
+initialized as its normal construction does it instead (pretrained_init.py):
+its modules walked children first, each running the calls construction made
+on it (reset_parameters(), then post_init's _init_weights) from the random
+state construction had there; a bucket stays open until the last module whose
+calls write it."""
 from __future__ import annotations
 
 import contextlib
@@ -19,6 +26,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Set
 import torch
 
 from ..tools import core_loader  # noqa: F401  registers torch.ops.zero_ext
+from .pretrained_init import ConstructionReplay, replays_construction, trace
 
 
 @contextlib.contextmanager
@@ -68,14 +76,16 @@ def _owned_state(module: torch.nn.Module):
 
 @dataclass
 class DeferredPlan:
-    """What wrap() materializes: the device and, per module in
-    named_modules() order, whether it is initialized."""
+    """What wrap() materializes: the device and, per module in the order
+    they are initialized (named_modules(), or children first for a replayed
+    transformers model), whether it is initialized."""
 
     device: torch.device
     param_init_fn: Optional[Callable[[torch.nn.Module], None]]
     modules: List[torch.nn.Module]
     names: List[str]
     initialized: List[bool]
+    replay: Optional[ConstructionReplay] = None  # a transformers model's construction, traced
 
 
 def plan_deferred(model: torch.nn.Module, device, param_init_fn) -> Optional[DeferredPlan]:
@@ -111,6 +121,11 @@ def plan_deferred(model: torch.nn.Module, device, param_init_fn) -> Optional[Def
         device = default_device()
     elif device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if replays_construction(model, param_init_fn):
+        names_of = {id(m): n for n, m in model.named_modules()}
+        replay = trace(model, device, names_of)
+        return DeferredPlan(device, None, replay.walk, [names_of[id(m)] for m in replay.walk],
+                            [True] * len(replay.walk), replay)
     names, modules, initialized, orphans = [], [], [], []
     for name, module in model.named_modules():
         params, buffers = _owned_state(module)
@@ -164,13 +179,17 @@ def materialize(plan: DeferredPlan, handles, ranks, bucketed: List[torch.nn.Para
     touches: List[Set[int]] = []
     last_touch: Dict[int, int] = {}
     for k, module in enumerate(plan.modules):
-        groups = {groups_of_bucket[bucket_of[id(p)]] for _, p in _owned_state(module)[0] if id(p) in bucket_of}
+        params = [p for _, p in _owned_state(module)[0]]
+        if plan.replay is not None:
+            params += plan.replay.written_parameters(module)  # also descendants' (GPT-2's c_proj)
+        groups = {groups_of_bucket[bucket_of[id(p)]] for p in params if id(p) in bucket_of}
         touches.append(groups)
         for g in groups:
             last_touch[g] = k
     frozen: List[torch.Tensor] = []
     done: Set[int] = set()  # parameters an earlier module initialized
     opened: Set[int] = set()
+    born_on_meta: List[tuple] = []  # replayed: an ancestor's call may fill a module's buffers
     error: Optional[BaseException] = None
     for k, module in enumerate(plan.modules):
         newly = sorted(touches[k] - opened)
@@ -183,13 +202,25 @@ def materialize(plan: DeferredPlan, handles, ranks, bucketed: List[torch.nn.Para
             try:
                 params_made, buffers_made = _materialize_unbucketed(plan, module, bucket_of)
                 frozen += params_made
-                if plan.initialized[k]:
-                    _initialize(plan, module, done)
-                _check_buffers_filled(module, buffers_made)
+                if plan.replay is not None:
+                    plan.replay.run(module)
+                    born_on_meta.append((module, buffers_made))
+                else:
+                    if plan.initialized[k]:
+                        _initialize(plan, module, done)
+                    _check_buffers_filled(module, buffers_made)
             except Exception as e:  # noqa: BLE001 - raised on every rank by settle
-                error = _named(e, plan.names[k], module, plan.param_init_fn is not None)
+                error = _named(e, plan.names[k], module, plan.param_init_fn is not None, plan.replay is not None)
         closing = sorted(g for g in touches[k] if last_touch[g] == k)
         handles.checkpoint.end_materialize([b for g in closing for b in buckets_of_group[g]])
+    if plan.replay is not None:
+        plan.replay.finish()  # the random stream where normal construction leaves it
+        if error is None:
+            try:
+                for module, buffers_made in born_on_meta:
+                    _check_buffers_filled(module, buffers_made)
+            except Exception as e:  # noqa: BLE001 - raised on every rank by settle
+                error = e
     ranks.settle(error)
     with torch.no_grad():
         for p in frozen:
@@ -284,8 +315,11 @@ def _initialize(plan: DeferredPlan, module: torch.nn.Module, done: Set[int]) -> 
     done.update(id(p) for p in module._parameters.values() if p is not None)
 
 
-def _named(error: Exception, name: str, module: torch.nn.Module, custom: bool) -> Exception:
-    what = "param_init_fn" if custom else f"{type(module).__name__}.reset_parameters()"
+def _named(error: Exception, name: str, module: torch.nn.Module, custom: bool, replayed: bool = False) -> Exception:
+    if replayed:
+        what = "its construction's reset_parameters() and _init_weights, replayed"
+    else:
+        what = "param_init_fn" if custom else f"{type(module).__name__}.reset_parameters()"
     message = f"zero_ext.wrap: initializing module '{name or '<root>'}' ({what}) failed: {error}"
     try:
         out = type(error)(message)

@@ -224,7 +224,11 @@ def wrap(
             by shard (default: the current CUDA device, else the CPU).
         param_init_fn: initializes such a model: called as fn(module) on
             each module with meta state, in ``model.named_modules()``
-            order (default: the module's own ``reset_parameters()``).
+            order (default: the module's own ``reset_parameters()``; a
+            transformers model, by default or given its own
+            ``_init_weights``: what its normal construction runs,
+            reset_parameters() then post_init's _init_weights, replayed
+            unit by unit from the same random states).
             ``zero_ext.skip_init``: nothing is initialized (weights come
             from ``zero_ext.load_weights`` next; NaN until then).
         reshard_after_forward: stage 3: True (default) releases each unit
