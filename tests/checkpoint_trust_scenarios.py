@@ -640,6 +640,34 @@ def _ranks_open_different_saves(root: str, rank: int, world: int) -> Dict[str, A
     return outcome
 
 
+class SliceNormSGD(torch.optim.SGD):
+    """Marked elementwise, but keeps a scalar that depends on the slice it
+    steps (its gradient's norm): ranks holding parts of one parameter hold
+    different values, which one checkpoint value per parameter cannot keep."""
+    zero_ext_elementwise = True
+
+    def step(self, closure=None):
+        loss = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["grad_norm"] = float(p.grad.norm())
+        return loss
+
+
+def _scalar_per_slice(root: str, rank: int) -> Dict[str, Any]:
+    model = Tiny(seed=0)
+    opt = SliceNormSGD(model.parameters(), lr=0.05)
+    model, opt = zero_ext.wrap(model, opt, stage=2, bucket_mb=0.0001, timeout=TIMEOUT)
+    step(model, opt, rank)
+    path = os.path.join(root, "scalar-per-slice", "ckpt")
+    outcome = attempt(lambda: zero_ext.save(path, model, opt))
+    dist.barrier()
+    outcome["published"] = os.path.exists(path)
+    outcome["litter"] = litter(path)
+    return outcome
+
+
 def world2(rank: int, world: int, item) -> Any:
     case, root = item
     if case.startswith("fail-") or case.startswith("file-vanishes"):
@@ -652,6 +680,8 @@ def world2(rank: int, world: int, item) -> Any:
         return _zero_size_save(root, world, rank)
     if case.startswith("zero-size-load-from-w"):
         return _zero_size_load(root, world, rank, int(case[-1]))
+    if case == "scalar-per-slice":
+        return _scalar_per_slice(root, rank)
     return _bad_target(root, case, rank, world)
 
 

@@ -28,7 +28,7 @@ WORLD2_ITEMS = ["paths-differ", "regular-file", "symlink", "not-a-checkpoint", "
                 "fail-shards-rank1", "fail-fsync-rank1", "fail-metadata-rank0", "fail-rename-rank0",
                 "file-vanishes-rank1", "extra-rule", "ranks-open-different-saves", "zero-size-load-from-w1",
                 "zero-size-save",
-                "zero-size-load-from-w2"]
+                "zero-size-load-from-w2", "scalar-per-slice"]
 LAST_ITEMS = ["zero-size-load-from-w1", "zero-size-load-from-w2", "zero-size-convert"]
 
 
@@ -204,3 +204,14 @@ def test_zero_size_and_one_element_parameters_round_trip(first, world2, last):
                 assert outcome["value"] == (rank if saved_world == world else 0), (label, outcome)
     for label, outcome in ranks(last, "zero-size-convert")[0].items():
         assert outcome["error"] is None, (label, outcome)
+
+
+# 7 -------------------------------------------------------------------------
+
+def test_a_save_refuses_scalar_state_that_differs_between_slices_of_a_parameter(world2):
+    for rank, got in enumerate(ranks(world2, "scalar-per-slice")):
+        refused(got, ("RuntimeError",), "zero_ext.save:", "'grad_norm'", "'lin.weight'", "rank 0", "rank 1",
+                "zero_ext_elementwise")
+        assert "zero_ext bug" not in got["message"], got["message"]
+        assert got["seconds"] < FAST, (rank, got)
+        assert not got["published"] and got["litter"] == [], (rank, got)

@@ -202,6 +202,13 @@ class Scalar:
             out["dtype"] = self.dtype
         return out
 
+    def same_as(self, other: "Scalar") -> bool:
+        """The same value of the same kind (NaN equals NaN: a state may hold one)."""
+        a, b = self.value, other.value
+        if (self.tensor, self.dtype, type(a) is bool) != (other.tensor, other.dtype, type(b) is bool):
+            return False
+        return a == b or (type(a) is float and type(b) is float and math.isnan(a) and math.isnan(b))
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -373,6 +380,7 @@ class CheckpointMeta:
                          for i, p in enumerate(f.list(f.get(doc, "pieces", ""), "pieces"))))
         _check_names(meta, f)
         _check_tiling(meta, f)
+        _check_scalars(meta.pieces, f)
         return meta
 
 
@@ -396,6 +404,41 @@ def _parse_files(files: dict, world: int, f: Fields) -> Dict[str, FileMeta]:
         if name not in out:
             f.fail("files", f"does not list {name!r}, which a checkpoint of {world} rank(s) has")
     return out
+
+
+def scalars_disagreement(pieces) -> Optional[Tuple[Piece, Piece, str]]:
+    """(first piece, a piece that differs from it, the key) where two
+    scalars pieces of one parameter hold different scalar optimizer state
+    (a key only one of them has, or another value); None where they agree.
+    A parameter's optimizer has one step count (and one of every scalar),
+    however many ranks wrote its elements."""
+    first: Dict[str, Piece] = {}
+    for piece in pieces:
+        if piece.kind != "scalars":
+            continue
+        seen = first.setdefault(piece.name, piece)
+        for key in sorted(set(seen.values) | set(piece.values)):
+            a, b = seen.values.get(key), piece.values.get(key)
+            if a is None or b is None or not a.same_as(b):
+                return seen, piece, key
+    return None
+
+
+def _check_scalars(pieces: Tuple[Piece, ...], f: Fields) -> None:
+    found = scalars_disagreement(pieces)
+    if found is not None:
+        seen, piece, key = found
+        f.fail(f"pieces[{piece.index}].values[{key!r}]",
+               f"is {describe_scalar(piece, key)}, but pieces[{seen.index}] holds {describe_scalar(seen, key)}: the "
+               f"scalar optimizer state {key!r} of parameter {piece.name!r} must agree in all its pieces (its "
+               "optimizer keeps one value, whichever ranks wrote its elements)")
+
+
+def describe_scalar(piece: Piece, key: str) -> str:
+    scalar = piece.values.get(key)
+    if scalar is None:
+        return "absent"
+    return f"{scalar.value!r} ({scalar.dtype} tensor)" if scalar.tensor else repr(scalar.value)
 
 
 def _check_names(meta: CheckpointMeta, f: Fields) -> None:
