@@ -25,7 +25,7 @@ import torch
 
 from . import format as files
 from . import plan, publish
-from ..optim.optimizer_set import as_one, class_name
+from ..optim.optimizer_set import as_one, class_name, qualified_class_names
 from ..tools import faults
 from ..runtime.state import state_of
 from .checksum import digest
@@ -201,7 +201,8 @@ def _metadata(model, optimizer, state, token: str, pieces: List[Piece], sizes: D
         compute_dtype=None if state.compute_dtype is None else files.dtype_name(state.compute_dtype),
         offload=state.offload, loss_scaler=LossScaler(scale, int(clean), int(skipped)),
         chunk_bytes=CHUNK_BYTES, params=tuple(params), files=sizes,
-        pieces=tuple(dataclasses.replace(p, index=k) for k, p in enumerate(pieces)))
+        pieces=tuple(dataclasses.replace(p, index=k) for k, p in enumerate(pieces)),
+        optimizer_classes=tuple(qualified_class_names(optimizer)))
 
 
 def _check_scalars_agree(gathered) -> None:
