@@ -47,7 +47,8 @@ FLIPS = ("param", "exp_avg", "exp_avg_sq")  # a flipped byte in a piece of each 
 OTHER_CASES = ("swap-ranks", "swap-extras", "flip-rng", "flip-optimizer", "flip-buffers",
                "meta-offsets", "meta-step-nan", "meta-step-neg", "meta-step-digit",
                "sealed-offsets", "sealed-step-nan", "sealed-step-neg", "sealed-step-frac",
-               "sealed-scale-nan", "sealed-scale-neg", "paths-differ")
+               "sealed-scale-nan", "sealed-scale-neg", "sealed-steps-differ", "paths-differ")
+STEPS_DIFFER = (3.0, 7.0)  # Adam's step in a parameter's first piece and in its others (each a valid count)
 
 
 def world2_items(root: str) -> List[tuple]:
@@ -275,6 +276,18 @@ def _step_piece(meta: dict) -> int:
     raise AssertionError("setup: no scalars piece holding 'step'")
 
 
+def _split_param(meta: dict) -> List[int]:
+    """The scalars pieces (at least 2) of the first parameter whose scalar state is split over ranks."""
+    by_name: Dict[str, List[int]] = {}
+    for i, p in enumerate(meta["pieces"]):
+        if p["kind"] == "scalars" and "step" in p.get("values", {}):
+            by_name.setdefault(p["name"], []).append(i)
+    split = [found for found in by_name.values() if len(found) >= 2]
+    if not split:
+        raise AssertionError("setup: no parameter whose scalar state has two pieces")
+    return split[0]
+
+
 def _edit_meta(path: str, what: str, sealed: bool) -> dict:
     """Edits metadata.json; with `sealed`, recomputes its checksum as a forger would."""
     meta = read_meta(path)
@@ -284,6 +297,12 @@ def _edit_meta(path: str, what: str, sealed: bool) -> dict:
         a, b = meta["pieces"][i], meta["pieces"][j]
         a["offset"], b["offset"] = b["offset"], a["offset"]
         info.update(index=[i, j], name=a["name"], key="exp_avg", shard=a["file"])
+    elif what == "steps-differ":  # one parameter, two step counts: each piece valid alone
+        indices = _split_param(meta)
+        first, others = STEPS_DIFFER
+        for k, i in enumerate(indices):
+            meta["pieces"][i]["values"]["step"]["value"] = first if k == 0 else others
+        info.update(index=indices, name=meta["pieces"][indices[0]]["name"], values=list(STEPS_DIFFER))
     elif what.startswith("step-"):
         i = _step_piece(meta)
         meta["pieces"][i]["values"]["step"]["value"] = {"nan": math.nan, "neg": -5, "frac": 2.5}[what[5:]]

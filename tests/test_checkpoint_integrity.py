@@ -30,7 +30,7 @@ FAST = 10.0  # seconds: a refused load raises on every rank well within the 30 s
 # The zero_ext under test (the checkout, or the copy the torch-versions script installed): the
 # subprocesses import that one, never whatever the checkout's build is.
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(zero_ext.__file__)))
-OTHER_WORLD_ITEMS = [f"{what}:{c}" for c in MAIN for what in ("good", "flip-param")]
+OTHER_WORLD_ITEMS = [f"{what}:{c}" for c in MAIN for what in ("good", "flip-param", "sealed-steps-differ")]
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +89,8 @@ def expected_words(case, info):
     if what == "sealed-offsets":  # the metadata is consistent: the pieces' own checksums catch it
         return ["checksum", tuple(f"pieces[{i}]" for i in info["index"]), quoted(info["name"]), info["key"],
                 info["shard"]]
+    if what == "sealed-steps-differ":  # the parameter, the key and both values
+        return ["metadata.json", quoted(info["name"]), quoted("step"), "must agree"] + [repr(v) for v in info["values"]]
     if what.startswith("sealed-step-"):
         return ["metadata.json", "step", "pieces[", ("finite", "non-negative integer")]
     if what.startswith("sealed-scale-"):
@@ -166,10 +168,18 @@ def test_metadata_edited_without_its_checksum_is_refused(world2, config, case):
 
 
 @pytest.mark.parametrize("case", ["sealed-offsets", "sealed-step-nan", "sealed-step-neg", "sealed-step-frac",
-                                  "sealed-scale-nan", "sealed-scale-neg"])
+                                  "sealed-scale-nan", "sealed-scale-neg", "sealed-steps-differ"])
 @pytest.mark.parametrize("config", MAIN)
 def test_forged_metadata_with_a_recomputed_checksum_is_refused(world2, config, case):
     assert_refused(world2, f"{case}:{config}")
+
+
+@pytest.mark.parametrize("config", MAIN)
+def test_pieces_of_one_parameter_with_different_scalars_are_refused_at_worlds_1_and_4(world1, world4, config):
+    # Each piece's step is valid alone; the world-1 load reads both pieces of the parameter
+    # (it used to take the first one's step), world 4 parts of them.
+    assert_refused(world1, f"sealed-steps-differ:{config}", 1)
+    assert_refused(world4, f"sealed-steps-differ:{config}", 4)
 
 
 @pytest.mark.parametrize("config", MAIN)
@@ -181,7 +191,7 @@ def test_ranks_loading_different_paths_are_refused(world2, config):
 
 VERIFY_CASES = ["flip-param:s2-fp32", "flip-exp_avg_sq:s3-bf16", "swap-ranks:s2-fp32", "flip-rng:s3-bf16",
                 "flip-optimizer:s2-fp32", "flip-buffers:s3-bf16", "meta-step-digit:s2-fp32",
-                "sealed-offsets:s3-bf16", "sealed-step-neg:s2-fp32"]
+                "sealed-offsets:s3-bf16", "sealed-step-neg:s2-fp32", "sealed-steps-differ:s3-bf16"]
 CLI_CASES = VERIFY_CASES[:1]  # run as `python -m zero_ext.convert --verify`, each its own process
 
 # The other cases in one process (each Python start costs seconds on two cores):

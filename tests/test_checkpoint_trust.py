@@ -4,6 +4,9 @@ byte is read; loading is strict; a save is one collective decision whose
 failure on any rank reaches every rank at once; a load never mixes two saves;
 zero-size and one-element parameters round-trip.
 
+A checkpoint remembers its optimizers' classes and loads into another only
+when asked.
+
 The rank-side halves are in checkpoint_trust_scenarios.py: three groups of
 spawned ranks (world 1, world 2, world 1 again, each reusing the previous
 one's checkpoints), every case an item that fails alone.
@@ -23,12 +26,12 @@ FIRST_ITEMS = ([f"meta:{c}" for c in META_CASES]
                + ["extra-kinds", "strict"]
                + [f"mixed:{n}" for n in ("rank0.bin", "buffers.pt", "optimizer.pt", "extra-rank0.pt")]
                + [f"race:{k}" for k in (1, 2, 3)]
-               + ["zero-size-save"])
+               + ["zero-size-save", "optimizer-class"])
 WORLD2_ITEMS = ["paths-differ", "regular-file", "symlink", "not-a-checkpoint", "bad-extra-rank1",
                 "fail-shards-rank1", "fail-fsync-rank1", "fail-metadata-rank0", "fail-rename-rank0",
                 "file-vanishes-rank1", "extra-rule", "ranks-open-different-saves", "zero-size-load-from-w1",
                 "zero-size-save",
-                "zero-size-load-from-w2"]
+                "zero-size-load-from-w2", "optimizer-class", "scalar-per-slice"]
 LAST_ITEMS = ["zero-size-load-from-w1", "zero-size-load-from-w2", "zero-size-convert"]
 
 
@@ -98,6 +101,9 @@ FIELDS = {
     "unknown-dtype": ["dtype", "torch.complex64"], "lying-dtype": ["dtype"], "missing-key": ["offset"],
     "wrong-type": ["start"], "not-a-dict": ["object"], "deep": ["JSON"], "overlap": ["overlap"],
     "gap": ["lin.weight"], "unknown-file": ["evil.sh"],
+    "bad-optimizer-class": ["optimizer_classes[0]", "qualified class name"],
+    "no-optimizer-classes": ["optimizer_classes", "missing"], "newer-version": ["version 5", "newer zero_ext"],
+    "older-version": ["version 2", "reads versions 3 to 4"],
 }
 
 
@@ -204,3 +210,62 @@ def test_zero_size_and_one_element_parameters_round_trip(first, world2, last):
                 assert outcome["value"] == (rank if saved_world == world else 0), (label, outcome)
     for label, outcome in ranks(last, "zero-size-convert")[0].items():
         assert outcome["error"] is None, (label, outcome)
+
+
+# 7 -------------------------------------------------------------------------
+
+ADAMW, SGD, ADAM = "torch.optim.adamw.AdamW", "torch.optim.sgd.SGD", "torch.optim.adam.Adam"
+
+
+def check_into_sgd(got, where):
+    """An AdamW checkpoint into SGD (checkpoint_trust_scenarios._into_sgd)."""
+    refused(got["refused"], ("RuntimeError",), "zero_ext.load:", ADAMW, SGD, "optimizer_class_mismatch=\"fresh\"",
+            "optimizer_class_mismatch=\"load\"")
+    assert got["refused"]["seconds"] < FAST, (where, got["refused"])
+    assert got["refused-unchanged"], f"{where}: a refused load changed the model or the optimizer"
+    assert got["fresh"]["error"] is None, (where, got["fresh"])
+    assert got["fresh-loaded"], f"{where}: with \"fresh\" the model must load"
+    assert got["fresh-groups-kept"], f"{where}: with \"fresh\" SGD keeps its own param groups"
+    assert got["fresh-state"] == [], f"{where}: with \"fresh\" SGD starts without state: {got['fresh-state']}"
+    assert got["fresh-trains"]["error"] is None, (where, got["fresh-trains"])
+    assert got["fresh-state-after-step"] and all(k == ["momentum_buffer"] for k in got["fresh-state-after-step"])
+    assert got["load"]["error"] is None and got["load-loaded"], (where, got["load"])
+    assert got["load-state"] and all(k == ["exp_avg", "exp_avg_sq", "step"] for k in got["load-state"]), \
+        (where, got["load-state"])
+    assert got["load-betas"] == (0.9, 0.999), (where, got["load-betas"])
+
+
+def test_a_checkpoint_loads_into_another_optimizer_class_only_when_asked(first, world2):
+    got = ranks(first, "optimizer-class")[0]
+    check_into_sgd(got["into-sgd"], "world 1, stage 0")
+    assert got["recorded"] == [ADAMW], got["recorded"]
+    refused(got["bad-option"], ("ValueError",), "optimizer_class_mismatch", "'allow'", "'fresh'")
+    assert got["same-class"]["error"] is None, got["same-class"]
+    assert got["same-class-state"] == [["exp_avg", "exp_avg_sq", "step"]] * 3, got["same-class-state"]
+    # Several optimizers: each one's class, in order.
+    assert got["pair-recorded"] == [ADAMW, SGD], got["pair-recorded"]
+    refused(got["pair-refused"], ("RuntimeError",), f"[{ADAMW}, {SGD}]", f"[{ADAMW}, {ADAM}]")
+    assert got["pair"]["error"] is None, got["pair"]
+    for rank, got in enumerate(ranks(world2, "optimizer-class")):
+        check_into_sgd(got, f"world 2, stage 2, rank {rank}")
+        refused(got["modes-differ"], ("ValueError",), "optimizer_class_mismatch", "'fresh'", "'load'", "same")
+
+
+def test_a_checkpoint_saved_before_optimizer_classes_were_recorded_still_loads(first):
+    got = ranks(first, "optimizer-class")[0]
+    assert got["v3"]["error"] is None and got["v3-loaded"], got["v3"]
+    assert got["v3-state"] == [["exp_avg", "exp_avg_sq", "step"]] * 3, got["v3-state"]
+    # No class recorded: nothing to compare, so it loads into SGD as it always did.
+    assert got["v3-into-sgd"]["error"] is None, got["v3-into-sgd"]
+    assert got["v3-into-sgd-state"] == [["exp_avg", "exp_avg_sq", "step"]] * 3, got["v3-into-sgd-state"]
+    for case in ("convert", "v3-convert"):
+        assert got[case]["error"] is None and got[case]["value"], (case, got[case])
+
+
+def test_a_save_refuses_scalar_state_that_differs_between_slices_of_a_parameter(world2):
+    for rank, got in enumerate(ranks(world2, "scalar-per-slice")):
+        refused(got, ("RuntimeError",), "zero_ext.save:", "'grad_norm'", "'lin.weight'", "rank 0", "rank 1",
+                "zero_ext_elementwise")
+        assert "zero_ext bug" not in got["message"], got["message"]
+        assert got["seconds"] < FAST, (rank, got)
+        assert not got["published"] and got["litter"] == [], (rank, got)

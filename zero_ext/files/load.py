@@ -3,8 +3,9 @@ wrapped model and optimizer, verified before anything is copied.
 
 Phases, each ended on every rank by Ranks.settle: (A) ranks agree on the
 path; each opens and validates the checkpoint (metadata.py, reader.py),
-checks it against the model (strictly by default) and reads the small
-files; ranks agree that they opened the same save (its token). (B) every
+checks it against the model (strictly by default) and the optimizer (the
+class it was saved from) and reads the small files; ranks agree that they
+opened the same save (its token). (B) every
 range this rank loads is read into host memory, each byte checked against
 its checksum; nothing in the model or optimizer has changed yet, so a
 damaged file anywhere leaves every rank as it was. (C) the verified values
@@ -20,9 +21,12 @@ from typing import Any, Dict, List, Set
 import torch
 
 from . import plan
-from ..optim import as_one
+from ..optim import as_one, qualified_class_names
 from ..tools import state_of, state_or_none
 from ..groups import Ranks, refuse_different_paths
+
+# What load does when the checkpoint's optimizer class is not the optimizer's.
+CLASS_MISMATCH = ("error", "fresh", "load")
 from .format import dtype_of
 from .metadata import CheckpointMeta, Scalar
 from .reader import Checkpoint, PieceReader
@@ -59,6 +63,25 @@ def _check_same_model(where: str, meta: CheckpointMeta, model: torch.nn.Module, 
     raise RuntimeError(f"zero_ext.load: {where} was saved from a different model: {'; '.join(problems)}{fix}")
 
 
+def _loads_optimizer(where: str, meta: CheckpointMeta, optimizer, mismatch: str) -> bool:
+    """Whether the saved optimizer state and hyperparameters are loaded: yes
+    when the checkpoint's optimizer classes are this optimizer's (or it
+    predates recording them), else as `mismatch` says."""
+    saved, mine = meta.optimizer_classes, qualified_class_names(optimizer)
+    if saved is None or list(saved) == mine:
+        return True
+    if mismatch == "error":
+        def named(classes) -> str:
+            return classes[0] if len(classes) == 1 else "[" + ", ".join(classes) + "]"
+        raise RuntimeError(
+            f"zero_ext.load: {where} holds the state of optimizer {named(saved)}, but this optimizer is "
+            f"{named(mine)}: its per-parameter state and hyperparameters belong to another update rule. Pass "
+            "optimizer_class_mismatch=\"fresh\" to load the model and start this optimizer fresh (no state, "
+            "your param groups), or optimizer_class_mismatch=\"load\" to load the saved state and "
+            "hyperparameters anyway (as torch's load_state_dict would). Nothing was loaded")
+    return mismatch == "load"
+
+
 def _saved_groups(checkpoint: Checkpoint, optimizer) -> List[dict]:
     saved = checkpoint.load_pt("optimizer.pt")
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
@@ -73,12 +96,12 @@ def _saved_groups(checkpoint: Checkpoint, optimizer) -> List[dict]:
     return groups
 
 
-def _wanted_files(reader: PieceReader, state, model, optimizer, loaded: Set[str]) -> Set[str]:
+def _wanted_files(reader: PieceReader, state, model, optimizer, loaded: Set[str], with_optimizer: bool) -> Set[str]:
     """The shard files holding any range this rank will read."""
     wanted = plan.wanted_ranges(state, model, optimizer)
     out = set()
     for (kind, name, key), pieces in reader.pieces.items():
-        if kind == "scalars" or name not in loaded:
+        if kind == "scalars" or name not in loaded or (kind != "param" and not with_optimizer):
             continue
         for start, length in wanted.get(name, []):
             out.update(reader.files_for(kind, name, 0 if kind == "whole" else start,
@@ -166,25 +189,36 @@ def _restored(value: Any, tensor: torch.Tensor) -> Any:
 
 
 @torch.no_grad()
-def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, strict: bool = True) -> Any:
+def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, strict: bool = True,
+         optimizer_class_mismatch: str = "error") -> Any:
     """Loads a checkpoint written by zero_ext.save at any world size and
     stage into a wrapped model and optimizer; returns this rank's `extra`
     (rank 0's for a rank the writer did not have). Strict like
     nn.Module.load_state_dict: with strict=False, parameters and buffers
-    missing on either side are skipped (shapes must still match). Every
-    byte is checked against the checksum zero_ext.save wrote before any is
-    copied. Reads nothing outside the checkpoint and unpickles only with
-    weights_only=True. Collective."""
+    missing on either side are skipped (shapes must still match). A
+    checkpoint saved from another optimizer class raises, unless
+    optimizer_class_mismatch is "fresh" (load the model; the optimizer
+    starts fresh) or "load" (its state and hyperparameters are loaded
+    anyway). Every byte is checked against the checksum zero_ext.save wrote
+    before any is copied. Reads nothing outside the checkpoint and unpickles
+    only with weights_only=True. Collective."""
     state = state_of(model)
     optimizer = as_one(optimizer)  # a list or tuple of the model's optimizers: one view
     ranks = Ranks(state, "zero_ext.load")
     error, target = None, None
     try:
         target = os.path.abspath(os.fspath(path))
+        if optimizer_class_mismatch not in CLASS_MISMATCH:
+            raise ValueError(f"zero_ext.load: optimizer_class_mismatch must be one of {list(CLASS_MISMATCH)}, not "
+                             f"{optimizer_class_mismatch!r}")
     except Exception as e:  # noqa: BLE001 - a bad path on one rank raises on every rank
         error = e
-    refuse_different_paths(ranks.settle(error, target), "zero_ext.load", "a load reads one checkpoint",
-                           "Nothing was loaded")
+    asked = ranks.settle(error, (target, optimizer_class_mismatch))
+    refuse_different_paths([p for p, _ in asked], "zero_ext.load", "a load reads one checkpoint", "Nothing was loaded")
+    if any(m != asked[0][1] for _, m in asked):
+        listed = ", ".join(f"rank {r}: {m!r}" for r, (_, m) in enumerate(asked))
+        raise ValueError(f"zero_ext.load: ranks passed different optimizer_class_mismatch ({listed}); pass the same "
+                         "on every rank. Nothing was loaded")
     checkpoint = None
     try:
         # Phase A: open and validate; nothing in the model changes yet.
@@ -196,16 +230,20 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
             token, meta, where = checkpoint.token, checkpoint.meta, checkpoint.where
             reader = PieceReader(checkpoint)
             loaded = {p.name for p in meta.params}
+            with_optimizer = _loads_optimizer(where, meta, optimizer, optimizer_class_mismatch)
             # A reader rank the writer did not have gets rank 0's extra; one it had gets its own.
             extra_file = f"extra-rank{ranks.rank if ranks.rank < meta.world_size else 0}.pt"
             # Every file this rank reads is opened before any is read: a save
             # that replaces the path from now on cannot change what is read.
             for file in ["buffers.pt", "optimizer.pt", extra_file] + sorted(
-                    _wanted_files(reader, state, model, optimizer, loaded)):
+                    _wanted_files(reader, state, model, optimizer, loaded, with_optimizer)):
                 checkpoint.open(file)
             buffers = checkpoint.load_buffers()
             _check_same_model(where, meta, model, buffers, strict)
-            groups = _saved_groups(checkpoint, optimizer)
+            if with_optimizer:
+                groups = _saved_groups(checkpoint, optimizer)
+            else:  # "fresh": checked like every file, not used
+                checkpoint.load_pt("optimizer.pt")
             extra = checkpoint.load_pt(extra_file)
         except Exception as e:  # noqa: BLE001 - raised on every rank by settle
             error = e
@@ -219,7 +257,8 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         try:
             scratch = torch.empty(meta.chunk_bytes, dtype=torch.uint8, device="cpu")  # never the default device
             values = _read_values(reader, scratch, state, model, loaded)
-            opt_state = _read_optimizer(where, reader, scratch, state, optimizer, loaded)
+            if with_optimizer:
+                opt_state = _read_optimizer(where, reader, scratch, state, optimizer, loaded)
         except Exception as e:  # noqa: BLE001
             error = e
         ranks.settle(error, action=f"zero_ext.load: reading {where}",
@@ -231,9 +270,10 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
             for view, value in values:
                 view.copy_(_value(value))
             del values
-            for mine, theirs in zip(optimizer.param_groups, groups):
-                mine.update({k: v for k, v in theirs.items() if k != "params"})
-            optimizer.state.clear()  # the old state goes before the new reaches the device
+            if with_optimizer:
+                for mine, theirs in zip(optimizer.param_groups, groups):
+                    mine.update({k: v for k, v in theirs.items() if k != "params"})
+            optimizer.state.clear()  # the old state goes before the new reaches the device ("fresh": none comes)
             for tensor, st in opt_state.items():
                 optimizer.state[tensor] = {k: _restored(v, tensor) for k, v in st.items()}
             for n, buf in plan.persistent_buffers(model).items():

@@ -7,6 +7,10 @@ scalar is finite, a step count a non-negative integer), then the pieces are
 checked against each other and the files (exact tiling of every tensor and
 every shard file). Code past parse reads attributes, never string keys.
 
+Version 4 records the qualified class of each optimizer the state was saved
+from (`optimizer_classes`, so load can refuse another optimizer); version 3
+(saved before that) is read with `optimizer_classes` None: nothing to compare.
+
 `seal` adds "checksum": the checksum (checksum.py) of the document's canonical encoding
 (sorted keys, no spaces) without that field. A flipped byte anywhere in the
 metadata (a digit of a step count, an offset) is refused even where the
@@ -26,13 +30,15 @@ import torch
 from .checksum import ALGORITHM, MAX, digest
 
 FORMAT = "zero_ext-checkpoint"
-VERSION = 3
+VERSION = 4  # what save writes
+READABLE_VERSIONS = (3, 4)  # 3: no optimizer_classes
 METADATA = "metadata.json"
 HEADER = 64  # bytes before the first piece of a shard file
 CHUNK_BYTES = 8 << 20  # a piece's bytes are checksummed in chunks of this size
 _TOKEN = re.compile(r"[0-9a-f]{32}\Z")
 _MAX_RANKS = 1 << 20
 _MAX = 1 << 62
+_CLASS_NAME = re.compile(r"[\w.<>]{1,512}\Z")  # module.qualname ("<locals>" in a function's class)
 KINDS = ("param", "state", "whole", "scalars")
 DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
                               torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8, torch.bool,
@@ -202,6 +208,13 @@ class Scalar:
             out["dtype"] = self.dtype
         return out
 
+    def same_as(self, other: "Scalar") -> bool:
+        """The same value of the same kind (NaN equals NaN: a state may hold one)."""
+        a, b = self.value, other.value
+        if (self.tensor, self.dtype, type(a) is bool) != (other.tensor, other.dtype, type(b) is bool):
+            return False
+        return a == b or (type(a) is float and type(b) is float and math.isnan(a) and math.isnan(b))
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -300,6 +313,9 @@ class CheckpointMeta:
     params: Tuple[ParamMeta, ...]
     files: Mapping[str, FileMeta]
     pieces: Tuple[Piece, ...]
+    # module.qualname of each optimizer (several: the list passed to save, in order); None: a
+    # version-3 checkpoint, which did not record them
+    optimizer_classes: Optional[Tuple[str, ...]]
 
     def param(self, name: str) -> ParamMeta:
         return self._by_name[name]
@@ -309,6 +325,8 @@ class CheckpointMeta:
 
     def to_json(self) -> dict:
         """The sealed document save writes."""
+        if not self.optimizer_classes:
+            raise RuntimeError("zero_ext internal: a checkpoint of this version records its optimizer classes")
         return seal({
             "format": FORMAT, "version": VERSION, "checksum_algorithm": ALGORITHM, "token": self.token, "world_size": self.world_size,
             "stage": self.stage, "compute_dtype": self.compute_dtype, "offload": self.offload,
@@ -318,6 +336,7 @@ class CheckpointMeta:
             "params": [p.to_json() for p in self.params],
             "files": {n: {"size": m.size, "checksum": m.checksum} for n, m in self.files.items()},
             "pieces": [p.to_json() for p in self.pieces],
+            "optimizer_classes": list(self.optimizer_classes),
         })
 
     @classmethod
@@ -331,14 +350,20 @@ class CheckpointMeta:
             f.fail("the document", f"is not valid JSON (truncated?): {error}")
         f.dict(doc, "the top level")
         fmt, version = f.get(doc, "format", ""), f.get(doc, "version", "")
-        if fmt == FORMAT and type(version) is int and version != VERSION:
+        if fmt == FORMAT and type(version) is int and version > VERSION:
             raise ValueError(
-                f"{who}: {file}: this checkpoint has format version {version}; this zero_ext reads version "
-                f"{VERSION} (which checksums every piece and records each file's writer). Load it with the "
-                "zero_ext that wrote it and save it again, or convert it to a state_dict with that version")
-        if fmt != FORMAT or version != VERSION:
-            f.fail("format/version", f"are {fmt!r}/{version!r}, not a zero_ext checkpoint of version {VERSION} "
-                   f"({FORMAT!r})")
+                f"{who}: {file}: this checkpoint has format version {version}, written by a newer zero_ext; "
+                f"this one reads versions {READABLE_VERSIONS[0]} to {VERSION}. Load it with a zero_ext at least "
+                "as new as the one that wrote it")
+        if fmt == FORMAT and type(version) is int and version not in READABLE_VERSIONS:
+            raise ValueError(
+                f"{who}: {file}: this checkpoint has format version {version}; this zero_ext reads versions "
+                f"{READABLE_VERSIONS[0]} to {VERSION} (which checksum every piece and record each file's writer). "
+                "Load it with the zero_ext that wrote it and save it again, or convert it to a state_dict with "
+                "that version")
+        if fmt != FORMAT or type(version) is not int or version not in READABLE_VERSIONS:
+            f.fail("format/version", f"are {fmt!r}/{version!r}, not a zero_ext checkpoint of version "
+                   f"{READABLE_VERSIONS[0]} to {VERSION} ({FORMAT!r})")
         checksum = f.get(doc, "checksum", "")
         algorithm = f.get(doc, "checksum_algorithm", "")
         if algorithm != ALGORITHM:
@@ -370,9 +395,11 @@ class CheckpointMeta:
             chunk_bytes=chunk, params=params,
             files=_parse_files(f.dict(f.get(doc, "files", ""), "files"), world, f),
             pieces=tuple(Piece.parse(i, p, f, chunk)
-                         for i, p in enumerate(f.list(f.get(doc, "pieces", ""), "pieces"))))
+                         for i, p in enumerate(f.list(f.get(doc, "pieces", ""), "pieces"))),
+            optimizer_classes=_parse_classes(f.get(doc, "optimizer_classes", ""), f) if version >= 4 else None)
         _check_names(meta, f)
         _check_tiling(meta, f)
+        _check_scalars(meta.pieces, f)
         return meta
 
 
@@ -396,6 +423,52 @@ def _parse_files(files: dict, world: int, f: Fields) -> Dict[str, FileMeta]:
         if name not in out:
             f.fail("files", f"does not list {name!r}, which a checkpoint of {world} rank(s) has")
     return out
+
+
+def _parse_classes(value: Any, f: Fields) -> Tuple[str, ...]:
+    classes = tuple(f.str(c, f"optimizer_classes[{j}]")
+                    for j, c in enumerate(f.list(value, "optimizer_classes")))
+    if not classes:
+        f.fail("optimizer_classes", "is empty: a checkpoint holds the state of at least one optimizer")
+    for j, name in enumerate(classes):
+        if not _CLASS_NAME.match(name):
+            f.fail(f"optimizer_classes[{j}]", f"{name[:80]!r} is not a qualified class name (module.Class)")
+    return classes
+
+
+def scalars_disagreement(pieces) -> Optional[Tuple[Piece, Piece, str]]:
+    """(first piece, a piece that differs from it, the key) where two
+    scalars pieces of one parameter hold different scalar optimizer state
+    (a key only one of them has, or another value); None where they agree.
+    A parameter's optimizer has one step count (and one of every scalar),
+    however many ranks wrote its elements."""
+    first: Dict[str, Piece] = {}
+    for piece in pieces:
+        if piece.kind != "scalars":
+            continue
+        seen = first.setdefault(piece.name, piece)
+        for key in sorted(set(seen.values) | set(piece.values)):
+            a, b = seen.values.get(key), piece.values.get(key)
+            if a is None or b is None or not a.same_as(b):
+                return seen, piece, key
+    return None
+
+
+def _check_scalars(pieces: Tuple[Piece, ...], f: Fields) -> None:
+    found = scalars_disagreement(pieces)
+    if found is not None:
+        seen, piece, key = found
+        f.fail(f"pieces[{piece.index}].values[{key!r}]",
+               f"is {describe_scalar(piece, key)}, but pieces[{seen.index}] holds {describe_scalar(seen, key)}: the "
+               f"scalar optimizer state {key!r} of parameter {piece.name!r} must agree in all its pieces (its "
+               "optimizer keeps one value, whichever ranks wrote its elements)")
+
+
+def describe_scalar(piece: Piece, key: str) -> str:
+    scalar = piece.values.get(key)
+    if scalar is None:
+        return "absent"
+    return f"{scalar.value!r} ({scalar.dtype} tensor)" if scalar.tensor else repr(scalar.value)
 
 
 def _check_names(meta: CheckpointMeta, f: Fields) -> None:

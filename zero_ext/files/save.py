@@ -25,13 +25,13 @@ import torch
 
 from . import format as files
 from . import plan, publish
-from ..optim import as_one, class_name
+from ..optim import as_one, class_name, qualified_class_names
 from ..tools import faults
 from ..tools import state_of, state_or_none
 from .checksum import digest
 from ..groups import Ranks, refuse_different_paths
 from .metadata import (CHUNK_BYTES, CheckpointMeta, FileMeta, LossScaler, ParamMeta, Piece, Scalar, count_problem,
-                       file_names)
+                       describe_scalar, file_names, scalars_disagreement)
 
 
 def _scalar(name: str, key: Any, value: Any) -> Optional[Scalar]:
@@ -201,7 +201,27 @@ def _metadata(model, optimizer, state, token: str, pieces: List[Piece], sizes: D
         compute_dtype=None if state.compute_dtype is None else files.dtype_name(state.compute_dtype),
         offload=state.offload, loss_scaler=LossScaler(scale, int(clean), int(skipped)),
         chunk_bytes=CHUNK_BYTES, params=tuple(params), files=sizes,
-        pieces=tuple(dataclasses.replace(p, index=k) for k, p in enumerate(pieces)))
+        pieces=tuple(dataclasses.replace(p, index=k) for k, p in enumerate(pieces)),
+        optimizer_classes=tuple(qualified_class_names(optimizer)))
+
+
+def _check_scalars_agree(gathered) -> None:
+    """Rank 0: each parameter's scalar optimizer state is the same in every
+    rank's pieces of it, as load requires (metadata.scalars_disagreement)."""
+    writer, pieces = {}, []
+    for rank, (written, _) in enumerate(gathered):
+        for piece in written:
+            writer[id(piece)] = rank
+            pieces.append(piece)
+    found = scalars_disagreement(pieces)
+    if found is not None:
+        seen, piece, key = found
+        raise ValueError(
+            f"zero_ext.save: optimizer state {key!r} of '{piece.name}' is {describe_scalar(seen, key)} on rank "
+            f"{writer[id(seen)]} and {describe_scalar(piece, key)} on rank {writer[id(piece)]}, which hold parts of "
+            "that parameter: a checkpoint keeps one value of each scalar per parameter, so this save would not "
+            "load. An optimizer marked zero_ext_elementwise must keep scalar state that does not depend on the "
+            "slice it steps (or leave the mark off, so zero_ext steps whole parameters)")
 
 
 def _check_written(tmp: str, world: int, gathered) -> Dict[str, FileMeta]:
@@ -288,6 +308,7 @@ def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ex
     if ranks.rank == 0:
         try:
             sizes = _check_written(tmp, state.mesh_size, gathered)
+            _check_scalars_agree(gathered)
             meta = _metadata(model, optimizer, state, token, [p for ps, _ in gathered for p in ps], sizes)
             document = meta.to_json()
             _reads_back(document, target)

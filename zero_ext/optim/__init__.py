@@ -3,7 +3,7 @@ gradient clipping over sharded gradients, and the CPU Adam kernel."""
 from __future__ import annotations
 
 from .clip import clip_grad_norm_, clip_grad_value_
-from .optimizer_set import as_one, class_name
+from .optimizer_set import as_one, class_name, qualified_class_names
 from .ownership import WHOLE, optimizer_sharding, plan_owners
 from .sharded_optimizer import check_step_not_patched, shard_optimizer
 from .step_round import StepRound
@@ -17,6 +17,7 @@ __all__ = [
     "clip_grad_norm_",
     "clip_grad_value_",
     "optimizer_sharding",
+    "qualified_class_names",
     "plan_owners",
     "shard_optimizer",
 ]

@@ -13,6 +13,7 @@ from typing import Any, Dict, Iterator, List, MutableMapping, Sequence, Union
 import torch
 
 from ..tools import state_or_none
+from .sharded_optimizer import ZeroExtOptimizer
 
 
 class _StateView(MutableMapping):
@@ -73,13 +74,23 @@ class OptimizerSet:
         return "+".join(class_name(opt) for opt in self.optimizers)
 
 
+def user_class(optimizer: torch.optim.Optimizer) -> type:
+    """The user's optimizer class: wrap() swaps in a subclass that puts
+    zero_ext's mixin first (wrapping/class_swap.py)."""
+    return next(c for c in type(optimizer).__mro__ if not issubclass(c, ZeroExtOptimizer))
+
+
 def class_name(optimizer: Union[torch.optim.Optimizer, OptimizerSet]) -> str:
-    """The user's optimizer class (before wrap() put zero_ext's in front), or
-    the classes of a set joined by '+'."""
+    """The user's optimizer class, or the classes of a set joined by '+'."""
     if isinstance(optimizer, OptimizerSet):
         return optimizer.class_name
-    cls = type(optimizer)
-    return cls.__mro__[1].__name__ if state_or_none(optimizer) is not None else cls.__name__
+    return user_class(optimizer).__name__
+
+
+def qualified_class_names(optimizer: Union[torch.optim.Optimizer, OptimizerSet]) -> List[str]:
+    """module.qualname of the user's class of each optimizer (one, or each of a set, in order)."""
+    optimizers = optimizer.optimizers if isinstance(optimizer, OptimizerSet) else [optimizer]
+    return [f"{cls.__module__}.{cls.__qualname__}" for cls in map(user_class, optimizers)]
 
 
 def as_one(optimizer: Any) -> Any:
