@@ -66,7 +66,7 @@ def write_weights(args, directory: str) -> int:
     at a time (never the whole model in memory); the parameter count."""
     from transformers import LlamaForCausalLM
 
-    from zero_ext.files.safetensors import ModelWriter, parse_size
+    from zero_ext.files.weights.safetensors import ModelWriter, parse_size
 
     with torch.device("meta"):
         model = LlamaForCausalLM(llama_config(args))

@@ -312,7 +312,7 @@ def _edit_meta(path: str, what: str, sealed: bool) -> dict:
     else:
         raise ValueError(what)
     if sealed:
-        from zero_ext.files.metadata import seal  # noqa: PLC0415 - the feature under test; absent before it
+        from zero_ext.files.checkpoint.metadata import seal  # noqa: PLC0415 - the feature under test; absent before it
         meta = seal(meta)
     write_meta(path, meta)
     return info

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import zero_ext
 from checkpoint_scenarios import make, train
-from zero_ext.files import publish
+from zero_ext.files.checkpoint import publish
 from zero_ext.tools import faults
 
 # (fault point:rank, publish by exchange); the last attempt finishes the job.

@@ -20,11 +20,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import zero_ext
-from zero_ext.files import format as _checkpoint_files
-from zero_ext.files import load as _load_module
-from zero_ext.files import publish as _publish
-from zero_ext.files.checksum import digest
-from zero_ext.files.metadata import seal
+from zero_ext.files.checkpoint import format as _checkpoint_files
+from zero_ext.files.checkpoint import load as _load_module
+from zero_ext.files.checkpoint import publish as _publish
+from zero_ext.files.checkpoint.checksum import digest
+from zero_ext.files.checkpoint.metadata import seal
 from zero_ext.convert import convert
 
 TIMEOUT = 30  # the model group's collective timeout: a hang would take this long

@@ -96,6 +96,35 @@ def test_convert_gives_a_plain_state_dict(saved, saved_at_world_4, tmp_path):
     assert torch.equal(sd["out.weight"], fresh.out.weight.detach().to(torch.bfloat16))
 
 
+def test_convert_runs_without_the_compiled_core(saved_at_world_4, tmp_path):
+    """`python -m zero_ext.convert` reads a checkpoint with torch alone: a
+    copy of the package without its compiled core converts it (files/'s door
+    opens lazily, so importing the room loads no core)."""
+    import shutil
+
+    import zero_ext as package
+
+    copy = tmp_path / "no-core"
+    shutil.copytree(os.path.dirname(package.__file__), copy / "zero_ext",
+                    ignore=shutil.ignore_patterns("_C*", "__pycache__"))
+    out = str(tmp_path / "plain.pt")
+    ckpt = os.path.join(saved_at_world_4, "saved-stage3-fp32")
+    run = subprocess.run([sys.executable, "-m", "zero_ext.convert", ckpt, out], cwd=copy, capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(copy)})
+    assert run.returncode == 0, run.stderr
+    probe = subprocess.run([sys.executable, "-c", "import zero_ext._C"], cwd=copy, capture_output=True,
+                           env={**os.environ, "PYTHONPATH": str(copy)})
+    assert probe.returncode != 0  # the copy really has no core
+    assert torch.load(out, weights_only=True).keys() == \
+        torch.load(_convert_with_the_core(ckpt, tmp_path), weights_only=True).keys()
+
+
+def _convert_with_the_core(ckpt: str, tmp_path) -> str:
+    out = str(tmp_path / "with-core.pt")
+    convert(ckpt, out)
+    return out
+
+
 def test_convert_to_safetensors_matches_the_state_dict(saved_at_world_4, tmp_path):
     """--format safetensors: the same values the .pt conversion holds, as
     one file or in Hugging Face's sharded layout, read by the package."""
@@ -235,7 +264,7 @@ def test_optimizer_scalars_a_load_would_refuse_are_refused_at_save(tmp_path):
 def test_a_read_larger_than_one_system_read_is_completed():
     """One read() of a regular file returns at most about 2 GiB on Linux: a
     piece that large must be read in a loop, not reported as truncated."""
-    from zero_ext.files.reader import _read_exactly
+    from zero_ext.files.checkpoint.reader import _read_exactly
 
     class ShortReads(io.BytesIO):
         def readinto(self, buffer):  # at most 7 bytes per call, as a capped read() would

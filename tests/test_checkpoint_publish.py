@@ -1,4 +1,4 @@
-"""Publishing a save (zero_ext/files/publish.py): one atomic step, so that
+"""Publishing a save (zero_ext/files/checkpoint/publish.py): one atomic step, so that
 `path` always names a whole save; zero_ext.checkpoint_exists says what
 zero_ext.load would find; crashed saves' leftovers are removed by the next
 save, and nothing else is.
@@ -26,7 +26,7 @@ import pytest
 import zero_ext
 from checkpoint_publish_scenarios import ATTEMPTS, PUBLISHED_BEFORE
 from checkpoint_scenarios import make, train
-from zero_ext.files import publish
+from zero_ext.files.checkpoint import publish
 from zero_ext.tools import faults
 
 TESTS = os.path.dirname(os.path.abspath(__file__))

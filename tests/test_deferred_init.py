@@ -38,7 +38,7 @@ def test_an_initializer_failing_on_one_rank_raises_on_every_rank():
 
 
 def test_pretrained_weights_stream_in_after_deferred_init(tmp_path):
-    from zero_ext.files import safetensors as st
+    from zero_ext.files.weights import safetensors as st
 
     torch.manual_seed(5)
     weights = InitBlocks().state_dict()
@@ -51,7 +51,7 @@ def test_pretrained_weights_stream_in_after_deferred_init(tmp_path):
 
 
 def test_skip_init_opens_nothing_is_nan_until_loaded_then_loads(tmp_path):
-    from zero_ext.files import safetensors as st
+    from zero_ext.files.weights import safetensors as st
 
     torch.manual_seed(5)
     weights = InitBlocks().state_dict()

@@ -66,10 +66,23 @@ def sources() -> Dict[str, str]:
 
 
 def offered(init_source: str) -> Set[str]:
-    """The names a room's __init__ lists in __all__."""
-    for node in ast.parse(init_source).body:
+    """The names a room's __init__ lists in __all__ (a list, or sorted() of a
+    lazy door's _OFFERED mapping)."""
+    tree = ast.parse(init_source)
+    for node in tree.body:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
-            return {e.value for e in node.value.elts}
+            if isinstance(node.value, ast.List):
+                return {e.value for e in node.value.elts}
+            return lazily_offered(tree)
+    return set()
+
+
+def lazily_offered(tree: ast.Module) -> Set[str]:
+    """The keys of a door's _OFFERED mapping: names it imports on first use (PEP 562)."""
+    for node in tree.body:
+        targets = [node.target] if isinstance(node, ast.AnnAssign) else getattr(node, "targets", [])
+        if any(isinstance(t, ast.Name) and t.id == "_OFFERED" for t in targets):
+            return {k.value for k in node.value.keys}
     return set()
 
 
@@ -177,8 +190,17 @@ def test_every_room_declares_what_it_offers():
         assert names or room == "integrations", f"zero_ext/{room}/__init__.py lists no __all__"
         tree = ast.parse(files[f"{room}/__init__.py"])
         bound = {a.asname or a.name for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+        bound |= lazily_offered(tree)
         submodules = {rel.split("/")[1][:-3] for rel in files if rel.startswith(f"{room}/")}
         assert names <= bound | submodules, f"{room} lists names it neither imports nor holds: {names - bound - submodules}"
+
+
+def test_inside_files_weights_never_import_checkpoints():
+    """files/ is two parts over one plan: checkpoint/ may write safetensors
+    through weights/ (convert), weights/ never reads zero_ext's own format."""
+    found = [f"{rel}:{line}" for rel, source in sources().items() if rel.startswith("files/weights/")
+             for target, _, line in imports_of(rel, source) if target.startswith("zero_ext.files.checkpoint")]
+    assert found == []
 
 
 def test_module_state_is_read_through_one_accessor():

@@ -1,4 +1,4 @@
-"""zero_ext's safetensors reader and writer (zero_ext/files/safetensors.py):
+"""zero_ext's safetensors reader and writer (zero_ext/files/weights/safetensors.py):
 files the safetensors package writes are read exactly, by byte range;
 files zero_ext writes are what the package reads; crafted files and indexes
 are refused before a tensor byte is read."""
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from zero_ext.files import safetensors as st
+from zero_ext.files.weights import safetensors as st
 
 safetensors_torch = pytest.importorskip("safetensors.torch")  # installed by scripts/setup.sh
 

@@ -10,7 +10,7 @@ import torch
 
 import zero_ext
 from parity_scenarios import VOCAB, Blocks
-from zero_ext.files import safetensors as st
+from zero_ext.files.weights import safetensors as st
 from zero_ext.files.plan import local_views as _local_views
 
 SOURCES = ["state_dict", "safetensors", "safetensors_sharded", "pt", "bin_sharded"]

@@ -1,4 +1,4 @@
-"""`python -m zero_ext.convert`: the command line of zero_ext/files/convert.py
+"""`python -m zero_ext.convert`: the command line of zero_ext/files/checkpoint/convert.py
 (a checkpoint into a state_dict file or safetensors, or --verify)."""
 from .files import convert
 from .files import convert_main as main

@@ -24,12 +24,13 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from . import format as files
-from . import plan, publish
-from ..optim import as_one, class_name, qualified_class_names
-from ..tools import faults
-from ..tools import state_of, state_or_none
+from .. import plan
+from . import publish
+from ...optim import as_one, class_name, qualified_class_names
+from ...tools import faults
+from ...tools import state_of, state_or_none
 from .checksum import digest
-from ..groups import Ranks, refuse_different_paths
+from ...groups import Ranks, refuse_different_paths
 from .metadata import (CHUNK_BYTES, CheckpointMeta, FileMeta, LossScaler, ParamMeta, Piece, Scalar, count_problem,
                        describe_scalar, file_names, scalars_disagreement)
 

@@ -22,7 +22,8 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from .checksum import digest
-from .format import bytes_view, close_opened, dtype_of, parse_shard_header
+from ..bytes_io import bytes_view, close_opened
+from .format import dtype_of, parse_shard_header
 from .metadata import HEADER, METADATA, CheckpointMeta, Piece, rank_of_file
 
 _NOFOLLOW = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)

@@ -26,10 +26,10 @@ from typing import Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
 import torch
 
 from . import safetensors as st
-from ..groups import Ranks
-from .plan import local_views, persistent_buffers
+from ...groups import Ranks
+from ..plan import local_views, persistent_buffers
 from .safetensors import open_regular
-from ..tools import state_of
+from ...tools import state_of
 
 BIN_INDEX = "pytorch_model.bin.index.json"
 _PLAIN_BIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}\.(bin|pt|pth)\Z")

@@ -32,8 +32,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import safetensors as st
-from .format import bytes_view, dtype_of
+from ..bytes_io import bytes_view
+from ..weights import safetensors as st
+from .format import dtype_of
 from .reader import Checkpoint, PieceReader
 
 _DTYPE_ARGS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

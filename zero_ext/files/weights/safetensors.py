@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .format import bytes_view as _bytes_view, close_opened, fsync_dir
+from ..bytes_io import bytes_view as _bytes_view, close_opened, fsync_dir
 
 DTYPES: Dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

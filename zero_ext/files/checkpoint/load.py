@@ -20,10 +20,10 @@ from typing import Any, Dict, List, Set
 
 import torch
 
-from . import plan
-from ..optim import as_one, qualified_class_names
-from ..tools import state_of, state_or_none
-from ..groups import Ranks, refuse_different_paths
+from .. import plan
+from ...optim import as_one, qualified_class_names
+from ...tools import state_of, state_or_none
+from ...groups import Ranks, refuse_different_paths
 
 # What load does when the checkpoint's optimizer class is not the optimizer's.
 CLASS_MISMATCH = ("error", "fresh", "load")

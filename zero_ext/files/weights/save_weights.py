@@ -27,10 +27,10 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 
 from . import safetensors as st
-from ..groups import Ranks
-from .plan import persistent_buffers
-from ..tools import state_of
-from ..runtime import full_state_dict
+from ...groups import Ranks
+from ..plan import persistent_buffers
+from ...tools import state_of
+from ...runtime import full_state_dict
 
 def _entries(model, state, dtype: Optional[torch.dtype]):
     """(name, dtype, shape, source) in the order they are written: the

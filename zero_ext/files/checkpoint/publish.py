@@ -29,8 +29,9 @@ import stat
 import sys
 from typing import List, Optional, Tuple
 
-from ..tools import faults
-from .format import STAGING_MARKER, fsync_dir, is_checkpoint_entry, write_file
+from ...tools import faults
+from ..bytes_io import fsync_dir
+from .format import STAGING_MARKER, is_checkpoint_entry, write_file
 from .metadata import FORMAT, METADATA
 
 def staging_path(target: str, token: str) -> str:

@@ -17,7 +17,6 @@ swapped with another rank's is refused, even where the sizes agree.
 """
 from __future__ import annotations
 
-import ctypes
 import io
 import os
 import re
@@ -26,6 +25,7 @@ from typing import Any, List, Tuple
 
 import torch
 
+from ..bytes_io import bytes_view
 from .checksum import digest
 from .metadata import CHUNK_BYTES, DTYPES, HEADER, METADATA
 
@@ -71,15 +71,6 @@ def packed(token: str, rank: int, value: Any) -> bytes:
     return buffer.getvalue()
 
 
-def bytes_view(t: torch.Tensor):
-    """The tensor's memory as a ctypes buffer, without a copy. Only host
-    memory: a device pointer handed to file I/O would crash the process."""
-    if t.device.type != "cpu" or not t.is_contiguous():
-        raise RuntimeError(f"zero_ext internal: file I/O needs a contiguous CPU tensor, got one on "
-                           f"{t.device} (contiguous: {t.is_contiguous()})")
-    return (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
-
-
 class ShardWriter:
     """Appends tensors to one raw file (after its header) and records where
     each went and the checksums of its bytes, taken as they are written."""
@@ -121,21 +112,3 @@ def write_file(path: str, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def close_opened(owner: Any) -> None:
-    """Closes a reader's open files (owner.files) and its directory (owner.dir_fd)."""
-    for f in owner.files.values():
-        f.close()
-    owner.files.clear()
-    if owner.dir_fd is not None:
-        os.close(owner.dir_fd)
-        owner.dir_fd = None
