@@ -270,12 +270,13 @@ void Communicator::enable_stall_diagnosis(double seconds, const std::string& key
   replicas_ = replicas;
   shard_size_ = shard_size;
   subgroup_size_ = subgroup_size;
-  store_ = group_->getStore();
   // A model's groups each prefix their store; the base store lets a rank
   // stalled on the gather group see one stalled on the reduction group.
-  if (auto prefixed = c10::dynamic_intrusive_pointer_cast<c10d::PrefixStore>(store_)) {
-    store_ = prefixed->getUnderlyingNonPrefixStore();
+  c10::intrusive_ptr<c10d::Store> store = group_->getStore();
+  if (auto prefixed = c10::dynamic_intrusive_pointer_cast<c10d::PrefixStore>(store)) {
+    store = prefixed->getUnderlyingNonPrefixStore();
   }
+  store_ = std::make_shared<DiagnosisStore>(std::move(store));
   stall_interval_ = std::chrono::milliseconds(timed_waits ? static_cast<int64_t>(seconds * 1000) : 0);
   stall_keys_ = "zero_ext_stall/" + key_space + "/rank";
   query_key_ = "zero_ext_stall/" + key_space + "/query";
@@ -566,7 +567,11 @@ void Communicator::wait(const c10::intrusive_ptr<c10d::Work>& submitted,
     const int64_t seq = seq_of(work);
     auto pause = stall_interval_;
     while (true) {
-      diagnose_stall(work, seq, described);
+      try {
+        diagnose_stall(work, seq, described);
+      } catch (const StoreUnreachable&) {
+        break;  // its host is gone (a peer died): the wait below fails, or completes
+      }
       if (work->isCompleted()) {
         break;
       }
@@ -596,7 +601,11 @@ void Communicator::wait(const c10::intrusive_ptr<c10d::Work>& submitted,
   }
   forget_seq(work);
   if (stalled) {
-    store_->set(stall_keys_ + std::to_string(mesh_ranks_[rank_]), std::vector<uint8_t>());  // no longer stalled
+    try {
+      store_->set(stall_keys_ + std::to_string(mesh_ranks_[rank_]), std::vector<uint8_t>());  // no longer stalled
+    } catch (const StoreUnreachable&) {
+      // nobody is left to read it
+    }
   }
 }
 

@@ -28,6 +28,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "collective_id.h"
+#include "diagnosis_store.h"
 #include "step_gate.h"
 
 namespace zero_ext {
@@ -227,7 +228,7 @@ class Communicator {
   std::string whereabouts_keys_;
   std::string report_key_;
   std::vector<int64_t> mesh_ranks_;  // of the members, by group rank
-  c10::intrusive_ptr<c10d::Store> store_;
+  std::shared_ptr<DiagnosisStore> store_;  // throws StoreUnreachable, quietly, once the store is gone
 
   mutable bool failed_ = false;
 
