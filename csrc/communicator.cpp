@@ -57,6 +57,14 @@ void Communicator::enable_sequence_checks(
   sequence_ = std::make_shared<CollectiveSequence>(*this, kDescriptions[slot], header_group_name,
                                                    static_cast<GroupSlot>(slot + kDataSlots), counts_, std::move(order),
                                                    in_order, std::move(describe), std::move(progress));
+  sequence_->headers().set_advice(advise_);
+}
+
+void Communicator::set_advice(std::function<std::string(const std::string&)> advise) {
+  advise_ = std::move(advise);
+  if (sequence_) {
+    sequence_->headers().set_advice(advise_);
+  }
 }
 
 void Communicator::begin_round(int64_t key, const std::string& label) {
@@ -531,10 +539,11 @@ void Communicator::diagnose_stall(const c10::intrusive_ptr<c10d::Work>& work, in
     }
     out << ")";
   }
+  const std::string ranks = out.str();
   TORCH_CHECK(false, "zero_ext: the ranks are stalled waiting for each other in collectives that none of them "
               "can finish, so they took different paths through the training loop (a different number of "
-              "forward or backward passes or steps, or modules run on some ranks only):", out.str(),
-              "\nThis rank stops here instead of waiting out the timeout. ", divergence_causes());
+              "forward or backward passes or steps, or modules run on some ranks only):", ranks,
+              advice(ranks), "\nThis rank stops here instead of waiting out the timeout. ", divergence_causes());
 }
 
 void Communicator::wait(const c10::intrusive_ptr<c10d::Work>& submitted,

@@ -366,3 +366,47 @@ def test_wrap_gathers_a_listed_group_by_its_members_hooks():
     hooked = [name for name, m in model.named_modules() if m.__dict__.get("_zero_ext_forward_hooks")]
     assert hooked == ["", "embed", "blocks.0", "blocks.1", "blocks.2", "norm", "head"]
     assert model(torch.ones(2, 4)).shape == (2, 2)
+
+
+# --- experts the default policy cannot tell: the error names what to pass -------
+
+def test_unit_advice_names_the_caller_and_a_units_value():
+    from units_scenarios import BlocksAndSparseLayer, SparseMLP
+    from zero_ext.wrapping.unit_advice import unit_advice
+
+    model = BlocksAndSparseLayer()
+    units = resolve_units(model, None, min_bytes=0)
+    assert [u[0] for u in units[1:]] == [*model.blocks, *model.moe.ffns]  # the experts' names are unknown to it
+    advice = unit_advice(model, units, default_policy=True)
+    assert advice[0] == "" and len(advice) == len(units)
+    expert = advice[1 + len(model.blocks)]
+    assert "the modules in 'moe.ffns' (SparseMLP)" in expert
+    assert "the unit of 'moe' (SparseLayer)" in expert and "units={Block, SparseLayer}" in expert
+    assert all(a == expert for a in advice[1 + len(model.blocks):])  # the same for every expert
+    # explicit units={SparseMLP}: the caller alone
+    units = resolve_units(model, {SparseMLP}, min_bytes=0)
+    assert "units={SparseLayer}" in unit_advice(model, units, default_policy=False)[1]
+
+
+def test_an_expert_skipped_on_one_rank_names_its_units_and_what_to_pass():
+    """Experts the default policy cannot recognize (`ffns` of SparseMLP,
+    routed by a `scorer`), skipped differently per rank: every rank stops
+    within seconds with zero_ext's error naming the experts' units, their
+    caller and the units= to pass, and no longer claims the default policy
+    kept them in their block; a model wrapped with that units= trains
+    through the same routing."""
+    from dist_harness import run_on_ranks
+
+    outcomes = run_on_ranks(2, "units_scenarios:unrecognized_experts_skipped", deadline_s=240)
+    for rank, out in enumerate(outcomes):
+        error = out["error"]
+        assert out["units"] == 1 + 3 + 4, out  # root, 3 blocks, 4 experts
+        assert error is not None and error.startswith("zero_ext: "), (rank, out)
+        assert out["seconds"] < 15, (rank, out["seconds"])
+        assert "'moe.ffns." in error, error
+        assert "About unit" in error and "the modules in 'moe.ffns' (SparseMLP)" in error, error
+        assert "keep them in the unit of 'moe' (SparseLayer)" in error, error
+        assert "wrap(..., units={Block, SparseLayer})" in error, error
+        assert "as the default units policy does" not in error, error
+        assert out["suggested"][0] == "Block, SparseLayer", out
+        assert out["after"] is not None and len(out["after"]) == 3, out

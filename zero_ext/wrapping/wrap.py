@@ -27,6 +27,7 @@ from ..runtime.module import swap_module_class
 from ..optim.ownership import WHOLE, optimizer_sharding, plan_owners
 from ..optim.sharded_optimizer import shard_optimizer
 from ..tools import faults
+from .unit_advice import unit_advice
 from .units import Unit, assign_parameters, resolve_units
 from .reshard import plan_reshard
 from .arguments import Options, check_backend, check_launch, check_wrap_arguments, optimizer_list
@@ -330,6 +331,8 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
                        regather_groups[0].group_name if regather_groups else "", deferred is not None)
     if unit_names:
         core.set_unit_names(unit_names)
+        if topology.mesh_size > 1:  # for the errors that find ranks at different units
+            core.set_unit_advice(unit_advice(model, unit_list, default_policy=options.units is None))
         core.keep_gathered_after_forward(reshard.kept)
         core.reshard_to_subgroup(reshard.to_subgroup)
     header_groups: List[dist.ProcessGroup] = []
