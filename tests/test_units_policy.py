@@ -368,7 +368,92 @@ def test_wrap_gathers_a_listed_group_by_its_members_hooks():
     assert model(torch.ones(2, 4)).shape == (2, 2)
 
 
-# --- experts the default policy cannot tell: the error names what to pass -------
+# --- experts: recognized by their router, or named by the error ----------------
+
+class Gated(nn.Module):
+    """An MoE layer by structure only: its class and experts' names say nothing."""
+
+    def __init__(self, router: str, as_parameter: bool = False, expert: type = FFN):
+        super().__init__()
+        if as_parameter:
+            setattr(self, router, nn.Parameter(torch.zeros(8, 4)))
+        else:
+            setattr(self, router, nn.Linear(8, 4))
+        self.ffns = nn.ModuleList(expert() for _ in range(4))
+
+    def forward(self, x):
+        return sum(ffn(x) for ffn in self.ffns)
+
+
+@pytest.mark.parametrize("router,as_parameter", [
+    ("gate", False), ("router", False), ("switch", False), ("gating", False), ("w_gate", True),
+    ("router_weight", True), ("gate_linear", False),
+])
+def test_experts_beside_a_router_are_no_units(router, as_parameter):
+    """The MoE layer held by the model (outside any block) and in a block of
+    its own (its class does not repeat): no expert is a unit."""
+    model = nn.Module()
+    model.embed = nn.Linear(8, 8)
+    model.moe = Gated(router, as_parameter)
+    assert resolve_units(model, None, min_bytes=0) == [(model,)]
+    stack = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), Gated(router, as_parameter))
+    assert resolve_units(stack, None, min_bytes=0)[1:] == [(stack[0],), (stack[1],)]
+
+
+class GluFFN(nn.Module):
+    """A gated expert: its `gate` is a GLU's, not a router (no container beside it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(8, 8)
+        self.up = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.up(x) * torch.sigmoid(self.gate(x))
+
+
+class SparseMoeLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scorer = nn.Linear(8, 4)
+        self.ffns = nn.ModuleList(GluFFN() for _ in range(4))
+
+
+@pytest.mark.parametrize("layer", [lambda: Gated("gate", expert=GluFFN), SparseMoeLayer], ids=["router", "moe_class"])
+def test_gated_experts_are_experts_still(layer):
+    """Experts with a GLU `gate` of their own do not pass for MoE layers (the
+    rule that keeps the layers of an MoE model units must not see them)."""
+    model = nn.Module()
+    model.embed = nn.Linear(8, 8)
+    model.moe = layer()
+    assert resolve_units(model, None, min_bytes=0) == [(model,)]
+
+
+def test_a_gated_mlp_projection_is_no_router():
+    """`gate_proj` (a gated MLP's projection, as in Llama) beside a list of
+    layers does not make them experts."""
+    model = nn.Module()
+    model.gate_proj = nn.Linear(8, 8)
+    model.ffns = nn.ModuleList(FFN() for _ in range(3))
+    assert resolve_units(model, None, min_bytes=0)[1:] == [(f,) for f in model.ffns]
+
+
+def test_layers_beside_a_router_that_hold_mixtures_stay_units():
+    """A model with a router of its own whose layers each hold an MoE: the
+    layers are no experts."""
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = Gated("gate")
+
+        def forward(self, x):
+            return self.mlp(x)
+
+    model = nn.Module()
+    model.router = nn.Linear(8, 2)
+    model.layers = nn.ModuleList(Layer() for _ in range(2))
+    assert resolve_units(model, None, min_bytes=0)[1:] == [(layer,) for layer in model.layers]
+
 
 def test_unit_advice_names_the_caller_and_a_units_value():
     from units_scenarios import BlocksAndSparseLayer, SparseMLP

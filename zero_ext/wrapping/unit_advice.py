@@ -86,5 +86,5 @@ def _advice(model: nn.Module, units: List[Unit], scope: Tuple[nn.Module, ...], c
             f"stage 3 unit of its own: keep them in {where}: {how}; or run each of them on every rank.")
     if default_policy:
         text += (" (units=None tells experts by name: a container or class named like /expert/, or a caller "
-                 "named like /moe/; docs/stage3-units.md.)")
+                 "named like /moe/ or with a child named gate or router; docs/stage3-units.md.)")
     return text
