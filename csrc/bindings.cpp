@@ -107,6 +107,7 @@ TORCH_LIBRARY(zero_ext, m) {
       .def("enable_stall_diagnosis", &ShardedModel::enable_stall_diagnosis)
       .def("enable_collective_checks", &ShardedModel::enable_collective_checks)
       .def("set_unit_names", &ShardedModel::set_unit_names)
+      .def("set_unit_advice", &ShardedModel::set_unit_advice)
       .def("stall_queries", &ShardedModel::stall_queries)
       .def("post_whereabouts", &ShardedModel::post_whereabouts)
       .def("note_compute_copy_written", &ShardedModel::note_compute_copy_written)

@@ -31,8 +31,9 @@ uint64_t CollectiveId::hash() const {
 const char* divergence_causes() {
   return "Every rank must make the same calls on a wrapped model, in the same order: the same forwards (with "
          "the same modules run), backwards and steps. Typical causes: a module skipped by data on some ranks "
-         "that is a stage 3 unit of its own (an MoE expert that got no token: leave experts inside their "
-         "block's unit, as the default units policy does, or run every expert on every rank); a forward, "
+         "that is a stage 3 unit of its own (an MoE expert that got no token: keep the experts in the unit of "
+         "the module that routes to them, with a units= policy that selects that module and none of the "
+         "experts, or run every expert on every rank); a forward, "
          "generate() or state_dict() on one rank only (`if rank == 0:`; run it on every rank and write on rank "
          "0, or read weights with zero_ext.full_params(model) on every rank); evaluation or training loops of "
          "different lengths on different ranks (give every rank the same number of batches); no_sync() or "

@@ -622,6 +622,7 @@ void CollectiveSequence::fail_locked(const std::vector<Header>& all) {
   };
   if (differs(kSubject) || differs(kPurpose)) {
     out << "\nThey are about to exchange different data: each rank ran different modules here.";
+    out << data_.advice(out.str());
   } else if (differs(kRoundKey) || differs(kType)) {
     out << "\nThey are in different phases of training (a forward with and without grad, a backward, a step).";
   } else if (differs(kStep)) {

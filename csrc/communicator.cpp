@@ -57,6 +57,14 @@ void Communicator::enable_sequence_checks(
   sequence_ = std::make_shared<CollectiveSequence>(*this, kDescriptions[slot], header_group_name,
                                                    static_cast<GroupSlot>(slot + kDataSlots), counts_, std::move(order),
                                                    in_order, std::move(describe), std::move(progress));
+  sequence_->headers().set_advice(advise_);
+}
+
+void Communicator::set_advice(std::function<std::string(const std::string&)> advise) {
+  advise_ = std::move(advise);
+  if (sequence_) {
+    sequence_->headers().set_advice(advise_);
+  }
 }
 
 void Communicator::begin_round(int64_t key, const std::string& label) {
@@ -270,12 +278,13 @@ void Communicator::enable_stall_diagnosis(double seconds, const std::string& key
   replicas_ = replicas;
   shard_size_ = shard_size;
   subgroup_size_ = subgroup_size;
-  store_ = group_->getStore();
   // A model's groups each prefix their store; the base store lets a rank
   // stalled on the gather group see one stalled on the reduction group.
-  if (auto prefixed = c10::dynamic_intrusive_pointer_cast<c10d::PrefixStore>(store_)) {
-    store_ = prefixed->getUnderlyingNonPrefixStore();
+  c10::intrusive_ptr<c10d::Store> store = group_->getStore();
+  if (auto prefixed = c10::dynamic_intrusive_pointer_cast<c10d::PrefixStore>(store)) {
+    store = prefixed->getUnderlyingNonPrefixStore();
   }
+  store_ = std::make_shared<DiagnosisStore>(std::move(store));
   stall_interval_ = std::chrono::milliseconds(timed_waits ? static_cast<int64_t>(seconds * 1000) : 0);
   stall_keys_ = "zero_ext_stall/" + key_space + "/rank";
   query_key_ = "zero_ext_stall/" + key_space + "/query";
@@ -530,10 +539,11 @@ void Communicator::diagnose_stall(const c10::intrusive_ptr<c10d::Work>& work, in
     }
     out << ")";
   }
+  const std::string ranks = out.str();
   TORCH_CHECK(false, "zero_ext: the ranks are stalled waiting for each other in collectives that none of them "
               "can finish, so they took different paths through the training loop (a different number of "
-              "forward or backward passes or steps, or modules run on some ranks only):", out.str(),
-              "\nThis rank stops here instead of waiting out the timeout. ", divergence_causes());
+              "forward or backward passes or steps, or modules run on some ranks only):", ranks,
+              advice(ranks), "\nThis rank stops here instead of waiting out the timeout. ", divergence_causes());
 }
 
 void Communicator::wait(const c10::intrusive_ptr<c10d::Work>& submitted,
@@ -566,7 +576,11 @@ void Communicator::wait(const c10::intrusive_ptr<c10d::Work>& submitted,
     const int64_t seq = seq_of(work);
     auto pause = stall_interval_;
     while (true) {
-      diagnose_stall(work, seq, described);
+      try {
+        diagnose_stall(work, seq, described);
+      } catch (const StoreUnreachable&) {
+        break;  // its host is gone (a peer died): the wait below fails, or completes
+      }
       if (work->isCompleted()) {
         break;
       }
@@ -596,7 +610,11 @@ void Communicator::wait(const c10::intrusive_ptr<c10d::Work>& submitted,
   }
   forget_seq(work);
   if (stalled) {
-    store_->set(stall_keys_ + std::to_string(mesh_ranks_[rank_]), std::vector<uint8_t>());  // no longer stalled
+    try {
+      store_->set(stall_keys_ + std::to_string(mesh_ranks_[rank_]), std::vector<uint8_t>());  // no longer stalled
+    } catch (const StoreUnreachable&) {
+      // nobody is left to read it
+    }
   }
 }
 

@@ -28,6 +28,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "collective_id.h"
+#include "diagnosis_store.h"
 #include "step_gate.h"
 
 namespace zero_ext {
@@ -113,6 +114,11 @@ class Communicator {
                               std::function<std::string(const CollectiveId&, const std::string&)> describe,
                               std::function<Progress()> progress);
   bool sequence_checked() const { return static_cast<bool>(sequence_); }
+  // `advise(report)`: what to add to an error that finds the ranks apart,
+  // about the units its report names (Layout::advice_for); shared with the
+  // header group of the sequence checks.
+  void set_advice(std::function<std::string(const std::string&)> advise);
+  std::string advice(const std::string& report) const { return advise_ ? advise_(report) : std::string(); }
   // The caller enters a new phase (a forward, a backward, a step, a call
   // from Python): the next collective starts a round of this kind. Free
   // when no collective follows.
@@ -201,6 +207,7 @@ class Communicator {
   std::shared_ptr<IssueCounts> counts_;
   std::atomic<int64_t> issued_{0};
   std::shared_ptr<CollectiveSequence> sequence_;
+  std::function<std::string(const std::string&)> advise_;
   // Works in flight and their position in this group's sequence, for the
   // stall diagnosis (pruned at wait; bounded).
   mutable std::mutex seq_mutex_;
@@ -227,7 +234,7 @@ class Communicator {
   std::string whereabouts_keys_;
   std::string report_key_;
   std::vector<int64_t> mesh_ranks_;  // of the members, by group rank
-  c10::intrusive_ptr<c10d::Store> store_;
+  std::shared_ptr<DiagnosisStore> store_;  // throws StoreUnreachable, quietly, once the store is gone
 
   mutable bool failed_ = false;
 

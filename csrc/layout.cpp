@@ -182,6 +182,36 @@ std::string Layout::describe_bucket(int64_t b, const std::string& where) const {
   return out.str();
 }
 
+std::string Layout::advice_for(const std::string& report) const {
+  std::vector<std::string> named;
+  std::vector<std::string> advice;
+  const size_t units = std::min(unit_advice_.size(), unit_names_.size());
+  for (size_t u = 0; u < units; ++u) {
+    // describe_unit's rendering: "unit 1 '" never matches inside "unit 11 '"
+    if (unit_advice_[u].empty() || report.find("unit " + std::to_string(u) + " '" + unit_names_[u] + "'") ==
+                                       std::string::npos) {
+      continue;
+    }
+    named.push_back("'" + unit_names_[u] + "'");
+    if (std::find(advice.begin(), advice.end(), unit_advice_[u]) == advice.end()) {
+      advice.push_back(unit_advice_[u]);
+    }
+  }
+  if (named.empty()) {
+    return {};
+  }
+  std::ostringstream out;
+  out << "\nAbout unit" << (named.size() > 1 ? "s " : " ");
+  for (size_t i = 0; i < named.size(); ++i) {
+    out << (i == 0 ? "" : i + 1 == named.size() ? " and " : ", ") << named[i];
+  }
+  out << ":";
+  for (const std::string& text : advice) {
+    out << " " << text;
+  }
+  return out.str();
+}
+
 std::string Layout::describe_unit(int64_t u) const {
   std::ostringstream out;
   out << "unit " << u;

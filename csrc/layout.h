@@ -131,6 +131,12 @@ class Layout {
   std::string describe_unit(int64_t u) const;
   // Stage 3: each unit's module path (root ""), for messages only.
   void set_unit_names(std::vector<std::string> names) { unit_names_ = std::move(names); }
+  // Stage 3: per unit, what to do if it runs on some ranks only ("": nothing
+  // to add), from zero_ext/wrapping/unit_advice.py; for messages only.
+  void set_unit_advice(std::vector<std::string> advice) { unit_advice_ = std::move(advice); }
+  // For an error that names units as describe_unit renders them: those units
+  // with advice, and their advice (each text once); "" if none.
+  std::string advice_for(const std::string& report) const;
 
  private:
   std::vector<ShardPiece> pieces_of(int64_t rank, int64_t shard_elements_per_rank, bool trainable_only) const;
@@ -151,6 +157,7 @@ class Layout {
   std::vector<ShardPiece> segments_;
   std::vector<std::vector<int64_t>> unit_buckets_;
   std::vector<std::string> unit_names_;
+  std::vector<std::string> unit_advice_;
 };
 
 } // namespace zero_ext

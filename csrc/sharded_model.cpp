@@ -560,6 +560,16 @@ void ShardedModel::set_unit_names(std::vector<std::string> names) {
   layout_.set_unit_names(std::move(names));
 }
 
+void ShardedModel::set_unit_advice(std::vector<std::string> advice) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  layout_.set_unit_advice(std::move(advice));
+  // Read only by a failing wait or sequence check, after wrap() set it.
+  auto advise = [this](const std::string& report) { return layout_.advice_for(report); };
+  for (Communicator* comm : {&comm_, &gather_comm_, &regather_comm_, &replica_comm_}) {
+    comm->set_advice(advise);
+  }
+}
+
 std::string ShardedModel::describe_collective(const CollectiveId& id, const std::string& label) const {
   const std::string op = op_name(id.op);
   const bool bucket = id.subject >= 0 && id.subject < layout_.num_buckets();

@@ -156,6 +156,8 @@ class ShardedModel : public torch::CustomClassHolder {
                                 std::string replica_headers, std::string regather_headers);
   // Stage 3: each unit's module path, for messages.
   void set_unit_names(std::vector<std::string> names);
+  // Per unit, what to do if it runs on some ranks only (see Layout::advice_for).
+  void set_unit_advice(std::vector<std::string> advice);
   // [Note: whereabouts] in communicator.h: called from the answering thread,
   // touch only the store (never the model's state), so they need no lock.
   int64_t stall_queries() const;

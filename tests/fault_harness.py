@@ -7,7 +7,8 @@ see whether the other ranks end by themselves, and how long they take. A rank
 that raises writes its error and leaves with os._exit (tearing down the
 process group could block on a dead peer). A victim rank calls
 ``record_fault()`` just before it kills itself or raises, so the parent can
-time every other rank's exit from the fault.
+time every other rank's exit from the fault. Each rank's standard error
+(C++ warnings too) is captured into RankEnd.stderr, and echoed.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import datetime
 import importlib
 import json
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -46,16 +48,18 @@ def linger_until_the_others_end(world: int, rank: int, at_most_s: float) -> None
         time.sleep(0.1)
 
 
-def _rank_main(rank: int, world: int, tmp: str, target: str, args: tuple) -> None:
+def _rank_main(rank: int, world: int, tmp: str, target: str, args: tuple, init_method: str) -> None:
     global _fault_file
     _fault_file = os.path.join(tmp, "fault.json")
     out_file = os.path.join(tmp, f"rank{rank}.json")
+    # fd 2 itself, so what C++ (c10 logging, gloo) writes is captured too
+    os.dup2(os.open(os.path.join(tmp, f"rank{rank}.stderr"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
     try:
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'rdv')}", rank=rank,
+        dist.init_process_group("gloo", init_method=init_method or f"file://{os.path.join(tmp, 'rdv')}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=120))
         module_name, fn_name = target.split(":")
         result = getattr(importlib.import_module(module_name), fn_name)(rank, world, *args)
@@ -77,14 +81,27 @@ class RankEnd:
     error: Optional[str]
     result: Any
     seconds_after_fault: Optional[float]
+    stderr: str = ""  # everything the rank wrote to its standard error
 
 
-def run_with_fault(world: int, target: str, args: tuple = (), deadline_s: float = 120.0) -> List[RankEnd]:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_with_fault(world: int, target: str, args: tuple = (), deadline_s: float = 120.0,
+                   store: str = "file") -> List[RankEnd]:
     """Calls ``module:function(rank, world, *args)`` on `world` ranks and
-    waits (at most deadline_s) for every rank to exit by itself."""
+    waits (at most deadline_s) for every rank to exit by itself. `store`:
+    "file" (a FileStore) or "tcp" (a TCPStore hosted by rank 0, as torchrun's
+    env:// gives: rank 0's death takes the store with it)."""
+    if store not in ("file", "tcp"):
+        raise ValueError(f"store must be 'file' or 'tcp', not {store!r}")
+    init_method = f"tcp://127.0.0.1:{_free_port()}" if store == "tcp" else ""
     ctx = rank_context()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [start_rank(ctx, _rank_main, (r, world, tmp, target, args)) for r in range(world)]
+        procs = [start_rank(ctx, _rank_main, (r, world, tmp, target, args, init_method)) for r in range(world)]
         end = time.monotonic() + deadline_s
         exit_times = [None] * world
         while time.monotonic() < end and any(t is None for t in exit_times):
@@ -108,11 +125,18 @@ def run_with_fault(world: int, target: str, args: tuple = (), deadline_s: float 
             if os.path.exists(path):
                 with open(path) as f:
                     outcome = json.load(f)
+            stderr = ""
+            if os.path.exists(os.path.join(tmp, f"rank{r}.stderr")):
+                with open(os.path.join(tmp, f"rank{r}.stderr"), errors="replace") as f:
+                    stderr = f.read()
+                if stderr:
+                    print(f"[rank {r} stderr]\n{stderr}", file=sys.stderr)
             if outcome.get("traceback"):
                 print(f"[rank {r}] {outcome['traceback']}", file=sys.stderr)
             ended = exit_times[r]
             ends.append(RankEnd(
                 rank=r, exitcode=None if r in hung else p.exitcode, error=outcome.get("error"),
                 result=outcome.get("result"),
-                seconds_after_fault=None if ended is None or fault_time is None else ended - fault_time))
+                seconds_after_fault=None if ended is None or fault_time is None else ended - fault_time,
+                stderr=stderr))
         return ends

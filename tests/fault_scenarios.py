@@ -41,15 +41,17 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def kill_or_raise(rank: int, world: int, stage: int, point: str, timeout: float, steps: int = 6) -> str:
+def kill_or_raise(rank: int, world: int, stage: int, point: str, timeout: float, steps: int = 6,
+                  victim_rank: int = VICTIM) -> str:
     """point: kill_forward, kill_backward, kill_step (SIGKILL on the victim in
     the middle of that phase) or raise_forward (an exception escapes the
-    victim's forward and ends its process)."""
+    victim's forward and ends its process). `victim_rank` 0 takes a TCPStore
+    it hosts down with it."""
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = zero_ext.wrap(model, opt, stage=stage, timeout=timeout)
     current = {"step": 0}
-    victim = rank == VICTIM
+    victim = rank == victim_rank
 
     def at_fault() -> bool:
         return victim and current["step"] == FAULT_STEP

@@ -54,6 +54,23 @@ def test_a_rank_that_dies_or_raises_ends_every_rank(world, stage, point):
             assert e.error.startswith("RuntimeError: zero_ext: ") and "failed on rank" in e.error, e.error
 
 
+def test_the_death_of_the_store_host_leaves_only_zero_ext_error():
+    """Rank 0 hosts the TCPStore (tcp:// and torchrun's env:// alike) and is
+    killed in a forward: the survivor ends with zero_ext's error, and its
+    standard error holds no c10d warning of the broken store connection
+    ("recvValue failed", "sendBytes failed", each with a C++ stack trace)
+    from zero_ext's own store calls."""
+    ends = run_with_fault(2, "fault_scenarios:kill_or_raise", (3, "kill_forward", TIMEOUT, 6, 0),
+                          deadline_s=BOUND + 30, store="tcp")
+    report("world 2, stage 3, rank 0 (the store's host) killed in forward", ends)
+    assert_everyone_ended_in_time(ends)
+    victim, survivor = ends
+    assert victim.exitcode == -9
+    assert survivor.exitcode == 1 and survivor.error.startswith("RuntimeError: zero_ext: "), survivor.error
+    for trace in ("recvValue", "sendBytes", "TCPStore", "Exception raised from", "frame #"):
+        assert trace not in survivor.stderr, survivor.stderr
+
+
 # Both points in stage 3 (hooks and epilogue both gather and release), one
 # each in stages 0 and 2 (the DDP layout and the sharded one).
 @pytest.mark.parametrize("stage,point", [(0, "epilogue"), (2, "grad_hook"), (3, "grad_hook"), (3, "epilogue")])

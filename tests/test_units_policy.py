@@ -366,3 +366,132 @@ def test_wrap_gathers_a_listed_group_by_its_members_hooks():
     hooked = [name for name, m in model.named_modules() if m.__dict__.get("_zero_ext_forward_hooks")]
     assert hooked == ["", "embed", "blocks.0", "blocks.1", "blocks.2", "norm", "head"]
     assert model(torch.ones(2, 4)).shape == (2, 2)
+
+
+# --- experts: recognized by their router, or named by the error ----------------
+
+class Gated(nn.Module):
+    """An MoE layer by structure only: its class and experts' names say nothing."""
+
+    def __init__(self, router: str, as_parameter: bool = False, expert: type = FFN):
+        super().__init__()
+        if as_parameter:
+            setattr(self, router, nn.Parameter(torch.zeros(8, 4)))
+        else:
+            setattr(self, router, nn.Linear(8, 4))
+        self.ffns = nn.ModuleList(expert() for _ in range(4))
+
+    def forward(self, x):
+        return sum(ffn(x) for ffn in self.ffns)
+
+
+@pytest.mark.parametrize("router,as_parameter", [
+    ("gate", False), ("router", False), ("switch", False), ("gating", False), ("w_gate", True),
+    ("router_weight", True), ("gate_linear", False),
+])
+def test_experts_beside_a_router_are_no_units(router, as_parameter):
+    """The MoE layer held by the model (outside any block) and in a block of
+    its own (its class does not repeat): no expert is a unit."""
+    model = nn.Module()
+    model.embed = nn.Linear(8, 8)
+    model.moe = Gated(router, as_parameter)
+    assert resolve_units(model, None, min_bytes=0) == [(model,)]
+    stack = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), Gated(router, as_parameter))
+    assert resolve_units(stack, None, min_bytes=0)[1:] == [(stack[0],), (stack[1],)]
+
+
+class GluFFN(nn.Module):
+    """A gated expert: its `gate` is a GLU's, not a router (no container beside it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(8, 8)
+        self.up = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.up(x) * torch.sigmoid(self.gate(x))
+
+
+class SparseMoeLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scorer = nn.Linear(8, 4)
+        self.ffns = nn.ModuleList(GluFFN() for _ in range(4))
+
+
+@pytest.mark.parametrize("layer", [lambda: Gated("gate", expert=GluFFN), SparseMoeLayer], ids=["router", "moe_class"])
+def test_gated_experts_are_experts_still(layer):
+    """Experts with a GLU `gate` of their own do not pass for MoE layers (the
+    rule that keeps the layers of an MoE model units must not see them)."""
+    model = nn.Module()
+    model.embed = nn.Linear(8, 8)
+    model.moe = layer()
+    assert resolve_units(model, None, min_bytes=0) == [(model,)]
+
+
+def test_a_gated_mlp_projection_is_no_router():
+    """`gate_proj` (a gated MLP's projection, as in Llama) beside a list of
+    layers does not make them experts."""
+    model = nn.Module()
+    model.gate_proj = nn.Linear(8, 8)
+    model.ffns = nn.ModuleList(FFN() for _ in range(3))
+    assert resolve_units(model, None, min_bytes=0)[1:] == [(f,) for f in model.ffns]
+
+
+def test_layers_beside_a_router_that_hold_mixtures_stay_units():
+    """A model with a router of its own whose layers each hold an MoE: the
+    layers are no experts."""
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = Gated("gate")
+
+        def forward(self, x):
+            return self.mlp(x)
+
+    model = nn.Module()
+    model.router = nn.Linear(8, 2)
+    model.layers = nn.ModuleList(Layer() for _ in range(2))
+    assert resolve_units(model, None, min_bytes=0)[1:] == [(layer,) for layer in model.layers]
+
+
+def test_unit_advice_names_the_caller_and_a_units_value():
+    from units_scenarios import BlocksAndSparseLayer, SparseMLP
+    from zero_ext.wrapping.unit_advice import unit_advice
+
+    model = BlocksAndSparseLayer()
+    units = resolve_units(model, None, min_bytes=0)
+    assert [u[0] for u in units[1:]] == [*model.blocks, *model.moe.ffns]  # the experts' names are unknown to it
+    advice = unit_advice(model, units, default_policy=True)
+    assert advice[0] == "" and len(advice) == len(units)
+    expert = advice[1 + len(model.blocks)]
+    assert "the modules in 'moe.ffns' (SparseMLP)" in expert
+    assert "the unit of 'moe' (SparseLayer)" in expert and "units={Block, SparseLayer}" in expert
+    assert all(a == expert for a in advice[1 + len(model.blocks):])  # the same for every expert
+    # explicit units={SparseMLP}: the caller alone
+    units = resolve_units(model, {SparseMLP}, min_bytes=0)
+    assert "units={SparseLayer}" in unit_advice(model, units, default_policy=False)[1]
+
+
+def test_an_expert_skipped_on_one_rank_names_its_units_and_what_to_pass():
+    """Experts the default policy cannot recognize (`ffns` of SparseMLP,
+    routed by a `scorer`), skipped differently per rank: every rank stops
+    within seconds with zero_ext's error naming the experts' units, their
+    caller and the units= to pass, and no longer claims the default policy
+    kept them in their block; a model wrapped with that units= trains
+    through the same routing."""
+    from dist_harness import run_on_ranks
+
+    outcomes = run_on_ranks(2, "units_scenarios:unrecognized_experts_skipped", deadline_s=240)
+    for rank, out in enumerate(outcomes):
+        error = out["error"]
+        assert out["units"] == 1 + 3 + 4, out  # root, 3 blocks, 4 experts
+        assert error is not None and error.startswith("zero_ext: "), (rank, out)
+        assert out["seconds"] < 15, (rank, out["seconds"])
+        assert "'moe.ffns." in error, error
+        assert "About unit" in error and "the modules in 'moe.ffns' (SparseMLP)" in error, error
+        assert "keep them in the unit of 'moe' (SparseLayer)" in error, error
+        assert "wrap(..., units={Block, SparseLayer})" in error, error
+        assert "as the default units policy does" not in error, error
+        assert out["suggested"][0] == "Block, SparseLayer", out
+        assert out["after"] is not None and len(out["after"]) == 3, out

@@ -11,7 +11,9 @@ with a loss of their own, no-grad forwards, experts inside blocks). One more
 keeps one unit per block and checks what the default policy must not choose
 (see zero_ext/wrapping/units.py): blocks kept as ModuleDicts, which have no forward of
 their own. MoE experts that routing skips differently per rank:
-tests/real_models_scenarios.py.
+tests/real_models_scenarios.py; experts the default policy cannot recognize,
+skipped on one rank (the error names the units= to pass):
+unrecognized_experts_skipped, run on its own by tests/test_units_policy.py.
 """
 from __future__ import annotations
 
@@ -355,6 +357,106 @@ SCENARIOS: Dict[str, Callable[[ps.Context], None]] = {
         module_dict_blocks,
     ]
 }
+
+# --- experts the default policy cannot tell: the error says what to pass -------
+
+class SparseMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(DIM, DIM)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.up(h))
+
+
+class SparseLayer(nn.Module):
+    """Top-1 routing by a gate named `scorer` to experts in `ffns`: no name
+    the default policy knows, so each expert is a unit of its own.
+    `only`: the experts this forward may pick."""
+
+    def __init__(self):
+        super().__init__()
+        self.scorer = nn.Linear(DIM, 4, bias=False)
+        self.ffns = nn.ModuleList(SparseMLP() for _ in range(4))
+        self.only: Optional[list] = None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        tokens = h.reshape(-1, DIM)
+        logits = self.scorer(tokens)
+        if self.only is not None:
+            mask = torch.full((4,), float("-inf"))
+            mask[self.only] = 0.0
+            logits = logits + mask
+        weight, choice = logits.softmax(-1).max(-1)
+        out = torch.zeros_like(tokens)
+        for i, ffn in enumerate(self.ffns):
+            picked = choice == i
+            if picked.any():
+                out = out.index_put((picked,), ffn(tokens[picked]) * weight[picked, None])
+        return out.reshape(h.shape)
+
+
+class BlocksAndSparseLayer(Blocks):
+    """The parity Blocks (units) with an MoE outside any block, before the head."""
+
+    def __init__(self):
+        super().__init__()
+        self.moe = SparseLayer()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h + self.moe(h))
+
+
+def unrecognized_experts_skipped(rank: int, world: int) -> dict:
+    """The default policy makes each of `moe.ffns` a unit; at step 1 rank 0
+    routes to experts 0-1, the others to 2-3. Every rank must stop with
+    zero_ext's error, naming the units and a units= value; a model wrapped
+    with that value then trains through the same routing."""
+    import re
+    import time
+
+    def train(model, opt, parting_step: int) -> list:
+        losses = []
+        for step in range(3):
+            if step == parting_step:
+                model.moe.only = [0, 1] if rank == 0 else [2, 3]
+            g = torch.Generator().manual_seed(900 + step)
+            tokens = torch.randint(0, VOCAB, (world * BATCH, SEQ + 1), generator=g)[rank * BATCH:(rank + 1) * BATCH]
+            loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+        return losses
+
+    torch.manual_seed(0)
+    model = BlocksAndSparseLayer()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = zero_ext.wrap(model, opt, stage=3, bucket_mb=ONE_UNIT_PER_BLOCK_MB, timeout=20.0)
+    units = model._zero_ext.core.stats()["units"]
+    started = time.monotonic()
+    try:
+        train(model, opt, parting_step=1)
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    seconds = time.monotonic() - started
+    suggested = re.findall(r"units=\{([^}]*)\}", error or "")
+    classes = {c.__name__: c for c in (Block, SparseLayer, SparseMLP, nn.Linear, nn.Embedding)}
+    after = None
+    if suggested:
+        torch.manual_seed(0)
+        model = BlocksAndSparseLayer()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        policy = {classes[name.strip()] for name in suggested[0].split(",")}
+        model, opt = zero_ext.wrap(model, opt, stage=3, bucket_mb=ONE_UNIT_PER_BLOCK_MB, units=policy,
+                                   timeout=20.0)
+        after = train(model, opt, parting_step=1)
+    return {"units": units, "error": error, "seconds": seconds, "suggested": suggested, "after": after}
+
 
 _REFERENCES: Dict[tuple, list] = {}
 

@@ -238,9 +238,10 @@ class Diagnostics(_Handle):
     set_test_fault: Callable[[str, int], None]  # point, step
     log_issues: Callable[[bool], None]
     take_issue_log: Callable[[], List[str]]
+    set_unit_advice: Callable[[List[str]], None]  # per unit: what an error that names it advises
 
     BOUND = ("failed", "enable_stall_diagnosis", "stall_queries", "post_whereabouts", "enable_collective_checks",
-             "set_test_fault", "log_issues", "take_issue_log")
+             "set_test_fault", "log_issues", "take_issue_log", "set_unit_advice")
 
     def stats(self) -> CoreStats:
         return CoreStats.from_core(dict(self._core.stats()))

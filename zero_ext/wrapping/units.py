@@ -34,11 +34,20 @@ forward of its own is never called, so its hooks never gather it. Hence:
   block's children.
 - A container of experts is never a unit, nor is anything in it: one whose
   attribute name, or a child's class name, matches /expert/i, or one owned
-  by a module whose class name matches /moe|mixture.?of.?experts/i, unless
-  its children hold a mixture themselves (then they are the layers of an MoE
-  model, e.g. transformers' Qwen2MoeModel.layers of Qwen2MoeDecoderLayer).
-  This matters for an MoE outside any block; inside a block the first rule
-  already keeps its experts in the block's unit.
+  by a router: a module whose class name matches /moe|mixture.?of.?experts/i,
+  or that has, beside the container, a child module or parameter named like
+  a router (`_ROUTER`: gate, router, gating, routing, switch; w_gate,
+  router_weight, gate_linear, ...; a `gate` without a container beside it
+  is a gated MLP's), unless the container's children hold a mixture (then they
+  are the layers of an MoE model, e.g. transformers' Qwen2MoeModel.layers of
+  Qwen2MoeDecoderLayer). This matters for an MoE outside any block, or in a
+  block whose class does not repeat; inside a repeated block the first rule
+  already keeps its experts in the block's unit. Experts named otherwise
+  (`ffns` of `SparseMLP` beside a `scorer`) are not recognized: a rank that
+  skips one stops every rank with an error naming the unit and the units=
+  to pass (zero_ext/wrapping/unit_advice.py). A name is all there is to go
+  on: the policy runs before any forward, and which modules data skips shows
+  only in forwards, differently per rank.
 - ModuleDicts and other modules that are not blocks are looked into, so
   nanoGPT's transformer.h (a ModuleList inside a ModuleDict) is found.
 
@@ -69,6 +78,11 @@ Unit = Tuple[nn.Module, ...]  # its member modules: one, or siblings (children o
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 _EXPERT = re.compile(r"expert", re.IGNORECASE)
 _MIXTURE = re.compile(r"moe|mixture.?of.?experts", re.IGNORECASE)
+# A router's attribute name (Mixtral's and DeepSeek's `gate`, Switch
+# Transformers' `router`, fairseq's `gate`, GShard's `w_gate`); not
+# `gate_proj`, the gated MLP's projection.
+_ROUTER = re.compile(r"^(w_)?(gate|gating|router|routing|switch)(_(weight|linear|layer|net|network))?$",
+                     re.IGNORECASE)
 
 
 def _param_bytes(module: nn.Module) -> int:
@@ -115,11 +129,24 @@ def _has_own_forward(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward
 
 
+def _routes(module: nn.Module) -> bool:
+    """Whether `module` looks like an MoE layer: its class name, or a
+    container child beside a child module with parameters, or a parameter
+    of its own, named like a router. A gated MLP or residual (a `gate`
+    Linear and no container: the parity suite's Block, an expert's own
+    GLU) is none."""
+    if _MIXTURE.search(type(module).__name__):
+        return True
+    if not any(isinstance(c, _CONTAINERS) for c in module.children()):
+        return False
+    return (any(_ROUTER.match(n) and _has_params(c) for n, c in module.named_children())
+            or any(_ROUTER.match(n) for n, _ in module.named_parameters(recurse=False)))
+
+
 def _holds_mixture(module: nn.Module) -> bool:
-    """Whether `module`'s subtree holds an MoE (by class name) or experts (by
-    attribute name): a layer of an MoE model, not one of its experts."""
-    return any(_MIXTURE.search(type(m).__name__) or _EXPERT.search(name.rpartition(".")[2])
-               for name, m in module.named_modules())
+    """Whether `module`'s subtree holds an MoE (by class name or router) or
+    experts (by attribute name): a layer of an MoE model, not one of its experts."""
+    return any(_routes(m) or _EXPERT.search(name.rpartition(".")[2]) for name, m in module.named_modules())
 
 
 def _holds_experts(owner: nn.Module, name: str, container: nn.Module) -> bool:
@@ -128,7 +155,7 @@ def _holds_experts(owner: nn.Module, name: str, container: nn.Module) -> bool:
     children = list(container.children())
     if _EXPERT.search(name) or any(_EXPERT.search(type(c).__name__) for c in children):
         return True
-    return bool(_MIXTURE.search(type(owner).__name__)) and not any(_holds_mixture(c) for c in children)
+    return _routes(owner) and not any(_holds_mixture(c) for c in children)
 
 
 def _members_of_forwardless_block(block: nn.Module, taken: Set[int]) -> Unit:

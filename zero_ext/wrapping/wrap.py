@@ -21,6 +21,7 @@ from ..groups import stall_query as whereabouts
 from ..optim import WHOLE, optimizer_sharding, plan_owners, shard_optimizer
 from ..runtime import ZeroState, install_forward_hooks, swap_module_class
 from ..tools import CoreHandles, __version__, attach_state, core_loader, faults
+from .unit_advice import unit_advice
 from .units import Unit, assign_parameters, resolve_units
 from .reshard import plan_reshard
 from .arguments import Options, check_backend, check_launch, check_wrap_arguments, optimizer_list
@@ -328,6 +329,8 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
     handles = CoreHandles.of(core)
     if unit_names:
         handles.units.set_unit_names(unit_names)
+        if topology.mesh_size > 1:  # for the errors that find ranks at different units
+            handles.diagnostics.set_unit_advice(unit_advice(model, unit_list, default_policy=options.units is None))
         handles.units.keep_gathered_after_forward(reshard.kept)
         handles.units.reshard_to_subgroup(reshard.to_subgroup)
     header_groups: List[dist.ProcessGroup] = []
