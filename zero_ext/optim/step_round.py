@@ -7,7 +7,7 @@ the loss scale moves once), and when the gradients are zeroed (the core
 zeroes a model's gradients together). A round opens at the first
 optimizer's step after a backward and closes once every optimizer of the
 model has stepped:
-- the first step decides (core.begin_step), the others take its decision;
+- the first step decides (the core's begin_step), the others take its decision;
   an optimizer stepping again in an open round opens a new one;
 - zero_grad() of an optimizer that has stepped, while another has not yet
   in the open round, waits for it, and runs right after its step (the usual loop

@@ -286,8 +286,8 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     finally:
         if checkpoint is not None:
             checkpoint.close()
-    state.core.zero_grad(True)
-    state.core.refresh_params_from_shards()  # collective: every rank got here
+    state.handles.reduction.zero_grad(True)
+    state.handles.checkpoint.refresh_params_from_shards()  # collective: every rank got here
     scaler = meta.loss_scaler
-    state.core.restore_loss_scaler(float(scaler.scale), scaler.clean_steps, scaler.skipped_steps)
+    state.handles.checkpoint.restore_loss_scaler(float(scaler.scale), scaler.clean_steps, scaler.skipped_steps)
     return extra

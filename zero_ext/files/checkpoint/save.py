@@ -174,7 +174,7 @@ def _stored_dtypes(model, state, pieces: List[Piece]) -> Dict[str, str]:
     one (no pieces), what a piece of it would have been."""
     out = {p.name: p.dtype for p in pieces if p.kind == "param"}
     bucketed = {id(p) for p in state.bucketed}
-    masters = state.core.has_masters()
+    masters = state.handles.optimizer.has_masters()
     for n, p in model.named_parameters():
         if n not in out:
             out[n] = files.dtype_name(torch.float32 if masters and id(p) in bucketed else p.dtype)
@@ -196,7 +196,7 @@ def _metadata(model, optimizer, state, token: str, pieces: List[Piece], sizes: D
         i = index.get(id(p))
         params.append(ParamMeta(n, tuple(aliases[id(p)]), tuple(p.shape), dtypes[n], p.requires_grad,
                                 group_of.get(i) if i is not None else None))
-    scale, clean, skipped = state.core.loss_scaler_state()
+    scale, clean, skipped = state.handles.checkpoint.loss_scaler_state()
     return CheckpointMeta(
         token=token, world_size=state.mesh_size, stage=state.stage,
         compute_dtype=None if state.compute_dtype is None else files.dtype_name(state.compute_dtype),

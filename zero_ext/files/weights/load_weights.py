@@ -261,6 +261,6 @@ def load_weights(model: torch.nn.Module, source, strict: bool = True) -> LoadedW
     finally:
         if opened is not None:
             opened.close()
-    state.core.zero_grad(True)
-    state.core.refresh_params_from_shards()  # collective: every rank got here
+    state.handles.reduction.zero_grad(True)
+    state.handles.checkpoint.refresh_params_from_shards()  # collective: every rank got here
     return LoadedWeights(missing, unexpected, bytes_read)

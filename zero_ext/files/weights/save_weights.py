@@ -40,7 +40,7 @@ def _entries(model, state, dtype: Optional[torch.dtype]):
         return dtype if dtype is not None and t_dtype.is_floating_point else t_dtype
 
     # Without mixed precision the model's own dtype; with it, the masters' (fp32).
-    masters = state.core.has_masters()
+    masters = state.handles.optimizer.has_masters()
     out: List[Tuple[str, torch.dtype, Tuple[int, ...], object]] = []
     for i, (name, p) in enumerate(zip(state.bucketed_names, state.bucketed)):
         out.append((name, cast(torch.float32 if masters else p.dtype), tuple(p.shape), ("bucketed", i)))
@@ -81,10 +81,10 @@ def save_weights(model: torch.nn.Module, path, dtype: Optional[torch.dtype] = No
         except BaseException as e:  # noqa: BLE001 - reported to every rank below
             error = e
 
-    layout = state.core.bucket_layout()  # (first, count, padded) per bucket
+    layout = state.handles.reduction.bucket_layout()  # (first, count, padded) per bucket
     for b in range(len(layout) // 3):
         first, count = layout[3 * b], layout[3 * b + 1]
-        values = state.core.full_masters_of([b])  # collective: every rank gathers this bucket
+        values = state.handles.checkpoint.full_masters_of([b])  # collective: every rank gathers this bucket
         for k in range(count):
             put(first + k, values[k])
         del values
@@ -151,7 +151,7 @@ def export_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     from one). Collective under mixed precision or at stage 3: every rank
     calls it."""
     state = state_of(model)
-    if not state.core.has_masters():
+    if not state.handles.optimizer.has_masters():
         return model.state_dict()
     full = collections.OrderedDict(full_state_dict(model))
     first: Dict[int, torch.Tensor] = {}
@@ -217,7 +217,7 @@ class PretrainedExport:
                 "uploads before zero_ext writes config.json's dtype and class as the unwrapped model would. "
                 "Call save_pretrained(directory) on every rank, then upload the directory from one rank "
                 "(huggingface_hub.upload_folder)")
-        if where.get("state_dict") is None and state_of(model).core.has_masters():
+        if where.get("state_dict") is None and state_of(model).handles.optimizer.has_masters():
             where["state_dict"] = export_state_dict(model)  # collective: before any rank writes
         result = self._function(*bound.args, **bound.kwargs)
         if self._library == "transformers" and not getattr(model, "_hf_peft_config_loaded", False):
