@@ -23,14 +23,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zero_ext
-from parity_scenarios import (BF16, BF16_ATOL, BF16_RTOL, FP16, FP16_ATOL, FP16_RTOL, FP16_SCALE, HIDDEN, IN, OUT,
-                              Context, MasterWeightReference, batch, device_mesh)
+import parity_scenarios as ps
+from parity_scenarios import BF16, FP16, FP16_SCALE, HIDDEN, IN, OUT, Context, MasterWeightReference, batch, device_mesh
 
 BUCKET_MB = 0.0005  # ~500 bytes: several buckets, frozen and trainable, even for these tiny models
 STAGES = (0, 1, 2, 3)
 VOCAB, SEQ = 16, 6
 # The bf16 run's loss against the fp32 SGD run's, step by step: a few percent.
 CURVE, CURVE_RTOL = "[curve] ", 3e-2
+TOLERANCES = {CURVE: (CURVE_RTOL, 0.0)}  # beside parity_scenarios.compare's
 HAS_PEFT = importlib.util.find_spec("peft") is not None and importlib.util.find_spec("transformers") is not None
 
 
@@ -392,35 +393,6 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
 }
 
 
-def compare(ref, got) -> Optional[str]:
-    """First mismatch between two checkpoint lists, or None (tolerances by label prefix)."""
-    if len(ref) != len(got):
-        return f"{len(got)} checkpoints, reference has {len(ref)}"
-    for (label, want), (label2, have) in zip(ref, got):
-        if label != label2:
-            return f"checkpoint {label2!r} where the reference has {label!r}"
-        if set(want) != set(have):
-            return f"{label}: keys {sorted(have)} != reference {sorted(want)}"
-        for key in want:
-            a, b = want[key], have[key]
-            if a is None or b is None:
-                if a is not None or b is not None:
-                    return f"{label} [{key}]: got {'None' if b is None else 'a tensor'}, reference " \
-                           f"{'None' if a is None else 'a tensor'}"
-                continue
-            if a.dtype == torch.bool:
-                if not bool(b):
-                    return f"{label}: check failed"
-                continue
-            rtol, atol = ((BF16_RTOL, BF16_ATOL) if label.startswith(BF16) else
-                          (FP16_RTOL, FP16_ATOL) if label.startswith(FP16) else
-                          (CURVE_RTOL, 0.0) if label.startswith(CURVE) else (1e-5, 1e-6))
-            if a.shape != b.shape or not torch.allclose(b.float(), a.float(), rtol=rtol, atol=atol):
-                diff = (b.float() - a.float()).abs().max().item() if a.shape == b.shape else "shape"
-                return f"{label} [{key}]: max abs diff {diff}"
-    return None
-
-
 _REFERENCES: Dict[tuple, list] = {}
 
 
@@ -437,7 +409,7 @@ def run_one(rank: int, world: int, item: str) -> Optional[str]:
     ctx = Context(stage=int(stage), rank=rank, world=world, reference=False,
                   mesh=device_mesh(*(int(v) for v in mesh.split("x"))) if mesh else None)
     SCENARIOS[name](ctx)
-    return compare(_REFERENCES[(name, world)], ctx.checkpoints)
+    return ps.compare(_REFERENCES[(name, world)], ctx.checkpoints, TOLERANCES)
 
 
 # Hybrid sharding at world size 4: frozen buckets sharded within a row.

@@ -2109,16 +2109,24 @@ BF16_RTOL, BF16_ATOL = 2e-2, 2e-3
 # fp16 has a 10-bit mantissa, but the reference accumulates scaled fp16
 # gradients over backward calls where zero_ext adds unscaled fp32 shards.
 FP16_RTOL, FP16_ATOL = 1e-2, 1e-3
+# (rtol, atol) by checkpoint label prefix; other labels compare at RTOL, ATOL.
+TOLERANCES: Dict[str, Tuple[float, float]] = {BF16: (BF16_RTOL, BF16_ATOL), FP16: (FP16_RTOL, FP16_ATOL)}
 
 
 def stages_of(name: str):
     return getattr(SCENARIOS[name], "stages", STAGES)
 
 
-def compare(ref, got) -> Optional[str]:
+def tolerance_of(label: str, tolerances: Dict[str, Tuple[float, float]]) -> Tuple[float, float]:
+    return next((tol for prefix, tol in tolerances.items() if label.startswith(prefix)), (RTOL, ATOL))
+
+
+def compare(ref, got, tolerances: Optional[Dict[str, Tuple[float, float]]] = None) -> Optional[str]:
     """First mismatch between two checkpoint lists, or None. Lists that
     compare nothing are refused as a mismatch: a scenario that recorded
-    nothing (or only Nones) would otherwise pass whatever zero_ext did."""
+    nothing (or only Nones) would otherwise pass whatever zero_ext did.
+    `tolerances`: more label prefixes and their (rtol, atol), beside TOLERANCES."""
+    tolerances = {**TOLERANCES, **(tolerances or {})}
     if not ref or not got:
         return (f"nothing to compare: {len(got)} checkpoints, reference has {len(ref)} "
                 f"(every scenario must record at least one)")
@@ -2146,8 +2154,7 @@ def compare(ref, got) -> Optional[str]:
                 if not bool(b):
                     return f"{label}: check failed"
                 continue
-            rtol, atol = ((BF16_RTOL, BF16_ATOL) if label.startswith(BF16) else
-                          (FP16_RTOL, FP16_ATOL) if label.startswith(FP16) else (RTOL, ATOL))
+            rtol, atol = tolerance_of(label, tolerances)
             if a.shape != b.shape or not torch.allclose(b.float(), a.float(), rtol=rtol, atol=atol):
                 diff = (b.float() - a.float()).abs().max().item() if a.shape == b.shape else "shape"
                 return f"{label} [{key}]: max abs diff {diff}"
