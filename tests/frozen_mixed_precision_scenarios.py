@@ -179,12 +179,7 @@ def _precision(dtype: torch.dtype) -> zero_ext.MixedPrecision:
     return zero_ext.MixedPrecision(dtype)
 
 
-def _adamw(params):
-    # eps well above low-precision gradient noise (see parity_scenarios._mixed_adamw)
-    return torch.optim.AdamW(params, lr=0.01, eps=1e-2, weight_decay=0.1)
-
-
-def _frozen_training(ctx: Context, build, loss_of, dtype: torch.dtype, steps: int, make_optimizer=_adamw,
+def _frozen_training(ctx: Context, build, loss_of, dtype: torch.dtype, steps: int, make_optimizer=ps.conditioned_adamw,
                      optimize_frozen_too: bool = False, offload: bool = False) -> None:
     """`steps` steps of the model `build` gives at `dtype`; records
     gradients, fp32 masters and the exact properties of frozen weights."""
@@ -304,7 +299,7 @@ def frozen_weights_save_and_load_bf16(ctx: Context) -> None:
 
     def make(seed: int, precision: Optional[str] = "bf16", stage: int = ctx.stage):
         model = LoRANet(seed)
-        opt = _adamw([p for p in model.parameters() if p.requires_grad])
+        opt = ps.conditioned_adamw([p for p in model.parameters() if p.requires_grad])
         return zero_ext.wrap(model, opt, stage=stage, mixed_precision=precision, bucket_mb=BUCKET_MB)
 
     def train(model, opt, steps) -> None:
@@ -375,7 +370,7 @@ def frozen_weights_deferred_init_bf16(ctx: Context) -> None:
     torch.manual_seed(0)
     with zero_ext.empty_init():
         model = _frozen_sequential()
-    opt = _adamw([p for p in model.parameters() if p.requires_grad])
+    opt = ps.conditioned_adamw([p for p in model.parameters() if p.requires_grad])
     torch.manual_seed(0)  # the initializers draw what construction drew
     model, opt = zero_ext.wrap(model, opt, stage=ctx.stage, mixed_precision="bf16", bucket_mb=BUCKET_MB)
     full = zero_ext.full_state_dict(model)

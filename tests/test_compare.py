@@ -22,6 +22,9 @@ def test_each_label_prefix_has_its_tolerance():
     assert ps.compare(*pair("step 0: grads", 1.0, 1.0 + 5e-6)) is None
     assert "max abs diff" in ps.compare(*pair("step 0: grads", 1.0, 1.0 + 5e-5))
     assert ps.compare(*pair(f"{ps.BF16}step 0: grads", 1.0, 1.01)) is None
+    # One bf16 ulp (2**-7 at 1.0) passes a cast output, two do not.
+    assert ps.compare(*pair(f"{ps.BF16_ROUNDED}step 0: output", 1.0, 1.0 + 2.0 ** -7)) is None
+    assert "max abs diff" in ps.compare(*pair(f"{ps.BF16_ROUNDED}step 0: output", 1.0, 1.0 + 2.0 ** -6))
     # A caller's prefix adds to the table.
     curve = f"{frozen.CURVE}step 0: loss"
     assert ps.compare(*pair(curve, 1.0, 1.02), frozen.TOLERANCES) is None
