@@ -23,14 +23,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zero_ext
-from parity_scenarios import (BF16, BF16_ATOL, BF16_RTOL, FP16, FP16_ATOL, FP16_RTOL, FP16_SCALE, HIDDEN, IN, OUT,
-                              Context, MasterWeightReference, batch, device_mesh)
+import parity_scenarios as ps
+from parity_scenarios import BF16, FP16, FP16_SCALE, HIDDEN, IN, OUT, Context, MasterWeightReference, batch, device_mesh
 
 BUCKET_MB = 0.0005  # ~500 bytes: several buckets, frozen and trainable, even for these tiny models
 STAGES = (0, 1, 2, 3)
 VOCAB, SEQ = 16, 6
 # The bf16 run's loss against the fp32 SGD run's, step by step: a few percent.
 CURVE, CURVE_RTOL = "[curve] ", 3e-2
+TOLERANCES = {CURVE: (CURVE_RTOL, 0.0)}  # beside parity_scenarios.compare's
 HAS_PEFT = importlib.util.find_spec("peft") is not None and importlib.util.find_spec("transformers") is not None
 
 
@@ -178,12 +179,7 @@ def _precision(dtype: torch.dtype) -> zero_ext.MixedPrecision:
     return zero_ext.MixedPrecision(dtype)
 
 
-def _adamw(params):
-    # eps well above low-precision gradient noise (see parity_scenarios._mixed_adamw)
-    return torch.optim.AdamW(params, lr=0.01, eps=1e-2, weight_decay=0.1)
-
-
-def _frozen_training(ctx: Context, build, loss_of, dtype: torch.dtype, steps: int, make_optimizer=_adamw,
+def _frozen_training(ctx: Context, build, loss_of, dtype: torch.dtype, steps: int, make_optimizer=ps.conditioned_adamw,
                      optimize_frozen_too: bool = False, offload: bool = False) -> None:
     """`steps` steps of the model `build` gives at `dtype`; records
     gradients, fp32 masters and the exact properties of frozen weights."""
@@ -303,7 +299,7 @@ def frozen_weights_save_and_load_bf16(ctx: Context) -> None:
 
     def make(seed: int, precision: Optional[str] = "bf16", stage: int = ctx.stage):
         model = LoRANet(seed)
-        opt = _adamw([p for p in model.parameters() if p.requires_grad])
+        opt = ps.conditioned_adamw([p for p in model.parameters() if p.requires_grad])
         return zero_ext.wrap(model, opt, stage=stage, mixed_precision=precision, bucket_mb=BUCKET_MB)
 
     def train(model, opt, steps) -> None:
@@ -374,7 +370,7 @@ def frozen_weights_deferred_init_bf16(ctx: Context) -> None:
     torch.manual_seed(0)
     with zero_ext.empty_init():
         model = _frozen_sequential()
-    opt = _adamw([p for p in model.parameters() if p.requires_grad])
+    opt = ps.conditioned_adamw([p for p in model.parameters() if p.requires_grad])
     torch.manual_seed(0)  # the initializers draw what construction drew
     model, opt = zero_ext.wrap(model, opt, stage=ctx.stage, mixed_precision="bf16", bucket_mb=BUCKET_MB)
     full = zero_ext.full_state_dict(model)
@@ -390,35 +386,6 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
                             frozen_weights_save_and_load_bf16, frozen_weights_deferred_init_bf16]
     + ([peft_lora_gpt2_bf16] if HAS_PEFT else [])
 }
-
-
-def compare(ref, got) -> Optional[str]:
-    """First mismatch between two checkpoint lists, or None (tolerances by label prefix)."""
-    if len(ref) != len(got):
-        return f"{len(got)} checkpoints, reference has {len(ref)}"
-    for (label, want), (label2, have) in zip(ref, got):
-        if label != label2:
-            return f"checkpoint {label2!r} where the reference has {label!r}"
-        if set(want) != set(have):
-            return f"{label}: keys {sorted(have)} != reference {sorted(want)}"
-        for key in want:
-            a, b = want[key], have[key]
-            if a is None or b is None:
-                if a is not None or b is not None:
-                    return f"{label} [{key}]: got {'None' if b is None else 'a tensor'}, reference " \
-                           f"{'None' if a is None else 'a tensor'}"
-                continue
-            if a.dtype == torch.bool:
-                if not bool(b):
-                    return f"{label}: check failed"
-                continue
-            rtol, atol = ((BF16_RTOL, BF16_ATOL) if label.startswith(BF16) else
-                          (FP16_RTOL, FP16_ATOL) if label.startswith(FP16) else
-                          (CURVE_RTOL, 0.0) if label.startswith(CURVE) else (1e-5, 1e-6))
-            if a.shape != b.shape or not torch.allclose(b.float(), a.float(), rtol=rtol, atol=atol):
-                diff = (b.float() - a.float()).abs().max().item() if a.shape == b.shape else "shape"
-                return f"{label} [{key}]: max abs diff {diff}"
-    return None
 
 
 _REFERENCES: Dict[tuple, list] = {}
@@ -437,7 +404,7 @@ def run_one(rank: int, world: int, item: str) -> Optional[str]:
     ctx = Context(stage=int(stage), rank=rank, world=world, reference=False,
                   mesh=device_mesh(*(int(v) for v in mesh.split("x"))) if mesh else None)
     SCENARIOS[name](ctx)
-    return compare(_REFERENCES[(name, world)], ctx.checkpoints)
+    return ps.compare(_REFERENCES[(name, world)], ctx.checkpoints, TOLERANCES)
 
 
 # Hybrid sharding at world size 4: frozen buckets sharded within a row.

@@ -89,7 +89,7 @@ class MoEBlock(nn.Module):
 class MoEModel(nn.Module):
     """Embedding, decoder blocks each holding an MoE, a head."""
 
-    def __init__(self, n_blocks: int = 3, seed: int = 21):
+    def __init__(self, n_blocks: int = 3, seed: int = 21, std: float = 0.5):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.embed = nn.Embedding(VOCAB, DIM)
@@ -98,7 +98,7 @@ class MoEModel(nn.Module):
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if "norm" not in name:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
 
     def moes(self) -> List[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]
@@ -161,7 +161,9 @@ def _train_then_evaluate(ctx: ps.Context, model: nn.Module, wrap_options: dict, 
     """AdamW steps over the global batch (gradients and parameters recorded
     against the reference), then each rank's loss on held-out tokens under
     torch.no_grad(), against the unwrapped model's."""
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    # Some expert weights get gradients near zero whose terms cancel: eps=1e-2 keeps
+    # Adam's step within the gradients' tolerance (parity_scenarios.conditioned_adamw).
+    opt = ps.conditioned_adamw(model.parameters())
     model, opt = ctx.wrap(model, opt, **wrap_options)
     for step in range(steps):
         global_loss(ctx, model, step).backward()
@@ -182,8 +184,11 @@ def _train_then_evaluate(ctx: ps.Context, model: nn.Module, wrap_options: dict, 
 def moe_in_blocks(ctx: ps.Context) -> None:
     """Experts in an nn.ModuleList inside each decoder block, skipped when no
     token routes to them, differently on every rank: each block is a unit,
-    its experts inside it (the default policy never looks below a block)."""
-    _train_then_evaluate(ctx, MoEModel(), {})
+    its experts inside it (the default policy never looks below a block).
+    Weights of std 0.3: at 0.5 the gradients (up to 7) move by up to 100
+    times a change of the parameters' rounding, beyond RTOL/ATOL where the
+    ranks' gradients are summed in another order."""
+    _train_then_evaluate(ctx, MoEModel(std=0.3), {})
 
 
 def moe_outside_any_block(ctx: ps.Context) -> None:

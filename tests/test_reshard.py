@@ -90,8 +90,22 @@ def test_stages_0_to_2_refuse_resharding(value):
 
 
 def test_stage_2_accepts_false():
-    model = _blocks()
-    zero_ext.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=2, reshard_after_forward=False)
+    """False at stage 2 asks for what stage 2 does (parameters kept whole):
+    the model wraps as stage 2 and trains like the unwrapped one."""
+    torch.manual_seed(0)
+    model, reference = _blocks(), _blocks()
+    reference.load_state_dict(model.state_dict())
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    model, opt = zero_ext.wrap(model, opt, stage=2, reshard_after_forward=False)
+    state = model._zero_ext
+    assert (state.stage, state.params_sharded, state.grads_sharded) == (2, False, True)
+    x = torch.randn(3, 4)
+    for _ in range(2):
+        step_alongside(((model, opt), (reference, ref_opt)), x)
+    full = zero_ext.full_state_dict(model)
+    assert set(full) == set(reference.state_dict())
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(full[name], value)
 
 
 @pytest.mark.parametrize("value, match", [(0, ">= 1"), (3.0, "must be True, False"), (2, "must divide the shard")])
