@@ -122,11 +122,10 @@ def stage_number_comparisons(source: str):
 
 
 # Comparisons outside wrapping/ that decide no mode of a wrapped model, by
-# (module, function): what each does.
-STAGE_NUMBER_EXCEPTIONS = {
-    ("optim/ownership.py", "optimizer_sharding"): "plans at wrap time; wrapping/ is its only caller",
-    ("integrations/lightning.py", "__init__"): "checks the strategy's stage argument before any rank wraps",
-}
+# (module, function): what each does. None today: the optimizer's sharding
+# takes whether the stage shards state, and the Lightning strategy checks its
+# stage with wrapping's check_stage.
+STAGE_NUMBER_EXCEPTIONS: dict = {}
 
 
 def _callers_outside_wrapping(name: str):

@@ -61,16 +61,16 @@ def test_a_checkpoint_saved_at_world_2_continues_like_one_process_at_another(wor
 
 def test_the_optimizer_decides_how_it_is_sharded():
     params = [torch.nn.Parameter(torch.zeros(2, 2))]
-    assert optimizer_sharding(torch.optim.AdamW(params), 2) == FLAT
-    assert optimizer_sharding(torch.optim.Muon(params), 2) == WHOLE
-    assert optimizer_sharding(torch.optim.Adafactor(params), 1) == WHOLE
-    assert optimizer_sharding(TrustRatioSGD(params), 3) == WHOLE  # unknown: whole, which is exact
-    assert optimizer_sharding(torch.optim.LBFGS(params), 0) == REPLICATED
+    assert optimizer_sharding(torch.optim.AdamW(params), shards_state=True) == FLAT
+    assert optimizer_sharding(torch.optim.Muon(params), shards_state=True) == WHOLE
+    assert optimizer_sharding(torch.optim.Adafactor(params), shards_state=True) == WHOLE
+    assert optimizer_sharding(TrustRatioSGD(params), shards_state=True) == WHOLE  # unknown: whole, which is exact
+    assert optimizer_sharding(torch.optim.LBFGS(params), shards_state=False) == REPLICATED
 
     class Declared(TrustRatioSGD):
         zero_ext_elementwise = True
 
-    assert optimizer_sharding(Declared(params), 2) == FLAT
+    assert optimizer_sharding(Declared(params), shards_state=True) == FLAT
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -25,7 +25,7 @@ from ..files import save as zero_ext_save
 from ..files import weights_only_loadable  # whether torch.load(weights_only=True) reads a value back
 from ..runtime import load_full_state_dict
 from ..tools import state_of
-from ..wrapping import wrap
+from ..wrapping import check_stage, wrap
 from ._common import is_wrapped
 
 # Lightning's own state lives under this key of zero_ext.save's `extra`.
@@ -148,8 +148,7 @@ class StrategyMethods:
     ) -> None:
         # Checked here, in the launching process, before any rank starts;
         # wrap() checks the rest on every rank before communicating.
-        if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-            raise ValueError(f"ZeroExtStrategy: stage must be 0, 1, 2 or 3, got {stage!r}")
+        check_stage(stage, "ZeroExtStrategy")
         if timeout is None:
             group_timeout = self._lightning.default_pg_timeout
         elif isinstance(timeout, datetime.timedelta):

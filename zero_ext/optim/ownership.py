@@ -41,10 +41,11 @@ def is_elementwise(cls: type) -> bool:
     return cls.__module__.startswith("torch.optim") and cls.__name__ in ELEMENTWISE_OPTIMIZERS
 
 
-def optimizer_sharding(optimizer: torch.optim.Optimizer, stage: int) -> str:
-    """FLAT, WHOLE or (stage 0: every rank steps everything) REPLICATED;
-    raises TypeError for an optimizer that reads across parameters."""
-    if stage == 0:
+def optimizer_sharding(optimizer: torch.optim.Optimizer, shards_state: bool) -> str:
+    """FLAT, WHOLE or (`shards_state` False, stage 0: every rank steps
+    everything) REPLICATED; raises TypeError for an optimizer that reads
+    across parameters."""
+    if not shards_state:
         return REPLICATED
     cls = type(optimizer)
     if is_elementwise(cls):
@@ -52,7 +53,7 @@ def optimizer_sharding(optimizer: torch.optim.Optimizer, stage: int) -> str:
     reason = ACROSS_PARAMETERS.get(cls.__name__) if cls.__module__.startswith("torch.optim") else None
     if reason is not None or getattr(cls, "zero_ext_across_parameters", False):
         raise TypeError(
-            f"zero_ext stage {stage} shards the optimizer by parameter, and {cls.__name__} reads across "
+            f"zero_ext stages 1-3 shard the optimizer by parameter, and {cls.__name__} reads across "
             f"parameters ({reason or 'it says so: zero_ext_across_parameters = True'}), so no rank could step "
             f"its part alone. Use stage=0 (every rank steps the whole model).")
     return WHOLE

@@ -149,13 +149,19 @@ def optimizer_list(optimizer: Any) -> List[torch.optim.Optimizer]:
     return optimizers
 
 
+def check_stage(stage: Any, who: str = "zero_ext.wrap") -> None:
+    """A stage is the int 0, 1, 2 or 3 (3.0, True and "3" are refused), for
+    wrap() and for what passes a stage on to it (the Lightning strategy)."""
+    if not isinstance(stage, numbers.Integral) or isinstance(stage, bool):
+        raise TypeError(f"{who}: stage must be the int 0, 1, 2 or 3, got {type(stage).__name__} {stage!r}")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"{who}: stage must be 0, 1, 2 or 3, got {stage!r}")
+
+
 def _check_model_and_optimizer(model, optimizers, stage, mixed_precision, offload_optimizer) -> List[torch.nn.Parameter]:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"zero_ext.wrap: model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(stage, numbers.Integral) or isinstance(stage, bool):  # 3.0, True, "3": refused
-        raise TypeError(f"zero_ext.wrap: stage must be the int 0, 1, 2 or 3, got {type(stage).__name__} {stage!r}")
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_ext.wrap: stage must be 0, 1, 2 or 3, got {stage!r}")
+    check_stage(stage)
     precision = _precision(mixed_precision)
     if offload_optimizer is not None and offload_optimizer != "cpu":
         raise ValueError(f"zero_ext.wrap: offload_optimizer must be None or 'cpu', got {offload_optimizer!r}")
@@ -224,7 +230,7 @@ def _check_model_and_optimizer(model, optimizers, stage, mixed_precision, offloa
                 "zero_ext.wrap: the optimizer already has state (it has stepped); wrap before the "
                 "first step. To resume training, load a checkpoint after wrap()"
             )
-        optimizer_sharding(opt, stage)  # raises for an optimizer no rank can step a part of
+        optimizer_sharding(opt, shards_state=stage > 0)  # raises for an optimizer no rank can step a part of
         check_step_not_patched(opt)
     return trainable, precision
 
@@ -263,7 +269,7 @@ def check_wrap_arguments(model, optimizers, stage, mixed_precision, offload_opti
     options = Options(stage=stage, precision=precision, offload=offload_optimizer == "cpu", units=units,
                       bucket_bytes=int(bucket_mb * 2**20), timeout=_timeout(timeout), prefetch=int(prefetch),
                       skip_nonfinite=skip_nonfinite, reshard_after_forward=reshard_after_forward,
-                      whole_params=any(optimizer_sharding(opt, stage) == WHOLE for opt in optimizers))
+                      whole_params=any(optimizer_sharding(opt, shards_state=stage > 0) == WHOLE for opt in optimizers))
     return trainable, options
 
 

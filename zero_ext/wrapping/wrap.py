@@ -293,7 +293,7 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
     unit_list, ordered, counts, unit_of_bucket = _plan(model, trainable, options, optimizers)
     owners: List[int] = []
     if options.whole_params:  # the parameters of optimizers that are not elementwise: stepped whole by one rank
-        whole = {id(p) for opt in optimizers if optimizer_sharding(opt, options.stage) == WHOLE
+        whole = {id(p) for opt in optimizers if optimizer_sharding(opt, shards_state=options.stage > 0) == WHOLE
                  for g in opt.param_groups for p in g["params"]}
         ordered, owners = plan_owners(ordered, counts, topology.shard_size, whole)
     names_by_id = {id(p): n for n, p in model.named_parameters()}
