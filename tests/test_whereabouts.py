@@ -5,6 +5,7 @@ process: seen in about 1 of 8 two-rank launches before the atexit join).
 The answer "blocked in a world barrier" is checked end to end in
 tests/test_faults.py (a stage 3 model used on rank 0 only)."""
 import time
+import types
 
 import torch
 
@@ -12,6 +13,8 @@ from zero_ext.groups import stall_query as whereabouts
 
 
 class FakeCore:
+    """The core's diagnostics handle (zero_ext/tools/core_handles.py), recording answers."""
+
     def __init__(self):
         self.queries = 0
         self.answers = []
@@ -26,7 +29,7 @@ class FakeCore:
 def test_answers_a_query_with_where_the_main_thread_is_and_stops_at_exit():
     model = torch.nn.Linear(2, 2)
     core = FakeCore()
-    thread = whereabouts.start(model, core)
+    thread = whereabouts.start(model, types.SimpleNamespace(diagnostics=core))
     try:
         core.queries = 1  # a peer stalled and asked
         deadline = time.monotonic() + 5 * whereabouts.POLL_S
