@@ -16,6 +16,9 @@ PACKAGE = os.path.join(REPO, "zero_ext")
 ORDER = ["tools", "groups", "optim", "runtime", "files", "wrapping", "integrations"]
 ROOT, CORE = "<root>", "<core>"
 STATE_ACCESSOR = "tools/module_state.py"
+# Where the C++ core object itself may be called: its handles, and the
+# builder that makes and configures it before the handles exist.
+CORE_HOLDERS = {"tools/core_handles.py", "wrapping/wrap.py"}
 
 
 def room_of(module: str) -> str:
@@ -170,6 +173,22 @@ def state_read_directly(files: Dict[str, str]) -> List[str]:
     return found
 
 
+def core_called_directly(files: Dict[str, str]) -> List[str]:
+    """Calls of the core's methods not through a handle: `core.X(...)` or
+    `<anything>.core.X(...)` outside CORE_HOLDERS."""
+    found = []
+    for rel, source in files.items():
+        if rel in CORE_HOLDERS:
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                receiver = node.func.value
+                if (isinstance(receiver, ast.Name) and receiver.id == "core") or \
+                        (isinstance(receiver, ast.Attribute) and receiver.attr == "core"):
+                    found.append(f"{rel}:{node.lineno}")
+    return found
+
+
 # --- the package -----------------------------------------------------------
 
 def test_every_arrow_between_rooms_points_down_and_no_cycle():
@@ -207,6 +226,10 @@ def test_module_state_is_read_through_one_accessor():
     assert state_read_directly(sources()) == []
 
 
+def test_the_core_is_reached_through_its_handles():
+    assert core_called_directly(sources()) == []
+
+
 # --- positive controls -------------------------------------------------------
 
 def test_the_checks_catch_an_upward_arrow_and_a_cycle():
@@ -239,3 +262,9 @@ def test_the_check_catches_module_state_read_directly():
     files = {"files/save.py": 'state = model._zero_ext\nother = getattr(opt, "_zero_ext", None)\n',
              STATE_ACCESSOR: 'x = getattr(obj, "_zero_ext", None)\n'}
     assert state_read_directly(files) == ["files/save.py:1", "files/save.py:2"]
+
+
+def test_the_check_catches_the_core_called_directly():
+    files = {"runtime/module.py": "state.core.release_all()\ncore.sync()\nstate.handles.units.release_all()\n",
+             "wrapping/wrap.py": "core.set_skip_nonfinite(True)\n"}
+    assert core_called_directly(files) == ["runtime/module.py:1", "runtime/module.py:2"]

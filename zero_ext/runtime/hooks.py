@@ -104,8 +104,8 @@ class SpentHooks:
 class UnitUses:
     """Where a use of a stage 3 unit begins, for every hook that starts one."""
 
-    def __init__(self, core: Any, spent: SpentHooks) -> None:
-        self.core = core
+    def __init__(self, units: Any, spent: SpentHooks) -> None:
+        self.units = units  # the core's Units handle (tools/core_handles.py)
         self.spent = spent
 
     def enter(self, u: int, args: tuple, kwargs: dict, gather: bool) -> Any:
@@ -116,15 +116,15 @@ class UnitUses:
         backward runs no Python. Returns the (args, kwargs) to call the module
         with, or None. Tensors that pytree cannot rebuild (inside a dataclass)
         fall back to a Python multi-grad hook (track)."""
-        core = self.core
+        units = self.units
         if not torch.is_grad_enabled():
             if gather:
-                core.pre_forward(u)
+                units.pre_forward(u)
             return None
         if not kwargs and all(type(a) is torch.Tensor for a in args):  # the usual call: plain tensors, positional
             positions = [k for k, a in enumerate(args) if a.requires_grad]
             tensors = [args[k] for k in positions]
-            passed = core.enter_unit(u, tensors) if gather else core.track_unit_inputs(u, tensors)
+            passed = units.enter_unit(u, tensors) if gather else units.track_unit_inputs(u, tensors)
             if not positions:
                 return None
             replaced = list(args)
@@ -138,10 +138,10 @@ class UnitUses:
         hidden = tensors_requiring_grad(opaque) if opaque else []
         if hidden:
             if gather:
-                core.pre_forward(u)
+                units.pre_forward(u)
             self.track(u, tensors + hidden)
             return None
-        passed = core.enter_unit(u, tensors) if gather else core.track_unit_inputs(u, tensors)
+        passed = units.enter_unit(u, tensors) if gather else units.track_unit_inputs(u, tensors)
         if not positions:
             return None
         for k, t in zip(positions, passed):
@@ -155,17 +155,17 @@ class UnitUses:
         for logging, a non-reentrant checkpoint's recompute), the hook dies
         with it and the use is reported over all the same. `inputs`: the
         use's inputs that require grad."""
-        core, spent = self.core, self.spent
+        units, spent = self.units, self.spent
         if not inputs:
-            core.note_untracked_use(unit)
+            units.note_untracked_use(unit)
             return
-        core.add_pending_use(unit)
+        units.add_pending_use(unit)
         use, reported, handle = _UnitUse(), [False], []
 
         def report(*_: Any) -> None:
             if not reported[0]:
                 reported[0] = True
-                core.post_backward_use(unit)
+                units.post_backward_use(unit)
                 spent.handles.extend(handle)
                 if torch._C._current_graph_task_id() != -1:
                     torch.autograd.Variable._execution_engine.queue_callback(spent.remove)
@@ -212,11 +212,12 @@ class RootHooks:
 
     def __init__(self, module: torch.nn.Module, has_merged_units: bool) -> None:
         state = state_of(module)
-        self.core = state.core
+        self.units = state.handles.units
+        self.loss_scaling = state.handles.optimizer.loss_scaling
         self.cast_to: Optional[torch.dtype] = state.compute_dtype if state.cast_inputs else None
         self.output_dtype: Optional[torch.dtype] = state.output_dtype
         self.spent = SpentHooks()
-        self.uses = UnitUses(self.core, self.spent)
+        self.uses = UnitUses(self.units, self.spent)
         self.has_merged_units = has_merged_units
         self.depth = 0  # nested forwards of the model; tracked with merged units only
         self.runs: List[Tuple[int, "MergedUnitHooks"]] = []  # merged units opened in this forward, in order
@@ -235,7 +236,7 @@ class RootHooks:
         # from before its scaling boundary, or the gradient would be scaled
         # once per pass through it.
         unscaled = getattr(t, "_zero_ext_unscaled", None)
-        if unscaled is not None and unscaled[0] is self.core:
+        if unscaled is not None and unscaled[0] is self.units:
             t = unscaled[1]
         if self.cast_to is not None and t.is_floating_point():
             t = t.to(self.cast_to)  # mixed precision: floating inputs compute in it too
@@ -244,12 +245,12 @@ class RootHooks:
     def _scale_boundary(self, t: torch.Tensor) -> torch.Tensor:
         # fp16: a C++ node whose backward applies the loss scale (see
         # csrc/autograd_boundaries.h); fp16 outputs come out in fp32.
-        out = self.core.scale_outputs([t])[0]
-        out._zero_ext_unscaled = (self.core, t)
+        out = self.units.scale_outputs([t])[0]
+        out._zero_ext_unscaled = (self.units, t)
         return out
 
     def pre_forward(self, mod: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-        self.core.begin_forward()  # stale round dropped, shapes checked, root unit gathered
+        self.units.begin_forward()  # stale round dropped, shapes checked, root unit gathered
         self.spent.remove()
         if self.has_merged_units:
             if self.runs:
@@ -260,7 +261,7 @@ class RootHooks:
                     hooks.forget_run(hook_outputs=True)
                 self.runs.clear()
             self.depth += 1
-        if self.cast_to is not None or self.core.loss_scaling():
+        if self.cast_to is not None or self.loss_scaling():
             return tree_map_only(torch.Tensor, self._inner, (args, kwargs))
         return None
 
@@ -271,9 +272,9 @@ class RootHooks:
             self.runs.clear()
         replaced = None
         grad = torch.is_grad_enabled()
-        if grad and self.core.loss_scaling():
+        if grad and self.loss_scaling():
             output = replaced = _map_outputs(output, self._scale_boundary)
-        self.core.end_forward(tensors_requiring_grad(output) if grad else [])
+        self.units.end_forward(tensors_requiring_grad(output) if grad else [])
         if self.output_dtype is not None:
             dtype = self.output_dtype
             replaced = tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, output)
@@ -294,7 +295,7 @@ class UnitHooks:
 
     def __init__(self, root: RootHooks, u: int) -> None:
         self.root = root
-        self.core = root.core
+        self.units = root.units
         self.u = u
 
     def install(self, module: torch.nn.Module) -> None:
@@ -305,7 +306,7 @@ class UnitHooks:
         return self.root.uses.enter(self.u, args, kwargs, gather=True)
 
     def post_forward(self, mod: torch.nn.Module, args: Any, output: Any) -> None:
-        self.core.post_forward(self.u, tensors_requiring_grad(output) if torch.is_grad_enabled() else [])
+        self.units.post_forward(self.u, tensors_requiring_grad(output) if torch.is_grad_enabled() else [])
 
 
 # [Note: merged units]
@@ -350,7 +351,7 @@ class MergedUnitHooks:
 
     def __init__(self, root: RootHooks, u: int, members: tuple, probe: Optional[torch.Tensor]) -> None:
         self.root = root
-        self.core = root.core
+        self.units = root.units
         self.u = u
         self.members = members
         self.probe = probe  # one of its parameters: whether it is still gathered
@@ -383,7 +384,7 @@ class MergedUnitHooks:
             if torch.is_grad_enabled() and not _fed_by(_grad_inputs(args, kwargs), self.outputs):
                 return root.uses.enter(self.u, args, kwargs, gather=False)
             return None
-        self.core.pre_forward(self.u)
+        self.units.pre_forward(self.u)
         if self.state is RunState.CLOSED:
             self.state = RunState.OPEN
             root.runs.append((self.u, self))
@@ -393,7 +394,7 @@ class MergedUnitHooks:
         grad = torch.is_grad_enabled()
         outputs = tensors_requiring_grad(output) if grad else []
         if self.root.phase is ModelPhase.IDLE or self.state is RunState.CLOSED:
-            self.core.post_forward(self.u, outputs)
+            self.units.post_forward(self.u, outputs)
             return
         if outputs:
             self.to_hook.extend(outputs)
@@ -404,7 +405,7 @@ class MergedUnitHooks:
     def after_last_member(self, mod: torch.nn.Module, args: Any, output: Any) -> None:
         outputs = tensors_requiring_grad(output) if torch.is_grad_enabled() else []
         if self.root.phase is ModelPhase.IDLE or self.state is RunState.CLOSED:
-            self.core.post_forward(self.u, outputs)
+            self.units.post_forward(self.u, outputs)
             return
         self._close(outputs)
 
@@ -422,8 +423,8 @@ class MergedUnitHooks:
             # backward that reads its weights (its members' input gradients).
             to_hook = to_hook + outputs
         if to_hook:
-            self.core.hook_regather(to_hook, self.u)
-        self.core.post_forward(self.u, [] if hold else outputs)
+            self.units.hook_regather(to_hook, self.u)
+        self.units.post_forward(self.u, [] if hold else outputs)
 
     def close_if_open(self) -> None:
         """The model's forward ends and its last member did not run."""
@@ -435,7 +436,7 @@ class MergedUnitHooks:
         """A nested forward of the model (`hook_outputs`: the outer run's
         outputs still need their regather hooks) or a forward that raised."""
         if hook_outputs and self.to_hook:
-            self.core.hook_regather(self.to_hook, self.u)
+            self.units.hook_regather(self.to_hook, self.u)
         self.state = RunState.CLOSED
         self._clear_run()
 
