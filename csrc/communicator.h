@@ -119,6 +119,10 @@ class Communicator {
   void begin_round(int64_t key, const std::string& label);
   // Collectives issued on this group so far.
   int64_t issued() const { return issued_; }
+  // This rank leaves `works` (on this group) for good: if one still runs,
+  // the group is kept until the process exits ([Note: abandoned
+  // collectives] in abandoned_collectives.h).
+  void abandon(const std::vector<c10::intrusive_ptr<c10d::Work>>& works) const;
   // Marks this group failed and posts the report a sequence check composed
   // to the stall diagnosis' store, where the other ranks' stalled waits
   // read it; see collective_sequence.h.
