@@ -104,6 +104,7 @@ c10::intrusive_ptr<c10d::Work> Communicator::submit(CollectiveOp op, Purpose pur
   if (local()) {
     return nullptr;  // the result is already in place
   }
+  ++submitted_;
   const int64_t numel = logged.numel();
   if (!sequence_) {
     return issue_now(kind, numel, issue);

@@ -119,6 +119,9 @@ class Communicator {
   void begin_round(int64_t key, const std::string& label);
   // Collectives issued on this group so far.
   int64_t issued() const { return issued_; }
+  // Collectives submitted on this group so far (issued, or waiting for their
+  // headers): whether a forward that raised had begun its collectives.
+  int64_t submitted() const { return submitted_; }
   // This rank leaves `works` (on this group) for good: if one still runs,
   // the group is kept until the process exits ([Note: abandoned
   // collectives] in abandoned_collectives.h).
@@ -204,6 +207,7 @@ class Communicator {
   GroupSlot slot_;
   std::shared_ptr<IssueCounts> counts_;
   std::atomic<int64_t> issued_{0};
+  std::atomic<int64_t> submitted_{0};
   std::shared_ptr<CollectiveSequence> sequence_;
   // Works in flight and their position in this group's sequence, for the
   // stall diagnosis (pruned at wait; bounded).

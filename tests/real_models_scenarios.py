@@ -4,8 +4,8 @@ as the parity suite's single-process reference over the global batch
 differently on every rank, a top-level MoE outside any block, blocks kept in
 ModuleDicts. Plus the ways ranks can disagree (an expert made a unit of its
 own and skipped, a rank-0-only evaluation, with or without a barrier after
-it, evaluation loops of different lengths, wrap() with different models or
-options): every rank must end in
+it, evaluation loops of different lengths, a forward that raised on one rank
+only, wrap() with different models or options): every rank must end in
 zero_ext's own error, never a wrong number, a hang or an abort inside gloo.
 Those scenarios catch the error and return it, so one group of ranks runs
 them all (zero_ext never hands a failed model's groups to another model).
@@ -389,6 +389,38 @@ def evaluation_on_rank0_only_then_barrier(rank: int, world: int) -> dict:
     return _outcome(body)
 
 
+def input_of_another_shape_on_rank0(rank: int, world: int) -> dict:
+    """At step 1 a Linear inside block 1 gets an input of another width on
+    rank 0 only (a batch the data pipeline got wrong there): torch raises in
+    the middle of the forward, after its first gathers (the default units:
+    the blocks merged into one unit). Rank 0 catches it and goes on with the
+    next batch, as a loop that skips bad batches does: the others went on
+    with that forward, so rank 0's next step must refuse, and the others
+    must raise the same report within seconds, never train with the ranks
+    one forward apart (which the collectives' checks let pass here: rank 0's
+    next forward issues what the others' next one does)."""
+    def body(outputs, mark):
+        model, opt = _moe_wrapped()
+        widen = [False]
+        model.blocks[1].mix.register_forward_pre_hook(
+            lambda module, args: (torch.cat([args[0], args[0]], -1),) if widen[0] else None)
+        for step in range(3):
+            if step == 1:
+                mark()
+            widen[0] = step == 1 and rank == 0
+            try:
+                loss = lm_loss(model, tokens_of(world, step, rank))
+            except RuntimeError as error:
+                if not widen[0] or "zero_ext" in str(error):
+                    raise
+                continue  # the bad batch is skipped
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            outputs.append(loss.item())
+    return _outcome(body)
+
+
 def _steps_parting_at_step_1(rank: int, world: int, build: Callable[[], tuple], steps: int,
                              part: Callable[[nn.Module], None]) -> dict:
     """Trains the (model, optimizer) build() gives for `steps` steps; before
@@ -502,6 +534,7 @@ DIVERGENCES: Dict[str, Callable[[int, int], dict]] = {
     "evaluation_on_rank0_only": evaluation_on_rank0_only,
     "evaluation_loops_of_different_lengths": evaluation_loops_of_different_lengths,
     "evaluation_on_rank0_only_then_barrier": evaluation_on_rank0_only_then_barrier,
+    "input_of_another_shape_on_rank0": input_of_another_shape_on_rank0,
     "frozen_on_one_rank_only": frozen_on_one_rank_only,
     "frozen_on_one_rank_only_stage1": lambda rank, world: frozen_on_one_rank_only(rank, world, stage=1),
     "gradient_divide_factor_differs": gradient_divide_factor_differs,
