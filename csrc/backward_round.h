@@ -11,7 +11,8 @@
 // for late gradients then. An error
 // inside it, or inside a gradient hook, leaves this rank's collectives out of
 // step with the other ranks': the round is then broken for good, and every
-// later entry point refuses to go on. A backward that raised in the engine
+// later entry point refuses to go on, as after a forward of the model that
+// raised once its collectives had begun. A backward that raised in the engine
 // before its epilogue leaves a stale round, abandoned at the next forward,
 // zero_grad or step.
 
@@ -74,6 +75,10 @@ class BackwardRound {
   // Called inside a catch block: remembers the error that left this rank's
   // collectives out of step; check_usable() then refuses to go on.
   void mark_broken();
+  // The model's forward raised on this rank after some of its collectives
+  // went out ([Note: a forward that raised] in sharded_model.cpp):
+  // check_usable() then raises `report`.
+  void mark_forward_raised(const std::string& report);
   void check_usable() const;
 
   int64_t epilogues_run() const { return epilogues_run_; }
@@ -108,6 +113,7 @@ class BackwardRound {
   Epilogue epilogue_;
   bool in_second_round_ = false;
   std::string broken_;  // first line of the error that broke this rank
+  std::string forward_raised_;  // the report of a forward that raised mid-way, if one did
   int64_t output_hook_task_ = -1;  // last graph task whose gradient passed an output hook
   int64_t epilogues_run_ = 0;
   int64_t synced_epilogues_ = 0;

@@ -131,6 +131,7 @@ TORCH_LIBRARY(zero_ext, m) {
       // The unit actions go through their registered ops (core_ops.h).
       .def("begin_forward", &ShardedModel::begin_forward)
       .def("end_forward", &ShardedModel::end_forward)
+      .def("forward_raised", &ShardedModel::forward_raised)
       .def("pre_forward",
            [](const c10::intrusive_ptr<ShardedModel>& self, int64_t unit) {
              dispatch::gather_unit(self, unit, /*backward=*/false);

@@ -643,6 +643,13 @@ void CollectiveSequence::fail_locked(const std::string& report) {
   }
   report_ = report;
   data_.post_report(report);
+  // Headers in flight that no rank may ever pair now (one sent ahead, say)
+  // would hold the header group's destructor: [Note: abandoned collectives].
+  std::vector<c10::intrusive_ptr<c10d::Work>> sent;
+  for (const Exchange& exchange : exchanges_) {
+    sent.push_back(exchange.work);
+  }
+  headers_->abandon(sent);
   for (Item& item : queue_) {
     if (item.handle) item.handle->set_failed(std::make_exception_ptr(std::runtime_error(report)));
     dropped_.push_back(std::move(item));  // freed by the caller's thread, not here (see dropped_)

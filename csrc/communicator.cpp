@@ -15,6 +15,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include "abandoned_collectives.h"
 #include "collective_sequence.h"
 #include "exchange_reduce_scatter.h"
 
@@ -73,6 +74,10 @@ void Communicator::begin_round(int64_t key, const std::string& label) {
   }
 }
 
+void Communicator::abandon(const std::vector<c10::intrusive_ptr<c10d::Work>>& works) const {
+  keep_until_exit(group_, works);
+}
+
 bool Communicator::failed() const {
   return failed_ || (sequence_ && (sequence_->failed() || sequence_->headers().failed()));
 }
@@ -107,6 +112,7 @@ c10::intrusive_ptr<c10d::Work> Communicator::submit(CollectiveOp op, Purpose pur
   if (local()) {
     return nullptr;  // the result is already in place
   }
+  ++submitted_;
   const int64_t numel = logged.numel();
   if (!sequence_) {
     return issue_now(kind, numel, issue);
@@ -446,6 +452,7 @@ void Communicator::diagnose_stall(const c10::intrusive_ptr<c10d::Work>& work, in
     const std::string report = posted_report();
     if (!report.empty()) {
       failed_ = true;  // a sequence check on another rank found the difference
+      abandon({work});  // every rank stops: none joins it now ([Note: abandoned collectives])
       TORCH_CHECK(false, report);
     }
     // Posts are overwritten with "" once a wait completes (never deleted, so
@@ -503,6 +510,7 @@ void Communicator::diagnose_stall(const c10::intrusive_ptr<c10d::Work>& work, in
     return;  // some rank is busy elsewhere or merely behind, or it matched
   }
   failed_ = true;
+  abandon({work});  // this rank raises with it in flight: see [Note: abandoned collectives]
   if (!deadlock) {
     std::ostringstream out;
     for (int64_t r = 0; r < size_; ++r) {
@@ -598,6 +606,7 @@ void Communicator::wait(const c10::intrusive_ptr<c10d::Work>& submitted,
     work->wait();
   } catch (const std::exception& e) {
     failed_ = true;
+    abandon({work});  // if it still runs: the wait gave up on it
     forget_seq(work);
     // A rank whose sequence check found the difference posted it before
     // leaving: that, not the broken connection, is the cause.

@@ -125,6 +125,13 @@ class Communicator {
   void begin_round(int64_t key, const std::string& label);
   // Collectives issued on this group so far.
   int64_t issued() const { return issued_; }
+  // Collectives submitted on this group so far (issued, or waiting for their
+  // headers): whether a forward that raised had begun its collectives.
+  int64_t submitted() const { return submitted_; }
+  // This rank leaves `works` (on this group) for good: if one still runs,
+  // the group is kept until the process exits ([Note: abandoned
+  // collectives] in abandoned_collectives.h).
+  void abandon(const std::vector<c10::intrusive_ptr<c10d::Work>>& works) const;
   // Marks this group failed and posts the report a sequence check composed
   // to the stall diagnosis' store, where the other ranks' stalled waits
   // read it; see collective_sequence.h.
@@ -206,6 +213,7 @@ class Communicator {
   GroupSlot slot_;
   std::shared_ptr<IssueCounts> counts_;
   std::atomic<int64_t> issued_{0};
+  std::atomic<int64_t> submitted_{0};
   std::shared_ptr<CollectiveSequence> sequence_;
   std::function<std::string(const std::string&)> advise_;
   // Works in flight and their position in this group's sequence, for the

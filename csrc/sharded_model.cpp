@@ -184,6 +184,10 @@ void ShardedModel::attach_output_hook(const at::Tensor& output) {
 // --- the model's forward ----------------------------------------------------------
 
 void ShardedModel::begin_forward() {
+  forward_marks_.push_back(collectives_submitted());  // first: whatever raises from here on, forward_raised pops it
+  if (units_) {
+    round_.check_usable();  // a broken rank refuses before its root unit, which may still be gathered
+  }
   reset_if_stale();
   check_param_shapes();
   if (current_backward().graph_task_id < 0) {  // a checkpoint's recompute stays in its backward's round
@@ -204,6 +208,56 @@ void ShardedModel::end_forward(std::vector<at::Tensor> outputs) {
   if (units_) {
     dispatch::release_unit(self(), 0, outputs);
   }
+  if (!forward_marks_.empty()) {
+    forward_marks_.pop_back();  // last: if anything above raised, forward_raised pops it
+  }
+}
+
+int64_t ShardedModel::collectives_submitted() const {
+  return comm_.submitted() + gather_comm_.submitted() + regather_comm_.submitted() + replica_comm_.submitted();
+}
+
+// [Note: a forward that raised]
+// A forward of the model that raises on some ranks only (an input of another
+// shape there, data-dependent code) once its first collectives went out
+// (stage 3 gathers and prefetches) leaves this rank's collectives a prefix of
+// the others': they go on with the rest of that forward, its backward and
+// step. Caught and retried here, the next forward's gathers would pair with
+// whatever the others issue next, and when that is the same collective the
+// header checks pass: training went on with ranks one forward apart. No
+// check could tell this from every rank raising at the same point (which
+// stays in step) without a collective the others may never join. So the
+// rank that raised breaks: check_usable() refuses every later entry point
+// with the report, which is also posted where the others' stalled waits read
+// it (the stall interval, [Note: stall diagnosis] in communicator.h), so
+// every rank ends with it within seconds. A forward that had submitted
+// nothing yet (a check before its first gather; stages 0-2; one rank)
+// leaves nothing out of step, and the model goes on.
+void ShardedModel::forward_raised(std::string error) {
+  if (forward_marks_.empty()) {
+    return;
+  }
+  const int64_t before = forward_marks_.back();
+  forward_marks_.pop_back();
+  if (collectives_submitted() == before || failed() || round_.state() == RoundState::kBroken) {
+    return;  // nothing issued, or an earlier failure already stops this rank with its own report
+  }
+  const int64_t me = mesh_.rank();
+  std::string others;
+  for (int64_t r = 0; r < mesh_.size(); ++r) {
+    if (r != me) others += (others.empty() ? "rank " : ", rank ") + std::to_string(r);
+  }
+  const std::string report =
+      "zero_ext: rank " + std::to_string(me) + " cannot go on training: the model's forward raised on it " +
+      (units_ ? units_->forward_position() : std::string("in its forward")) + " (" + error +
+      ") after zero_ext had issued the first collectives of that forward (stage 3 parameter gathers), so its "
+      "collectives are out of step with those of the other ranks (" + others + "), which go on with that "
+      "forward and wait for the rest of it. Every rank stops with this error instead of waiting out the "
+      "timeout. Fix what raised on rank " + std::to_string(me) + " (an input of another shape or type on some "
+      "ranks only, data-dependent code) and restart every rank from the last checkpoint: catching the error "
+      "and going on cannot work, as this rank's next collectives would pair with other ones of the other ranks.";
+  round_.mark_forward_raised(report);
+  comm_.post_report(report);  // the model's groups share one report key
 }
 
 // --- stage 3 units --------------------------------------------------------------

@@ -68,6 +68,10 @@ class ShardedModel : public torch::CustomClassHolder {
   // Hooks the outputs (the epilogue's owner, the fp16 loss scale) and ends
   // the root unit's forward.
   void end_forward(std::vector<at::Tensor> outputs);
+  // The model's forward raised after begin_forward (`error`: what it
+  // raised, for the message): this rank breaks if that forward's collectives
+  // had begun ([Note: a forward that raised] in sharded_model.cpp).
+  void forward_raised(std::string error);
 
   // --- autograd ------------------------------------------------------------
   void on_grad_ready(int64_t param_index);
@@ -253,6 +257,7 @@ class ShardedModel : public torch::CustomClassHolder {
   // Stage 3: unit u's last use in this backward is over ([Note: issue order]).
   void launch_unit_reductions(int64_t u);
   void drain_deferred_uses();  // under mutex_
+  int64_t collectives_submitted() const;  // on all of the model's groups
 
   std::shared_ptr<IssueCounts> issue_counts_;  // shared by the communicators below
   Communicator comm_;
@@ -275,6 +280,9 @@ class ShardedModel : public torch::CustomClassHolder {
   BackwardRound round_;
   bool sync_ = true;
   bool in_backward_round_ = false;  // a backward round began and its epilogue has not run
+  // Per forward of the model in progress (nested ones too): the collectives
+  // submitted before it began.
+  std::vector<int64_t> forward_marks_;
   std::mutex mutex_;
   std::mutex deferred_mutex_;  // guards only deferred_uses_
   std::vector<std::pair<int64_t, int64_t>> deferred_uses_;  // (unit, round)

@@ -1,6 +1,8 @@
 #include "units.h"
 
 #include <algorithm>
+#include <iterator>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -264,8 +266,12 @@ void UnitScheduler::pre_forward(int64_t u) {
     if (u == 0) {
       forward_order_.clear();
       forward_cursor_ = 0;
+      open_in_forward_.clear();
     }
     forward_order_.push_back(u);
+    if (open_in_forward_.size() < 4096) {  // bounded: units called outside the model's forward never clear it
+      open_in_forward_.push_back(u);
+    }
   }
   start_gather(u);
   finish_gather(u);
@@ -277,6 +283,12 @@ void UnitScheduler::pre_forward(int64_t u) {
 void UnitScheduler::post_forward(int64_t u, bool grad_enabled, bool hooked_outputs) {
   unit_at(u);
   const bool in_backward = current_backward().graph_task_id >= 0;
+  if (!in_backward) {
+    auto open = std::find(open_in_forward_.rbegin(), open_in_forward_.rend(), u);
+    if (open != open_in_forward_.rend()) {
+      open_in_forward_.erase(std::next(open).base());
+    }
+  }
   if (u == 0 && !in_backward) {
     finish_forward_order();
   }
@@ -299,6 +311,13 @@ void UnitScheduler::post_forward(int64_t u, bool grad_enabled, bool hooked_outpu
     return;
   }
   release(u);
+}
+
+std::string UnitScheduler::forward_position() const {
+  if (open_in_forward_.empty()) {
+    return "outside any unit";
+  }
+  return "inside " + layout_.describe_unit(open_in_forward_.back());
 }
 
 // [Note: resharding to a subgroup]

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include <c10/util/intrusive_ptr.h>
@@ -42,6 +43,9 @@ class UnitScheduler {
   // gathers it again before its backward.
   void pre_forward(int64_t u);
   void post_forward(int64_t u, bool grad_enabled, bool hooked_outputs);
+  // Where the model's forward is, for a forward that raised: "inside unit 3
+  // 'blocks.1'", the innermost unit whose forward began and did not end.
+  std::string forward_position() const;
   void pre_backward(int64_t u);
   // reshard_after_forward=False for these units: a forward that records a
   // graph leaves them gathered until their backward is over (no second
@@ -156,6 +160,7 @@ class UnitScheduler {
   std::vector<c10::intrusive_ptr<c10d::Work>> gather_work_;  // per bucket
   std::vector<int64_t> gathers_since_exchange_;  // one per unit with parameters, fixed at wrap()
   std::vector<int64_t> forward_order_;       // being recorded
+  std::vector<int64_t> open_in_forward_;     // units whose forward began and did not end, innermost last
   std::vector<int64_t> last_forward_order_;  // complete
   int64_t forward_cursor_ = 0;
   int64_t backward_cursor_ = 0;

@@ -22,6 +22,14 @@ is how their processes end.
         collective's tensors while the interpreter finalizes, which aborts
         the process ([Note: groups die with destroy_process_group] in
         zero_ext/groups/process_groups.py).
+    exit_scenarios.py evaluation-then-barrier   (RANK, WORLD_SIZE, MASTER_* set)
+        nanoGPT's master-only evaluation followed by a barrier at stage 3,
+        zero_ext's and the world group's timeouts left at 30 minutes: rank 0's
+        no_grad forward raises zero_ext's error within seconds (the others
+        wait in dist.barrier()), printing "raised at <time.time()>" first, and
+        is left uncaught: rank 0 must exit at once, though its header
+        exchange is still in flight ([Note: abandoned collectives] in
+        csrc/abandoned_collectives.h), and its exit ends the others' barrier.
 """
 from __future__ import annotations
 
@@ -102,6 +110,25 @@ def groups_freed() -> None:
     print(f"rank {rank}: {len(groups)} groups freed", flush=True)
 
 
+def evaluation_then_barrier() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model, opt = zero_ext.wrap(model, torch.optim.AdamW(model.parameters(), lr=0.01), stage=3)
+    _step(model, opt, rank)
+    print(f"rank {rank}: stepped", flush=True)
+    if rank == 0:
+        try:
+            with torch.no_grad():
+                model(torch.randn(4, 8))
+        except RuntimeError:
+            print(f"rank 0: raised at {time.time()}", flush=True)
+            raise
+    dist.barrier()
+    raise AssertionError("unreachable: rank 0's forward must raise, and its exit end the barrier")
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     if sys.argv[1] == "dead-peer":
@@ -110,5 +137,7 @@ if __name__ == "__main__":
         restart(sys.argv[2])
     elif sys.argv[1] == "groups-freed":
         groups_freed()
+    elif sys.argv[1] == "evaluation-then-barrier":
+        evaluation_then_barrier()
     else:
         raise SystemExit(f"unknown scenario {sys.argv[1]!r}")

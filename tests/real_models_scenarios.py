@@ -3,8 +3,9 @@ as the parity suite's single-process reference over the global batch
 (tests/parity_scenarios.py's Context): MoE layers whose routing skips experts
 differently on every rank, a top-level MoE outside any block, blocks kept in
 ModuleDicts. Plus the ways ranks can disagree (an expert made a unit of its
-own and skipped, a rank-0-only evaluation, evaluation loops of different
-lengths, wrap() with different models or options): every rank must end in
+own and skipped, a rank-0-only evaluation, with or without a barrier after
+it, evaluation loops of different lengths, a forward that raised on one rank
+only, wrap() with different models or options): every rank must end in
 zero_ext's own error, never a wrong number, a hang or an abort inside gloo.
 Those scenarios catch the error and return it, so one group of ranks runs
 them all (zero_ext never hands a failed model's groups to another model).
@@ -365,6 +366,66 @@ def evaluation_loops_of_different_lengths(rank: int, world: int) -> dict:
     return _train_with_evaluation(rank, world, batches=3 if rank == 0 else 2)
 
 
+def evaluation_on_rank0_only_then_barrier(rank: int, world: int) -> dict:
+    """nanoGPT's `if master_process: estimate_loss()` followed by
+    dist.barrier() on every rank: rank 0's no_grad forward needs the others,
+    who wait in the barrier, which needs rank 0. Rank 0 raises within
+    seconds, joins the barrier (a user's `finally:`) and every rank goes on
+    training: the others' next step must end in zero_ext's error too (their
+    first header meets the one rank 0 sent for its no_grad forward), not
+    wait for a rank whose model stopped. (Its process must also be free to
+    exit: tests/test_exit.py.)"""
+    def body(outputs, mark):
+        model, opt = _moe_wrapped(bucket_mb=ONE_UNIT_PER_BLOCK_MB)
+        for step in range(3):
+            if step == 1:
+                mark()
+                try:
+                    if rank == 0:
+                        with torch.no_grad():
+                            outputs.append(float(lm_loss(model, tokens_of(world, 60, rank))))
+                finally:
+                    dist.barrier()
+            loss = lm_loss(model, tokens_of(world, step, rank))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            outputs.append(loss.item())
+    return _outcome(body)
+
+
+def input_of_another_shape_on_rank0(rank: int, world: int) -> dict:
+    """At step 1 a Linear inside block 1 gets an input of another width on
+    rank 0 only (a batch the data pipeline got wrong there): torch raises in
+    the middle of the forward, after its first gathers (the default units:
+    the blocks merged into one unit). Rank 0 catches it and goes on with the
+    next batch, as a loop that skips bad batches does: the others went on
+    with that forward, so rank 0's next step must refuse, and the others
+    must raise the same report within seconds, never train with the ranks
+    one forward apart (which the collectives' checks let pass here: rank 0's
+    next forward issues what the others' next one does)."""
+    def body(outputs, mark):
+        model, opt = _moe_wrapped()
+        widen = [False]
+        model.blocks[1].mix.register_forward_pre_hook(
+            lambda module, args: (torch.cat([args[0], args[0]], -1),) if widen[0] else None)
+        for step in range(3):
+            if step == 1:
+                mark()
+            widen[0] = step == 1 and rank == 0
+            try:
+                loss = lm_loss(model, tokens_of(world, step, rank))
+            except RuntimeError as error:
+                if not widen[0] or "zero_ext" in str(error):
+                    raise
+                continue  # the bad batch is skipped
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            outputs.append(loss.item())
+    return _outcome(body)
+
+
 def _steps_parting_at_step_1(rank: int, world: int, build: Callable[[], tuple], steps: int,
                              part: Callable[[nn.Module], None]) -> dict:
     """Trains the (model, optimizer) build() gives for `steps` steps; before
@@ -477,6 +538,8 @@ DIVERGENCES: Dict[str, Callable[[int, int], dict]] = {
     "expert_units_skipped_in_no_grad_evaluation": expert_units_skipped_in_no_grad_evaluation,
     "evaluation_on_rank0_only": evaluation_on_rank0_only,
     "evaluation_loops_of_different_lengths": evaluation_loops_of_different_lengths,
+    "evaluation_on_rank0_only_then_barrier": evaluation_on_rank0_only_then_barrier,
+    "input_of_another_shape_on_rank0": input_of_another_shape_on_rank0,
     "frozen_on_one_rank_only": frozen_on_one_rank_only,
     "frozen_on_one_rank_only_stage1": lambda rank, world: frozen_on_one_rank_only(rank, world, stage=1),
     "gradient_divide_factor_differs": gradient_divide_factor_differs,

@@ -14,6 +14,12 @@
   hands the new workers the dead incarnation's store, and torch's own
   default group connects to the dead workers' gloo addresses before any
   zero_ext code runs (docs/multi-node.md, "Restarts").
+- A rank that raised zero_ext's error with one of its collectives still in
+  flight exits at once (nanoGPT's master-only evaluation, then a barrier
+  on every rank): the group with the abandoned collective is kept until
+  exit instead of being freed, which joined a gloo thread blocked in it
+  for the group's timeout, 30 minutes ([Note: abandoned collectives] in
+  csrc/abandoned_collectives.h); its exit ends the other rank's barrier.
 - destroy_process_group() frees every group, the world's and zero_ext's,
   once the models are gone: no gloo thread outlives it into interpreter
   exit, where letting go of a collective's tensors aborts the process
@@ -23,8 +29,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 import subprocess
 import sys
+import time
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
@@ -65,3 +73,55 @@ def test_destroy_process_group_frees_every_group():
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     assert done.stdout.count("groups freed") == 4, done.stdout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_rank_that_raised_with_a_collective_in_flight_exits_at_once(tmp_path):
+    """Two processes launched as torchrun would, but watched one by one (torchrun
+    would end the survivor itself once rank 0 exits): rank 0 raises zero_ext's
+    error and must end within seconds of it, not at the 30-minute timeout of
+    the all-gather it left in flight; rank 1, in dist.barrier(), ends when
+    rank 0's exit closes the connection. Neither aborts."""
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
+    env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    procs, logs = [], []
+    for rank in range(2):
+        log = open(tmp_path / f"rank{rank}.log", "w+")
+        procs.append(subprocess.Popen(
+            [sys.executable, os.path.join(TESTS, "exit_scenarios.py"), "evaluation-then-barrier"],
+            env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), stdout=log, stderr=subprocess.STDOUT))
+        logs.append(log)
+    ended = [None, None]
+    deadline = time.monotonic() + 240
+    while None in ended and time.monotonic() < deadline:
+        for rank, proc in enumerate(procs):
+            if ended[rank] is None and proc.poll() is not None:
+                ended[rank] = time.time()
+        time.sleep(0.1)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    report = "\n\n".join(f"rank {r} (exit {p.returncode}):\n{out[-4000:]}" for r, (p, out) in
+                          enumerate(zip(procs, outputs)))
+    assert None not in ended, f"a rank did not exit within 240 s:\n{report}"
+    raised = [line for line in outputs[0].splitlines() if line.startswith("rank 0: raised at ")]
+    assert raised, report
+    raised_at = float(raised[0].split()[-1])
+    assert procs[0].returncode == 1, report
+    assert "RuntimeError: zero_ext: " in outputs[0] and "not running this model" in outputs[0], report
+    assert procs[1].returncode == 1 and "unreachable" not in outputs[1], report
+    for rank in range(2):
+        assert ended[rank] - raised_at < 20, f"rank {rank} exited {ended[rank] - raised_at:.1f} s after rank 0 " \
+                                             f"raised:\n{report}"

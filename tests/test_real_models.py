@@ -6,8 +6,10 @@ ranks each:
   ModuleDicts, train like one process over the global batch in stages 0-3,
   and evaluate under torch.no_grad() like the unwrapped model;
 - where ranks disagree (an expert made a unit and skipped, in training and
-  under no_grad; a rank-0-only evaluation; evaluation loops of different
-  lengths; wrap() with a different shape, stage, units or precision), every
+  under no_grad; a rank-0-only evaluation, also one followed by a barrier on
+  every rank; evaluation loops of different lengths; a forward that raised
+  on rank 0 only, inside a unit, caught there and retried; wrap() with a
+  different shape, stage, units or precision), every
   rank ends in zero_ext's error naming what differs, within seconds, and no
   rank returns a number computed after the ranks parted.
 """
@@ -51,6 +53,12 @@ EXPECTED = {
     "expert_units_skipped_in_no_grad_evaluation": (["experts."], 1),
     "evaluation_on_rank0_only": (["forward under no_grad", "forward with grad enabled"], 0),
     "evaluation_loops_of_different_lengths": (["forward under no_grad", "forward with grad enabled"], 2),
+    # Rank 0 raises as in the scenario above; once the barrier let the others
+    # go, their next forward meets rank 0's header of its no_grad forward.
+    "evaluation_on_rank0_only_then_barrier": (["a forward under no_grad at collective #"], 1),
+    "input_of_another_shape_on_rank0": (["rank 0 cannot go on training: the model's forward raised on it inside unit",
+                                         "'blocks.0 .. blocks.2'", "mat1 and mat2 shapes cannot be multiplied",
+                                         "after zero_ext had issued the first collectives of that forward"], 1),
     "frozen_on_one_rank_only": (["the ranks' trainable parameters differ", "require grad"], 1),
     "frozen_on_one_rank_only_stage1": (["the ranks' trainable parameters differ", "require grad"], 1),
     "blocks_backward_skipped_on_one_rank": (["stalled waiting for each other", "blocks."], 1),

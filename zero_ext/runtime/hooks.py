@@ -6,7 +6,8 @@ into the C++ core; the backward runs no Python (autograd_boundaries.h).
 The root's pre-forward drops a stale backward round, casts inputs under mixed
 precision and gathers the root unit (stage 3); its post-forward hooks the
 model's outputs, so the epilogue belongs to the outermost backward through
-them, and applies the fp16 loss scale there. A unit is gathered before its
+them, and applies the fp16 loss scale there; an always-called hook after it
+tells the core when the forward raised instead. A unit is gathered before its
 forward, released after it, and its outputs are hooked to gather it again
 before its backward.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import sys
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -221,6 +223,7 @@ class RootHooks:
         self.has_merged_units = has_merged_units
         self.depth = 0  # nested forwards of the model; tracked with merged units only
         self.runs: List[Tuple[int, "MergedUnitHooks"]] = []  # merged units opened in this forward, in order
+        self.finished = False  # post_forward's core call returned; end_forward, right after it, resets it
 
     @property
     def phase(self) -> ModelPhase:
@@ -228,8 +231,7 @@ class RootHooks:
 
     def install(self, module: torch.nn.Module) -> None:
         hook_forward(module, pre=self.pre_forward, post=self.post_forward)
-        if self.has_merged_units:
-            hook_forward(module, post=self.end_forward, always_call=True)
+        hook_forward(module, post=self.end_forward, always_call=True)
 
     def _inner(self, t: torch.Tensor) -> torch.Tensor:
         # The model's own output fed back in (model(model(x))): use the tensor
@@ -275,18 +277,37 @@ class RootHooks:
         if grad and self.loss_scaling():
             output = replaced = _map_outputs(output, self._scale_boundary)
         self.units.end_forward(tensors_requiring_grad(output) if grad else [])
+        self.finished = True
         if self.output_dtype is not None:
             dtype = self.output_dtype
             replaced = tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, output)
         return replaced
 
     def end_forward(self, mod: torch.nn.Module, args: Any, output: Any) -> None:
-        # After post_forward, and also when the forward raised (always_call):
-        # then the runs it left open are forgotten (see pre_forward).
+        # After post_forward, and also when the forward (or a hook around it)
+        # raised (always_call): then the core hears of it, as the ranks may
+        # have parted ([Note: a forward that raised] in csrc/sharded_model.cpp),
+        # and the runs it left open are forgotten (see pre_forward).
+        finished, self.finished = self.finished, False
+        if not finished:
+            self.units.forward_raised(_raised_now())
+        if not self.has_merged_units:
+            return
         for _, hooks in self.runs:
             hooks.forget_run(hook_outputs=False)
         self.runs.clear()
         self.depth = max(self.depth - 1, 0)
+
+
+def _raised_now() -> str:
+    """The exception being handled (an always-called hook runs inside torch's
+    `except` around the forward), as one line for zero_ext's report."""
+    error = sys.exc_info()[1]
+    if error is None:
+        return "an exception"
+    text = str(error).strip().splitlines()
+    line = f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+    return line if len(line) <= 300 else line[:297] + "..."
 
 
 class UnitHooks:

@@ -143,8 +143,9 @@ class Units(_Handle):
     wait_unshard: Callable[[], None]
     write_back_shards: Callable[[], None]
     params_sharded: Callable[[], bool]
+    forward_raised: Callable[[str], None]  # the model's forward raised (its message): the rank may have parted
 
-    BOUND = ("begin_forward", "end_forward", "pre_forward", "enter_unit", "track_unit_inputs", "post_forward",
+    BOUND = ("begin_forward", "end_forward", "forward_raised", "pre_forward", "enter_unit", "track_unit_inputs", "post_forward",
              "hook_regather", "scale_outputs", "add_pending_use", "post_backward_use", "note_untracked_use",
              "gather_all", "gather_units_of", "unpin_units_of", "release_all", "keep_gathered_after_forward",
              "reshard_to_subgroup", "set_prefetch", "set_unit_names", "unshard", "wait_unshard",
