@@ -235,9 +235,13 @@ def test_one_variable_arms_every_fault_point(monkeypatch):
 
 
 def test_every_room_is_packaged():
-    """A wheel (the torch-version venvs install one) carries every room."""
+    """A wheel (the torch-version venvs install one) carries every room and
+    every package inside one (files/checkpoint, files/weights)."""
     import tomllib
 
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
         packages = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
-    assert packages == {"zero_ext"} | {f"zero_ext.{room}" for room in ROOMS}
+    on_disk = {os.path.relpath(root, REPO).replace(os.sep, ".") for root, _, files in os.walk(PACKAGE)
+               if "__init__.py" in files}
+    assert {"zero_ext"} | {f"zero_ext.{room}" for room in ROOMS} <= on_disk
+    assert packages == on_disk
