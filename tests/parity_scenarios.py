@@ -1659,6 +1659,30 @@ class ReferenceReduction:
         return [(self.total[n] / self.scale).float() if n in self.count else None for n, _ in self.named]
 
 
+# Significant bits of each floating dtype (the implicit leading bit included).
+SIGNIFICANT_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
+
+
+def fits_in_bits(t: torch.Tensor, bits: int) -> bool:
+    """Whether every element of `t` has at most `bits` significant bits, as
+    a value of a dtype with that many does (whatever that dtype's range)."""
+    mantissa, _ = torch.frexp(t.double())  # t = mantissa * 2**e, 0.5 <= |mantissa| < 1
+    scaled = torch.ldexp(mantissa, torch.tensor(bits))
+    return torch.equal(scaled, scaled.round())
+
+
+def reduced_in(grads: Dict[str, Optional[torch.Tensor]], reduce_dtype: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether the ranks' `dtype` gradients of one backward (after zero_grad)
+    were summed in `reduce_dtype`. A sum rounded to bf16 or fp16 last holds
+    only that dtype's values (the world sizes here divide exactly; fp16's
+    loss scale, a power of two, too). Summed in fp32, some of hundreds of
+    sums of unrelated terms need more bits than the terms have."""
+    reduced = [g for g in grads.values() if g is not None]
+    if reduce_dtype != torch.float32:
+        return all(fits_in_bits(g, SIGNIFICANT_BITS[reduce_dtype]) for g in reduced)
+    return not all(fits_in_bits(g, SIGNIFICANT_BITS[dtype]) for g in reduced)
+
+
 # Checkpoint label prefixes compared at low-precision tolerances (see compare()).
 BF16, FP16 = "[bf16] ", "[fp16] "
 LOW_PRECISION_LABEL = {torch.bfloat16: BF16, torch.float16: FP16}
@@ -1700,6 +1724,10 @@ def _mixed_training(ctx: Context, model: nn.Module, make_optimizer, loss_of_step
                 ctx.checkpoints.append((f"{label}step {step} backward {micro}: grads", reduction.recorded()))
             else:
                 ctx.record_grads(f"{label}step {step} backward {micro}", model)
+            if micro == 0 and not defer_replicas and ctx.world > 1:
+                reduce_dtype = precision.reduce_dtype or torch.float32
+                ctx.record_check(f"step {step} backward 0: the ranks' gradients summed in {reduce_dtype}",
+                                 ctx.reference or reduced_in(ctx.checkpoints[-1][1], reduce_dtype, dtype))
         if ctx.reference:
             ref.step(reduction.step_grads())
         else:

@@ -16,7 +16,8 @@ arithmetic perturbed as another machine would, and must still match.
   what it changes later: the ranks played in every order, the reference
   reducing in the compute dtype (more rounding than any zero_ext reduction
   does), and the stepped gradients moved by k half-ulps of the compute
-  dtype. A lost or doubled rank must still fail.
+  dtype. A lost or doubled rank, and a reduction in another dtype, must
+  still fail.
 
 On one CPU moe_in_blocks once moved a parameter by 5.3e-6 (Adam's step on a
 gradient near zero) and output_dtype_cast a gradient by 8.1e-5 (an output
@@ -232,3 +233,14 @@ def test_any_summation_order_stays_within_the_bound():
     assert worst > 0.1, "no order rounded much: the check would show nothing"
     missing = terms[1:].double().sum(0)
     assert not bool(((missing - exact).abs() <= bound).all())
+
+
+def test_the_reduction_dtype_check_tells_bf16_sums_from_fp32_ones():
+    generator = torch.Generator().manual_seed(0)
+    terms = torch.randn(4, 300, generator=generator).bfloat16()
+    in_bf16 = {"w": (terms[0] + terms[1] + terms[2] + terms[3]).float() / 4}
+    in_fp32 = {"w": terms.float().sum(0) / 4, "frozen": None}
+    assert ps.reduced_in(in_bf16, torch.bfloat16, torch.bfloat16)
+    assert not ps.reduced_in(in_bf16, torch.float32, torch.bfloat16)
+    assert ps.reduced_in(in_fp32, torch.float32, torch.bfloat16)
+    assert not ps.reduced_in(in_fp32, torch.bfloat16, torch.bfloat16)
