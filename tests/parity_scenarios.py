@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import shutil
 import tempfile
@@ -1508,7 +1509,8 @@ class MasterWeightReference:
     """Plain PyTorch mixed precision, the arithmetic zero_ext's must equal:
     parameters in the compute dtype, fp32 masters stepped by the optimizer
     from the low-precision gradients (divided by the loss scale the loss was
-    multiplied by), parameters re-cast after each step."""
+    multiplied by), parameters re-cast after each step; `step(grads)` steps
+    from the fp32 gradients given instead (ReferenceReduction's)."""
 
     def __init__(self, model: nn.Module, make_optimizer, dtype: torch.dtype = torch.bfloat16,
                  loss_scale: float = 1.0):
@@ -1520,9 +1522,11 @@ class MasterWeightReference:
                 p.data = p.data.to(dtype)
         self.opt = make_optimizer(self.masters)
 
-    def step(self) -> None:
-        for p, m in zip(self.params, self.masters):
-            m.grad = None if p.grad is None else p.grad.float() / self.loss_scale
+    def step(self, grads: Optional[List[Optional[torch.Tensor]]] = None) -> None:
+        if grads is None:
+            grads = [None if p.grad is None else p.grad.float() / self.loss_scale for p in self.params]
+        for m, g in zip(self.masters, grads):
+            m.grad = g
         self.opt.step()
         with torch.no_grad():
             for p, m in zip(self.params, self.masters):
@@ -1531,6 +1535,152 @@ class MasterWeightReference:
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
+
+
+@dataclasses.dataclass
+class ReducedSum:
+    """A reference gradient that is a sum of low-precision terms, as zero_ext
+    must reduce it: `value`, their exact sum (fp32), and `bound`, elementwise,
+    the most any order of adding them in the compute dtype or finer may move
+    it. compare() takes got within `bound` (besides its label's rtol and
+    atol) of `value`.
+
+    With m terms t_i, S = sum |t_i| and u the compute dtype's unit roundoff
+    (half an ulp relative: 2**-8 for bf16, 2**-11 for fp16), any sum of them
+    by m - 1 additions, each rounded to a precision of u or finer, lies within
+    gamma(m - 1) * S of the exact sum, gamma(n) = n*u / (1 - n*u) (Higham,
+    Accuracy and Stability of Numerical Algorithms, 4.2): each addition
+    rounds its result by at most u times itself (a subnormal result adds
+    exactly), and no partial sum exceeds S(1+u)**k. A bound relative to the
+    sum itself cannot hold: where the terms cancel, S is many times |sum|.
+    zero_ext adds the same terms (each rank's, from the same compute-dtype
+    parameters and kernels, divided by a power-of-two world size: exactly) by
+    m - 1 additions in the compute dtype, the reduction dtype or its fp32
+    accumulator. The bound is what one backward's rounding may do; after a
+    step, the two runs' parameters may differ too (their label's rtol and
+    atol cover that)."""
+    value: torch.Tensor
+    bound: torch.Tensor
+
+
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
+
+def summation_bound(terms: int, unit_roundoff: float) -> float:
+    """gamma(terms - 1): the most rounding moves a sum of `terms` terms, per unit of sum |term|."""
+    n = max(terms - 1, 0)
+    assert n * unit_roundoff < 1
+    return n * unit_roundoff / (1 - n * unit_roundoff)
+
+
+class ReferenceReduction:
+    """The reference's gradients, reduced as zero_ext reduces them.
+
+    Every gradient term autograd adds into a parameter's .grad (one per use
+    of the parameter in each rank's forward) is caught by a hook on the graph
+    node that sends it; since the last zero_grad, their exact sum (in fp64,
+    whose rounding, 2**-53 of their magnitudes per addition, is negligible),
+    the sum of their magnitudes and their count give each recorded gradient
+    (ReducedSum). The optimizer steps from what the reduction gives: in fp32,
+    the exact sum (to fp32 rounding, as zero_ext's); in the compute dtype,
+    each backward's terms summed in it (autograd's own sum, in its order),
+    accumulated in fp32 over the backward calls. The parameters' .grad is
+    cleared after each backward, so that autograd sums one backward's terms."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, reduce_dtype: torch.dtype, scale: float):
+        self.named = list(model.named_parameters())
+        self.names = {id(p): n for n, p in self.named}
+        self.dtype, self.scale = dtype, scale
+        self.in_compute_dtype = reduce_dtype == dtype
+        self.clear()
+
+    def clear(self) -> None:
+        self.total: Dict[str, torch.Tensor] = {}
+        self.magnitude: Dict[str, torch.Tensor] = {}
+        self.count: Dict[str, int] = {}
+        self.reduced: Dict[str, torch.Tensor] = {}
+
+    def watch(self, loss: torch.Tensor) -> None:
+        """Hooks every node of `loss`'s graph that sends a gradient to a parameter."""
+        self.backward = ({}, {}, {})  # this backward's total, magnitude, count
+        seen, stack = set(), [loss.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            into = [(i, self.names[id(nxt.variable)]) for i, (nxt, _) in enumerate(node.next_functions)
+                    if nxt is not None and id(getattr(nxt, "variable", None)) in self.names]
+            if into:
+                node.register_hook(functools.partial(self._add, into))
+            stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+
+    def _add(self, into, grad_inputs, grad_outputs) -> None:
+        total, magnitude, count = self.backward
+        for i, name in into:
+            if grad_inputs[i] is None:
+                continue
+            term = grad_inputs[i].to(self.dtype).double()  # autograd casts it to the parameter's dtype too
+            total[name] = total.get(name, 0.0) + term
+            magnitude[name] = magnitude.get(name, 0.0) + term.abs()
+            count[name] = count.get(name, 0) + 1
+
+    def backward_done(self) -> None:
+        """Takes this backward's terms and autograd's sum of them; clears .grad."""
+        total, magnitude, count = self.backward
+        for name, p in self.named:
+            assert (p.grad is None) == (name not in count), f"{name}: .grad and the terms seen disagree"
+            if p.grad is None:
+                continue
+            # autograd's order is one of those the bound holds for: beyond
+            # it, a term was missed or the derivation is wrong.
+            bound = summation_bound(count[name], UNIT_ROUNDOFF[self.dtype]) * magnitude[name]
+            assert bool(((p.grad.double() - total[name]).abs() <= bound).all()), \
+                f"{name}: autograd's sum is beyond the rounding bound of its terms' exact sum"
+            if self.in_compute_dtype:  # an fp32 accumulator
+                self.reduced[name] = self.reduced.get(name, 0.0) + p.grad.float() / self.scale
+            self.total[name] = self.total.get(name, 0.0) + total[name]
+            self.magnitude[name] = self.magnitude.get(name, 0.0) + magnitude[name]
+            self.count[name] = self.count.get(name, 0) + count[name]
+            p.grad = None
+
+    def recorded(self) -> Dict[str, Optional[ReducedSum]]:
+        """Each parameter's gradient since the last clear(), divided by the loss
+        scale (a power of two: exactly), as compare() takes it."""
+        u = UNIT_ROUNDOFF[self.dtype]
+        return {n: ReducedSum(value=(self.total[n] / self.scale).float(),
+                              bound=(summation_bound(self.count[n], u) * self.magnitude[n] / self.scale).float())
+                if n in self.count else None for n, _ in self.named}
+
+    def step_grads(self) -> List[Optional[torch.Tensor]]:
+        """What the optimizer steps from: the reduced gradients in fp32, divided by the loss scale."""
+        if self.in_compute_dtype:
+            return [self.reduced.get(n) for n, _ in self.named]
+        return [(self.total[n] / self.scale).float() if n in self.count else None for n, _ in self.named]
+
+
+# Significant bits of each floating dtype (the implicit leading bit included).
+SIGNIFICANT_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
+
+
+def fits_in_bits(t: torch.Tensor, bits: int) -> bool:
+    """Whether every element of `t` has at most `bits` significant bits, as
+    a value of a dtype with that many does (whatever that dtype's range)."""
+    mantissa, _ = torch.frexp(t.double())  # t = mantissa * 2**e, 0.5 <= |mantissa| < 1
+    scaled = torch.ldexp(mantissa, torch.tensor(bits))
+    return torch.equal(scaled, scaled.round())
+
+
+def reduced_in(grads: Dict[str, Optional[torch.Tensor]], reduce_dtype: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether the ranks' `dtype` gradients of one backward (after zero_grad)
+    were summed in `reduce_dtype`. A sum rounded to bf16 or fp16 last holds
+    only that dtype's values (the world sizes here divide exactly; fp16's
+    loss scale, a power of two, too). Summed in fp32, some of hundreds of
+    sums of unrelated terms need more bits than the terms have."""
+    reduced = [g for g in grads.values() if g is not None]
+    if reduce_dtype != torch.float32:
+        return all(fits_in_bits(g, SIGNIFICANT_BITS[reduce_dtype]) for g in reduced)
+    return not all(fits_in_bits(g, SIGNIFICANT_BITS[dtype]) for g in reduced)
 
 
 # Checkpoint label prefixes compared at low-precision tolerances (see compare()).
@@ -1553,6 +1703,7 @@ def _mixed_training(ctx: Context, model: nn.Module, make_optimizer, loss_of_step
     if ctx.reference:
         ref = MasterWeightReference(model, make_optimizer, dtype, loss_scale=scale)
         opt = ref
+        reduction = ReferenceReduction(model, dtype, precision.reduce_dtype or torch.float32, scale)
     else:
         model, opt = zero_ext.wrap(model, make_optimizer(model.parameters()), stage=ctx.stage,
                                    mixed_precision=precision, bucket_mb=BUCKET_MB, **ctx.group_kwargs(),
@@ -1562,18 +1713,28 @@ def _mixed_training(ctx: Context, model: nn.Module, make_optimizer, loss_of_step
             if defer_replicas:  # all but the last backward keep the sum across replicas back
                 ctx.set_requires_all_reduce(model, micro == backwards - 1)
             loss = loss_of_step(model, step, micro)
+            if ctx.reference:
+                reduction.watch(loss)
             (loss * scale if ctx.reference else loss).backward()
+            if ctx.reference:
+                reduction.backward_done()
             if defer_replicas and micro < backwards - 1:
                 continue  # reading gradients would send the deferred sum across replicas now
             if ctx.reference:
-                grads = {n: None if p.grad is None else p.grad.float() / scale
-                         for n, p in model.named_parameters()}
-                ctx.checkpoints.append((f"{label}step {step} backward {micro}: grads", grads))
+                ctx.checkpoints.append((f"{label}step {step} backward {micro}: grads", reduction.recorded()))
             else:
                 ctx.record_grads(f"{label}step {step} backward {micro}", model)
-        opt.step()
+            if micro == 0 and not defer_replicas and ctx.world > 1:
+                reduce_dtype = precision.reduce_dtype or torch.float32
+                ctx.record_check(f"step {step} backward 0: the ranks' gradients summed in {reduce_dtype}",
+                                 ctx.reference or reduced_in(ctx.checkpoints[-1][1], reduce_dtype, dtype))
+        if ctx.reference:
+            ref.step(reduction.step_grads())
+        else:
+            opt.step()
         opt.zero_grad()
         if ctx.reference:
+            reduction.clear()
             ctx.checkpoints.append((f"{label}step {step}: masters", dict(zip(names, [m.clone() for m in ref.masters]))))
         else:
             full = zero_ext.full_state_dict(model)
@@ -2122,11 +2283,17 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
 }
 STAGES = (0, 1, 2, 3)
 RTOL, ATOL = 1e-5, 1e-6
-# bf16 has an 8-bit mantissa; the reference accumulates the ranks' gradients
-# in bf16 where zero_ext reduces them in fp32, so they differ by a few bf16 ulps.
+# [bf16] and [fp16] labels: low-precision training (8 and 11 significant
+# bits). Where the reference records a gradient as a ReducedSum (the
+# mixed-precision scenarios here), the rounding of its reduction, in any
+# order, is the ReducedSum's own bound, derived from its terms; these rtol
+# and atol cover the rest: what that rounding changes later (masters
+# stepped from gradients that differ by it, compute-dtype parameters
+# rounded from the masters to neighbours, the gradients those give); in
+# suites whose references record autograd's own sum of the ranks' gradients
+# in the compute dtype (whole-parameter optimizers, frozen mixed precision),
+# that sum's rounding too. tests/test_tolerances.py perturbs the references so.
 BF16_RTOL, BF16_ATOL = 2e-2, 2e-3
-# fp16 has a 10-bit mantissa, but the reference accumulates scaled fp16
-# gradients over backward calls where zero_ext adds unscaled fp32 shards.
 FP16_RTOL, FP16_ATOL = 1e-2, 1e-3
 # A value computed in fp32 and then cast to bf16 (output_dtype_cast's
 # output): fp32 values that differ by rounding alone cast to the same bf16
@@ -2147,10 +2314,17 @@ def tolerance_of(label: str, tolerances: Dict[str, Tuple[float, float]]) -> Tupl
     return next((tol for prefix, tol in tolerances.items() if label.startswith(prefix)), (RTOL, ATOL))
 
 
+def within(got: torch.Tensor, want: torch.Tensor, rtol: float, atol) -> bool:
+    """|got - want| <= atol + rtol * |want| elementwise (atol a number or a tensor); NaN never is."""
+    return bool(((got - want).abs() <= atol + rtol * want.abs()).all())
+
+
 def compare(ref, got, tolerances: Optional[Dict[str, Tuple[float, float]]] = None) -> Optional[str]:
     """First mismatch between two checkpoint lists, or None. Lists that
     compare nothing are refused as a mismatch: a scenario that recorded
     nothing (or only Nones) would otherwise pass whatever zero_ext did.
+    A reference value recorded as a ReducedSum allows its bound besides
+    the label's rtol and atol.
     `tolerances`: more label prefixes and their (rtol, atol), beside TOLERANCES."""
     tolerances = {**TOLERANCES, **(tolerances or {})}
     if not ref or not got:
@@ -2171,6 +2345,11 @@ def compare(ref, got, tolerances: Optional[Dict[str, Tuple[float, float]]] = Non
             return f"{label}: keys {sorted(have)} != reference {sorted(want)}"
         for key in want:
             a, b = want[key], have[key]
+            bound = None
+            if isinstance(a, ReducedSum):  # the exact sum, and what rounding may move it by
+                a, bound = a.value, a.bound
+            if isinstance(b, ReducedSum):  # another reference's
+                b = b.value
             if a is None or b is None:
                 if a is not None or b is not None:
                     return f"{label} [{key}]: got {'None' if b is None else 'a tensor'}, reference {'None' if a is None else 'a tensor'}"
@@ -2181,7 +2360,8 @@ def compare(ref, got, tolerances: Optional[Dict[str, Tuple[float, float]]] = Non
                     return f"{label}: check failed"
                 continue
             rtol, atol = tolerance_of(label, tolerances)
-            if a.shape != b.shape or not torch.allclose(b.float(), a.float(), rtol=rtol, atol=atol):
+            if a.shape != b.shape or not (torch.allclose(b.float(), a.float(), rtol=rtol, atol=atol) if bound is None
+                                          else within(b.float(), a.float(), rtol, atol + bound)):
                 diff = (b.float() - a.float()).abs().max().item() if a.shape == b.shape else "shape"
                 return f"{label} [{key}]: max abs diff {diff}"
     if not compared:

@@ -31,6 +31,24 @@ def test_each_label_prefix_has_its_tolerance():
     assert "max abs diff" in ps.compare(*pair(curve, 1.0, 1.02))
 
 
+def test_a_reduced_sum_adds_its_rounding_bound_elementwise():
+    """A reference gradient recorded as an exact sum and its bound
+    (ReducedSum): got may lie up to the bound, besides the label's rtol and
+    atol, from the exact sum; the bound of one element lends nothing to another."""
+    label = f"{ps.BF16}step 0 backward 0: grads"
+    want = [(label, {"v": ps.ReducedSum(value=torch.tensor([0.0, 1.0]), bound=torch.tensor([0.1, 0.0]))})]
+
+    def got(*values):
+        return [(label, {"v": torch.tensor(values)})]
+
+    rtol, atol = ps.TOLERANCES[ps.BF16]
+    assert ps.compare(want, got(0.1 + atol * 0.99, 1.0 + rtol)) is None
+    assert "max abs diff" in ps.compare(want, got(0.1 + atol * 1.01, 1.0))
+    assert "max abs diff" in ps.compare(want, got(0.0, 1.0 + rtol + atol * 1.01))
+    # Another reference's (a perturbed one's) exact sum is compared as got.
+    assert ps.compare(want, [(label, {"v": ps.ReducedSum(torch.tensor([0.05, 1.0]), torch.tensor([9.0, 9.0]))})]) is None
+
+
 def test_frozen_mixed_precision_refuses_a_scenario_that_records_nothing(monkeypatch):
     """Its items go through the shared compare, guard included."""
     monkeypatch.setitem(frozen.SCENARIOS, "records_nothing", lambda ctx: None)
