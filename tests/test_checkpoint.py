@@ -270,3 +270,40 @@ def test_a_read_larger_than_one_system_read_is_completed():
     into = torch.empty(100, dtype=torch.float32)
     assert _read_exactly(ShortReads(data.numpy().tobytes()), into) and torch.equal(into, data)
     assert not _read_exactly(ShortReads(data.numpy().tobytes()[:-1]), torch.empty(100))
+
+
+def test_pieces_are_typed_by_kind_and_round_trip_their_json(tmp_path):
+    """metadata.json's pieces parse into one class per kind, each with only
+    its kind's fields (a parameter's range has no state key, a scalars piece
+    no file), and write back the JSON they came from."""
+    import json
+
+    from zero_ext.files.checkpoint.metadata import (ParamPiece, PieceKind, ScalarsPiece, StatePiece, StoredPiece,
+                                                    WholeStatePiece)
+    from zero_ext.files.checkpoint.reader import Checkpoint
+
+    model = Net()
+    opt = torch.optim.Adafactor(model.parameters(), lr=0.01)  # state that is not elementwise: whole pieces
+    model, opt = zero_ext.wrap(model, opt, stage=1)
+    x, y = global_batch(0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    path = str(tmp_path / "ckpt")
+    zero_ext.save(path, model, opt)
+    ckpt = Checkpoint(path, "test")
+    try:
+        pieces = ckpt.meta.pieces
+        with open(os.path.join(path, "metadata.json")) as f:
+            written = json.load(f)["pieces"]
+    finally:
+        ckpt.close()
+    by_kind = {kind: [p for p in pieces if p.kind is kind] for kind in PieceKind}
+    assert all(by_kind.values()), {k: len(v) for k, v in by_kind.items()}
+    assert {type(p) for p in by_kind[PieceKind.PARAM]} == {ParamPiece}
+    assert {type(p) for p in by_kind[PieceKind.STATE]} == {StatePiece}
+    assert {type(p) for p in by_kind[PieceKind.WHOLE]} == {WholeStatePiece}
+    assert {type(p) for p in by_kind[PieceKind.SCALARS]} == {ScalarsPiece}
+    assert not any(hasattr(p, "key") for p in by_kind[PieceKind.PARAM] + by_kind[PieceKind.SCALARS])
+    assert not any(isinstance(p, StoredPiece) or hasattr(p, "shape") for p in by_kind[PieceKind.SCALARS])
+    assert not any(hasattr(p, "values") for p in pieces if isinstance(p, StoredPiece))
+    assert [p.to_json() for p in pieces] == written

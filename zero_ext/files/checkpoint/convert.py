@@ -35,6 +35,7 @@ import torch
 from ..bytes_io import bytes_view
 from ..weights import safetensors as st
 from .format import dtype_of
+from .metadata import PieceKind, StoredPiece
 from .reader import Checkpoint, PieceReader
 
 _DTYPE_ARGS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -96,7 +97,7 @@ def verify(checkpoint: str) -> Tuple[List[str], str]:
         buffer = torch.empty(meta.chunk_bytes, dtype=torch.uint8, device="cpu")
         verified = 0
         for piece in meta.pieces:
-            if piece.kind == "scalars" or not piece.length or piece.file not in ckpt.files:
+            if not isinstance(piece, StoredPiece) or not piece.length or piece.file not in ckpt.files:
                 continue  # scalars live in the (checked) metadata; a file refused above is reported once
             try:
                 reader.verify_piece(piece, buffer)
@@ -125,7 +126,7 @@ def _convert_safetensors(ckpt: "Checkpoint", out: str, dtype: Optional[torch.dty
     writer = st.ModelWriter(out, entries, max_bytes)
     try:
         for i, param in enumerate(params):
-            writer.put(i, reader.read("param", param.name, 0, param.numel).view(param.shape))
+            writer.put(i, reader.read(PieceKind.PARAM, param.name, 0, param.numel).view(param.shape))
         for k, buf in enumerate(buffers.values()):
             writer.put(len(params) + k, buf)
         writer.finish()
@@ -186,7 +187,7 @@ def _write(skeleton: Dict[str, torch.Tensor], fill: list, reader: "PieceReader",
             if param is None:
                 value = tensor.contiguous()
             else:
-                flat = reader.read("param", param.name, 0, tensor.numel())
+                flat = reader.read(PieceKind.PARAM, param.name, 0, tensor.numel())
                 value = flat.to(tensor.dtype).view(tensor.shape)
             if value.numel() * value.element_size() != size:
                 raise RuntimeError(f"zero_ext.convert: record size mismatch for {param and param.name}")

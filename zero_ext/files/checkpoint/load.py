@@ -28,7 +28,7 @@ from ...groups import Ranks, refuse_different_paths
 # What load does when the checkpoint's optimizer class is not the optimizer's.
 CLASS_MISMATCH = ("error", "fresh", "load")
 from .format import dtype_of
-from .metadata import CheckpointMeta, Scalar
+from .metadata import CheckpointMeta, PieceKind, Scalar
 from .reader import Checkpoint, PieceReader
 
 
@@ -101,11 +101,11 @@ def _wanted_files(reader: PieceReader, state, model, optimizer, loaded: Set[str]
     wanted = plan.wanted_ranges(state, model, optimizer)
     out = set()
     for (kind, name, key), pieces in reader.pieces.items():
-        if kind == "scalars" or name not in loaded or (kind != "param" and not with_optimizer):
+        if kind is PieceKind.SCALARS or name not in loaded or (kind is not PieceKind.PARAM and not with_optimizer):
             continue
         for start, length in wanted.get(name, []):
-            out.update(reader.files_for(kind, name, 0 if kind == "whole" else start,
-                                        pieces[0].length if kind == "whole" else length, key))
+            out.update(reader.files_for(kind, name, 0 if kind is PieceKind.WHOLE else start,
+                                        pieces[0].length if kind is PieceKind.WHOLE else length, key))
     return out
 
 
@@ -114,13 +114,13 @@ class _Later:
     data every rank holds whole, which staged would cost a whole model of
     host memory per rank."""
 
-    def __init__(self, reader: PieceReader, scratch: torch.Tensor, kind: str, name: str, start: int, length: int,
+    def __init__(self, reader: PieceReader, scratch: torch.Tensor, kind: PieceKind, name: str, start: int, length: int,
                  key: str = "", dtype=None):
         reader.verify(kind, name, start, length, key, buffer=scratch)
         self.read = lambda: reader.read(kind, name, start, length, key, dtype=dtype)
 
 
-def _fetch(stage: bool, reader: PieceReader, scratch: torch.Tensor, kind: str, name: str, start: int, length: int,
+def _fetch(stage: bool, reader: PieceReader, scratch: torch.Tensor, kind: PieceKind, name: str, start: int, length: int,
            key: str = "", dtype=None):
     """The verified range now (stage) or a _Later."""
     if stage:
@@ -139,12 +139,13 @@ def _read_values(reader: PieceReader, scratch: torch.Tensor, state, model, loade
     names = state.bucketed_names
     for i, start, view in plan.local_views(state):
         if names[i] in loaded:
-            out.append((view, _fetch(state.sharded_optimizer, reader, scratch, "param", names[i], start,
+            out.append((view, _fetch(state.sharded_optimizer, reader, scratch, PieceKind.PARAM, names[i], start,
                                      view.numel(), dtype=view.dtype)))
     bucketed = {id(p) for p in state.bucketed}
     for n, p in model.named_parameters():
         if id(p) not in bucketed and n in loaded:
-            out.append((p.detach().view(-1), _fetch(False, reader, scratch, "param", n, 0, p.numel(), dtype=p.dtype)))
+            out.append((p.detach().view(-1),
+                        _fetch(False, reader, scratch, PieceKind.PARAM, n, 0, p.numel(), dtype=p.dtype)))
     return out
 
 
@@ -160,19 +161,19 @@ def _read_optimizer(where: str, reader: PieceReader, scratch: torch.Tensor, stat
         if name not in loaded:
             continue  # strict=False: a parameter the checkpoint lacks starts fresh
         scalars = reader.scalars(name, start, length)
-        keys = reader.keys("state", name)
-        if not scalars and not keys and not reader.keys("whole", name):
+        keys = reader.keys(PieceKind.STATE, name)
+        if not scalars and not keys and not reader.keys(PieceKind.WHOLE, name):
             continue  # never stepped (or zero-size: nothing to restore)
         st = {key: _unscalar(spec) for key, spec in scalars.items()}
         for key in keys:
-            st[key] = _fetch(stage, reader, scratch, "state", name, start, length, key=key)
-        for key in reader.keys("whole", name):
+            st[key] = _fetch(stage, reader, scratch, PieceKind.STATE, name, start, length, key=key)
+        for key in reader.keys(PieceKind.WHOLE, name):
             if stage and not state.whole_params:
                 raise RuntimeError(
                     f"zero_ext.load: optimizer state '{key}' of '{name}' in {where} is not "
                     "elementwise and cannot be sharded; load it at stage 0")
-            piece = reader.pieces[("whole", name, key)][0]
-            st[key] = (_fetch(False, reader, scratch, "whole", name, 0, piece.length, key), piece.shape)
+            piece = reader.pieces[(PieceKind.WHOLE, name, key)][0]
+            st[key] = (_fetch(False, reader, scratch, PieceKind.WHOLE, name, 0, piece.length, key), piece.shape)
         out[tensor] = st
     return out
 

@@ -18,12 +18,13 @@ result would still be valid.
 """
 from __future__ import annotations
 
+import enum
 import json
 import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -39,7 +40,6 @@ _TOKEN = re.compile(r"[0-9a-f]{32}\Z")
 _MAX_RANKS = 1 << 20
 _MAX = 1 << 62
 _CLASS_NAME = re.compile(r"[\w.<>]{1,512}\Z")  # module.qualname ("<locals>" in a function's class)
-KINDS = ("param", "state", "whole", "scalars")
 DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
                               torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8, torch.bool,
                               torch.complex64, torch.complex128)}
@@ -216,24 +216,87 @@ class Scalar:
         return a == b or (type(a) is float and type(b) is float and math.isnan(a) and math.isnan(b))
 
 
+class PieceKind(enum.Enum):
+    """What one piece of a checkpoint holds."""
+
+    PARAM = "param"      # a parameter's values, a range of its flattened elements
+    STATE = "state"      # one key of its elementwise optimizer state, over the same range
+    WHOLE = "whole"      # optimizer state that is not elementwise (Adafactor's factors): all of it, with its shape
+    SCALARS = "scalars"  # the scalar optimizer state (step, ...) of a range: values, no bytes
+
+
+KINDS = tuple(k.value for k in PieceKind)
+
+
 @dataclass(frozen=True)
 class Piece:
-    """A contiguous range [start, start + length) of one flattened tensor:
-    a parameter's values ("param"), one key of its elementwise optimizer
-    state ("state"), state that is not elementwise ("whole", with its
-    shape), or the scalar state of a range ("scalars": values, no bytes)."""
+    """A contiguous range [start, start + length) of one flattened tensor of
+    parameter `name`; one subclass per PieceKind, each with the fields its
+    kind has (Piece.parse picks it from the JSON's "kind")."""
+
     index: int  # in the metadata's list: how errors name it, pieces[index]
-    kind: str
     name: str
-    key: str
     start: int
     length: int
-    file: str = ""
-    offset: int = 0
-    dtype: str = ""
-    shape: Optional[Tuple[int, ...]] = None
-    checksums: Tuple[int, ...] = ()  # of each chunk_bytes chunk of the piece's bytes
-    values: Optional[Mapping[str, Scalar]] = None
+    kind: ClassVar[PieceKind]
+
+    @property
+    def tensor_id(self) -> Tuple[PieceKind, str, str]:
+        """Which tensor the range is of: (kind, parameter, optimizer state key or "")."""
+        return self.kind, self.name, ""
+
+    def describe(self) -> str:
+        kind, name, key = self.tensor_id
+        what = f"{kind.value} {key!r} of {name!r}" if key else f"{kind.value} of {name!r}"
+        return f"pieces[{self.index}] ({what}, elements [{self.start}, {self.start + self.length}))"
+
+    @staticmethod
+    def parse(index: int, obj: Any, f: Fields, chunk_bytes: int) -> "Piece":
+        field = f"pieces[{index}]"
+        f.dict(obj, field)
+        raw = f.get(obj, "kind", field)
+        if raw not in KINDS:
+            f.fail(f"{field}.kind", f"{raw!r} is not one of {list(KINDS)}")
+        kind = PieceKind(raw)
+        name = f.str(f.get(obj, "name", field), f"{field}.name")
+        start = f.int(f.get(obj, "start", field), f"{field}.start")
+        length = f.int(f.get(obj, "length", field), f"{field}.length")
+        if kind is PieceKind.SCALARS:
+            values = f.dict(f.get(obj, "values", field), f"{field}.values")
+            return ScalarsPiece(index, name, start, length, {
+                k: Scalar.parse(k, v, f, f"{field}.values[{k!r}]") for k, v in values.items()})
+        key = f.str(f.get(obj, "key", field), f"{field}.key")
+        if (kind is PieceKind.PARAM) == bool(key):
+            f.fail(f"{field}.key", f"{key!r} is wrong for a {raw} piece (param pieces have none, state pieces one)")
+        stored = (index, name, start, length, f.str(f.get(obj, "file", field), f"{field}.file"),
+                  f.int(f.get(obj, "offset", field), f"{field}.offset", HEADER),
+                  f.dtype(f.get(obj, "dtype", field), f"{field}.dtype"),
+                  tuple(f.int(c, f"{field}.checksums[{j}]", 0, MAX)
+                        for j, c in enumerate(f.list(f.get(obj, "checksums", field), f"{field}.checksums"))))
+        if kind is PieceKind.PARAM:
+            piece: StoredPiece = ParamPiece(*stored)
+        elif kind is PieceKind.STATE:
+            piece = StatePiece(*stored, key)
+        else:
+            piece = WholeStatePiece(*stored, key, f.shape(f.get(obj, "shape", field), f"{field}.shape"))
+        chunks = -(-piece.nbytes // chunk_bytes)
+        if len(piece.checksums) != chunks:
+            f.fail(f"{field}.checksums", f"has {len(piece.checksums)} checksums for {piece.nbytes} bytes in chunks of "
+                   f"{chunk_bytes} ({chunks} expected)")
+        return piece
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind.value, "name": self.name, "start": self.start, "length": self.length}
+
+
+@dataclass(frozen=True)
+class StoredPiece(Piece):
+    """A piece whose elements are bytes in a shard file."""
+
+    file: str
+    offset: int
+    dtype: str
+    checksums: Tuple[int, ...]  # of each chunk_bytes chunk of the piece's bytes
 
     @property
     def itemsize(self) -> int:
@@ -243,49 +306,43 @@ class Piece:
     def nbytes(self) -> int:
         return self.length * self.itemsize
 
-    def describe(self) -> str:
-        what = f"{self.kind} {self.key!r} of {self.name!r}" if self.key else f"{self.kind} of {self.name!r}"
-        return f"pieces[{self.index}] ({what}, elements [{self.start}, {self.start + self.length}))"
+    def to_json(self) -> dict:
+        kind, name, key = self.tensor_id
+        return {"kind": kind.value, "name": name, "key": key, "start": self.start, "length": self.length,
+                "file": self.file, "offset": self.offset, "dtype": self.dtype, "checksums": list(self.checksums)}
 
-    @classmethod
-    def parse(cls, index: int, obj: Any, f: Fields, chunk_bytes: int) -> "Piece":
-        field = f"pieces[{index}]"
-        f.dict(obj, field)
-        kind = f.get(obj, "kind", field)
-        if kind not in KINDS:
-            f.fail(f"{field}.kind", f"{kind!r} is not one of {list(KINDS)}")
-        name = f.str(f.get(obj, "name", field), f"{field}.name")
-        start = f.int(f.get(obj, "start", field), f"{field}.start")
-        length = f.int(f.get(obj, "length", field), f"{field}.length")
-        if kind == "scalars":
-            values = f.dict(f.get(obj, "values", field), f"{field}.values")
-            return cls(index, kind, name, "", start, length, values={
-                k: Scalar.parse(k, v, f, f"{field}.values[{k!r}]") for k, v in values.items()})
-        key = f.str(f.get(obj, "key", field), f"{field}.key")
-        if (kind == "param") == bool(key):
-            f.fail(f"{field}.key", f"{key!r} is wrong for a {kind} piece (param pieces have none, state pieces one)")
-        file = f.str(f.get(obj, "file", field), f"{field}.file")
-        offset = f.int(f.get(obj, "offset", field), f"{field}.offset", HEADER)
-        dtype = f.dtype(f.get(obj, "dtype", field), f"{field}.dtype")
-        shape = f.shape(f.get(obj, "shape", field), f"{field}.shape") if kind == "whole" else None
-        crcs = tuple(f.int(c, f"{field}.checksums[{j}]", 0, MAX)
-                     for j, c in enumerate(f.list(f.get(obj, "checksums", field), f"{field}.checksums")))
-        piece = cls(index, kind, name, key, start, length, file, offset, dtype, shape, crcs)
-        chunks = -(-piece.nbytes // chunk_bytes)
-        if len(crcs) != chunks:
-            f.fail(f"{field}.checksums", f"has {len(crcs)} checksums for {piece.nbytes} bytes in chunks of "
-                   f"{chunk_bytes} ({chunks} expected)")
-        return piece
+
+@dataclass(frozen=True)
+class ParamPiece(StoredPiece):
+    kind: ClassVar[PieceKind] = PieceKind.PARAM
+
+
+@dataclass(frozen=True)
+class StatePiece(StoredPiece):
+    key: str  # the optimizer state's key (exp_avg, ...)
+    kind: ClassVar[PieceKind] = PieceKind.STATE
+
+    @property
+    def tensor_id(self) -> Tuple[PieceKind, str, str]:
+        return self.kind, self.name, self.key
+
+
+@dataclass(frozen=True)
+class WholeStatePiece(StatePiece):
+    shape: Tuple[int, ...]  # the state tensor's own shape (start 0, length its numel)
+    kind: ClassVar[PieceKind] = PieceKind.WHOLE
 
     def to_json(self) -> dict:
-        if self.kind == "scalars":
-            return {"kind": self.kind, "name": self.name, "start": self.start, "length": self.length,
-                    "values": {k: v.to_json() for k, v in self.values.items()}}
-        out = {"kind": self.kind, "name": self.name, "key": self.key, "start": self.start, "length": self.length,
-               "file": self.file, "offset": self.offset, "dtype": self.dtype, "checksums": list(self.checksums)}
-        if self.shape is not None:
-            out["shape"] = list(self.shape)
-        return out
+        return {**super().to_json(), "shape": list(self.shape)}
+
+
+@dataclass(frozen=True)
+class ScalarsPiece(Piece):
+    values: Mapping[str, Scalar]
+    kind: ClassVar[PieceKind] = PieceKind.SCALARS
+
+    def to_json(self) -> dict:
+        return {**super().to_json(), "values": {k: v.to_json() for k, v in self.values.items()}}
 
 
 @dataclass(frozen=True)
@@ -444,7 +501,7 @@ def scalars_disagreement(pieces) -> Optional[Tuple[Piece, Piece, str]]:
     however many ranks wrote its elements."""
     first: Dict[str, Piece] = {}
     for piece in pieces:
-        if piece.kind != "scalars":
+        if not isinstance(piece, ScalarsPiece):
             continue
         seen = first.setdefault(piece.name, piece)
         for key in sorted(set(seen.values) | set(piece.values)):
@@ -464,7 +521,7 @@ def _check_scalars(pieces: Tuple[Piece, ...], f: Fields) -> None:
                "optimizer keeps one value, whichever ranks wrote its elements)")
 
 
-def describe_scalar(piece: Piece, key: str) -> str:
+def describe_scalar(piece: "ScalarsPiece", key: str) -> str:
     scalar = piece.values.get(key)
     if scalar is None:
         return "absent"
@@ -485,7 +542,7 @@ def _check_names(meta: CheckpointMeta, f: Fields) -> None:
         field = f"pieces[{piece.index}]"
         if piece.name not in names:
             f.fail(f"{field}.name", f"{piece.name!r} is not a parameter listed in params")
-        if piece.kind != "scalars" and (piece.file not in meta.files or not piece.file.endswith(".bin")):
+        if isinstance(piece, StoredPiece) and (piece.file not in meta.files or not piece.file.endswith(".bin")):
             f.fail(f"{field}.file", f"{piece.file!r} is not one of the checkpoint's shard files (rank<N>.bin)")
 
 
@@ -493,13 +550,13 @@ def _check_tiling(meta: CheckpointMeta, f: Fields) -> None:
     """The pieces of each tensor tile it, and those of each shard file tile
     the file after its header: no gap, no overlap (so a dtype that lies about
     its element size, or two pieces claiming the same elements, are refused)."""
-    tensors: Dict[Tuple[str, str, str], List[Tuple[int, int, int]]] = defaultdict(list)
+    tensors: Dict[Tuple[PieceKind, str, str], List[Tuple[int, int, int]]] = defaultdict(list)
     spans: Dict[str, List[Tuple[int, int, int]]] = defaultdict(list)
     wholes = set()
     for piece in meta.pieces:
         field = f"pieces[{piece.index}]"
         param = meta.param(piece.name)
-        if piece.kind == "whole":
+        if isinstance(piece, WholeStatePiece):
             if piece.start != 0 or piece.length != numel(piece.shape):
                 f.fail(field, f"covers [{piece.start}, {piece.start + piece.length}) of {piece.key!r} of "
                        f"{piece.name!r}, whose shape {list(piece.shape)} has {numel(piece.shape)} elements: start "
@@ -510,26 +567,26 @@ def _check_tiling(meta: CheckpointMeta, f: Fields) -> None:
         elif piece.start + piece.length > param.numel:
             f.fail(f"{field}.length", f"{piece.length} from start {piece.start} runs past the {param.numel} "
                    f"elements of {piece.name!r} (shape {list(param.shape)})")
-        if piece.kind == "scalars":
-            tensors[("scalars", piece.name, "")].append((piece.start, piece.length, piece.index))
+        if isinstance(piece, ScalarsPiece):
+            tensors[piece.tensor_id].append((piece.start, piece.length, piece.index))
             continue
-        if piece.kind == "param" and piece.dtype != param.dtype:
+        if isinstance(piece, ParamPiece) and piece.dtype != param.dtype:
             f.fail(f"{field}.dtype", f"is {piece.dtype} but {piece.name!r} is stored as {param.dtype}")
         end = piece.offset + piece.nbytes
         size = meta.files[piece.file].size
         if end > size:
             f.fail(f"{field}.offset/length", f"bytes [{piece.offset}, {end}) ({piece.length} x {piece.itemsize}-byte "
                    f"{piece.dtype}) run past the end of {piece.file} ({size} bytes)")
-        if piece.kind != "whole":
-            tensors[(piece.kind, piece.name, piece.key)].append((piece.start, piece.length, piece.index))
+        if not isinstance(piece, WholeStatePiece):
+            tensors[piece.tensor_id].append((piece.start, piece.length, piece.index))
         if piece.length:
             spans[piece.file].append((piece.offset, end, piece.index))
 
     for param in meta.params:
-        if param.numel and ("param", param.name, "") not in tensors:
+        if param.numel and (PieceKind.PARAM, param.name, "") not in tensors:
             f.fail("pieces", f"hold nothing of parameter {param.name!r} ({param.numel} elements): a gap")
     for (kind, name, key), ranges in tensors.items():
-        what = f"{kind} {key + ' of ' if key else ''}{name!r}"
+        what = f"{kind.value} {key + ' of ' if key else ''}{name!r}"
         _tile(f, sorted(ranges), meta.param(name).numel, f"the pieces of {what}", "elements")
     for file, ranges in spans.items():
         _tile(f, [(a, b - a, i) for a, b, i in sorted(ranges)], meta.files[file].size - HEADER,

@@ -24,7 +24,7 @@ import torch
 from .checksum import digest
 from ..bytes_io import bytes_view, close_opened
 from .format import dtype_of, parse_shard_header
-from .metadata import HEADER, METADATA, CheckpointMeta, Piece, rank_of_file
+from .metadata import HEADER, METADATA, CheckpointMeta, Piece, PieceKind, StoredPiece, rank_of_file
 
 _NOFOLLOW = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _RESTORE = "restore the checkpoint from a good copy"
@@ -203,36 +203,37 @@ class PieceReader:
         self.checkpoint = checkpoint
         self.path = checkpoint.where
         self.chunk = checkpoint.meta.chunk_bytes
-        self.pieces: Dict[Tuple[str, str, str], List[Piece]] = defaultdict(list)
+        # (kind, parameter, state key or ""): its pieces, by start
+        self.pieces: Dict[Tuple[PieceKind, str, str], List[Piece]] = defaultdict(list)
         for piece in checkpoint.meta.pieces:
-            self.pieces[(piece.kind, piece.name, piece.key)].append(piece)
+            self.pieces[piece.tensor_id].append(piece)
         for found in self.pieces.values():
             found.sort(key=lambda p: p.start)
 
-    def keys(self, kind: str, name: str) -> List[str]:
+    def keys(self, kind: PieceKind, name: str) -> List[str]:
         return sorted({k for (kd, n, k) in self.pieces if kd == kind and n == name})
 
     def scalars(self, name: str, start: int, length: int) -> dict:
         """Scalar optimizer state of the first piece overlapping the range."""
-        for piece in self.pieces.get(("scalars", name, ""), []):
+        for piece in self.pieces.get((PieceKind.SCALARS, name, ""), []):
             if piece.start < start + length and start < piece.start + piece.length:
                 return piece.values
         return {}
 
-    def _overlapping(self, kind: str, name: str, key: str, start: int, length: int) -> Iterable[Piece]:
+    def _overlapping(self, kind: PieceKind, name: str, key: str, start: int, length: int) -> Iterable[StoredPiece]:
         for piece in self.pieces.get((kind, name, key), []):
             if max(start, piece.start) < min(start + length, piece.start + piece.length):
                 yield piece
 
-    def files_for(self, kind: str, name: str, start: int, length: int, key: str = "") -> List[str]:
+    def files_for(self, kind: PieceKind, name: str, start: int, length: int, key: str = "") -> List[str]:
         return [p.file for p in self._overlapping(kind, name, key, start, length)]
 
-    def read(self, kind: str, name: str, start: int, length: int, key: str = "",
+    def read(self, kind: PieceKind, name: str, start: int, length: int, key: str = "",
              dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """Elements [start, start + length) of a flattened tensor, verified."""
         found = self.pieces.get((kind, name, key))
         if not found and length:
-            raise RuntimeError(f"zero_ext: checkpoint {self.path} holds no {kind} {key} for '{name}'")
+            raise RuntimeError(f"zero_ext: checkpoint {self.path} holds no {kind.value} {key} for '{name}'")
         stored = dtype_of(found[0].dtype) if found else dtype_of(self.checkpoint.meta.param(name).dtype)
         out = torch.empty(length, dtype=dtype or stored, device="cpu")
         covered = 0
@@ -244,10 +245,10 @@ class PieceReader:
         if covered != length:
             raise RuntimeError(
                 f"zero_ext: checkpoint {self.path} covers {covered} of elements [{start}, {start + length}) "
-                f"of {kind} {key} '{name}' (a shard file's pieces are missing from the metadata?)")
+                f"of {kind.value} {key} '{name}' (a shard file's pieces are missing from the metadata?)")
         return out
 
-    def _read_verified(self, piece: Piece, lo: int, hi: int, into: torch.Tensor) -> None:
+    def _read_verified(self, piece: StoredPiece, lo: int, hi: int, into: torch.Tensor) -> None:
         """Elements [lo, hi) of the piece into `into`, after checking the
         chunks that hold them: whole chunks are read, then the range copied
         out (straight into `into` when it is exactly those chunks)."""
@@ -275,7 +276,7 @@ class PieceReader:
             values = raw[lo * size - begin:hi * size - begin].view(stored)
             into.copy_(values)
 
-    def verify_piece(self, piece: Piece, buffer: torch.Tensor, lo: int = 0, hi: Optional[int] = None) -> None:
+    def verify_piece(self, piece: StoredPiece, buffer: torch.Tensor, lo: int = 0, hi: Optional[int] = None) -> None:
         """Checks the chunks holding elements [lo, hi) of one piece (all of
         it by default), a chunk at a time through `buffer` (uint8, at least
         one chunk): memory stays one chunk, nothing is kept."""
@@ -286,7 +287,7 @@ class PieceReader:
             into = buffer[:(end - at) * piece.itemsize].view(dtype_of(piece.dtype))
             self._read_verified(piece, at, end, into)
 
-    def verify(self, kind: str, name: str, start: int, length: int, key: str = "",
+    def verify(self, kind: PieceKind, name: str, start: int, length: int, key: str = "",
                buffer: Optional[torch.Tensor] = None) -> None:
         """Checks every chunk that read() of the same range would use,
         keeping none of it (for data every rank holds whole, which would
@@ -298,6 +299,6 @@ class PieceReader:
             self.verify_piece(piece, buffer, lo, hi)
 
     def read_whole(self, name: str, key: str) -> torch.Tensor:
-        piece = self.pieces[("whole", name, key)][0]
-        out = self.read("whole", name, 0, piece.length, key)
+        piece = self.pieces[(PieceKind.WHOLE, name, key)][0]
+        out = self.read(PieceKind.WHOLE, name, 0, piece.length, key)
         return out.view(piece.shape)

@@ -31,7 +31,8 @@ from ...tools import faults
 from ...tools import state_of, state_or_none
 from .checksum import digest
 from ...groups import Ranks, refuse_different_paths
-from .metadata import (CHUNK_BYTES, CheckpointMeta, FileMeta, LossScaler, ParamMeta, Piece, Scalar, count_problem,
+from .metadata import (CHUNK_BYTES, CheckpointMeta, FileMeta, LossScaler, ParamMeta, ParamPiece, Piece, Scalar,
+                       ScalarsPiece, StatePiece, WholeStatePiece, count_problem,
                        describe_scalar, file_names, scalars_disagreement)
 
 
@@ -108,10 +109,13 @@ def _write_rank_files(tmp: str, model, optimizer, state, ranks: Ranks, token: st
     writer = files.ShardWriter(os.path.join(tmp, name), token, rank, ranks.world)
     pieces: List[Piece] = []
 
-    def put(kind: str, param_name: str, start: int, tensor: torch.Tensor, key: str = "", shape=None) -> None:
+    def put(param_name: str, start: int, tensor: torch.Tensor, key: str = "", shape=None) -> None:
+        """A range of a parameter's values (no key), of its elementwise state
+        (key), or the whole of a state that is not elementwise (key, shape)."""
         offset, dtype, crcs = writer.write(tensor)
-        pieces.append(Piece(-1, kind, param_name, key, start, tensor.numel(), name, offset, dtype,
-                            shape, tuple(crcs)))
+        stored = (-1, param_name, start, tensor.numel(), name, offset, dtype, tuple(crcs))
+        pieces.append(ParamPiece(*stored) if not key else StatePiece(*stored, key) if shape is None
+                      else WholeStatePiece(*stored, key, shape))
 
     try:
         names = state.bucketed_names
@@ -122,12 +126,12 @@ def _write_rank_files(tmp: str, model, optimizer, state, ranks: Ranks, token: st
             for lo, hi in owned.get(i, []):
                 a, b = max(lo, start), min(hi, start + view.numel())
                 if a < b:
-                    put("param", names[i], a, view[a - start:b - start])
+                    put(names[i], a, view[a - start:b - start])
         if rank == 0:  # parameters not bucketed (frozen, stages 0-2 without mixed precision): full on every rank
             bucketed = {id(p) for p in state.bucketed}
             for n, p in model.named_parameters():
                 if id(p) not in bucketed and p.numel():
-                    put("param", n, 0, p.detach().reshape(-1))
+                    put(n, 0, p.detach().reshape(-1))
 
         for tensor, i, start in plan.optimizer_pieces(state, optimizer):
             st = optimizer.state.get(tensor)
@@ -147,14 +151,14 @@ def _write_rank_files(tmp: str, model, optimizer, state, ranks: Ranks, token: st
             writes_whole = state.whole_params or rank == 0
             for k, v in st.items():
                 if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() != length and writes_whole:
-                    put("whole", names[i], 0, v.reshape(-1), key=k, shape=tuple(v.shape))
+                    put(names[i], 0, v.reshape(-1), key=k, shape=tuple(v.shape))
             for lo, hi in ranges:
                 a, b = max(lo, start), min(hi, start + length)
                 if a >= b:
                     continue
-                pieces.append(Piece(-1, "scalars", names[i], "", a, b - a, values=scalars))
+                pieces.append(ScalarsPiece(-1, names[i], a, b - a, scalars))
                 for k, v in flat.items():
-                    put("state", names[i], a, v[a - start:b - start], key=k)
+                    put(names[i], a, v[a - start:b - start], key=k)
         writer.close()
     except BaseException:
         writer.abort()
@@ -172,7 +176,7 @@ def _write_rank_files(tmp: str, model, optimizer, state, ranks: Ranks, token: st
 def _stored_dtypes(model, state, pieces: List[Piece]) -> Dict[str, str]:
     """Each parameter's dtype in the shard files: its pieces'; for a zero-size
     one (no pieces), what a piece of it would have been."""
-    out = {p.name: p.dtype for p in pieces if p.kind == "param"}
+    out = {p.name: p.dtype for p in pieces if isinstance(p, ParamPiece)}
     bucketed = {id(p) for p in state.bucketed}
     masters = state.handles.optimizer.has_masters()
     for n, p in model.named_parameters():
