@@ -288,6 +288,14 @@ def _outcome(body: Callable[[], list]) -> dict:
     return {"error": error, "outputs": outputs, "seconds": seconds}
 
 
+def _train_step(loss: torch.Tensor, opt, outputs: list) -> None:
+    """backward, step, zero_grad; the loss joins what the rank computed."""
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    outputs.append(loss.item())
+
+
 def _moe_wrapped(stage: int = 3, **options):
     """Dense routing until a scenario makes the ranks differ."""
     model = MoEModel(seed=31)
@@ -387,10 +395,7 @@ def evaluation_on_rank0_only_then_barrier(rank: int, world: int) -> dict:
                 finally:
                     dist.barrier()
             loss = lm_loss(model, tokens_of(world, step, rank))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            outputs.append(loss.item())
+            _train_step(loss, opt, outputs)
     return _outcome(body)
 
 
@@ -419,10 +424,7 @@ def input_of_another_shape_on_rank0(rank: int, world: int) -> dict:
                 if not widen[0] or "zero_ext" in str(error):
                     raise
                 continue  # the bad batch is skipped
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            outputs.append(loss.item())
+            _train_step(loss, opt, outputs)
     return _outcome(body)
 
 
@@ -438,10 +440,7 @@ def _steps_parting_at_step_1(rank: int, world: int, build: Callable[[], tuple], 
                 mark()
                 part(model)
             loss = lm_loss(model, tokens_of(world, step, rank))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            outputs.append(loss.item())
+            _train_step(loss, opt, outputs)
     return _outcome(body)
 
 
@@ -493,10 +492,7 @@ def blocks_backward_skipped_on_one_rank(rank: int, world: int) -> dict:
                 loss = logits.detach().sum() * 0 + model.head.weight.square().sum()
             else:
                 loss = logits.square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            outputs.append(loss.item())
+            _train_step(loss, opt, outputs)
     return _outcome(body)
 
 
