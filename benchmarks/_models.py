@@ -3,8 +3,10 @@
 A preset names a shape. With transformers installed, `build_model` returns its
 GPT2LMHeadModel / LlamaForCausalLM built from a config; without it (the GPU
 machine has only torch), `builtin=True` or a missing transformers gives the
-equivalent pre-LayerNorm GPT-2 defined here (tied embedding, GELU MLP, causal
-scaled-dot-product attention), so the parameter count matches the preset.
+equivalent model defined here, with the preset's parameter count: a
+pre-LayerNorm GPT-2 (tied embedding, GELU MLP, causal scaled-dot-product
+attention) or a Llama (RMSNorm, rotary positions, grouped-query attention,
+SwiGLU, untied head). `vocab=` replaces the preset's vocabulary.
 
 Every model's forward takes token ids (batch, seq) and returns logits
 (batch, seq, vocab); `blocks_of(model)` lists its transformer blocks (the units
@@ -12,8 +14,8 @@ to shard in FSDP2 and zero_ext stage 3).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List
+from dataclasses import dataclass, replace
+from typing import List, Optional
 
 import torch
 import torch.nn as nn
@@ -87,6 +89,76 @@ class BuiltinGPT2(nn.Module):
         return self.lm_head(self.ln_f(h))
 
 
+class _RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class _LlamaBlock(nn.Module):
+    def __init__(self, p: Preset):
+        super().__init__()
+        self.heads, self.kv_heads = p.heads, p.kv_heads or p.heads
+        head_dim = p.dim // p.heads
+        self.input_norm = _RMSNorm(p.dim)
+        self.q = nn.Linear(p.dim, p.heads * head_dim, bias=False)
+        self.kv = nn.Linear(p.dim, 2 * self.kv_heads * head_dim, bias=False)
+        self.o = nn.Linear(p.dim, p.dim, bias=False)
+        self.post_norm = _RMSNorm(p.dim)
+        self.gate_up = nn.Linear(p.dim, 2 * p.ffn, bias=False)
+        self.down = nn.Linear(p.ffn, p.dim, bias=False)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, d = h.shape
+        x = self.input_norm(h)
+        q = self.q(x).view(b, t, self.heads, -1).transpose(1, 2)
+        k, v = self.kv(x).view(b, t, 2, self.kv_heads, -1).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, is_causal=True,
+                                              enable_gqa=True)
+        h = h + self.o(attn.transpose(1, 2).reshape(b, t, d))
+        gate, up = self.gate_up(self.post_norm(h)).chunk(2, dim=-1)
+        return h + self.down(F.silu(gate) * up)
+
+
+class BuiltinLlama(nn.Module):
+    """A Llama in plain torch, as many parameters as transformers'
+    LlamaForCausalLM for the same config (q/k/v and gate/up fused: the same
+    numbers of elements in fewer tensors)."""
+
+    def __init__(self, p: Preset):
+        super().__init__()
+        head_dim = p.dim // p.heads
+        self.embed = nn.Embedding(p.vocab, p.dim)
+        self.layers = nn.ModuleList(_LlamaBlock(p) for _ in range(p.layers))
+        self.norm = _RMSNorm(p.dim)
+        self.lm_head = nn.Linear(p.dim, p.vocab, bias=False)
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        angles = torch.outer(torch.arange(p.context).float(), inv_freq).repeat(1, 2)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        cos, sin = self.cos[:t], self.sin[:t]
+        h = self.embed(idx)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.lm_head(self.norm(h))
+
+
 class _Logits(nn.Module):
     """A transformers causal LM whose forward returns the logits tensor."""
 
@@ -125,16 +197,13 @@ def transformers_available() -> bool:
     return True
 
 
-def build_model(name: str, builtin: bool = False, seed: int = 0) -> nn.Module:
-    """The preset's model in fp32 on the CPU, the same weights for the same
-    seed in every process."""
-    p = PRESETS[name]
+def build_model(name: str, builtin: bool = False, seed: int = 0, vocab: Optional[int] = None) -> nn.Module:
+    """The preset's model (with `vocab` tokens, if given) in fp32 on the CPU,
+    the same weights for the same seed in every process."""
+    p = PRESETS[name] if vocab is None else replace(PRESETS[name], vocab=vocab)
     torch.manual_seed(seed)
     if builtin or not transformers_available():
-        if p.family != "gpt2":
-            raise SystemExit(f"{name} needs transformers (pip install transformers); "
-                             f"the built-in model is GPT-2 only")
-        return BuiltinGPT2(p)
+        return BuiltinGPT2(p) if p.family == "gpt2" else BuiltinLlama(p)
     return _transformers_model(p)
 
 
@@ -142,6 +211,8 @@ def blocks_of(model: nn.Module) -> List[nn.Module]:
     """The transformer blocks, in order."""
     if isinstance(model, BuiltinGPT2):
         return list(model.h)
+    if isinstance(model, BuiltinLlama):
+        return list(model.layers)
     lm = model.lm
     return list(lm.transformer.h) if hasattr(lm, "transformer") else list(lm.model.layers)
 

@@ -3,19 +3,16 @@ DDP, and zero_ext stages 0-3, measured in one run.
 
     python benchmarks/phases.py --world 1
     python benchmarks/phases.py --world 2 --systems ddp zero_ext-0 zero_ext-2
+    python benchmarks/phases.py --world 2 --model llama-tiny --vocab 4096 --batch 4 --context 128
     python benchmarks/phases.py --world 2 --model llama-tiny --systems ddp fsdp2-s2 fsdp2 zero_ext-2 zero_ext-3
-    python benchmarks/phases.py --world 2 --model small-blocks
+    python benchmarks/phases.py --world 2 --model small-blocks --ranges
 
-Each system trains the same model on the same token batches: TinyGPT
-(examples/train_lm.py, shaped by --dim, --layers, ...), a preset of
-benchmarks/_models.py (llama-tiny: RMSNorm, grouped-query attention, SwiGLU,
-d=256, 4 layers; needs transformers), or small-blocks (--blocks residual
-tanh(Linear(32, 32)) blocks between an embedding and a head: per-module
-overhead). Systems: plain (world 1), ddp, fsdp2 (fully_shard on each block
-and the root, resharded after forward: ZeRO-3), fsdp2-s2 (the same kept
-gathered after forward: ZeRO-2's traffic), zero_ext-N (stage N). The
-systems take their steps in interleaved rounds (so drift in machine load
-hits all alike). Per step, wall time of each phase:
+The models and systems are benchmarks/_systems.py's (the same as
+user_loop.py's). The systems take their steps in interleaved rounds, the
+order rotating each round (so drift in machine load hits all alike, and no
+system always follows the same one); rounds are short (2 steps) for the
+reason user_loop.py gives. Each step starts after a barrier; its
+phases are timed with perf_counter, nothing else runs inside it:
 
   forward     the model's forward and the loss
   backward    loss.backward(): compute, zero_ext's gradient hooks, the
@@ -24,9 +21,27 @@ hits all alike). Per step, wall time of each phase:
               all-gather of updated shards, master-to-parameter copies)
   zero_grad   optimizer.zero_grad()
 
-and, from one more step under torch.profiler (CPU), the time inside
-zero_ext's own ranges (their totals, children included; the profiler slows
-everything a little):
+The step's time is the sum of its phases: median, min and max over every
+timed step, so a slow mode a system falls into for a while shows in its
+max (user_loop.py times the same steps between two barriers; the two agree
+within their ranges). The phases are the medians of each phase.
+
+Where the CPU goes, from the same steps, without a profiler: the CPU time
+(/proc/self/task, in clock ticks of 10 ms: over 24 steps a figure resolves
+0.4 ms per step) of this rank's threads per step, read between rounds:
+
+  main        the training thread (forward, backward, hooks, the step)
+  gloo        the process groups' worker threads (pt_gloo_runloop): the
+              collectives' own copies and sums
+  tcp         gloo's socket loops (gloo_tcp_loop)
+  other       every other thread (zero_ext's whereabouts thread, ...)
+  threads     the threads building the system started in the rank (its
+              process groups' workers and socket loops, ...); the world
+              group's own are there before any system
+
+With --ranges, one more step per zero_ext system under torch.profiler (CPU),
+after the timed rounds (so the profiler slows no timed step), gives the time
+inside zero_ext's own ranges (their totals, children included):
 
   hooks       zero_ext::accumulate_grad: each gradient copied or added into
               its bucket
@@ -37,90 +52,25 @@ everything a little):
   opt         zero_ext::step: the optimizer over zero_ext's segments and the
               refresh of the parameters from the masters
 
-The table gives the median over rounds of each system's per-round median,
-with the range over rounds for the whole step. Nothing is asserted.
+Figures are means over ranks. Nothing is asserted.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
-import sys
 import time
 
-import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from train_lm import TinyGPT  # noqa: E402
-
-from _models import PRESETS, blocks_of, build_model  # noqa: E402
-from _ranks import add_tiny_gpt_arguments, run_on_ranks  # noqa: E402
-
-import zero_ext  # noqa: E402
+from _ranks import run_on_ranks
+from _systems import add_model_arguments, batch, build, default_systems, describe_model
 
 PHASES = ("forward", "backward", "step", "zero_grad")
+THREADS = ("main", "gloo", "tcp", "other")
 RANGES = {"hooks": ("zero_ext::accumulate_grad",), "gather": ("zero_ext::gather_unit", "zero_ext::release_unit"),
           "epilogue": ("zero_ext::run_epilogue",), "opt": ("zero_ext::step",)}
-
-
-class SmallBlocks(nn.Module):
-    """Many small residual blocks between an embedding and a head."""
-
-    def __init__(self, vocab: int, blocks: int, width: int = 32):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
-        self.head = nn.Linear(width, vocab)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        h = self.embed(idx)
-        for block in self.blocks:
-            h = h + torch.tanh(block(h))
-        return self.head(h)
-
-
-def vocab_of(args) -> int:
-    return PRESETS[args.model].vocab if args.model in PRESETS else args.vocab
-
-
-def model_and_blocks(args):
-    torch.manual_seed(0)
-    if args.model == "tinygpt":
-        model = TinyGPT(args.vocab, args.dim, args.layers, args.heads, args.context)
-        return model, list(model.blocks)
-    if args.model == "small-blocks":
-        model = SmallBlocks(args.vocab, args.blocks)
-        return model, list(model.blocks)
-    model = build_model(args.model, seed=0)
-    return model, blocks_of(model)
-
-
-def build(args, system, world):
-    model, blocks = model_and_blocks(args)
-    if system.startswith("fsdp2"):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (world,))
-        for block in blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=system == "fsdp2")
-        fully_shard(model, mesh=mesh, reshard_after_forward=system == "fsdp2")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=True)
-    if system in ("plain", "ddp") or system.startswith("fsdp2"):
-        trained = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb) if system == "ddp" else model
-        return trained, opt
-    return zero_ext.wrap(model, opt, stage=int(system.split("-")[1]), bucket_mb=args.bucket_mb)
-
-
-def batch(args, rank, world, step):
-    g = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, vocab_of(args), (world * args.batch, args.context + 1), generator=g)
-    mine = tokens[rank * args.batch:(rank + 1) * args.batch]
-    return mine[:, :-1], mine[:, 1:]
 
 
 def one_step(model, opt, x, y):
@@ -137,6 +87,28 @@ def one_step(model, opt, x, y):
     return {"forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2, "zero_grad": t4 - t3}
 
 
+def thread_cpu_seconds():
+    """CPU seconds (user + system) of this process's threads, by kind, and
+    how many threads there are."""
+    tick = os.sysconf("SC_CLK_TCK")
+    main_tid = os.getpid()
+    totals = dict.fromkeys(THREADS, 0.0)
+    tids = os.listdir("/proc/self/task")
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        seconds = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        kind = ("main" if int(tid) == main_tid else "gloo" if name.startswith("pt_gloo")
+                else "tcp" if name.startswith("gloo_tcp") else "other")
+        totals[kind] += seconds
+    return totals, len(tids)
+
+
 def profiled_ranges(model, opt, x, y):
     """Milliseconds inside zero_ext's ranges during one step."""
     from torch.profiler import ProfilerActivity, profile
@@ -148,32 +120,46 @@ def profiled_ranges(model, opt, x, y):
 
 
 def run(args, rank, world):
-    built = {system: build(args, system, world) for system in args.systems}
+    built, added = {}, {}
+    for system in args.systems:
+        before = thread_cpu_seconds()[1]
+        built[system] = build(args, system, world)
+        added[system] = thread_cpu_seconds()[1] - before
     step = 0
     for _ in range(args.warmup):
         x, y = batch(args, rank, world, step)
         step += 1
-        for system, (model, opt) in built.items():
+        for model, opt in built.values():
             one_step(model, opt, x, y)
-    rounds = {system: [] for system in args.systems}
-    for _ in range(args.rounds):
-        for system, (model, opt) in built.items():
-            times = []
+    steps = {system: [] for system in args.systems}
+    cpu = {system: dict.fromkeys(THREADS, 0.0) for system in args.systems}
+    for r in range(args.rounds):
+        order = args.systems[r % len(args.systems):] + args.systems[:r % len(args.systems)]
+        for system in order:
+            model, opt = built[system]
+            before, _ = thread_cpu_seconds()
             for k in range(args.steps):
                 x, y = batch(args, rank, world, step + k)
                 if world > 1:
                     dist.barrier()
-                times.append(one_step(model, opt, x, y))
-            rounds[system].append({p: statistics.median(t[p] for t in times) * 1e3 for p in PHASES})
+                steps[system].append({p: t * 1e3 for p, t in one_step(model, opt, x, y).items()})
+            if world > 1:
+                dist.barrier()  # the last step's collectives are done on every rank
+            after, _ = thread_cpu_seconds()
+            for kind in THREADS:
+                cpu[system][kind] += (after[kind] - before[kind]) * 1e3 / (args.rounds * args.steps)
         step += args.steps
     out = {}
     for system, (model, opt) in built.items():
+        totals = [sum(t.values()) for t in steps[system]]
+        out[system] = {"phases": {p: statistics.median(t[p] for t in steps[system]) for p in PHASES},
+                       "total": [statistics.median(totals), min(totals), max(totals)],
+                       "cpu": cpu[system], "threads": added[system], "ranges": {}}
+    if args.ranges:
         x, y = batch(args, rank, world, step)
-        per_round = rounds[system]
-        totals = [sum(r.values()) for r in per_round]
-        out[system] = {"phases": {p: statistics.median(r[p] for r in per_round) for p in PHASES},
-                       "total": statistics.median(totals), "range": [min(totals), max(totals)],
-                       "ranges": profiled_ranges(model, opt, x, y) if system.startswith("zero_ext") else {}}
+        for system, (model, opt) in built.items():
+            if system.startswith("zero_ext"):
+                out[system]["ranges"] = profiled_ranges(model, opt, x, y)
     return out
 
 
@@ -181,36 +167,37 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, default=1)
     parser.add_argument("--systems", nargs="+", default=None,
-                        help="plain (world 1), ddp, fsdp2, fsdp2-s2, zero_ext-N "
+                        help="plain (world 1), ddp, fsdp2, fsdp2-s2, zero_ext-N[-unchecked] "
                              "(default: plain or ddp, then stages 0-3)")
-    parser.add_argument("--model", default="tinygpt", choices=["tinygpt", "small-blocks"] + sorted(PRESETS))
-    parser.add_argument("--blocks", type=int, default=1000, help="small-blocks: how many")
-    add_tiny_gpt_arguments(parser)
+    add_model_arguments(parser)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=5, help="steps per system per round")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2, help="steps per system per round")
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--ranges", action="store_true",
+                        help="also zero_ext's profiler ranges, from one more step after the timed rounds")
     args = parser.parse_args()
-    if args.systems is None:
-        args.systems = ["plain" if args.world == 1 else "ddp"] + [f"zero_ext-{s}" for s in range(4)]
+    args.systems = args.systems or default_systems(args.world)
     per_rank = run_on_ranks(args.world, run, args)
     mean = lambda values: statistics.mean(values)  # noqa: E731 - over ranks
-    base = mean(r[args.systems[0]]["total"] for r in per_rank)
-    shape = {"tinygpt": f"TinyGPT d={args.dim} x{args.layers}",
-             "small-blocks": f"{args.blocks} small blocks"}.get(args.model, args.model)
-    print(f"{shape}, world {args.world} (gloo, CPU, 1 thread per rank), "
-          f"{args.batch}x{args.context} tokens per rank; ms, median of {args.rounds} rounds x {args.steps} steps")
-    header = (f"{'system':<12} {'step':>8} {'range':>15} {'vs ' + args.systems[0]:>9} "
-              + " ".join(f"{p:>9}" for p in PHASES) + " | " + " ".join(f"{r:>8}" for r in RANGES))
+    base = mean(r[args.systems[0]]["total"][0] for r in per_rank)
+    print(f"{describe_model(args)}, world {args.world} (gloo, CPU, 1 thread per rank), "
+          f"{args.batch}x{args.context} tokens per rank; ms, {args.rounds} interleaved rounds x {args.steps} steps")
+    columns = list(PHASES) + ["cpu " + k for k in THREADS]
+    header = (f"{'system':<20} {'step':>7} {'min':>7} {'max':>7} {'vs ' + args.systems[0]:>9} "
+              + " ".join(f"{c:>9}" for c in columns) + f" {'+threads':>8}"
+              + (" | " + " ".join(f"{r:>8}" for r in RANGES) if args.ranges else ""))
     print(header)
     print("-" * len(header))
     for system in args.systems:
-        total = mean(r[system]["total"] for r in per_rank)
-        low = mean(r[system]["range"][0] for r in per_rank)
-        high = mean(r[system]["range"][1] for r in per_rank)
+        total, low, high = (mean(r[system]["total"][i] for r in per_rank) for i in range(3))
         phases = " ".join(f"{mean(r[system]['phases'][p] for r in per_rank):>9.1f}" for p in PHASES)
-        ranges = " ".join(f"{mean(r[system]['ranges'][k] for r in per_rank):>8.1f}" if per_rank[0][system]["ranges"]
-                          else f"{'-':>8}" for k in RANGES)
-        print(f"{system:<12} {total:>8.1f} {f'{low:.1f}-{high:.1f}':>15} {total / base:>8.3f}x {phases} | {ranges}")
+        cpu = " ".join(f"{mean(r[system]['cpu'][k] for r in per_rank):>9.1f}" for k in THREADS)
+        line = (f"{system:<20} {total:>7.1f} {low:>7.1f} {high:>7.1f} {total / base:>8.3f}x {phases} {cpu} "
+                f"{per_rank[0][system]['threads']:>8}")
+        if args.ranges:
+            line += " | " + " ".join(f"{mean(r[system]['ranges'][k] for r in per_rank):>8.1f}"
+                                     if per_rank[0][system]["ranges"] else f"{'-':>8}" for k in RANGES)
+        print(line)
 
 
 if __name__ == "__main__":

@@ -137,15 +137,17 @@ def test_hybrid_bytes_sent_by_group_and_state_follow_the_shard_size(hybrid_table
 
 @pytest.mark.parametrize("script, systems, extra", [
     ("step_time.py", ["ddp", "zero_ext-2", "zero_ext-3-keep"], []),
-    ("phases.py", ["ddp", "zero_ext-0", "zero_ext-3"], []),
+    ("phases.py", ["ddp", "zero_ext-0", "zero_ext-3"], ["--ranges"]),
     ("phases.py", ["ddp", "fsdp2-s2", "fsdp2", "zero_ext-3"], ["--model", "small-blocks", "--blocks", "12"]),
+    ("user_loop.py", ["ddp", "zero_ext-1", "zero_ext-2-unchecked", "fsdp2"], ["--model", "tinygpt", "--vocab", "256"]),
+    ("user_loop.py", ["ddp", "zero_ext-3"], ["--builtin", "--vocab", "512", "--context", "16"]),
 ])
 def test_table_scripts_print_a_row_per_system(script, systems, extra):
-    """step_time.py and phases.py end to end on a tiny model (world 2): every
-    system trains and gets its row (timings are not checked)."""
+    """step_time.py, phases.py and user_loop.py end to end on a tiny model
+    (world 2): every system trains and gets its row (timings are not checked)."""
     cmd = [sys.executable, os.path.join(REPO, "benchmarks", script), "--world", "2", "--systems", *systems,
            "--layers", "1", "--dim", "32", "--steps", "1", "--warmup", "1", *extra]
-    cmd += ["--rounds", "1"] if script == "phases.py" else []
+    cmd += ["--rounds", "1"] if script != "step_time.py" else []
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [line.split()[0] for line in done.stdout.splitlines() if line.split() and line.split()[0] in systems]
