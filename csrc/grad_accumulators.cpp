@@ -319,7 +319,16 @@ void GradReducer::zero_grad(bool set_to_none) {
   for (auto& bucket : buckets_) {
     bucket.unsynced.reset();
     if (layout_.ddp_in_place()) {
-      bucket.staging.zero_();
+      // set_to_none: no param.grad views the staging until the next flush,
+      // which writes every slot (a copy, or zeros for a parameter with no
+      // gradient; the padding between slots stays zero): a memset of every
+      // bucket per step saved, which plain PyTorch does not pay either.
+      if (set_to_none) {
+        bucket.staging_stale = true;
+      } else {
+        bucket.staging.zero_();
+        bucket.staging_stale = false;
+      }
     } else {
       bucket.accum_has_value = false;
       if (!bucket.accum.defined()) {

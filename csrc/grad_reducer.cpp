@@ -297,6 +297,10 @@ void GradReducer::launch(int64_t b) {
     return;
   }
   if (frozen_skip_allowed_ && frozen_now(b)) {
+    if (bucket.staging_stale) {
+      bucket.staging.zero_();  // param.grad may view it until settled: zeros, as before the skip
+      bucket.staging_stale = false;
+    }
     bucket.phase = BucketPhase::kRetired;  // [Note: buckets frozen since wrap]
     ++frozen_skips_;
     return;
@@ -322,6 +326,7 @@ void GradReducer::launch(int64_t b) {
       grad = at::Tensor();
       detached_[i] = 1;
     }
+    bucket.staging_stale = false;  // every slot written above
   } else {
     ensure_staging(b);
     for (int64_t i = shape.first; i < shape.first + shape.count; ++i) {

@@ -190,6 +190,10 @@ class GradReducer {
  private:
   struct BucketGrads {
     at::Tensor staging;      // gradients being reduced (see [Note: gradient layouts])
+    // DDP layout: zero_grad(set_to_none) left the last values in staging
+    // (nothing views it); the next flush overwrites every slot, a bucket
+    // retired unflushed zeroes it.
+    bool staging_stale = false;
     at::Tensor accum;        // fp32 shard of the reduced gradient (not the DDP layout)
     bool accum_has_value = false;
     at::Tensor reduce_out;   // where the reduction writes this rank's result
