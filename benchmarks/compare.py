@@ -35,10 +35,10 @@ Reported per system (mean over ranks unless said):
                (N-1)/N x S. Gloo runs a reduce-scatter as a full all-reduce
                (it shows up as one), so FSDP2 and DeepSpeed send 3(N-1)/N x 4P
                at stages 1-2 and 4(N-1)/N x 4P at stage 3 on gloo, where NCCL
-               would send 2 and 3; zero_ext's stages 2-3 reduce-scatter with
-               an all-to-all there and send the 2 and 3 (stage 1 all-reduces
-               its full staging in place: 3). "theory" is each system's gloo
-               figure.
+               would send 2 and 3; zero_ext's stages 1-3 reduce-scatter with
+               an all-to-all there and send the 2, 2 and 3 (stage 1 all-reduced
+               its full staging in place, 3, until issue 43). "theory" is each
+               system's gloo figure.
                Hybrid systems (zero_ext-STAGE-RxS) are counted from
                zero_ext's issue log instead, split by group: within the row
                (as a flat run over S ranks) and across replicas, an
@@ -132,8 +132,8 @@ def theory_sent_bytes(system: str, numel: int, world: int) -> float:
     if system == "fsdp2-keep":
         return 3 * s  # one all-gather, reduce-scatter as all-reduce
     stage = stage_of(system)
-    if system.startswith("zero_ext"):  # stages 2-3: an all-to-all and a sum, a reduce-scatter's bytes
-        return {1: 3 * s, 2: 2 * s, 3: 3 * s}[stage]
+    if system.startswith("zero_ext"):  # stages 1-3: an all-to-all and a sum, a reduce-scatter's bytes
+        return {1: 2 * s, 2: 2 * s, 3: 3 * s}[stage]
     return {1: 3 * s, 2: 3 * s, 3: 4 * s}[stage]  # gloo's reduce-scatter: an all-reduce
 
 

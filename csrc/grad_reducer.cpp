@@ -82,7 +82,11 @@ GradReducer::GradReducer(const Layout& layout, ParamStore& store, Communicator& 
               "zero_ext.full_grads(model).");
     }
   }
-  by_exchange_ = layout_.transient_staging() && comm_.reduces_scatter_by_exchange(store_.device());
+  // Stage 1 too: its staging stays, but an all-reduce in place sends twice
+  // the bytes of the exchange, whose receive buffer and output live only
+  // while in flight (bounded below, as stages 2-3's staging is).
+  by_exchange_ = !layout_.ddp_in_place() && !layout_.replicated() &&
+                 comm_.reduces_scatter_by_exchange(store_.device());
   // Two of the largest bucket in flight: one reducing while the next fills
   // and launches (see [Note: reductions in flight]).
   for (int64_t b = 0; b < layout_.num_buckets(); ++b) {
@@ -96,8 +100,9 @@ GradReducer::GradReducer(const Layout& layout, ParamStore& store, Communicator& 
   }
   if (!staging_is_transient()) {
     for (const auto& bucket : buckets_) {  // persistent: the peak is all of it, always
-      peak_staging_bytes_ += bucket.staging.defined() ? bucket.staging.nbytes() : 0;
+      persistent_staging_bytes_ += bucket.staging.defined() ? bucket.staging.nbytes() : 0;
     }
+    peak_staging_bytes_ = persistent_staging_bytes_;
   }
   host_waits_ = comm_.waits_on_host(store_.device().type());
   launch_on_arrival_ = !layout_.params_sharded();
@@ -404,6 +409,11 @@ void GradReducer::launch(int64_t b) {
     bucket.in_flight_bytes = bucket.staging.nbytes() + (own_output ? bucket.reduce_out.nbytes() : 0) + scratch_bytes;
     in_flight_bytes_ += bucket.in_flight_bytes;
     note_staging_peak();
+  } else if (by_exchange_ && !staging_is_transient()) {
+    // Stage 1: the staging stays; the exchange's buffers are what is in flight.
+    bucket.in_flight_bytes = bucket.reduce_out.nbytes() + scratch_bytes;
+    in_flight_bytes_ += bucket.in_flight_bytes;
+    peak_staging_bytes_ = std::max(peak_staging_bytes_, persistent_staging_bytes_ + in_flight_bytes_);
   }
   bound_in_flight();
 }
@@ -470,7 +480,7 @@ bool GradReducer::reduction_done_within(int64_t b, std::chrono::milliseconds lim
 
 void GradReducer::bound_in_flight() {
   retire_completed();
-  if (!layout_.transient_staging()) {
+  if (!layout_.transient_staging() && !by_exchange_) {
     return;
   }
   while (in_flight_.size() > 1 && in_flight_bytes_ > max_in_flight_bytes_) {
@@ -498,8 +508,8 @@ void GradReducer::retire_completed() {
   if (hybrid_) {
     advance_replica_reductions();
   }
-  if (!layout_.transient_staging()) {
-    return;  // only stages 2-3 free anything at retirement
+  if (!layout_.transient_staging() && !by_exchange_) {
+    return;  // only stages 2-3 free anything at retirement, and exchanges their buffers
   }
   while (!in_flight_.empty() && reduction_completed(buckets_[in_flight_.front()])) {
     retire_oldest();

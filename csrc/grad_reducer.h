@@ -282,14 +282,15 @@ class GradReducer {
   int64_t filling_staging_bytes_ = 0;  // staging of buckets not launched yet
   int64_t max_in_flight_bytes_ = 0;  // 0 until the constructor sets it
   bool host_waits_ = false;          // waits on this device's reductions block the host
-  // Stages 2-3 over gloo: reduce-scatters by exchange, whose receive buffer
-  // the in-flight bound counts. Stage 1 keeps every bucket's staging until
-  // the flush, where a receive buffer per bucket would double the
-  // gradient's memory: it all-reduces in place.
+  // Stages 1-3 over gloo: reduce-scatters by exchange, whose receive buffer
+  // (and, stage 1, output) the in-flight bound counts: stage 1's persistent
+  // staging would otherwise hold a second bucket-sized buffer per bucket in
+  // flight. An all-reduce in place would send twice the bytes.
   bool by_exchange_ = false;
   bool bound_lifted_ = false;        // this round: a bounded host wait ran out
   int64_t bound_lifts_ = 0;
-  int64_t peak_staging_bytes_ = 0;
+  int64_t peak_staging_bytes_ = 0;  // stage 1: its persistent staging plus the exchanges' buffers
+  int64_t persistent_staging_bytes_ = 0;
   // Reductions a broken rank stopped waiting for, kept with their buffers
   // until done: memory is never handed back while a collective may write it.
   struct Dropped {

@@ -46,8 +46,9 @@ def test_model_state_bytes_match_the_zero_formula(table, system):
 
 @pytest.mark.parametrize("system", ["ddp", "zero_ext-0", "zero_ext-1", "zero_ext-2"])
 def test_bytes_sent_are_the_theoretical_volume(table, system):
-    """Stage 1 all-reduces its full staging in place (3(N-1)/N x 4P with the
-    all-gather); stage 2 reduce-scatters by exchange (2(N-1)/N x 4P)."""
+    """Stages 1 and 2 reduce-scatter by exchange on gloo, then all-gather the
+    updated shards: 2(N-1)/N x 4P, DDP's all-reduce (stage 1 sent 3(N-1)/N x
+    4P while it all-reduced its full staging in place)."""
     r = table["results"][system]
     assert r["sent_bytes"] == pytest.approx(r["theory_sent_bytes"], rel=1e-3), r["sent_by_kind_rank0"]
 
