@@ -18,6 +18,7 @@
 #include "sharded_model.h"
 #include "step_gate.h"
 #include "storage_release.h"
+#include "swap_file.h"
 
 namespace zero_ext {
 
@@ -221,6 +222,17 @@ TORCH_LIBRARY(zero_ext, m) {
       .def("loss_scale", [](const Gate& self) { return self->gate.scaler().scale(); })
       .def("skipped_steps", [](const Gate& self) { return self->gate.skipped_steps(); })
       .def("step_index", [](const Gate& self) { return self->gate.progress().step_index; });
+  m.class_<SwapFile>("SwapFile")
+      .def(torch::init<std::string, int64_t, int64_t, int64_t>())
+      .def("write", &SwapFile::write)
+      .def("read", &SwapFile::read)
+      .def("wait", &SwapFile::wait)
+      .def("idle", &SwapFile::idle)
+      .def("path", [](const c10::intrusive_ptr<SwapFile>& self) { return self->path(); })
+      .def("bytes", &SwapFile::bytes)
+      .def("direct", &SwapFile::direct)
+      .def("bytes_written", &SwapFile::bytes_written)
+      .def("bytes_read", &SwapFile::bytes_read);
 }
 
 TORCH_LIBRARY_IMPL(zero_ext, CPU, m) {

@@ -11,7 +11,8 @@ from .version import __version__
 
 # Also offered, as submodules imported where used (core_loader loads the
 # compiled core, which `python -m zero_ext.env` must be able to do without):
-# core_loader (ShardedModel), faults, env_report, build_check, torch_compat.
+# core_loader (ShardedModel), faults, env_report, build_check, torch_compat,
+# offload_file (the "nvme" offload files).
 __all__ = [
     "CoreHandles",
     "CoreStats",
@@ -23,6 +24,7 @@ __all__ = [
     "core_loader",
     "env_report",
     "faults",
+    "offload_file",
     "outside_compile",
     "owner_state",
     "state_of",

@@ -17,6 +17,7 @@ from .deferred_init import has_meta_parameters
 from .reshard import check_policy as check_reshard_policy
 from ..optim import WHOLE, check_step_not_patched, optimizer_sharding
 from ..runtime import ZeroExtModule
+from ..tools import offload_file
 
 
 def _is_real(value: Any) -> bool:
@@ -63,6 +64,8 @@ class Options:
     prefetch: int
     skip_nonfinite: bool
     whole_params: bool = False  # the optimizer steps whole parameters (optim/ownership.py)
+    offload_params: Optional[str] = None  # stage 3: None or "cpu" (a CPU model's shards are host memory already)
+    offload_path: Optional[str] = None  # the checked directory of "nvme" offload files
     reshard_after_forward: Any = True  # stage 3: wrapping/reshard.py
 
 
@@ -163,8 +166,8 @@ def _check_model_and_optimizer(model, optimizers, stage, mixed_precision, offloa
         raise TypeError(f"zero_ext.wrap: model must be a torch.nn.Module, got {type(model).__name__}")
     check_stage(stage)
     precision = _precision(mixed_precision)
-    if offload_optimizer is not None and offload_optimizer != "cpu":
-        raise ValueError(f"zero_ext.wrap: offload_optimizer must be None or 'cpu', got {offload_optimizer!r}")
+    if offload_optimizer not in _OFFLOAD_TIERS:
+        raise ValueError(f"zero_ext.wrap: offload_optimizer must be None, 'cpu' or 'nvme', got {offload_optimizer!r}")
 
     for module in model.modules():
         if isinstance(module, ZeroExtModule):
@@ -235,13 +238,44 @@ def _check_model_and_optimizer(model, optimizers, stage, mixed_precision, offloa
     return trainable, precision
 
 
+_OFFLOAD_TIERS = (None, "cpu", "nvme")
+
+
+def _check_offload(stage: int, offload_optimizer, offload_params, offload_path) -> Optional[str]:
+    """offload_params and offload_path against the stage and each other;
+    the offload directory (created) when "nvme" asks for one."""
+    if offload_params not in _OFFLOAD_TIERS:
+        raise ValueError(f"zero_ext.wrap: offload_params must be None, 'cpu' or 'nvme', got {offload_params!r}")
+    if offload_params is not None and stage != 3:
+        raise ValueError(
+            f"zero_ext.wrap: offload_params={offload_params!r} needs stage=3: stages 0-2 keep every parameter "
+            "whole on its device between uses; pass stage=3 to keep only a shard, and offload that")
+    nvme = "nvme" in (offload_optimizer, offload_params)
+    if offload_path is not None and not nvme:
+        raise ValueError(
+            "zero_ext.wrap: offload_path is where 'nvme' offload keeps its files, but neither offload_optimizer "
+            "nor offload_params is 'nvme'; pass offload_optimizer='nvme' and/or offload_params='nvme', or drop "
+            "offload_path")
+    if not nvme:
+        return None
+    if offload_path is None:
+        raise ValueError("zero_ext.wrap: 'nvme' offload needs offload_path=DIR, a directory on a local drive "
+                         "(an NVMe drive for speed; each rank makes its own files there)")
+    directory = offload_file.check_offload_path(offload_path)
+    raise NotImplementedError(
+        "zero_ext.wrap: 'nvme' offload is not available in this version yet: its files and their asynchronous "
+        f"I/O (zero_ext/tools/offload_file.py, checked here: {directory!r} is usable) are in place, streaming "
+        "the optimizer state and parameter shards through them is not. Use offload_optimizer='cpu' meanwhile.")
+
+
 def check_wrap_arguments(model, optimizers, stage, mixed_precision, offload_optimizer, units, bucket_mb, timeout,
-                         prefetch, skip_nonfinite, reshard_after_forward=None
-                         ) -> Tuple[List[torch.nn.Parameter], Options]:
+                         prefetch, skip_nonfinite, reshard_after_forward=None, offload_params=None,
+                         offload_path=None) -> Tuple[List[torch.nn.Parameter], Options]:
     """The trainable parameters and the normalized options; raises TypeError
     or ValueError on bad input. `optimizers`: optimizer_list()'s."""
     trainable, precision = _check_model_and_optimizer(model, optimizers, stage, mixed_precision, offload_optimizer)
     stage = int(stage)  # a numpy integer, say
+    offload_dir = _check_offload(stage, offload_optimizer, offload_params, offload_path)
     if units is not None and stage != 3:
         raise ValueError("zero_ext.wrap: units only applies to stage 3")
     if not _is_real(bucket_mb):
@@ -269,6 +303,7 @@ def check_wrap_arguments(model, optimizers, stage, mixed_precision, offload_opti
     options = Options(stage=stage, precision=precision, offload=offload_optimizer == "cpu", units=units,
                       bucket_bytes=int(bucket_mb * 2**20), timeout=_timeout(timeout), prefetch=int(prefetch),
                       skip_nonfinite=skip_nonfinite, reshard_after_forward=reshard_after_forward,
+                      offload_params=offload_params, offload_path=offload_dir,
                       whole_params=any(optimizer_sharding(opt, shards_state=stage > 0) == WHOLE for opt in optimizers))
     return trainable, options
 

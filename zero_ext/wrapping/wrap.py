@@ -173,6 +173,8 @@ def wrap(
     process_group: Union[None, dist.ProcessGroup, "torch.distributed.device_mesh.DeviceMesh"] = None,
     mixed_precision: Union[None, str, MixedPrecision] = None,
     offload_optimizer: Optional[str] = None,
+    offload_params: Optional[str] = None,
+    offload_path: Union[None, str, "os.PathLike[str]"] = None,
     units: Union[None, Set[type], Callable[[torch.nn.Module], bool]] = None,
     bucket_mb: float = 25.0,
     timeout: Union[None, float, datetime.timedelta] = None,
@@ -206,7 +208,15 @@ def wrap(
         mixed_precision: None (fp32), "bf16", "fp16" (with dynamic loss
             scaling) or a MixedPrecision; the optimizer steps fp32 masters.
         offload_optimizer: "cpu" keeps fp32 masters, gradient shards and
-            optimizer state in host memory (Adam/AdamW step in C++).
+            optimizer state in host memory (Adam/AdamW step in C++);
+            "nvme" (files under offload_path) is not available yet.
+        offload_params: stage 3: "cpu" keeps the parameter shards in host
+            memory between uses: accepted on a CPU model, where they are
+            already; not yet available for a model on an accelerator, nor
+            "nvme".
+        offload_path: the directory of "nvme" offload files (created if
+            missing; each rank makes its own files there, removed when the
+            process ends).
         units: stage 3: submodules gathered as one (a set of module classes
             or a callable module -> bool), each a unit of its own; default:
             each repeated block, consecutive blocks smaller than bucket_mb
@@ -273,20 +283,25 @@ def _optimized_parameters(optimizers: List[torch.optim.Optimizer]) -> List[torch
     return list({id(p): p for opt in optimizers for g in opt.param_groups for p in g["params"]}.values())
 
 
-def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optimizer, units, bucket_mb, timeout,
-          prefetch, skip_nonfinite, device, param_init_fn,
+def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optimizer, offload_params, offload_path,
+          units, bucket_mb, timeout, prefetch, skip_nonfinite, device, param_init_fn,
           reshard_after_forward) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
     """wrap(), once the parameters unfreeze_later plans as trainable are marked so."""
     optimizers = optimizer_list(optimizer)
     trainable, options = check_wrap_arguments(model, optimizers, stage, mixed_precision, offload_optimizer,
                                               units, bucket_mb, timeout, prefetch, skip_nonfinite,
-                                              reshard_after_forward)
+                                              reshard_after_forward, offload_params, offload_path)
     check_launch(process_group)
     # What transformers' model.dtype says before mixed precision casts the
     # parameters: the dtype exports declare (as the unwrapped model's would).
     export_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     deferred = plan_deferred(model, device, param_init_fn)
     model_device = deferred.device if deferred else trainable[0].device
+    if options.offload_params == "cpu" and model_device.type != "cpu":
+        raise NotImplementedError(
+            f"zero_ext.wrap: offload_params='cpu' for a model on {model_device.type} is not available in this "
+            "version yet (on a CPU model it is accepted: the shards are in host memory already); "
+            "offload_optimizer='cpu' moves the fp32 masters and optimizer state off the device meanwhile")
     topology = resolve_topology(process_group, model_device)
     for group in (topology.shard_group, topology.replicate_group):
         check_backend(group, model_device)

@@ -1,0 +1,77 @@
+"""wrap()'s offload_params and offload_path (SPEC "Beyond device and host
+memory"): checked before anything changes, with errors that say what to
+pass; offload_params="cpu" on a CPU model trains exactly as without it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zero_ext
+
+
+def make(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def train(model, opt, steps=3):
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(5, 8, generator=g)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: t.clone() for n, t in zero_ext.full_state_dict(model).items()}
+
+
+def test_offload_params_cpu_on_a_cpu_model_trains_exactly_as_without():
+    plain = train(*zero_ext.wrap(*make(), stage=3))
+    offloaded = train(*zero_ext.wrap(*make(), stage=3, offload_params="cpu"))
+    for name, value in plain.items():
+        assert torch.equal(offloaded[name], value), name
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_offload_params_needs_stage_3(stage):
+    model, opt = make()
+    with pytest.raises(ValueError, match="offload_params='cpu' needs stage=3"):
+        zero_ext.wrap(model, opt, stage=stage, offload_params="cpu")
+    assert type(model) is torch.nn.Sequential  # nothing changed
+
+
+def test_offload_values_are_checked():
+    model, opt = make()
+    with pytest.raises(ValueError, match="offload_params must be None, 'cpu' or 'nvme', got 'disk'"):
+        zero_ext.wrap(model, opt, stage=3, offload_params="disk")
+
+
+@pytest.mark.parametrize("option", ["offload_optimizer", "offload_params"])
+def test_nvme_needs_an_offload_path(option):
+    model, opt = make()
+    with pytest.raises(ValueError, match="'nvme' offload needs offload_path=DIR"):
+        zero_ext.wrap(model, opt, stage=3, **{option: "nvme"})
+
+
+def test_an_offload_path_without_nvme_is_refused(tmp_path):
+    model, opt = make()
+    with pytest.raises(ValueError, match="offload_path is where 'nvme' offload keeps its files"):
+        zero_ext.wrap(model, opt, stage=3, offload_optimizer="cpu", offload_path=str(tmp_path))
+
+
+def test_an_unusable_offload_path_is_refused_before_anything_changes(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    model, opt = make()
+    with pytest.raises(ValueError, match="offload_path .* is not a directory"):
+        zero_ext.wrap(model, opt, stage=2, offload_optimizer="nvme", offload_path=str(blocker))
+    assert type(model) is torch.nn.Sequential
+
+
+def test_nvme_is_refused_as_not_available_yet_after_the_path_is_checked(tmp_path):
+    model, opt = make()
+    target = tmp_path / "offload" / "run1"
+    with pytest.raises(NotImplementedError, match="'nvme' offload is not available in this version yet"):
+        zero_ext.wrap(model, opt, stage=3, offload_optimizer="nvme", offload_params="nvme", offload_path=target)
+    assert target.is_dir() and list(target.iterdir()) == []
+    assert type(model) is torch.nn.Sequential
