@@ -7,6 +7,7 @@ stage) ends where the uninterrupted run ends. The ranks' side is
 tests/lightning_scenarios.py; two launches serve every test here."""
 import importlib.util
 import os
+import socket
 import subprocess
 import sys
 
@@ -26,9 +27,17 @@ RESUMED_AT = 9       # lightning_scenarios.SAVE_AT_STEP
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def _launch(ranks: int, port: int, command: str, out_dir: str) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", str(port),
-           SCENARIOS, command, out_dir]
+def _free_port() -> int:
+    """A port no one listens on now: under pytest-xdist both workers may run
+    this module's fixtures at once, and a fixed port collides (EADDRINUSE)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(ranks: int, command: str, out_dir: str) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+           "--master-port", str(_free_port()), SCENARIOS, command, out_dir]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=out_dir,
                           env={**os.environ, "PYTHONPATH": PACKAGE_ROOT})
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-6000:]
@@ -42,12 +51,12 @@ def out_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(out_dir):
-    return _launch(2, 29681, "train", out_dir)
+    return _launch(2, "train", out_dir)
 
 
 @pytest.fixture(scope="module")
 def one_rank(runs, out_dir):
-    return _launch(1, 29682, "resume_one_rank", out_dir)["resumed"]
+    return _launch(1, "resume_one_rank", out_dir)["resumed"]
 
 
 def _max_diff(a: dict, b: dict) -> float:
