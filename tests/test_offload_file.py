@@ -14,9 +14,10 @@ import textwrap
 import pytest
 import torch
 
+import zero_ext
 from zero_ext.tools.offload_file import ALIGN, OffloadFile, check_offload_path, plan_regions
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(zero_ext.__file__)))  # the zero_ext under test
 
 
 def test_regions_start_aligned_and_never_share_a_block():
@@ -75,7 +76,7 @@ def test_nothing_is_left_after_the_process_ends_however_it_ends(tmp_path, how):
             time.sleep(60)
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": REPO})
+                            text=True, env={**os.environ, "PYTHONPATH": PACKAGE_ROOT})
     assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
     if how in ("sigterm", "sigkill"):
         proc.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
@@ -112,7 +113,7 @@ def test_a_disk_without_room_is_an_error_before_anything_is_written(tmp_path):
             print("no error")
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": REPO})
+                          env={**os.environ, "PYTHONPATH": PACKAGE_ROOT})
     assert done.returncode == 0, done.stderr
     line = done.stdout.strip()
     assert "cannot reserve 64.0 MiB for the offload file" in line and str(tmp_path) in line, line
@@ -139,7 +140,7 @@ def test_a_write_that_fails_raises_at_its_wait_naming_the_file(tmp_path):
         print(f.read("a", like=torch.ones(10)).wait().sum().item())
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": REPO})
+                          env={**os.environ, "PYTHONPATH": PACKAGE_ROOT})
     assert done.returncode == 0, done.stderr
     first, second = done.stdout.strip().splitlines()
     assert first.startswith("zero_ext: writing 4.0 MiB at offset") and "of the offload file" in first, first

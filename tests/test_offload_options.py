@@ -75,3 +75,15 @@ def test_nvme_is_refused_as_not_available_yet_after_the_path_is_checked(tmp_path
         zero_ext.wrap(model, opt, stage=3, offload_optimizer="nvme", offload_params="nvme", offload_path=target)
     assert target.is_dir() and list(target.iterdir()) == []
     assert type(model) is torch.nn.Sequential
+
+
+def test_the_integrations_take_the_offload_options():
+    """Lightning's strategy takes them by keyword; accelerate and the HF
+    Trainer take wrap()'s signature as their option list."""
+    pytest.importorskip("lightning")
+    from zero_ext.integrations._common import WRAP_OPTIONS
+    from zero_ext.integrations.lightning import ZeroExtStrategy
+
+    assert {"offload_params", "offload_path"} <= set(WRAP_OPTIONS)
+    strategy = ZeroExtStrategy(stage=3, offload_params="cpu")
+    assert strategy._wrap_options["offload_params"] == "cpu" and strategy._wrap_options["offload_path"] is None

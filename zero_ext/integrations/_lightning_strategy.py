@@ -138,6 +138,8 @@ class StrategyMethods:
         prefetch: int = 1,
         skip_nonfinite: bool = False,
         *,
+        offload_params: Optional[str] = None,
+        offload_path: Any = None,
         accelerator: Any = None,
         parallel_devices: Optional[list] = None,
         cluster_environment: Any = None,
@@ -162,7 +164,8 @@ class StrategyMethods:
             timeout=group_timeout, start_method=start_method)
         self._wrap_options = dict(
             stage=stage, mixed_precision=mixed_precision, offload_optimizer=offload_optimizer, units=units,
-            bucket_mb=bucket_mb, timeout=timeout, prefetch=prefetch, skip_nonfinite=skip_nonfinite)
+            bucket_mb=bucket_mb, timeout=timeout, prefetch=prefetch, skip_nonfinite=skip_nonfinite,
+            offload_params=offload_params, offload_path=offload_path)
 
     @property
     def stage(self) -> int:

@@ -93,7 +93,8 @@ class ZeroExtStrategy(StrategyMethods, _pl.strategies.DDPStrategy):
         stage: 0 replicated (like DDP), 1 sharded optimizer state,
             2 also sharded gradients, 3 also sharded parameters.
         mixed_precision, offload_optimizer, units, bucket_mb, prefetch,
-            skip_nonfinite: as zero_ext.wrap.
+            skip_nonfinite, offload_params, offload_path (keyword only):
+            as zero_ext.wrap.
         timeout: bound on every collective wait (seconds or timedelta),
             zero_ext's and the process group's Lightning creates;
             default Lightning's (30 minutes).
