@@ -1,0 +1,162 @@
+"""An optimizer's per-parameter state kept in an offload file between steps
+and streamed through memory chunk by chunk during the step: the core of
+offload_optimizer="nvme" (issue 44; wrap() does not use it yet).
+
+    offloaded = OffloadedState(optimizer, optimizer_class, directory, rank)
+    offloaded.step(lambda: optimizer_class.step(optimizer))   # instead of optimizer.step()
+
+Between steps each parameter's state holds only what is not shaped like the
+parameter (Adam's scalar "step"); its moments are in the file. A step reads
+chunk k+1's state while chunk k steps (the optimizer's own step, over that
+chunk's parameters only, with their state in memory), then writes chunk k's
+back and lets go of it: the memory the state takes is about two chunks,
+whatever the model. Exact: the same arithmetic on the same values as the
+optimizer stepping everything at once, for optimizers whose update reads
+one parameter at a time (every one zero_ext shards).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..tools import offload_file
+
+CHUNK_BYTES = 64 << 20  # state bytes stepped at once (two in memory: one stepping, one read ahead)
+
+
+def probe_state_layout(optimizer: torch.optim.Optimizer, optimizer_class: type) -> List[List[Tuple[str, torch.dtype]]]:
+    """Per param group: the state entries shaped like the parameter (key,
+    dtype), from one step of `optimizer_class` with the group's settings on
+    a one-element parameter. Raises naming the class if it cannot be probed."""
+    layouts = []
+    for group in optimizer.param_groups:
+        dtype = group["params"][0].dtype if group["params"] else torch.float32
+        p = torch.zeros(1, dtype=dtype, requires_grad=True)
+        p.grad = torch.full_like(p, 1e-3)
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        probe = object.__new__(optimizer_class)
+        try:
+            torch.optim.Optimizer.__init__(probe, [{"params": [p], **hyper}], dict(optimizer.defaults))
+            optimizer_class.step(probe)
+        except Exception as e:  # noqa: BLE001 - any failure means: cannot stream this optimizer's state
+            raise ValueError(
+                f"zero_ext: cannot tell which state {optimizer_class.__name__} keeps per parameter (a probe step "
+                f"on a one-element parameter failed: {type(e).__name__}: {e}); its state cannot be offloaded "
+                "to files") from e
+        layouts.append([(key, value.dtype) for key, value in probe.state[p].items()
+                        if isinstance(value, torch.Tensor) and value.shape == p.shape])
+    return layouts
+
+
+@contextlib.contextmanager
+def stepping_only(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Each group lists only its members of `params` (in its own order) for
+    the duration."""
+    chosen = {id(p) for p in params}
+    saved = [group["params"] for group in optimizer.param_groups]
+    try:
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) in chosen]
+        yield
+    finally:
+        for group, params_of_group in zip(optimizer.param_groups, saved):
+            group["params"] = params_of_group
+
+
+class OffloadedState:
+    """`optimizer`'s per-parameter state in an offload file under
+    `directory` between steps (see the module's docstring)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, optimizer_class: type, directory: str, rank: int,
+                 chunk_bytes: int = CHUNK_BYTES, io_threads: Optional[int] = None):
+        self.optimizer = optimizer
+        layouts = probe_state_layout(optimizer, optimizer_class)
+        self.keys: Dict[int, List[Tuple[str, torch.dtype]]] = {}
+        self.params: List[torch.Tensor] = []
+        for group, layout in zip(optimizer.param_groups, layouts):
+            for p in group["params"]:
+                if id(p) not in self.keys:  # a parameter listed twice has one state
+                    self.keys[id(p)] = layout
+                    self.params.append(p)
+        sizes = {f"{key}/{i}": p.numel() * dtype.itemsize
+                 for i, p in enumerate(self.params) for key, dtype in self.keys[id(p)]}
+        extra = {} if io_threads is None else {"threads": io_threads}
+        self.file = offload_file.OffloadFile(directory, rank, sizes, **extra)
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        self.chunks: List[List[torch.Tensor]] = []
+        current: List[torch.Tensor] = []
+        size = 0
+        for p in self.params:
+            nbytes = sum(p.numel() * dtype.itemsize for _, dtype in self.keys[id(p)])
+            if current and size + nbytes > chunk_bytes:
+                self.chunks.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        if current:
+            self.chunks.append(current)
+        self.in_file: set = set()  # ids of parameters whose state the file holds
+
+    def _region(self, p: torch.Tensor, key: str) -> str:
+        return f"{key}/{self.index[id(p)]}"
+
+    def _read(self, chunk: List[torch.Tensor]) -> List[Tuple[torch.Tensor, str, offload_file.Transfer]]:
+        reads = []
+        for p in chunk:
+            if id(p) not in self.in_file:
+                continue  # never written: the optimizer creates it, or it is in memory (loaded)
+            for key, dtype in self.keys[id(p)]:
+                out = torch.empty(p.shape, dtype=dtype)
+                reads.append((p, key, self.file.read(self._region(p, key), out)))
+        return reads
+
+    def step(self, step_fn: Callable[[], object]) -> object:
+        """Runs `step_fn` (the optimizer's own step) once per chunk, over
+        that chunk's parameters only, with their state read in; writes the
+        state back and leaves only what is not parameter-shaped in memory."""
+        result = None
+        writes: List[offload_file.Transfer] = []
+        ahead = self._read(self.chunks[0]) if self.chunks else []
+        for k, chunk in enumerate(self.chunks):
+            current, ahead = ahead, (self._read(self.chunks[k + 1]) if k + 1 < len(self.chunks) else [])
+            for p, key, transfer in current:
+                self.optimizer.state[p][key] = transfer.wait()
+            with stepping_only(self.optimizer, chunk):
+                result = step_fn()
+            for transfer in writes:  # the chunk before: done before more memory is taken
+                transfer.wait()
+            writes = []
+            for p in chunk:
+                state = self.optimizer.state.get(p)
+                if not state:
+                    continue  # no gradient yet: the optimizer made no state
+                for key, _ in self.keys[id(p)]:
+                    value = state.pop(key, None)
+                    if value is not None:
+                        writes.append(self.file.write(self._region(p, key), value.contiguous()))
+                self.in_file.add(id(p))
+        for transfer in writes:
+            transfer.wait()
+        return result
+
+    @contextlib.contextmanager
+    def materialized(self) -> Iterator[None]:
+        """Every parameter's state in memory for the duration (a checkpoint
+        reads or writes it), written back and let go of afterwards."""
+        for p, key, transfer in [r for chunk in self.chunks for r in self._read(chunk)]:
+            self.optimizer.state[p][key] = transfer.wait()
+        try:
+            yield
+        finally:
+            writes = []
+            for p in self.params:
+                state = self.optimizer.state.get(p)
+                for key, _ in self.keys[id(p)]:
+                    value = state.pop(key, None) if state else None
+                    if value is not None:
+                        writes.append(self.file.write(self._region(p, key), value.contiguous()))
+                        self.in_file.add(id(p))
+            for transfer in writes:
+                transfer.wait()
