@@ -555,4 +555,6 @@ DIVERGENCES: Dict[str, Callable[[int, int], dict]] = {
         rank, world, lambda r: {"mixed_precision": "bf16"} if r == 1 else {}),
     "wrap_different_reshard_after_forward": lambda rank, world: _wrap_differently(  # units kept on rank 1 only
         rank, world, lambda r: {"reshard_after_forward": False} if r == 1 else {}),
+    "wrap_different_offload_params": lambda rank, world: _wrap_differently(
+        rank, world, lambda r: {"offload_params": "cpu"} if r == 1 else {}),
 }

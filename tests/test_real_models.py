@@ -75,6 +75,7 @@ EXPECTED = {
                                               "reshard_after_forward:"], 0),
     "wrap_a_different_optimizer_sharding": (["zero_ext.wrap: the ranks wrapped different models",
                                              "optimizer sharding:"], 0),
+    "wrap_different_offload_params": (["zero_ext.wrap: the ranks wrapped different models", "offload_params:"], 0),
 }
 
 
