@@ -127,19 +127,25 @@ class OffloadedState:
                 result = step_fn()
             for transfer in writes:  # the chunk before: done before more memory is taken
                 transfer.wait()
-            writes = []
-            for p in chunk:
-                state = self.optimizer.state.get(p)
-                if not state:
-                    continue  # no gradient yet: the optimizer made no state
-                for key, _ in self.keys[id(p)]:
-                    value = state.pop(key, None)
-                    if value is not None:
-                        writes.append(self.file.write(self._region(p, key), value.contiguous()))
-                self.in_file.add(id(p))
+            writes = self._write_back(chunk)
         for transfer in writes:
             transfer.wait()
         return result
+
+    def _write_back(self, params: Sequence[torch.Tensor]) -> List[offload_file.Transfer]:
+        """Starts writing the parameter-shaped state of `params` to the file
+        and takes it out of the optimizer's state."""
+        writes = []
+        for p in params:
+            state = self.optimizer.state.get(p)
+            if not state:
+                continue  # no gradient yet: the optimizer made no state
+            for key, _ in self.keys[id(p)]:
+                value = state.pop(key, None)
+                if value is not None:
+                    writes.append(self.file.write(self._region(p, key), value.contiguous()))
+            self.in_file.add(id(p))
+        return writes
 
     @contextlib.contextmanager
     def materialized(self) -> Iterator[None]:
@@ -150,13 +156,5 @@ class OffloadedState:
         try:
             yield
         finally:
-            writes = []
-            for p in self.params:
-                state = self.optimizer.state.get(p)
-                for key, _ in self.keys[id(p)]:
-                    value = state.pop(key, None) if state else None
-                    if value is not None:
-                        writes.append(self.file.write(self._region(p, key), value.contiguous()))
-                        self.in_file.add(id(p))
-            for transfer in writes:
+            for transfer in self._write_back(self.params):
                 transfer.wait()
