@@ -29,6 +29,14 @@ namespace zero_ext {
 // caching allocator hands the same block back on an accelerator; offload
 // keeps its pinned host accumulators (pinning is what costs there).
 void GradReducer::ensure_accum_memory(BucketGrads& bucket) {
+  if (bucket.swap_slot >= 0) {  // [Note: swapped gradients]
+    if (bucket.accum_has_value) {
+      swap_->ensure(bucket.swap_slot);
+    } else {
+      swap_->ensure_memory(bucket.swap_slot);
+    }
+    return;
+  }
   if (bucket.accum.defined() && storage_is_released(bucket.accum)) {
     grow_storage(bucket.accum, bucket.accum.numel() * bucket.accum.element_size());
     bucket.accum_has_value = false;
@@ -36,6 +44,9 @@ void GradReducer::ensure_accum_memory(BucketGrads& bucket) {
 }
 
 void GradReducer::hold_value(BucketGrads& bucket) {
+  if (bucket.swap_slot >= 0 && bucket.accum_has_value) {
+    swap_->ensure(bucket.swap_slot);  // the caller writes and parks it
+  }
   if (!bucket.accum_has_value) {
     ensure_accum_memory(bucket);
     bucket.accum.zero_();
@@ -80,6 +91,10 @@ void GradReducer::fold_into_accum(BucketGrads& bucket, const at::Tensor& reduced
     host_transfers_pending_ = true;
   }
   bucket.accum_has_value = true;
+  if (bucket.swap_slot >= 0) {
+    swapped_sums_.push_back(reduced.sum().to(at::kFloat).reshape({}));  // for local_nonfinite, without reading the file
+    swap_->park(bucket.swap_slot, /*dirty=*/true);
+  }
 }
 
 // [Note: offload without a host sync in backward]
@@ -205,10 +220,11 @@ at::Tensor GradReducer::local_nonfinite() const {
     for (const auto& bucket : buckets_) {
       if (layout_.ddp_in_place() && bucket.staging.defined()) {
         sums.push_back(bucket.staging.sum());  // already all-reduced: the same on every rank
-      } else if (bucket.accum.defined() && bucket.accum_has_value) {
+      } else if (bucket.accum.defined() && bucket.accum_has_value && bucket.swap_slot < 0) {
         sums.push_back(bucket.accum.sum());
       }
     }
+    sums.insert(sums.end(), swapped_sums_.begin(), swapped_sums_.end());
   }
   for (const auto& bucket : buckets_) {
     if (bucket.unsynced.defined()) {
@@ -231,8 +247,13 @@ void GradReducer::mark_nonfinite_everywhere() {
   const auto& pieces = layout_.segments();
   for (size_t s = 0; s < segment_grads_.size(); ++s) {
     if (global_has_grad_[pieces[s].param] && segment_grads_[s].numel() > 0) {
-      hold_value(buckets_[pieces[s].bucket]);
+      BucketGrads& bucket = buckets_[pieces[s].bucket];
+      hold_value(bucket);
       segment_grads_[s].reshape(-1).narrow(0, 0, 1).fill_(std::numeric_limits<double>::quiet_NaN());
+      if (bucket.swap_slot >= 0) {
+        swapped_sums_.push_back(at::full({}, std::numeric_limits<double>::quiet_NaN(), at::kFloat));
+        swap_->park(bucket.swap_slot, /*dirty=*/true);
+      }
       return;
     }
   }
@@ -255,10 +276,12 @@ void GradReducer::publish(bool provisional) {
   const auto& pieces = layout_.segments();
   const auto& segments = store_.segments();
   for (auto& bucket : buckets_) {
-    zero_if_released(bucket);
+    if (bucket.swap_slot < 0) zero_if_released(bucket);
   }
   for (size_t s = 0; s < segments.size(); ++s) {
-    segments[s].mutable_grad() = has_grad(pieces[s].param) ? segment_grads_[s] : at::Tensor();
+    // Swapped: an unreadable stand-in until the step brings the bucket in (ensure_grads).
+    const at::Tensor& grad = buckets_[pieces[s].bucket].swap_slot >= 0 ? segment_stand_ins_[s] : segment_grads_[s];
+    segments[s].mutable_grad() = has_grad(pieces[s].param) ? grad : at::Tensor();
   }
   for (int64_t i = 0; i < n; ++i) {
     at::Tensor& grad = store_.param(i).mutable_grad();
@@ -300,13 +323,21 @@ void GradReducer::mark_nonfinite_on_device(const at::Tensor& flag) {
     return;  // host gradients still landing: marked at settle (mark_nonfinite_everywhere)
   }
   at::NoGradGuard no_grad;
+  if (swap_ != nullptr && !flag.gt(0).any().item<bool>()) {
+    return;  // on the host anyway: no bucket read back from the file to add a zero
+  }
   const auto& pieces = layout_.segments();
   for (size_t s = 0; s < segment_grads_.size(); ++s) {
     if (layout_.trainable(pieces[s].param) && segment_grads_[s].numel() > 0) {
-      hold_value(buckets_[pieces[s].bucket]);
+      BucketGrads& bucket = buckets_[pieces[s].bucket];
+      hold_value(bucket);
       const at::Tensor& target = segment_grads_[s];
       const at::Tensor poison = at::where(flag.gt(0), std::numeric_limits<double>::quiet_NaN(), 0.0).to(at::kFloat);
       target.reshape(-1).narrow(0, 0, 1).add_(poison.to(target.device()));
+      if (bucket.swap_slot >= 0) {
+        swapped_sums_.push_back(poison.sum().reshape({}));
+        swap_->park(bucket.swap_slot, /*dirty=*/true);
+      }
       return;
     }
   }
@@ -314,6 +345,7 @@ void GradReducer::mark_nonfinite_on_device(const at::Tensor& flag) {
 
 void GradReducer::zero_grad(bool set_to_none) {
   finish_host_adds();  // the host accumulators are written below
+  swapped_sums_.clear();
   unsynced_since_reduce_ = false;  // what no_sync() accumulated is dropped
   at::NoGradGuard no_grad;
   for (auto& bucket : buckets_) {
@@ -332,6 +364,10 @@ void GradReducer::zero_grad(bool set_to_none) {
     } else {
       bucket.accum_has_value = false;
       if (!bucket.accum.defined()) {
+        continue;
+      }
+      if (bucket.swap_slot >= 0) {
+        swap_->discard(bucket.swap_slot);  // the next fold writes it whole
         continue;
       }
       if (!set_to_none) {
@@ -362,6 +398,7 @@ void GradReducer::zero_grad(bool set_to_none) {
 }
 
 void GradReducer::forget_accumulated() {
+  swapped_sums_.clear();
   for (auto& bucket : buckets_) {
     bucket.accum_has_value = false;
     bucket.unsynced.reset();
@@ -448,7 +485,8 @@ std::vector<at::Tensor> GradReducer::full_grads() {
       full[b] = at::zeros({shape.padded}, store_.bucket(b).flat.options().dtype(at::kFloat));
       continue;
     }
-    at::Tensor shard = bucket.accum_has_value ? bucket.accum : at::zeros_like(bucket.accum);
+    if (bucket.swap_slot >= 0 && bucket.accum_has_value) swap_->ensure(bucket.swap_slot);  // parked below
+    at::Tensor shard = bucket.accum_has_value ? bucket.accum : at::zeros({bucket.accum.numel()}, bucket.accum.options());
     if (layout_.replicated()) {
       full[b] = shard.clone();  // a snapshot, not the live buffer
       continue;
@@ -461,6 +499,7 @@ std::vector<at::Tensor> GradReducer::full_grads() {
     comm_.wait(works[b], [&] {
       return "all-gather of gradients for full_grads() of " + layout_.describe_bucket(b, gate_.progress().where());
     });
+    if (buckets_[b].swap_slot >= 0) swap_->park(buckets_[b].swap_slot, /*dirty=*/false);
   }
   for (int64_t i = 0; i < n; ++i) {
     out[i] = full[layout_.bucket_of(i)].narrow(0, layout_.offset(i), layout_.numel(i)).view(layout_.shape(i));
@@ -491,6 +530,74 @@ int64_t GradReducer::host_landing_buffers() const {
   int64_t n = 0;
   for (const auto& bucket : buckets_) n += bucket.host_landing.defined() ? 1 : 0;
   return n;
+}
+
+} // namespace zero_ext
+
+namespace zero_ext {
+
+// [Note: swapped gradients]
+// offload_optimizer="nvme": each fp32 accumulator is a slot of the model's
+// SwapSpace ([Note: swapped buffers]). A reduction's result is folded in as
+// it retires (the accumulator read back first if a backward of this step
+// already wrote it, else overwritten whole) and parked at once, written
+// behind; the optimizer's step brings each bucket in for its turn. No
+// reduction writes an accumulator directly and staging never aliases one.
+// The non-finite check sums each folded result as it comes, so it never
+// reads the file. Between a step's turns a segment's .grad is an unreadable
+// stand-in of its shape, never the freed buffer.
+void GradReducer::enable_swap(SwapSpace& swap) {
+  swap_ = &swap;
+  segments_of_bucket_.assign(buckets_.size(), {});
+  const auto& pieces = layout_.segments();
+  for (size_t s = 0; s < pieces.size(); ++s) {
+    segments_of_bucket_[pieces[s].bucket].push_back(static_cast<int64_t>(s));
+    segment_stand_ins_.push_back(unreadable_like(
+        segment_grads_[s], "zero_ext: this gradient is kept in the offload file (offload_optimizer='nvme') and "
+                           "holds its values only during optimizer.step(). Read gradients with "
+                           "zero_ext.full_grads(model); clip with optimizer.clip_grad_norm_ or zero_ext.clip_grad_norm_."));
+  }
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    BucketGrads& bucket = buckets_[b];
+    if (!bucket.accum.defined() || layout_.ddp_in_place() || !bucket.accum.device().is_cpu()) continue;
+    if (!storage_is_released(bucket.accum)) release_storage(bucket.accum);
+    bucket.swap_slot = swap.add(bucket.accum, "the gradient of " + layout_.describe_bucket(static_cast<int64_t>(b), ""));
+  }
+}
+
+void GradReducer::point_segment_grads(int64_t b, bool resident) {
+  const auto& segments = store_.segments();
+  for (int64_t s : segments_of_bucket_[b]) {
+    at::Tensor& grad = segments[s].mutable_grad();
+    if (grad.defined()) {
+      grad = resident ? segment_grads_[s] : segment_stand_ins_[s];
+    }
+  }
+}
+
+void GradReducer::ensure_grads(int64_t b) {
+  BucketGrads& bucket = buckets_[b];
+  if (bucket.swap_slot < 0) return;
+  if (!bucket.accum_has_value) {  // no gradient since zero_grad: zeros, as zero_if_released gives
+    swap_->ensure_memory(bucket.swap_slot);
+    bucket.accum.zero_();
+    bucket.accum_has_value = true;
+  } else {
+    swap_->ensure(bucket.swap_slot);
+  }
+  point_segment_grads(b, /*resident=*/true);
+}
+
+void GradReducer::park_grads(int64_t b, bool dirty) {
+  BucketGrads& bucket = buckets_[b];
+  if (bucket.swap_slot < 0) return;
+  point_segment_grads(b, /*resident=*/false);
+  swap_->park(bucket.swap_slot, dirty);
+}
+
+void GradReducer::prefetch_grads(int64_t b) {
+  const BucketGrads& bucket = buckets_[b];
+  if (bucket.swap_slot >= 0 && bucket.accum_has_value) swap_->prefetch(bucket.swap_slot);
 }
 
 } // namespace zero_ext

@@ -131,7 +131,7 @@ at::Tensor GradReducer::staging_region(int64_t b, int64_t i) {
 bool GradReducer::may_stage_into_accum() const {
   const GradLayout grad_layout = layout_.grad_layout();
   return (grad_layout == GradLayout::kShardedTransient || grad_layout == GradLayout::kShardedPersistent) &&
-         comm_.local() && !hybrid_ && !store_.offload() && reduce_dtype_ == at::kFloat;
+         comm_.local() && !hybrid_ && !store_.offload() && reduce_dtype_ == at::kFloat && swap_ == nullptr;
 }
 
 bool GradReducer::stages_into_accum(int64_t b) const {
@@ -388,7 +388,7 @@ void GradReducer::launch(int64_t b) {
   } else {
     // Never straight into the accumulator from a gloo thread: a reduction a
     // failed backward abandons may still write it after zero_grad() freed it.
-    const bool direct = !by_exchange_ && !bucket.defers && !bucket.accum_has_value &&
+    const bool direct = !by_exchange_ && !bucket.defers && !bucket.accum_has_value && bucket.swap_slot < 0 &&
                         bucket.accum.dtype() == bucket.staging.dtype() &&
                         bucket.accum.device() == bucket.staging.device();
     bucket.reduce_out = direct ? bucket.accum : at::empty({shape.shard}, bucket.staging.options());

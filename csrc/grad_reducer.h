@@ -35,6 +35,7 @@
 #include "layout.h"
 #include "param_store.h"
 #include "step_gate.h"
+#include "swap_space.h"
 
 namespace zero_ext {
 
@@ -183,6 +184,16 @@ class GradReducer {
   // After a synced epilogue: no parameter may keep an unreduced gradient.
   void check_no_unreduced_grads() const;
 
+  // offload_optimizer="nvme" ([Note: swapped gradients]): the fp32
+  // accumulators become slots of `swap`. Before its file is made.
+  void enable_swap(SwapSpace& swap);
+  bool grads_swapped() const { return swap_ != nullptr; }
+  // Bucket b's accumulated gradient in memory (zeros if none) and its
+  // segments' .grad viewing it; parked again (written if `dirty`), the
+  // segments' .grad unreadable stand-ins.
+  void ensure_grads(int64_t b);
+  void park_grads(int64_t b, bool dirty);
+  void prefetch_grads(int64_t b);
   int64_t grad_bytes() const;
   int64_t host_bytes() const;  // offload: accumulators and landing buffers in host memory
   int64_t host_landing_buffers() const;
@@ -195,6 +206,7 @@ class GradReducer {
     // retired unflushed zeroes it.
     bool staging_stale = false;
     at::Tensor accum;        // fp32 shard of the reduced gradient (not the DDP layout)
+    int64_t swap_slot = -1;  // its slot in the offload file (offload_optimizer="nvme")
     bool accum_has_value = false;
     at::Tensor reduce_out;   // where the reduction writes this rank's result
     at::Tensor host_landing; // offload from an accelerator: pinned copy of reduce_out
@@ -308,6 +320,11 @@ class GradReducer {
 
   std::vector<uint8_t> local_has_grad_;
   std::vector<uint8_t> global_has_grad_;
+  SwapSpace* swap_ = nullptr;
+  std::vector<at::Tensor> swapped_sums_;       // every folded result since zero_grad, summed (non-finite check)
+  std::vector<at::Tensor> segment_stand_ins_;  // the segments' .grad while their bucket is parked
+  std::vector<std::vector<int64_t>> segments_of_bucket_;
+  void point_segment_grads(int64_t b, bool resident);
 };
 
 } // namespace zero_ext

@@ -25,7 +25,7 @@ at::TensorOptions host_fp32(const c10::Device& device) {
 ParamStore::ParamStore(std::vector<at::Tensor> params, const Layout& layout, const Mesh& mesh,
                        const Progress& progress, std::optional<c10::ScalarType> compute_dtype,
                        bool offload, bool deferred)
-    : layout_(layout), mesh_(mesh), comm_(mesh.shard()), progress_(progress), params_(std::move(params)), offload_(offload) {
+    : layout_(layout), mesh_(mesh), comm_(mesh.shard()), progress_(progress), params_(std::move(params)), offload_(offload), deferred_(deferred) {
   TORCH_INTERNAL_ASSERT(static_cast<int64_t>(params_.size()) == layout_.num_params());
   at::NoGradGuard no_grad;
   const int64_t n_buckets = layout_.num_buckets();
@@ -121,9 +121,16 @@ ParamStore::ParamStore(std::vector<at::Tensor> params, const Layout& layout, con
     for (int64_t b = 0; b < n_buckets; ++b) keep_what_the_stage_keeps(b);
   }
 
+  build_segments();
+}
+
+void ParamStore::build_segments() {
+  segments_.clear();
+  segments_of_bucket_.assign(values_.size(), {});
   // Replicated (stage 0) or in a whole-parameter layout, a segment is a whole
   // parameter and keeps its shape, so optimizers that are not elementwise work.
   for (const ShardPiece& piece : layout_.segments()) {
+    segments_of_bucket_[piece.bucket].push_back(static_cast<int64_t>(segments_.size()));
     const BucketValues& values = values_[piece.bucket];
     const at::Tensor& stepped = values.master.defined() ? values.master : values.shard;
     at::Tensor segment = stepped.narrow(0, piece.shard_offset, piece.length);
@@ -132,6 +139,105 @@ ParamStore::ParamStore(std::vector<at::Tensor> params, const Layout& layout, con
     }
     segments_.push_back(segment);
   }
+}
+
+// [Note: swapped values]
+// offload_*="nvme": a bucket's value (the fp32 master, else the stage 3
+// shard) is a slot of the model's SwapSpace ([Note: swapped buffers]): in
+// the file between uses, in memory while a gather reads it (then parked
+// clean: nothing written) and while the optimizer steps it (then written
+// back). Alone in its group, stage 3 keeps the shard apart from the flat
+// buffer here ([Note: one rank's shard is its flat buffer] would keep the
+// whole model in memory). While parked, the optimizer's segments view a
+// storage of no memory whose data access raises, never the freed buffer.
+bool ParamStore::enable_swap(SwapSpace& swap, bool params, bool masters) {
+  at::NoGradGuard no_grad;
+  swap_ = &swap;
+  value_slot_.assign(values_.size(), -1);
+  held_.assign(values_.size(), 0);
+  held_dirty_.assign(values_.size(), 0);
+  parked_segments_.resize(values_.size());
+  bool any = false;
+  bool split = false;
+  for (size_t b = 0; b < values_.size(); ++b) {
+    BucketValues& values = values_[b];
+    const bool wanted = (values.master.defined() && (masters || params)) ||
+                        (layout_.params_sharded() && params && values.shard.defined());
+    if (!wanted || !values.flat.device().is_cpu()) continue;
+    if (!values.master.defined() && shard_is_flat(static_cast<int64_t>(b))) {
+      values.shard = deferred_ ? at::empty_like(values.flat) : values.flat.clone();
+      release_storage(values.flat);
+      split = true;
+    }
+    at::Tensor& value = values.master.defined() ? values.master : values.shard;
+    value_slot_[b] = 0;  // set below, once the segments view the split shards
+    parked_segments_[b] = unreadable_storage(
+        value.device(), value.nbytes(),
+        "zero_ext: this tensor is a segment of a parameter shard kept in the offload file (offload_*='nvme'); "
+        "it holds its values only during optimizer.step(). Read parameters with zero_ext.full_params(model) "
+        "or zero_ext.full_state_dict(model).");
+    any = true;
+  }
+  if (split) build_segments();
+  for (size_t b = 0; b < values_.size(); ++b) {
+    if (value_slot_[b] < 0) continue;
+    at::Tensor& value = values_[b].master.defined() ? values_[b].master : values_[b].shard;
+    if (deferred_) release_storage(value);  // no value yet: end_materialize writes it
+    value_slot_[b] = swap.add(value, (values_[b].master.defined() ? "the fp32 master of " : "the parameter shard of ") +
+                                         layout_.describe_bucket(static_cast<int64_t>(b), ""));
+    for (int64_t s : segments_of_bucket_[b]) point_at(segments_[s], parked_segments_[b]);  // open() parks it
+  }
+  return any;
+}
+
+void ParamStore::ensure_value(int64_t b) {
+  if (!value_swapped(b)) return;
+  swap_->ensure(value_slot_[b]);
+  const at::Tensor& value = values_[b].master.defined() ? values_[b].master : values_[b].shard;
+  for (int64_t s : segments_of_bucket_[b]) point_at(segments_[s], value.storage());
+}
+
+void ParamStore::park_value(int64_t b, bool dirty) {
+  if (!value_swapped(b)) return;
+  if (held_[b]) {  // parked by unhold_value, with what changed meanwhile
+    held_dirty_[b] = held_dirty_[b] || dirty;
+    return;
+  }
+  for (int64_t s : segments_of_bucket_[b]) point_at(segments_[s], parked_segments_[b]);
+  swap_->park(value_slot_[b], dirty);
+}
+
+void ParamStore::prefetch_value(int64_t b) {
+  if (value_swapped(b)) swap_->prefetch(value_slot_[b]);
+}
+
+void ParamStore::after_gather(int64_t b) { park_value(b, /*dirty=*/false); }
+
+void ParamStore::hold_value(int64_t b) {
+  if (!value_swapped(b)) return;
+  ensure_value(b);
+  held_[b] = 1;
+}
+
+void ParamStore::unhold_value(int64_t b, bool stepped) {
+  if (!value_swapped(b)) return;
+  const bool dirty = held_dirty_[b] != 0;
+  held_[b] = held_dirty_[b] = 0;
+  if (stepped) {
+    park_stepped(b);
+  } else {
+    park_value(b, dirty);
+  }
+}
+
+void ParamStore::park_stepped(int64_t b) {
+  if (!value_swapped(b)) return;
+  BucketValues& values = values_[b];
+  if (values.master.defined() && values.shard.defined()) {
+    at::NoGradGuard no_grad;
+    values.shard.copy_(values.master);
+  }
+  park_value(b, /*dirty=*/true);
 }
 
 // [Note: deferred initialization]
@@ -211,6 +317,7 @@ void ParamStore::end_materialize(const std::vector<int64_t>& buckets) {
     at::Tensor full = std::move(materializing_[b]);
     materializing_[b] = at::Tensor();
     const at::Tensor mine = full.narrow(0, layout_.shard_start(b), shape.shard);
+    if (value_swapped(b)) swap_->ensure_memory(value_slot_[b]);  // overwritten whole below
     if (values.master.defined()) values.master.copy_(mine);
     const bool temporary = !full.is_same(values.flat);
     if (layout_.params_sharded()) {
@@ -227,6 +334,7 @@ void ParamStore::end_materialize(const std::vector<int64_t>& buckets) {
       }
     }
     if (layout_.params_sharded()) point_params(b, /*gathered=*/false);
+    park_value(b, /*dirty=*/true);
   }
 }
 
@@ -300,6 +408,7 @@ bool ParamStore::flat_released(int64_t b) const {
 // (bf16), all of it at world size 1, for one cast of the shard per gather.
 // Offload keeps the device shard: its master is in host memory.
 at::Tensor ParamStore::gather_input(int64_t b) {
+  ensure_value(b);  // parked again by after_gather
   BucketValues& values = values_[b];
   if (values.shard.defined()) {
     return values.shard;
@@ -337,8 +446,9 @@ void ParamStore::refresh_compute_copies(bool every_bucket) {
     wait_host_sources_free();
     for (size_t b = 0; b < values_.size(); ++b) {
       BucketValues& values = values_[b];
-      if (!values.master.defined() || !values.shard.defined() || !may_be_stale(b)) {
-        continue;
+      if (!values.master.defined() || !values.shard.defined() || !may_be_stale(b) ||
+          (value_swapped(static_cast<int64_t>(b)) && !swap_->resident(value_slot_[b]))) {
+        continue;  // a parked master refreshed its compute copy as it was parked after its step
       }
       if (values.host_compute.defined()) {
         values.host_compute.copy_(values.master);  // cast on the host, into pinned memory
@@ -393,7 +503,9 @@ void ParamStore::write_back_shards() {
     if (values_[b].inspected.defined()) {
       values_[b].flat.copy_(values_[b].inspected);  // the shard is flat
     } else if (layout_.params_sharded() && values_[b].shard.defined() && !flat_released(b)) {
+      ensure_value(b);
       values_[b].shard.copy_(values_[b].flat.narrow(0, layout_.shard_start(b), layout_.bucket(b).shard));
+      park_value(b, /*dirty=*/true);
     }
   }
 }
@@ -412,6 +524,7 @@ std::vector<at::Tensor> ParamStore::full_masters_of(const std::vector<int64_t>& 
     const int64_t b = buckets[k];
     TORCH_CHECK(b >= 0 && b < layout_.num_buckets(), "zero_ext internal: no bucket ", b);
     BucketValues& values = values_[b];
+    ensure_value(b);  // parked again below, once gathered
     at::Tensor shard = values.master.defined() ? values.master : values.shard.to(at::kFloat);
     if (layout_.replicated()) {
       full[k] = shard.clone();  // a snapshot, not the live buffer
@@ -425,6 +538,7 @@ std::vector<at::Tensor> ParamStore::full_masters_of(const std::vector<int64_t>& 
     comm_.wait(works[k], [&] {
       return "all-gather of master weights of " + layout_.describe_bucket(buckets[k], progress_.where());
     });
+    park_value(buckets[k], /*dirty=*/false);
   }
   std::vector<at::Tensor> out;
   for (size_t k = 0; k < buckets.size(); ++k) {
@@ -440,17 +554,22 @@ void ParamStore::load_masters(const std::vector<at::Tensor>& full_params) {
   TORCH_INTERNAL_ASSERT(full_params.size() == params_.size(), "one tensor per parameter");
   at::NoGradGuard no_grad;
   wait_host_sources_free();
-  for (const ShardPiece& piece : layout_.local_pieces()) {
-    BucketValues& values = values_[piece.bucket];
-    if (values.master.defined()) {
-      values.master.narrow(0, piece.shard_offset, piece.length)
-          .copy_(full_params[piece.param].reshape(-1).narrow(0, piece.param_start, piece.length));
+  // Bucket by bucket, so swapped values come into memory one at a time.
+  std::vector<std::vector<const ShardPiece*>> pieces_of_bucket(values_.size());
+  const std::vector<ShardPiece> pieces = layout_.local_pieces();
+  for (const ShardPiece& piece : pieces) pieces_of_bucket[piece.bucket].push_back(&piece);
+  for (size_t b = 0; b < values_.size(); ++b) {
+    BucketValues& values = values_[b];
+    if (!values.master.defined()) continue;
+    ensure_value(static_cast<int64_t>(b));
+    for (const ShardPiece* piece : pieces_of_bucket[b]) {
+      values.master.narrow(0, piece->shard_offset, piece->length)
+          .copy_(full_params[piece->param].reshape(-1).narrow(0, piece->param_start, piece->length));
     }
-  }
-  for (auto& values : values_) {
-    if (values.master.defined() && values.shard.defined()) {
+    if (values.shard.defined()) {
       values.shard.copy_(values.master);
     }  // else the next gather casts the new master
+    park_value(static_cast<int64_t>(b), /*dirty=*/true);
   }
 }
 
@@ -489,7 +608,7 @@ int64_t ParamStore::param_bytes() const {
   for (int64_t b = 0; b < layout_.num_buckets(); ++b) {
     const BucketValues& values = values_[b];
     bytes += values.flat.storage().nbytes();
-    if (layout_.params_sharded() && values.shard.defined() && !shard_is_flat(b)) bytes += values.shard.nbytes();
+    if (layout_.params_sharded() && values.shard.defined() && !shard_is_flat(b)) bytes += values.shard.storage().nbytes();
     if (values.host_compute.defined()) bytes += values.host_compute.nbytes();  // pinned, in host memory
   }
   return bytes;
@@ -506,7 +625,7 @@ int64_t ParamStore::host_compute_bytes() const {
 int64_t ParamStore::master_bytes() const {
   int64_t bytes = 0;
   for (const auto& values : values_) {
-    if (values.master.defined()) bytes += values.master.nbytes();
+    if (values.master.defined()) bytes += values.master.storage().nbytes();  // 0 while swapped out
   }
   return bytes;
 }

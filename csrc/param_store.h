@@ -25,6 +25,7 @@
 #include "layout.h"
 #include "mesh.h"
 #include "step_gate.h"
+#include "swap_space.h"
 
 namespace zero_ext {
 
@@ -132,6 +133,27 @@ class ParamStore {
   // Whether parameter i still views its bucket (its .data was not replaced).
   bool still_in_place(int64_t i) const;
 
+  // offload_*="nvme" ([Note: swapped values]): before anything reads the
+  // shards. `params`: stage 3 shards (and their masters) live in the file;
+  // `masters`: fp32 masters do (mixed precision). Returns whether any did.
+  bool enable_swap(SwapSpace& swap, bool params, bool masters);
+  bool value_swapped(int64_t b) const { return !value_slot_.empty() && value_slot_[b] >= 0; }
+  // Bucket b's value (master, else shard) in memory, its segments pointing
+  // at it; parked again (written back if `dirty`), the segments unreadable.
+  void ensure_value(int64_t b);
+  void park_value(int64_t b, bool dirty);
+  void prefetch_value(int64_t b);
+  // Stage 3: a gather of bucket b is done with its input.
+  void after_gather(int64_t b);
+  // The optimizer's step, a checkpoint: bucket b's value stays in memory
+  // (parks from gathers wait) until unhold, which parks it (written back if
+  // `dirty` or if anything marked it changed meanwhile; `stepped`: see park_stepped).
+  void hold_value(int64_t b);
+  void unhold_value(int64_t b, bool stepped);
+  // After the optimizer stepped bucket b: its compute copy refreshed from
+  // the master (stages 1-2 under mixed precision), then parked, written back.
+  void park_stepped(int64_t b);
+
   int64_t param_bytes() const;
   int64_t master_bytes() const;
   int64_t host_compute_bytes() const;  // of param_bytes, in pinned host memory (offload on a GPU)
@@ -152,6 +174,14 @@ class ParamStore {
   bool offload_ = false;
   std::optional<c10::Event> host_sources_sent_;
   bool compute_copy_written_ = false;
+  bool deferred_ = false;  // laid out without values (wrap() materializes them)
+  void build_segments();
+  SwapSpace* swap_ = nullptr;
+  std::vector<int64_t> value_slot_;            // by bucket: its value's swap slot (-1: in memory)
+  std::vector<uint8_t> held_;                  // by bucket: hold_value'd
+  std::vector<uint8_t> held_dirty_;            // by bucket: changed while held
+  std::vector<c10::Storage> parked_segments_;  // by bucket: what its segments view while parked
+  std::vector<std::vector<int64_t>> segments_of_bucket_;
 };
 
 // fp32 in host memory; pinned when it feeds an accelerator, so transfers can

@@ -701,3 +701,87 @@ bool ShardedModel::reset_if_stale() {
 }
 
 } // namespace zero_ext
+
+namespace zero_ext {
+
+void ShardedModel::enable_swap(std::string path, bool params, bool optimizer, int64_t threads, int64_t chunk_bytes,
+                               int64_t max_writing_bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(!swap_, "zero_ext internal: enable_swap runs once, at wrap()");
+  TORCH_CHECK(store_.device().is_cpu(), "zero_ext: offload_*='nvme' for a model on ", store_.device(),
+              " is not available in this version; it runs on CPU models (use offload_optimizer='cpu' on an "
+              "accelerator)");
+  swap_ = std::make_unique<SwapSpace>(std::move(path), threads, chunk_bytes, max_writing_bytes);
+  store_.enable_swap(*swap_, params && layout_.params_sharded(), optimizer);
+  if (optimizer && !layout_.ddp_in_place() && !layout_.replicated()) reducer_.enable_swap(*swap_);
+  swap_->open();
+}
+
+bool ShardedModel::swapped() { return swap_ != nullptr; }
+
+void ShardedModel::swap_in(std::vector<int64_t> buckets) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!swap_) return;
+  at::NoGradGuard no_grad;
+  for (int64_t b : buckets) {
+    TORCH_CHECK(b >= 0 && b < layout_.num_buckets(), "zero_ext internal: no bucket ", b);
+    store_.prefetch_value(b);  // every read of the batch in flight before the first wait
+    reducer_.prefetch_grads(b);
+  }
+  for (int64_t b : buckets) {
+    store_.hold_value(b);
+    reducer_.ensure_grads(b);
+  }
+}
+
+void ShardedModel::swap_prefetch(std::vector<int64_t> buckets) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!swap_) return;
+  for (int64_t b : buckets) {
+    TORCH_CHECK(b >= 0 && b < layout_.num_buckets(), "zero_ext internal: no bucket ", b);
+    store_.prefetch_value(b);
+    reducer_.prefetch_grads(b);
+  }
+}
+
+void ShardedModel::swap_out(std::vector<int64_t> buckets, bool stepped, bool grads_dirty) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!swap_) return;
+  for (int64_t b : buckets) {
+    TORCH_CHECK(b >= 0 && b < layout_.num_buckets(), "zero_ext internal: no bucket ", b);
+    store_.unhold_value(b, stepped);
+    reducer_.park_grads(b, grads_dirty);
+  }
+}
+
+void ShardedModel::swap_drain() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (swap_) swap_->drain();
+}
+
+c10::Dict<std::string, int64_t> ShardedModel::swap_stats() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  c10::Dict<std::string, int64_t> out;
+  if (!swap_) return out;
+  out.insert("file_bytes", swap_->file_bytes());
+  out.insert("bytes_written", swap_->bytes_written());
+  out.insert("bytes_read", swap_->bytes_read());
+  out.insert("resident_bytes", swap_->resident_bytes());
+  out.insert("peak_resident_bytes", swap_->peak_resident_bytes());
+  out.insert("io_buffer_bytes", swap_->io_buffer_bytes());
+  out.insert("slots", swap_->num_slots());
+  return out;
+}
+
+void ShardedModel::swap_reset_peak() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (swap_) swap_->reset_peak();
+}
+
+void ShardedModel::swap_fail_writes_after(int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(swap_, "zero_ext internal: no offload file");
+  swap_->fail_writes_after(bytes);
+}
+
+} // namespace zero_ext

@@ -39,6 +39,7 @@
 #include "param_store.h"
 #include "rank_agreement.h"
 #include "step_gate.h"
+#include "swap_space.h"
 #include "units.h"
 
 namespace zero_ext {
@@ -229,6 +230,29 @@ class ShardedModel : public torch::CustomClassHolder {
   void mesh_broadcast_from_rank0(at::Tensor tensor, std::string what);
   void mesh_all_gather(at::Tensor out, at::Tensor in, std::string what);
 
+  // --- offload_*="nvme" ([Note: swapped buffers] in swap_space.h) ---------
+  // At wrap(), before the optimizer is sharded: `params` (stage 3 shards),
+  // `optimizer` (fp32 masters and gradient accumulators) live in this
+  // rank's offload file at `path` (made here, unlinked at once). `threads`
+  // I/O threads with `chunk_bytes` aligned buffers each; at most
+  // `max_writing_bytes` written behind at once.
+  void enable_swap(std::string path, bool params, bool optimizer, int64_t threads, int64_t chunk_bytes,
+                   int64_t max_writing_bytes);
+  bool swapped();
+  // The optimizer's step, bucket by bucket (zero_ext/optim/streamed_step.py):
+  // values and gradients in memory, the segments and their .grad viewing
+  // them; read ahead; parked again (values written back when `stepped`,
+  // gradients when `grads_dirty`).
+  void swap_in(std::vector<int64_t> buckets);
+  void swap_prefetch(std::vector<int64_t> buckets);
+  void swap_out(std::vector<int64_t> buckets, bool stepped, bool grads_dirty);
+  // Every write in flight done (the end of a streamed step); raises the first failure.
+  void swap_drain();
+  c10::Dict<std::string, int64_t> swap_stats();
+  void swap_reset_peak();
+  // Test-only (zero_ext/tools/faults.py): writes past `bytes` more fail (ENOSPC).
+  void swap_fail_writes_after(int64_t bytes);
+
   // Bytes of gradient reductions in flight before backward waits for the
   // oldest (stages 2-3; see [Note: reductions in flight] in grad_reducer.h).
   void set_max_in_flight_bytes(int64_t bytes);
@@ -287,6 +311,7 @@ class ShardedModel : public torch::CustomClassHolder {
   std::mutex deferred_mutex_;  // guards only deferred_uses_
   std::vector<std::pair<int64_t, int64_t>> deferred_uses_;  // (unit, round)
   std::atomic<bool> has_deferred_uses_{false};
+  std::unique_ptr<SwapSpace> swap_;  // offload_*="nvme"; store_ and reducer_ hold its slots
 };
 
 } // namespace zero_ext

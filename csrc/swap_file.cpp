@@ -117,6 +117,18 @@ void SwapFile::wait(int64_t ticket) {
   TORCH_CHECK(error.empty(), error);
 }
 
+bool SwapFile::done(int64_t ticket) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto found = tickets_.find(ticket);
+  TORCH_CHECK(found != tickets_.end(), "zero_ext internal: offload ticket ", ticket, " is unknown or waited");
+  return found->second.pending == 0;
+}
+
+void SwapFile::fail_writes_after(int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  write_budget_ = bytes;
+}
+
 bool SwapFile::idle() {
   std::lock_guard<std::mutex> lock(mutex_);
   for (const auto& [ticket, entry] : tickets_) {
@@ -153,8 +165,17 @@ void SwapFile::run(int /*index*/) {
       chunk = queue_.front();
       queue_.pop_front();
     }
-    std::string error = direct_ && !aligned ? "no memory for the aligned I/O buffer"
-                                            : transfer(chunk, static_cast<char*>(aligned));
+    bool over_budget = false;
+    if (chunk.write) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (write_budget_ >= 0) {
+        over_budget = write_budget_ < chunk.length;
+        write_budget_ = over_budget ? 0 : write_budget_ - chunk.length;
+      }
+    }
+    std::string error = over_budget                ? std::strerror(ENOSPC)
+                        : direct_ && !aligned      ? "no memory for the aligned I/O buffer"
+                                                   : transfer(chunk, static_cast<char*>(aligned));
     {
       std::lock_guard<std::mutex> lock(mutex_);
       Ticket& entry = tickets_[chunk.ticket];

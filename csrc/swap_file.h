@@ -61,6 +61,12 @@ class SwapFile : public torch::CustomClassHolder {
   void wait(int64_t ticket);
   // Whether every ticket issued so far is done (failed ones included).
   bool idle();
+  // Whether the ticket's chunks are all done (wait() then returns at once
+  // and reports a failure). Never blocks.
+  bool done(int64_t ticket);
+  // Test-only (zero_ext/tools/faults.py): writes past `bytes` more bytes
+  // fail with ENOSPC, as on a disk that fills up mid-training.
+  void fail_writes_after(int64_t bytes);
 
   const std::string& path() const { return path_; }
   int64_t bytes() const { return bytes_; }
@@ -102,6 +108,7 @@ class SwapFile : public torch::CustomClassHolder {
   int64_t next_ticket_ = 1;
   int64_t written_ = 0;
   int64_t read_ = 0;
+  int64_t write_budget_ = -1;  // fail_writes_after: bytes still writable (-1: no limit)
   bool stopping_ = false;
   std::vector<std::thread> threads_;
 };

@@ -96,6 +96,7 @@ void UnitScheduler::finish_gather(int64_t u) {
     gather_work_[b].reset();
     partial_[b].reset();  // the subgroup's copy is whole again
     store_.point_params(b, /*gathered=*/true);
+    store_.after_gather(b);  // a swapped shard goes back to its file ([Note: swapped values])
   }
   unit.state = UnitState::kGathered;
 }
@@ -206,6 +207,14 @@ void UnitScheduler::release_after_backward(bool keep_graph) {
     units_[u].tracked_use = false;
     units_[u].untracked_use = false;
   }
+  park_read_ahead();
+}
+
+void UnitScheduler::park_read_ahead() {
+  for (const Unit& unit : units_) {
+    if (unit.state != UnitState::kReleased) continue;
+    for (int64_t b : unit.buckets) store_.after_gather(b);  // a no-op unless read ahead and never gathered
+  }
 }
 
 void UnitScheduler::set_prefetch(int64_t u, bool forward, const std::vector<int64_t>& units) {
@@ -226,6 +235,15 @@ bool UnitScheduler::prefetch_explicitly(int64_t u, bool forward) {
   return true;
 }
 
+// The unit after the ones being prefetched: its swapped shards start
+// coming in from the offload file, so its gather (the next prefetch) finds
+// them in memory: the disk is one unit ahead of the network, which is one
+// ahead of compute.
+void UnitScheduler::read_ahead(int64_t u) {
+  if (units_[u].state != UnitState::kReleased) return;
+  for (int64_t b : units_[u].buckets) store_.prefetch_value(b);
+}
+
 void UnitScheduler::prefetch_around(int64_t u, bool forward) {
   if (prefetch_explicitly(u, forward)) {
     return;
@@ -238,6 +256,7 @@ void UnitScheduler::prefetch_around(int64_t u, bool forward) {
     if (k == n) return;
     forward_cursor_ = k + 1;
     for (int64_t j = k + 1; j < n && j <= k + prefetch_; ++j) start_gather(order[j]);
+    if (k + prefetch_ + 1 < n) read_ahead(order[k + prefetch_ + 1]);
   } else {
     if (u == 0) {
       return;  // the root heads the order but runs its backward throughout
@@ -247,6 +266,7 @@ void UnitScheduler::prefetch_around(int64_t u, bool forward) {
     if (k < 0) return;
     backward_cursor_ = k;
     for (int64_t j = k - 1; j >= 0 && j >= k - prefetch_; --j) start_gather(order[j]);
+    if (k - prefetch_ - 1 >= 0) read_ahead(order[k - prefetch_ - 1]);
   }
 }
 
@@ -441,6 +461,7 @@ void UnitScheduler::finish_gathers() {
 }
 
 void UnitScheduler::drop_stale() {
+  park_read_ahead();  // the step is about to bring them in its own way
   for (int64_t u = 0; u < num_units(); ++u) {
     release(u, /*even_pinned=*/true);
     if (units_[u].pins > 0) {  // a step inside full_params: gather the new values

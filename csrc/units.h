@@ -131,6 +131,10 @@ class UnitScheduler {
   void maybe_release_after_backward(int64_t u, int64_t epilogue_owner);
   bool has_trainable(int64_t u) const;
   void prefetch_around(int64_t u, bool forward);
+  void read_ahead(int64_t u);
+  // Swapped shards read ahead for units that were not gathered after all
+  // (the backward ended, a step comes) go back to their file.
+  void park_read_ahead();
   void finish_forward_order();
   std::vector<int64_t> units_of(const std::vector<int64_t>& param_indices) const;
 

@@ -589,6 +589,86 @@ def offload_adam_param_groups_amsgrad_scheduler(ctx: Context) -> None:
         sched.step()
 
 
+# offload_*="nvme" (stages 1-3; stage 3 also the parameters): shards,
+# masters, gradients and optimizer state in offload files, streamed through
+# the step; the same results as in memory. Each rank's files are unlinked
+# at once: nothing is ever left in the directory.
+def nvme_options(ctx: Context) -> dict:
+    if ctx.reference:
+        return {}
+    global _NVME_DIR
+    if _NVME_DIR is None:
+        _NVME_DIR = tempfile.mkdtemp(prefix="zero_ext_nvme_")
+    return {"offload_optimizer": "nvme", "offload_params": "nvme" if ctx.stage == 3 else None,
+            "offload_path": _NVME_DIR}
+
+
+_NVME_DIR = None
+
+
+def _nvme_dir_empty(ctx: Context) -> bool:
+    return ctx.reference or not os.listdir(_NVME_DIR)
+
+
+def nvme_accumulation_no_sync_clip_adamw(ctx: Context) -> None:
+    """Three backwards a step (two under no_sync), clipped, AdamW (the C++
+    kernel over each streamed bucket); gradients read back from the files."""
+    model = Net()
+    model, opt = ctx.wrap(model, adamw(model), **nvme_options(ctx))
+    ctx.record_check("no offload file left in the directory", _nvme_dir_empty(ctx))
+    for step in range(3):
+        with ctx.no_sync(model):
+            for micro in range(2):
+                mlp_loss(ctx, model, step, salt=micro).backward()
+        mlp_loss(ctx, model, step, salt=2).backward()
+        ctx.record_grads(f"step {step}", model)
+        ctx.record_value(f"step {step} norm", ctx.clip(model, opt, 0.5))
+        opt.step()
+        opt.zero_grad()
+        ctx.record_params(f"step {step}", model)
+
+
+def nvme_retain_graph_momentum_sgd(ctx: Context) -> None:
+    """Two backwards over one forward (retain_graph), momentum SGD (torch's
+    own step over each streamed bucket), accumulation across steps."""
+    model = Net()
+    model, opt = ctx.wrap(model, sgd(model), **nvme_options(ctx))
+    for step in range(3):
+        loss = mlp_loss(ctx, model, step)
+        loss.backward(retain_graph=True)
+        (loss * 0.5).backward()
+        mlp_loss(ctx, model, step, salt=1).backward()
+        step_and_record(ctx, model, opt, step)
+
+
+def nvme_checkpoints_across_offload_settings(ctx: Context) -> None:
+    """Saved with nvme offload, loaded without; saved without, loaded with:
+    as one process trained straight through."""
+    settings = [nvme_options(ctx), {}, nvme_options(ctx)]
+    model = Net()
+    model, opt = ctx.wrap(model, sgd(model), **settings[0])
+    for step in range(3):
+        if step > 0 and not ctx.reference:
+            root = [tempfile.mkdtemp(prefix="zero_ext_nvme_ck_") if ctx.rank == 0 else None]
+            dist.broadcast_object_list(root, src=0)
+            path = os.path.join(root[0], "ck")
+            zero_ext.save(path, model, opt)
+            fresh = Net(seed=3)
+            model, opt = ctx.wrap(fresh, sgd(fresh), **settings[step])
+            zero_ext.load(path, model, opt)
+            dist.barrier()
+            if ctx.rank == 0:
+                shutil.rmtree(root[0], ignore_errors=True)
+        mlp_loss(ctx, model, step).backward()
+        step_and_record(ctx, model, opt, step)
+
+
+for _scenario in (nvme_accumulation_no_sync_clip_adamw, nvme_retain_graph_momentum_sgd,
+                  nvme_checkpoints_across_offload_settings):
+    _scenario.stages = (1, 2, 3)  # stage 0 shards no optimizer state to offload
+    _scenario.flat_only = True  # nvme offload is refused with hybrid sharding
+
+
 def unused_parameters(ctx: Context) -> None:
     """The branch is unused in step 0, used in step 1, unused in step 2."""
     model = Net(branch=True)
@@ -1711,7 +1791,8 @@ def _mixed_training(ctx: Context, model: nn.Module, make_optimizer, loss_of_step
     else:
         model, opt = zero_ext.wrap(model, make_optimizer(model.parameters()), stage=ctx.stage,
                                    mixed_precision=precision, bucket_mb=BUCKET_MB, **ctx.group_kwargs(),
-                                   offload_optimizer="cpu" if offload else None, units=units)
+                                   units=units, **(nvme_options(ctx) if offload == "nvme" else
+                                                   {"offload_optimizer": "cpu" if offload else None}))
     for step in range(steps):
         for micro in range(backwards):
             if defer_replicas:  # all but the last backward keep the sum across replicas back
@@ -1760,7 +1841,7 @@ def _mixed_training(ctx: Context, model: nn.Module, make_optimizer, loss_of_step
                          ctx.reference or _mixed_bytes_after_zero_grad(ctx, model, precision, offload))
 
 
-def _mixed_bytes_after_zero_grad(ctx: Context, model: nn.Module, precision, offload: bool) -> bool:
+def _mixed_bytes_after_zero_grad(ctx: Context, model: nn.Module, precision, offload) -> bool:
     """Between steps a rank holds what FSDP2 holds at most: no gradient
     shard memory (stages 0-1 keep their full buckets, as DDP does; offload
     keeps its pinned host accumulator), and in stage 3 no parameter
@@ -1776,10 +1857,13 @@ def _mixed_bytes_after_zero_grad(ctx: Context, model: nn.Module, precision, offl
     shard = padded if ctx.stage == 0 else padded // ctx.shard_size
     reduce_dtype = precision.reduce_dtype or torch.float32
     staging = trainable * reduce_dtype.itemsize if ctx.stage == 0 or stage1_keeps_full_staging(
-        ctx, offload, reduce_dtype) else 0
-    accum = 4 * (trainable if ctx.stage == 0 else trainable // ctx.shard_size) if offload else 0
+        ctx, bool(offload), reduce_dtype) else 0
+    # "nvme": the accumulators are in the offload file between steps, and
+    # stage 3 keeps no compute shard (a gather casts the master it reads in).
+    in_host = offload is True
+    accum = 4 * (trainable if ctx.stage == 0 else trainable // ctx.shard_size) if in_host else 0
     compute = precision.param_dtype.itemsize
-    params = (shard * compute if offload else 0) if ctx.stage == 3 else padded * compute
+    params = (shard * compute if in_host else 0) if ctx.stage == 3 else padded * compute
     return stats["grad_bytes"] == staging + accum and stats["param_bytes"] == params
 
 
@@ -1841,6 +1925,8 @@ MIXED_PRECISION_SCENARIOS = [
          torch.bfloat16, 2, "bf16", True),
         ("offload_fp16_tied_blocks", "offloaded fp16 with loss scaling", Blocks, conditioned_adamw, torch.float16, 2,
          "fp16", True),
+        ("nvme_fp16_tied_blocks", "fp16 loss scaling with masters, gradients and state in offload files", Blocks,
+         conditioned_adamw, torch.float16, 2, "fp16", "nvme"),
         ("fp16_reduced_in_fp16_replicas_deferred", "scaled fp16 results kept back unscaled, in fp32", Net, _mixed_sgd,
          torch.float16, 3, FP16_FP16, False, True),
         ("offload_bf16_replicas_deferred", "kept back on the device, landed on the host once", Net, conditioned_adamw,
@@ -1854,6 +1940,8 @@ MIXED_PRECISION_SCENARIOS = [
 for _scenario in MIXED_PRECISION_SCENARIOS:
     if _scenario.__name__.endswith("_listed_units"):
         _scenario.stages = (3,)  # units= is a stage 3 option
+    if _scenario.__name__.startswith("nvme_"):
+        _scenario.stages, _scenario.flat_only = (1, 2, 3), True
 
 
 class LogitsAndLoss(Net):
@@ -2225,6 +2313,9 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
         replica_all_reduce_deferred_until_read,
         offload_replica_all_reduce_deferred_in_accumulation,
         step_with_closure,
+        nvme_accumulation_no_sync_clip_adamw,
+        nvme_retain_graph_momentum_sgd,
+        nvme_checkpoints_across_offload_settings,
         unused_parameters,
         branch_on_rank0_only,
         frozen_parameters,
@@ -2413,4 +2504,4 @@ def all_items(names: Optional[List[str]] = None, mesh: str = "") -> List[str]:
     """Items of the named scenarios (all by default); `mesh`: "RxS" runs them hybrid."""
     suffix = f"/mesh{mesh}" if mesh else ""
     return [f"{name}/stage{stage}{suffix}" for name in SCENARIOS if not names or name in names
-            for stage in stages_of(name)]
+            if not (mesh and getattr(SCENARIOS[name], "flat_only", False)) for stage in stages_of(name)]

@@ -133,7 +133,7 @@ class StrategyMethods:
         mixed_precision: Any = None,
         offload_optimizer: Optional[str] = None,
         units: Any = None,
-        bucket_mb: float = 25.0,
+        bucket_mb: Optional[float] = None,
         timeout: Optional[Any] = None,
         prefetch: int = 1,
         skip_nonfinite: bool = False,

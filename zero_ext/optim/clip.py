@@ -7,6 +7,8 @@ from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
+from .streamed_step import offload_in_memory
+
 
 def _local_norm(grads: List[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
     """This rank's part: max |g| (inf norm) or sum |g|^p, fp32, on `device`."""
@@ -58,10 +60,8 @@ def clip_sharded(parts: List[Tuple[object, List[torch.Tensor]]], plain: List[tor
     return total
 
 
-def settle_owners(params: List[torch.Tensor]) -> None:
-    """Finishes the gradients of every wrapped model among `params` before
-    they are read (a late second round, .grad None where no rank had one;
-    csrc/rank_agreement.h). In the same order on every rank: collective."""
+def _owners(params: List[torch.Tensor]) -> list:
+    """The ZeroStates of the wrapped models among `params`, in the same order on every rank."""
     owners = {}
     for p in params:
         for attr in ("_zero_ext_owner", "_zero_ext_segment_of"):
@@ -69,7 +69,14 @@ def settle_owners(params: List[torch.Tensor]) -> None:
             state = ref() if ref is not None else None
             if state is not None:
                 owners[id(state)] = state
-    for state in sorted(owners.values(), key=lambda s: s.names[0] if s.names else ""):
+    return sorted(owners.values(), key=lambda s: s.names[0] if s.names else "")
+
+
+def settle_owners(params: List[torch.Tensor]) -> None:
+    """Finishes the gradients of every wrapped model among `params` before
+    they are read (a late second round, .grad None where no rank had one;
+    csrc/rank_agreement.h). In the same order on every rank: collective."""
+    for state in _owners(params):
         state.handles.optimizer.settle()
 
 
@@ -117,8 +124,9 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     accepted for compatibility (zero_ext always uses the foreach kernels)."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     settle_owners(params)
-    parts, plain = _held_gradients(params)
-    return clip_sharded(parts, plain, max_norm, norm_type, error_if_nonfinite)
+    with offload_in_memory(_owners(params), grads_changed=True):
+        parts, plain = _held_gradients(params)
+        return clip_sharded(parts, plain, max_norm, norm_type, error_if_nonfinite)
 
 
 @torch.no_grad()
@@ -133,11 +141,12 @@ def clip_grad_value_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], cl
     `foreach` is accepted for compatibility."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     settle_owners(params)
-    parts, plain = _held_gradients(params)
-    clip_value = float(clip_value)
-    by_kind: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
-    for g in [g for _, grads in parts for g in grads] + plain:
-        by_kind.setdefault((g.device, g.dtype), []).append(g)
-    for grads in by_kind.values():  # as torch's: clamp_min then clamp_max, per device and dtype
-        torch._foreach_clamp_min_(grads, -clip_value)
-        torch._foreach_clamp_max_(grads, clip_value)
+    with offload_in_memory(_owners(params), grads_changed=True):
+        parts, plain = _held_gradients(params)
+        clip_value = float(clip_value)
+        by_kind: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
+        for g in [g for _, grads in parts for g in grads] + plain:
+            by_kind.setdefault((g.device, g.dtype), []).append(g)
+        for grads in by_kind.values():  # as torch's: clamp_min then clamp_max, per device and dtype
+            torch._foreach_clamp_min_(grads, -clip_value)
+            torch._foreach_clamp_max_(grads, clip_value)

@@ -27,6 +27,7 @@ from ..tools import attach_state, state_of, swap_class
 from .clip import clip_sharded
 from .cpu_adam import adam_step_
 from .ownership import is_elementwise
+from .streamed_step import StreamedStep, offload_in_memory
 
 def _uses_cpu_adam(optimizer: torch.optim.Optimizer) -> bool:
     """Offload: torch's Adam and AdamW run as zero_ext's fused C++ kernel
@@ -70,6 +71,17 @@ def _cpu_adam_step(self, closure=None):
     if copies and len(copies) == sum(len(g["params"]) for g in self.param_groups):
         state_of(self).handles.optimizer.note_compute_copy_written()
     return loss
+
+
+def _streamed_step(self, closure=None):
+    """offload_optimizer="nvme": the optimizer's own step (without its hooks,
+    which run once around this) over each chunk of buckets in turn."""
+    if self._zero_ext_cpu_adam:
+        raw = _cpu_adam_step
+    else:
+        hooked = type(self).__bases__[1].step
+        raw = getattr(hooked, "__wrapped__", hooked)
+    return self._zero_ext_streamed.step(lambda: raw(self, closure))
 
 
 class ZeroExtOptimizer:
@@ -143,12 +155,15 @@ class ZeroExtOptimizer:
                     f"(skip_nonfinite=True); {self.skipped_steps} step(s) skipped so far. Lower the "
                     f"learning rate, clip gradients, or look for a bad batch.")
             return None
+        if self._zero_ext_streamed is not None:
+            return self._zero_ext_streamed_step(closure)
         if self._zero_ext_cpu_adam:
             return self._zero_ext_cpu_adam_step(closure)
         return super().step(closure)
 
     # The same pre/post hooks as the torch optimizer's own step.
     _zero_ext_cpu_adam_step = torch.optim.Optimizer.profile_hook_step(_cpu_adam_step)
+    _zero_ext_streamed_step = torch.optim.Optimizer.profile_hook_step(_streamed_step)
 
     @property
     def skipped_steps(self) -> int:
@@ -195,10 +210,11 @@ class ZeroExtOptimizer:
         its total norm before clipping, like torch.nn.utils.clip_grad_norm_."""
         state = state_of(self)
         state.handles.optimizer.settle()  # late gradients reduced, .grad final
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if state.sharded_optimizer:
-            return clip_sharded([(state, grads)], [], max_norm, norm_type, error_if_nonfinite=False)
-        return clip_sharded([], grads, max_norm, norm_type, error_if_nonfinite=False)
+        with offload_in_memory([state], grads_changed=True):
+            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            if state.sharded_optimizer:
+                return clip_sharded([(state, grads)], [], max_norm, norm_type, error_if_nonfinite=False)
+            return clip_sharded([], grads, max_norm, norm_type, error_if_nonfinite=False)
 
 
 def shard_optimizer(optimizer: torch.optim.Optimizer, state, ordered_params: List[torch.Tensor],
@@ -226,7 +242,8 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, state, ordered_params: Lis
             group["params"] = params
         optimizer.state.clear()
 
-    cpu_adam = state.offload and _uses_cpu_adam(optimizer)
+    cpu_adam = (state.offload or state.streams_optimizer) and _uses_cpu_adam(optimizer)
+    original_class = type(optimizer)
     swap_class(optimizer, ZeroExtOptimizer)
     attach_state(optimizer, state)
     optimizer._zero_ext_cpu_adam = cpu_adam
@@ -235,6 +252,10 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, state, ordered_params: Lis
         copies = state.handles.optimizer.segment_compute_copies()
         optimizer._zero_ext_compute_copies = {
             id(seg): copy for seg, copy in zip(state.handles.optimizer.segments(), copies) if copy is not None}
+    optimizer._zero_ext_streamed = None
+    if state.handles.offload.swapped():
+        optimizer._zero_ext_streamed = StreamedStep(optimizer, original_class, state, state.streams_optimizer)
+        state.streamed.append(optimizer._zero_ext_streamed)
     _route_scheduler_wrapper(optimizer)
     # Which parameters this optimizer steps, by the core's index: the same on
     # every rank, so its refresh gathers the same buckets everywhere.

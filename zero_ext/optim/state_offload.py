@@ -1,6 +1,6 @@
 """An optimizer's per-parameter state kept in an offload file between steps
 and streamed through memory chunk by chunk during the step: the core of
-offload_optimizer="nvme" (issue 44; wrap() does not use it yet).
+offload_optimizer="nvme" (optim/streamed_step.py drives it bucket by bucket).
 
     offloaded = OffloadedState(optimizer, optimizer_class, directory, rank)
     offloaded.step(lambda: optimizer_class.step(optimizer))   # instead of optimizer.step()
@@ -70,7 +70,8 @@ class OffloadedState:
     `directory` between steps (see the module's docstring)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, optimizer_class: type, directory: str, rank: int,
-                 chunk_bytes: int = CHUNK_BYTES, io_threads: Optional[int] = None):
+                 chunk_bytes: int = CHUNK_BYTES, io_threads: Optional[int] = None,
+                 chunks: Optional[List[List[torch.Tensor]]] = None):
         self.optimizer = optimizer
         layouts = probe_state_layout(optimizer, optimizer_class)
         self.keys: Dict[int, List[Tuple[str, torch.dtype]]] = {}
@@ -85,7 +86,11 @@ class OffloadedState:
         extra = {} if io_threads is None else {"threads": io_threads}
         self.file = offload_file.OffloadFile(directory, rank, sizes, **extra)
         self.index = {id(p): i for i, p in enumerate(self.params)}
-        self.chunks: List[List[torch.Tensor]] = []
+        if chunks is not None:  # the caller's (zero_ext's step: whole buckets)
+            self.chunks = [[p for p in chunk if id(p) in self.keys] for chunk in chunks]
+            self.in_file = set()
+            return
+        self.chunks = []
         current: List[torch.Tensor] = []
         size = 0
         for p in self.params:
@@ -112,15 +117,20 @@ class OffloadedState:
                 reads.append((p, key, self.file.read(self._region(p, key), out)))
         return reads
 
-    def step(self, step_fn: Callable[[], object]) -> object:
+    def step(self, step_fn: Callable[[], object], before_chunk: Optional[Callable[[int], None]] = None,
+             after_chunk: Optional[Callable[[int], None]] = None) -> object:
         """Runs `step_fn` (the optimizer's own step) once per chunk, over
         that chunk's parameters only, with their state read in; writes the
-        state back and leaves only what is not parameter-shaped in memory."""
+        state back and leaves only what is not parameter-shaped in memory.
+        `before_chunk(k)` / `after_chunk(k)` run around chunk k's step (the
+        caller brings the parameters themselves in and out)."""
         result = None
         writes: List[offload_file.Transfer] = []
         ahead = self._read(self.chunks[0]) if self.chunks else []
         for k, chunk in enumerate(self.chunks):
             current, ahead = ahead, (self._read(self.chunks[k + 1]) if k + 1 < len(self.chunks) else [])
+            if before_chunk is not None:
+                before_chunk(k)
             for p, key, transfer in current:
                 self.optimizer.state[p][key] = transfer.wait()
             with stepping_only(self.optimizer, chunk):
@@ -128,6 +138,8 @@ class OffloadedState:
             for transfer in writes:  # the chunk before: done before more memory is taken
                 transfer.wait()
             writes = self._write_back(chunk)
+            if after_chunk is not None:
+                after_chunk(k)
         for transfer in writes:
             transfer.wait()
         return result
@@ -139,7 +151,8 @@ class OffloadedState:
         for p in params:
             state = self.optimizer.state.get(p)
             if not state:
-                continue  # no gradient yet: the optimizer made no state
+                self.in_file.discard(id(p))  # no state (yet, or since a load that brought none)
+                continue
             for key, _ in self.keys[id(p)]:
                 value = state.pop(key, None)
                 if value is not None:

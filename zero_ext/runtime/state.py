@@ -36,6 +36,9 @@ class ZeroState:
     compute_dtype: Optional[torch.dtype]  # mixed precision: what parameters compute in
     cast_inputs: bool  # floating forward inputs are cast to compute_dtype
     offload: bool  # masters, gradient accumulators and optimizer state in host memory
+    offload_path: Optional[str] = None  # offload_*="nvme": the directory of this rank's offload files
+    streams_optimizer: bool = False  # offload_optimizer="nvme": the step streams state through a file
+    streamed: list = field(default_factory=list)  # its optimizers' StreamedSteps (optim/streamed_step.py)
     step_round: Optional[StepRound] = None  # the step of the model's optimizers (set at construction)
     frozen_at_wrap: Set[int] = field(default_factory=set)  # ids of parameters frozen then
     output_dtype: Optional[torch.dtype] = None  # MixedPrecision.output_dtype: the forward's outputs cast to it

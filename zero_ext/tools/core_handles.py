@@ -14,6 +14,7 @@ diagnostics, the model's group collectives) and nothing else:
 | `CheckpointRanges` | which ranges of which tensors this rank holds; loading into them |
 | `Diagnostics`      | counters (`CoreStats`), failure, stall diagnosis, collective checks, faults |
 | `GroupCollectives` | the collectives of a user's call, on the model's own groups |
+| `OffloadFiles`     | offload_*="nvme": the rank's offload file, buckets brought in and parked |
 
 A handle binds the core's methods as attributes (no Python call in between:
 hooks call them per unit per step); the few that return a layout or the
@@ -265,6 +266,29 @@ class GroupCollectives(_Handle):
              "mesh_broadcast_from_rank0", "mesh_all_gather")
 
 
+class OffloadFiles(_Handle):
+    """offload_*="nvme" (csrc/swap_space.h, [Note: swapped buffers]): the
+    rank's offload file, and bringing buckets' values and gradients into
+    memory for the optimizer's step and parking them again."""
+
+    enable_swap: Callable[[str, bool, bool, int, int, int], None]  # path, params, optimizer, threads, chunk, bound
+    swapped: Callable[[], bool]
+    swap_in: Callable[[List[int]], None]  # buckets
+    swap_prefetch: Callable[[List[int]], None]
+    swap_out: Callable[[List[int], bool, bool], None]  # buckets, stepped, gradients changed
+    swap_reset_peak: Callable[[], None]
+    swap_drain: Callable[[], None]  # every write in flight done
+    swap_fail_writes_after: Callable[[int], None]  # test-only
+
+    BOUND = ("enable_swap", "swapped", "swap_in", "swap_prefetch", "swap_out", "swap_reset_peak", "swap_drain",
+             "swap_fail_writes_after")
+
+    def stats(self) -> Dict[str, int]:
+        """file_bytes, bytes_written, bytes_read, resident_bytes,
+        peak_resident_bytes, io_buffer_bytes, slots ({} without a file)."""
+        return dict(self._core.swap_stats())
+
+
 @dataclasses.dataclass(frozen=True)
 class CoreHandles:
     """Every handle of one core."""
@@ -275,8 +299,9 @@ class CoreHandles:
     checkpoint: CheckpointRanges
     diagnostics: Diagnostics
     collectives: GroupCollectives
+    offload: OffloadFiles
 
     @classmethod
     def of(cls, core: Any) -> "CoreHandles":
         return cls(Units(core), Reduction(core), OptimizerShards(core), CheckpointRanges(core), Diagnostics(core),
-                   GroupCollectives(core))
+                   GroupCollectives(core), OffloadFiles(core))

@@ -23,8 +23,14 @@ from . import core_loader  # noqa: F401  (registers torch.classes.zero_ext.SwapF
 
 ALIGN = 4096  # SwapFile::kAlign: O_DIRECT's offset, length and buffer alignment
 IO_THREADS = 4  # the queue depth one NVMe drive needs to stream (DeepNVMe uses 4-8 per drive)
-CHUNK_BYTES = 8 << 20  # per system call, and each I/O thread's aligned buffer
+CHUNK_BYTES = 1 << 20  # per system call, and each I/O thread's aligned buffer
+WRITE_BEHIND_BYTES = 32 << 20  # a model's writes in flight before the next one waits for the oldest
 _FILES = itertools.count()
+
+
+def file_path(directory: str, rank: int) -> str:
+    """A new offload file's path for this rank and process under `directory`."""
+    return os.path.join(directory, f"zero_ext-rank{rank}-pid{os.getpid()}-{next(_FILES)}.swap")
 
 
 def check_offload_path(path: object, who: str = "zero_ext.wrap") -> str:
@@ -95,8 +101,7 @@ class OffloadFile:
         directory = check_offload_path(directory)
         self.sizes = dict(sizes)
         self.offsets, total = plan_regions(self.sizes)
-        name = f"zero_ext-rank{rank}-pid{os.getpid()}-{next(_FILES)}.swap"
-        self.native = torch.classes.zero_ext.SwapFile(os.path.join(directory, name), total, threads, chunk_bytes)
+        self.native = torch.classes.zero_ext.SwapFile(file_path(directory, rank), total, threads, chunk_bytes)
 
     @property
     def path(self) -> str:

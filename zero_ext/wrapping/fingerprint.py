@@ -155,7 +155,7 @@ def wrap_fields(options, topology: Topology, ordered: List[torch.nn.Parameter], 
         ("optimizer sharding", owners,
          f"{sum(o >= 0 for o in owners)} of {len(owners)} parameters stepped whole on an owner rank (an optimizer "
          "that is not elementwise)" if any(o >= 0 for o in owners) else "every optimizer elementwise (flat shards)"),
-        ("offload_optimizer", options.offload, f"offload_optimizer={'cpu' if options.offload else None}"),
+        ("offload_optimizer", options.offload_optimizer, f"offload_optimizer={options.offload_optimizer!r}"),
         ("offload_params", options.offload_params, f"offload_params={options.offload_params!r}"),
         ("prefetch", options.prefetch, f"prefetch={options.prefetch}"),
         ("reshard_after_forward", (reshard.kept, reshard.to_subgroup, reshard.subgroup_size) if reshard else None,

@@ -20,7 +20,7 @@ from ..groups import (Ranks, Topology, acquire_groups, acquire_mesh_groups, acqu
 from ..groups import stall_query as whereabouts
 from ..optim import WHOLE, optimizer_sharding, plan_owners, shard_optimizer
 from ..runtime import ZeroState, install_forward_hooks, swap_module_class
-from ..tools import CoreHandles, __version__, attach_state, core_loader, faults
+from ..tools import CoreHandles, __version__, attach_state, core_loader, faults, offload_file
 from .unit_advice import unit_advice
 from .units import Unit, assign_parameters, resolve_units
 from .reshard import plan_reshard
@@ -176,7 +176,7 @@ def wrap(
     offload_params: Optional[str] = None,
     offload_path: Union[None, str, "os.PathLike[str]"] = None,
     units: Union[None, Set[type], Callable[[torch.nn.Module], bool]] = None,
-    bucket_mb: float = 25.0,
+    bucket_mb: Optional[float] = None,
     timeout: Union[None, float, datetime.timedelta] = None,
     prefetch: int = 1,
     skip_nonfinite: bool = False,
@@ -209,11 +209,13 @@ def wrap(
             scaling) or a MixedPrecision; the optimizer steps fp32 masters.
         offload_optimizer: "cpu" keeps fp32 masters, gradient shards and
             optimizer state in host memory (Adam/AdamW step in C++);
-            "nvme" (files under offload_path) is not available yet.
+            "nvme" keeps them, and the gradient shards, in files under
+            offload_path, streamed through the step bucket by bucket.
         offload_params: stage 3: "cpu" keeps the parameter shards in host
             memory between uses: accepted on a CPU model, where they are
-            already; not yet available for a model on an accelerator, nor
-            "nvme".
+            already; not yet available for a model on an accelerator.
+            "nvme" keeps them in files under offload_path, read one unit
+            ahead of its gather (CPU models in this version).
         offload_path: the directory of "nvme" offload files (created if
             missing; each rank makes its own files there, removed when the
             process ends).
@@ -222,8 +224,9 @@ def wrap(
             each repeated block, consecutive blocks smaller than bucket_mb
             merged into one unit of at least bucket_mb.
         bucket_mb: gradient bucket size in MiB, the size that amortizes one
-            collective. Stage 3 reduces (and gathers) one bucket per unit,
-            so the default units policy merges small blocks up to it.
+            collective (default 25; 4 with offload to files, where it sets
+            the memory bound). Stage 3 reduces (and gathers) one bucket per
+            unit, so the default units policy merges small blocks up to it.
         timeout: bound in seconds on every collective wait.
         prefetch: stage 3: units whose all-gather runs ahead of use.
         skip_nonfinite: skip (on every rank, with a warning) an optimizer
@@ -302,7 +305,17 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
             f"zero_ext.wrap: offload_params='cpu' for a model on {model_device.type} is not available in this "
             "version yet (on a CPU model it is accepted: the shards are in host memory already); "
             "offload_optimizer='cpu' moves the fp32 masters and optimizer state off the device meanwhile")
+    nvme = "nvme" in (options.offload_optimizer, options.offload_params)
+    if nvme and model_device.type != "cpu":
+        raise NotImplementedError(
+            f"zero_ext.wrap: 'nvme' offload for a model on {model_device.type} is not available in this version "
+            "(it runs on CPU models); offload_optimizer='cpu' moves the fp32 masters and optimizer state off the "
+            "device meanwhile")
     topology = resolve_topology(process_group, model_device)
+    if nvme and topology.replicate_group is not None:
+        raise NotImplementedError(
+            "zero_ext.wrap: 'nvme' offload with hybrid sharding (a 2-D process_group) is not available in this "
+            "version; pass a flat process group, or offload_optimizer='cpu'")
     for group in (topology.shard_group, topology.replicate_group):
         check_backend(group, model_device)
     unit_list, ordered, counts, unit_of_bucket = _plan(model, trainable, options, optimizers)
@@ -342,6 +355,11 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
                        replica_group.group_name if replica_group is not None else "",
                        regather_groups[0].group_name if regather_groups else "", deferred is not None)
     handles = CoreHandles.of(core)
+    if nvme:  # before the shards are read: materialized, sharded for the optimizer
+        handles.offload.enable_swap(
+            offload_file.file_path(options.offload_path, topology.mesh_rank), options.offload_params == "nvme",
+            options.offload_optimizer == "nvme", offload_file.IO_THREADS, offload_file.CHUNK_BYTES,
+            offload_file.WRITE_BEHIND_BYTES)
     if unit_names:
         handles.units.set_unit_names(unit_names)
         if topology.mesh_size > 1:  # for the errors that find ranks at different units
@@ -370,7 +388,8 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
         param_ids={id(p) for p in ordered if p.requires_grad}, bucketed=ordered,
         bucketed_names=names, compute_dtype=options.precision.compute_dtype,
         cast_inputs=options.precision.cast_inputs,
-        offload=options.offload,
+        offload=options.offload, offload_path=options.offload_path,
+        streams_optimizer=options.offload_optimizer == "nvme",
         frozen_at_wrap={id(p) for p in model.parameters() if not p.requires_grad},
         output_dtype=options.precision.output_dtype,
     )

@@ -22,6 +22,7 @@ import torch
 
 from .. import plan
 from ...optim import as_one, qualified_class_names
+from ...optim.streamed_step import offload_in_memory
 from ...tools import state_of, state_or_none
 from ...groups import Ranks, refuse_different_paths
 
@@ -203,6 +204,15 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     anyway). Every byte is checked against the checksum zero_ext.save wrote
     before any is copied. Reads nothing outside the checkpoint and unpickles
     only with weights_only=True. Collective."""
+    # offload_*="nvme": the values, gradients and optimizer state this rank
+    # holds in its offload files are in memory for the checkpoint's duration.
+    with offload_in_memory([state_or_none(model)], values_changed=True):
+        return _load(path, model, optimizer, strict=strict, optimizer_class_mismatch=optimizer_class_mismatch)
+
+
+def _load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, strict: bool = True,
+         optimizer_class_mismatch: str = "error") -> Any:
+    """load() with the offloaded state in memory."""
     state = state_of(model)
     optimizer = as_one(optimizer)  # a list or tuple of the model's optimizers: one view
     ranks = Ranks(state, "zero_ext.load")

@@ -27,6 +27,7 @@ from . import format as files
 from .. import plan
 from . import publish
 from ...optim import as_one, class_name, qualified_class_names
+from ...optim.streamed_step import offload_in_memory
 from ...tools import faults
 from ...tools import state_of, state_or_none
 from .checksum import digest
@@ -269,6 +270,14 @@ def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ex
     rank with the same path. `extra` (per rank) may hold what
     torch.load(weights_only=True) reads: tensors, numbers, strings, None,
     lists, tuples and dicts of them."""
+    # offload_*="nvme": the values, gradients and optimizer state this rank
+    # holds in its offload files are in memory for the checkpoint's duration.
+    with offload_in_memory([state_or_none(model)], values_changed=False):
+        _save(path, model, optimizer, extra)
+
+
+def _save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: Any = None) -> None:
+    """save() with the offloaded state in memory."""
     state = state_of(model)
     optimizer = as_one(optimizer)  # a list or tuple of the model's optimizers: one view
     ranks = Ranks(state, "zero_ext.save")
