@@ -3,6 +3,7 @@ the drive's own, measured in one run on the same directory.
 
     python benchmarks/offload_io.py --path /mnt/nvme/tmp
     python benchmarks/offload_io.py --path /tmp --mib 512 --threads 1 2 4 8
+    python benchmarks/offload_io.py --path /mnt/nvme/tmp --latency   # also one read at a time, by size
 
 For each thread count, the offload file writes and then reads --mib MiB in
 regions of --region-mib (as an optimizer step streams its buckets: every
@@ -58,6 +59,28 @@ def swap_mib_per_s(directory: str, mib: int, region_mib: int, threads: int):
     return mib / wrote, mib / read, f.direct, ok
 
 
+def read_latency_us(directory: str, sizes_kib, reads: int = 40) -> dict:
+    """Median time of one read of each region size (one at a time, as a
+    small unit's gather waits for it): the drive's latency plus bytes over
+    its bandwidth; where the first term dominates, offload saves little
+    memory for its cost (wrap()'s persist_kb default comes from here)."""
+    import statistics
+    regions = {f"{kib}/{i}": kib << 10 for kib in sizes_kib for i in range(8)}
+    f = OffloadFile(directory, 0, regions)
+    for key, size in regions.items():
+        f.write(key, torch.ones(size // 4)).wait()
+    out = {}
+    for kib in sizes_kib:
+        buffer = torch.empty((kib << 10) // 4)
+        times = []
+        for r in range(reads):
+            start = time.perf_counter()
+            f.read(f"{kib}/{r % 8}", buffer).wait()
+            times.append(time.perf_counter() - start)
+        out[kib] = statistics.median(times) * 1e6
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--path", default="/tmp", help="a directory on the drive to measure")
@@ -65,6 +88,7 @@ def main():
     parser.add_argument("--region-mib", type=int, default=16)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--latency", action="store_true", help="also one read at a time, 4 KiB to 4 MiB")
     args = parser.parse_args()
     torch.set_num_threads(1)
     os.makedirs(args.path, exist_ok=True)
@@ -84,6 +108,12 @@ def main():
         read = max(r[1] for r in runs)
         print(f"{f'offload file, {threads} thread(s)':<24} {write:>8.0f} {read:>8.0f} {str(runs[0][2]):>7} "
               f"{str(all(r[3] for r in runs)):>6}")
+    if args.latency:
+        print()
+        print("| region | one read (median of 40) | MiB/s |")
+        print("|---|---|---|")
+        for kib, us in read_latency_us(args.path, [4, 16, 64, 128, 256, 1024, 4096]).items():
+            print(f"| {kib} KiB | {us:.0f} us | {kib / 1024 / (us / 1e6):.0f} |")
 
 
 if __name__ == "__main__":

@@ -196,6 +196,7 @@ TORCH_LIBRARY(zero_ext, m) {
       .def("set_max_in_flight_bytes", &ShardedModel::set_max_in_flight_bytes)
       .def("enable_swap", &ShardedModel::enable_swap)
       .def("swapped", &ShardedModel::swapped)
+      .def("set_max_live_bytes", &ShardedModel::set_max_live_bytes)
       .def("swap_in", &ShardedModel::swap_in)
       .def("swap_prefetch", &ShardedModel::swap_prefetch)
       .def("swap_out", &ShardedModel::swap_out)

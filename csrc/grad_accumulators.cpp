@@ -546,7 +546,7 @@ namespace zero_ext {
 // The non-finite check sums each folded result as it comes, so it never
 // reads the file. Between a step's turns a segment's .grad is an unreadable
 // stand-in of its shape, never the freed buffer.
-void GradReducer::enable_swap(SwapSpace& swap) {
+void GradReducer::enable_swap(SwapSpace& swap, int64_t persist_bytes) {
   swap_ = &swap;
   segments_of_bucket_.assign(buckets_.size(), {});
   const auto& pieces = layout_.segments();
@@ -560,6 +560,7 @@ void GradReducer::enable_swap(SwapSpace& swap) {
   for (size_t b = 0; b < buckets_.size(); ++b) {
     BucketGrads& bucket = buckets_[b];
     if (!bucket.accum.defined() || layout_.ddp_in_place() || !bucket.accum.device().is_cpu()) continue;
+    if (bucket.accum.numel() * bucket.accum.element_size() < persist_bytes) continue;
     if (!storage_is_released(bucket.accum)) release_storage(bucket.accum);
     bucket.swap_slot = swap.add(bucket.accum, "the gradient of " + layout_.describe_bucket(static_cast<int64_t>(b), ""));
   }

@@ -186,7 +186,8 @@ class GradReducer {
 
   // offload_optimizer="nvme" ([Note: swapped gradients]): the fp32
   // accumulators become slots of `swap`. Before its file is made.
-  void enable_swap(SwapSpace& swap);
+  // Accumulators under `persist_bytes` stay in memory ([Note: persistent small buckets]).
+  void enable_swap(SwapSpace& swap, int64_t persist_bytes);
   bool grads_swapped() const { return swap_ != nullptr; }
   // Bucket b's accumulated gradient in memory (zeros if none) and its
   // segments' .grad viewing it; parked again (written if `dirty`), the

@@ -141,6 +141,14 @@ void ParamStore::build_segments() {
   }
 }
 
+// [Note: persistent small buckets]
+// A bucket below the persistence threshold stays in memory: a read costs the
+// drive's latency plus bytes over its bandwidth, and below the default
+// (128 KiB, measured in docs/mixed-precision-and-offload.md) the latency is
+// most of it, so a small unit (the root's norms and position embeddings,
+// say) would cost a latency per use for little memory saved. DeepSpeed's
+// stage3_param_persistence_threshold.
+//
 // [Note: swapped values]
 // offload_*="nvme": a bucket's value (the fp32 master, else the stage 3
 // shard) is a slot of the model's SwapSpace ([Note: swapped buffers]): in
@@ -150,7 +158,7 @@ void ParamStore::build_segments() {
 // buffer here ([Note: one rank's shard is its flat buffer] would keep the
 // whole model in memory). While parked, the optimizer's segments view a
 // storage of no memory whose data access raises, never the freed buffer.
-bool ParamStore::enable_swap(SwapSpace& swap, bool params, bool masters) {
+bool ParamStore::enable_swap(SwapSpace& swap, bool params, bool masters, int64_t persist_bytes) {
   at::NoGradGuard no_grad;
   swap_ = &swap;
   value_slot_.assign(values_.size(), -1);
@@ -164,6 +172,8 @@ bool ParamStore::enable_swap(SwapSpace& swap, bool params, bool masters) {
     const bool wanted = (values.master.defined() && (masters || params)) ||
                         (layout_.params_sharded() && params && values.shard.defined());
     if (!wanted || !values.flat.device().is_cpu()) continue;
+    const at::Tensor& candidate = values.master.defined() ? values.master : values.shard;
+    if (candidate.numel() * candidate.element_size() < persist_bytes) continue;  // [Note: persistent small buckets]
     if (!values.master.defined() && shard_is_flat(static_cast<int64_t>(b))) {
       values.shard = deferred_ ? at::empty_like(values.flat) : values.flat.clone();
       release_storage(values.flat);

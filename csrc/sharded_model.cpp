@@ -705,19 +705,25 @@ bool ShardedModel::reset_if_stale() {
 namespace zero_ext {
 
 void ShardedModel::enable_swap(std::string path, bool params, bool optimizer, int64_t threads, int64_t chunk_bytes,
-                               int64_t max_writing_bytes) {
+                               int64_t max_writing_bytes, int64_t persist_bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(!swap_, "zero_ext internal: enable_swap runs once, at wrap()");
   TORCH_CHECK(store_.device().is_cpu(), "zero_ext: offload_*='nvme' for a model on ", store_.device(),
               " is not available in this version; it runs on CPU models (use offload_optimizer='cpu' on an "
               "accelerator)");
   swap_ = std::make_unique<SwapSpace>(std::move(path), threads, chunk_bytes, max_writing_bytes);
-  store_.enable_swap(*swap_, params && layout_.params_sharded(), optimizer);
-  if (optimizer && !layout_.ddp_in_place() && !layout_.replicated()) reducer_.enable_swap(*swap_);
+  store_.enable_swap(*swap_, params && layout_.params_sharded(), optimizer, persist_bytes);
+  if (optimizer && !layout_.ddp_in_place() && !layout_.replicated()) reducer_.enable_swap(*swap_, persist_bytes);
   swap_->open();
 }
 
 bool ShardedModel::swapped() { return swap_ != nullptr; }
+
+void ShardedModel::set_max_live_bytes(int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(bytes >= 0, "zero_ext internal: a live budget is a number of bytes");
+  if (units_) units_->set_max_live_bytes(bytes);
+}
 
 void ShardedModel::swap_in(std::vector<int64_t> buckets) {
   std::lock_guard<std::mutex> lock(mutex_);

@@ -236,8 +236,9 @@ class ShardedModel : public torch::CustomClassHolder {
   // rank's offload file at `path` (made here, unlinked at once). `threads`
   // I/O threads with `chunk_bytes` aligned buffers each; at most
   // `max_writing_bytes` written behind at once.
+  // Buckets under `persist_bytes` stay in memory ([Note: persistent small buckets]).
   void enable_swap(std::string path, bool params, bool optimizer, int64_t threads, int64_t chunk_bytes,
-                   int64_t max_writing_bytes);
+                   int64_t max_writing_bytes, int64_t persist_bytes);
   bool swapped();
   // The optimizer's step, bucket by bucket (zero_ext/optim/streamed_step.py):
   // values and gradients in memory, the segments and their .grad viewing
@@ -253,6 +254,9 @@ class ShardedModel : public torch::CustomClassHolder {
   // Test-only (zero_ext/tools/faults.py): writes past `bytes` more fail (ENOSPC).
   void swap_fail_writes_after(int64_t bytes);
 
+  // Stage 3: the most bytes of full parameters gathered at once that
+  // prefetch may reach (0: no bound beyond the prefetch count).
+  void set_max_live_bytes(int64_t bytes);
   // Bytes of gradient reductions in flight before backward waits for the
   // oldest (stages 2-3; see [Note: reductions in flight] in grad_reducer.h).
   void set_max_in_flight_bytes(int64_t bytes);

@@ -235,6 +235,28 @@ bool UnitScheduler::prefetch_explicitly(int64_t u, bool forward) {
   return true;
 }
 
+int64_t UnitScheduler::unit_bytes(int64_t u) const {
+  int64_t bytes = 0;
+  for (int64_t b : units_[u].buckets) bytes += layout_.bucket(b).padded * store_.bucket(b).flat.element_size();
+  return bytes;
+}
+
+int64_t UnitScheduler::live_bytes() const {
+  int64_t bytes = 0;
+  for (int64_t u = 0; u < num_units(); ++u) {
+    const UnitState state = units_[u].state;
+    if (state == UnitState::kGathering || state == UnitState::kGathered) bytes += unit_bytes(u);
+  }
+  return bytes;
+}
+
+bool UnitScheduler::fits_live_budget(int64_t u) const {
+  if (max_live_bytes_ <= 0 || units_[u].state == UnitState::kGathering || units_[u].state == UnitState::kGathered) {
+    return true;
+  }
+  return live_bytes() + unit_bytes(u) <= max_live_bytes_;
+}
+
 // The unit after the ones being prefetched: its swapped shards start
 // coming in from the offload file, so its gather (the next prefetch) finds
 // them in memory: the disk is one unit ahead of the network, which is one
@@ -255,7 +277,7 @@ void UnitScheduler::prefetch_around(int64_t u, bool forward) {
     while (k < n && order[k] != u) ++k;
     if (k == n) return;
     forward_cursor_ = k + 1;
-    for (int64_t j = k + 1; j < n && j <= k + prefetch_; ++j) start_gather(order[j]);
+    for (int64_t j = k + 1; j < n && j <= k + prefetch_ && fits_live_budget(order[j]); ++j) start_gather(order[j]);
     if (k + prefetch_ + 1 < n) read_ahead(order[k + prefetch_ + 1]);
   } else {
     if (u == 0) {
@@ -265,7 +287,7 @@ void UnitScheduler::prefetch_around(int64_t u, bool forward) {
     while (k >= 0 && order[k] != u) --k;
     if (k < 0) return;
     backward_cursor_ = k;
-    for (int64_t j = k - 1; j >= 0 && j >= k - prefetch_; --j) start_gather(order[j]);
+    for (int64_t j = k - 1; j >= 0 && j >= k - prefetch_ && fits_live_budget(order[j]); --j) start_gather(order[j]);
     if (k - prefetch_ - 1 >= 0) read_ahead(order[k - prefetch_ - 1]);
   }
 }

@@ -57,6 +57,11 @@ class UnitScheduler {
   // (or backward) begins, these units' gathers start, in place of the
   // automatic prefetch of the next units in the last forward's order.
   void set_prefetch(int64_t u, bool forward, const std::vector<int64_t>& units);
+  // [Note: live budget] The most bytes of full parameters gathered at once
+  // that prefetch may reach: a unit's gather ahead of use waits until it
+  // fits (the units in use are always gathered). 0: the prefetch count alone.
+  void set_max_live_bytes(int64_t bytes) { max_live_bytes_ = bytes; }
+  int64_t live_bytes() const;
   // Bytes of the parts held by units resharded to a subgroup.
   int64_t partial_bytes() const;
   int64_t units_holding_parts() const {
@@ -132,6 +137,9 @@ class UnitScheduler {
   bool has_trainable(int64_t u) const;
   void prefetch_around(int64_t u, bool forward);
   void read_ahead(int64_t u);
+  bool fits_live_budget(int64_t u) const;
+  int64_t unit_bytes(int64_t u) const;
+  int64_t max_live_bytes_ = 0;
   // Swapped shards read ahead for units that were not gathered after all
   // (the backward ended, a step comes) go back to their file.
   void park_read_ahead();

@@ -600,7 +600,7 @@ def nvme_options(ctx: Context) -> dict:
     if _NVME_DIR is None:
         _NVME_DIR = tempfile.mkdtemp(prefix="zero_ext_nvme_")
     return {"offload_optimizer": "nvme", "offload_params": "nvme" if ctx.stage == 3 else None,
-            "offload_path": _NVME_DIR}
+            "offload_path": _NVME_DIR, "persist_kb": 0}  # these models' buckets are all below the default
 
 
 _NVME_DIR = None

@@ -27,16 +27,19 @@ def blocks(seed: int = 0, n: int = 6, width: int = 32) -> torch.nn.Module:
 
 def train(model, opt, steps: int = 3, backwards: int = 2) -> dict:
     g = torch.Generator().manual_seed(1)
+    width = next(iter(model.parameters())).shape[-1]
     for _ in range(steps):
         for _ in range(backwards):
-            model(torch.randn(4, 32, generator=g)).square().mean().backward()
+            model(torch.randn(4, width, generator=g)).square().mean().backward()
         opt.step()
         opt.zero_grad()
     return {n: t.clone() for n, t in zero_ext.full_state_dict(model).items()}
 
 
 def nvme(stage: int, path) -> dict:
-    return {"offload_optimizer": "nvme", "offload_params": "nvme" if stage == 3 else None, "offload_path": str(path)}
+    # persist_kb=0: these blocks are far below the default threshold, and would all stay in memory.
+    return {"offload_optimizer": "nvme", "offload_params": "nvme" if stage == 3 else None, "offload_path": str(path),
+            "persist_kb": 0}
 
 
 def sgd(model):
@@ -69,7 +72,7 @@ def test_parameters_alone_in_files_step_with_the_state_in_memory(tmp_path):
     plain = train(*zero_ext.wrap(model, adamw(model), stage=3, bucket_mb=0.004))
     model = blocks()
     model, opt = zero_ext.wrap(model, adamw(model), stage=3, bucket_mb=0.004, offload_params="nvme",
-                               offload_path=str(tmp_path))
+                               offload_path=str(tmp_path), persist_kb=0)
     streamed = train(model, opt)
     assert all(torch.equal(streamed[k], v) for k, v in plain.items())
     assert state_of(model).handles.offload.stats()["resident_bytes"] == 0  # every shard parked between steps
@@ -146,3 +149,58 @@ def test_forty_linear_blocks_add_under_a_quarter_of_their_state_to_peak_memory()
     assert out.returncode == 0, out.stderr[-3000:]
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     assert figures["peak_added"] <= figures["state"] / 4, figures
+
+
+def test_buckets_under_the_persistence_threshold_stay_in_memory(tmp_path):
+    """Six blocks of 4.2 KiB and a head of 33 KiB (its own unit): under a
+    16 KiB threshold the blocks stay in memory and the head goes to the file;
+    the default (128 KiB) keeps them all. The numbers are the same."""
+    def model_with_head():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(blocks(), torch.nn.Linear(32, 256))
+
+    def slots(**options):
+        model = model_with_head()
+        model, opt = zero_ext.wrap(model, adamw(model), stage=3, bucket_mb=0.004, offload_optimizer="nvme",
+                                   offload_params="nvme", offload_path=str(tmp_path), **options)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            model(torch.randn(4, 32, generator=g)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return state_of(model).handles.offload.stats()["slots"], zero_ext.full_state_dict(model)
+
+    everything, values = slots(persist_kb=0)
+    head_only, head_values = slots(persist_kb=16)
+    default, default_values = slots()
+    assert (everything, head_only, default) == (2 * 7, 2, 0)  # a value and a gradient slot per unit swapped
+    assert all(torch.equal(head_values[k], v) and torch.equal(default_values[k], v) for k, v in values.items())
+
+
+def test_a_live_budget_bounds_the_units_gathered_ahead():
+    """prefetch=3 gathers three units ahead of the one computing; a budget
+    of two units' bytes lets one ahead at a time. Same numbers."""
+    def run(**options):
+        model = blocks(n=8, width=64)
+        model, opt = zero_ext.wrap(model, sgd(model), stage=3, bucket_mb=0.004, prefetch=3, **options)
+        values = train(model, opt, steps=2, backwards=1)
+        stats = state_of(model).handles.diagnostics.stats()
+        return values, stats.peak_gathered_units_forward, stats.peak_gathered_units_backward
+
+    unit_mib = (64 * 64 + 64) * 4 / 2**20
+    free, free_fwd, free_bwd = run()
+    bounded, fwd, bwd = run(max_live_mb=2.5 * unit_mib)
+    assert free_fwd >= 4 and free_bwd >= 4
+    assert fwd <= 3 and bwd <= 3  # the root (no parameters) and at most two blocks
+    assert all(torch.equal(bounded[k], v) for k, v in free.items())
+
+
+def test_budgets_are_checked():
+    model = blocks()
+    with pytest.raises(ValueError, match="max_live_mb bounds stage 3's gathered parameters: pass stage=3"):
+        zero_ext.wrap(model, sgd(model), stage=2, max_live_mb=64)
+    with pytest.raises(ValueError, match="persist_kb keeps small buckets out of the offload files"):
+        zero_ext.wrap(model, sgd(model), stage=3, persist_kb=64)
+    with pytest.raises(ValueError, match="max_live_mb must be None or a finite number >= 0"):
+        zero_ext.wrap(model, sgd(model), stage=3, max_live_mb=-1)
+    assert type(model) is torch.nn.Sequential

@@ -140,6 +140,8 @@ class StrategyMethods:
         *,
         offload_params: Optional[str] = None,
         offload_path: Any = None,
+        max_live_mb: Optional[float] = None,
+        persist_kb: Optional[float] = None,
         accelerator: Any = None,
         parallel_devices: Optional[list] = None,
         cluster_environment: Any = None,
@@ -165,7 +167,8 @@ class StrategyMethods:
         self._wrap_options = dict(
             stage=stage, mixed_precision=mixed_precision, offload_optimizer=offload_optimizer, units=units,
             bucket_mb=bucket_mb, timeout=timeout, prefetch=prefetch, skip_nonfinite=skip_nonfinite,
-            offload_params=offload_params, offload_path=offload_path)
+            offload_params=offload_params, offload_path=offload_path, max_live_mb=max_live_mb,
+            persist_kb=persist_kb)
 
     @property
     def stage(self) -> int:

@@ -1,5 +1,6 @@
 """The optimizer side: the user's optimizer re-pointed at zero_ext's shards,
-gradient clipping over sharded gradients, and the CPU Adam kernel."""
+gradient clipping over sharded gradients, the CPU Adam kernel, and the step
+streamed through offload files."""
 from __future__ import annotations
 
 from .clip import clip_grad_norm_, clip_grad_value_
@@ -7,6 +8,7 @@ from .optimizer_set import as_one, class_name, qualified_class_names
 from .ownership import WHOLE, optimizer_sharding, plan_owners
 from .sharded_optimizer import check_step_not_patched, shard_optimizer
 from .step_round import StepRound
+from .streamed_step import offload_in_memory
 
 __all__ = [
     "StepRound",
@@ -17,6 +19,7 @@ __all__ = [
     "clip_grad_norm_",
     "clip_grad_value_",
     "optimizer_sharding",
+    "offload_in_memory",
     "qualified_class_names",
     "plan_owners",
     "shard_optimizer",

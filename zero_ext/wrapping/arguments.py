@@ -67,6 +67,8 @@ class Options:
     offload_params: Optional[str] = None  # stage 3: None, "cpu" (a CPU model's shards are host memory already) or "nvme"
     offload_path: Optional[str] = None  # the checked directory of "nvme" offload files
     offload_optimizer: Optional[str] = None  # None, "cpu" or "nvme" (offload above is "cpu")
+    max_live_bytes: int = 0  # stage 3: prefetch stays under it ([Note: live budget]); 0: no bound
+    persist_bytes: int = 0  # "nvme": buckets smaller stay in memory ([Note: persistent small buckets])
     reshard_after_forward: Any = True  # stage 3: wrapping/reshard.py
 
 
@@ -245,6 +247,10 @@ DEFAULT_BUCKET_MB = 25.0
 # mixed-precision-and-offload.md, "Offload files"); 4 MiB keeps the 40 x
 # Linear(1024, 1024) check at 0.25 of its state with the disk still busy.
 NVME_BUCKET_MB = 4.0
+# A read from the drive costs its latency (~90 us here) plus bytes over its
+# bandwidth (~1.2 GB/s): under 128 KiB the latency is most of it
+# (docs/mixed-precision-and-offload.md), so smaller buckets stay in memory.
+NVME_PERSIST_KB = 128.0
 
 
 def _check_offload(stage: int, offload_optimizer, offload_params, offload_path) -> Optional[str]:
@@ -274,9 +280,21 @@ def _check_offload(stage: int, offload_optimizer, offload_params, offload_path) 
     return offload_file.check_offload_path(offload_path)
 
 
+def _budget_bytes(value, name: str, unit: int, needs: Optional[str]) -> int:
+    """max_live_mb / persist_kb: None (0) or a finite number >= 0, in bytes."""
+    if value is None:
+        return 0
+    if not _is_real(value) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"zero_ext.wrap: {name} must be None or a finite number >= 0, got {value!r}")
+    if needs:
+        raise ValueError(f"zero_ext.wrap: {name} {needs}")
+    return int(value * unit)
+
+
 def check_wrap_arguments(model, optimizers, stage, mixed_precision, offload_optimizer, units, bucket_mb, timeout,
                          prefetch, skip_nonfinite, reshard_after_forward=None, offload_params=None,
-                         offload_path=None) -> Tuple[List[torch.nn.Parameter], Options]:
+                         offload_path=None, max_live_mb=None, persist_kb=None
+                         ) -> Tuple[List[torch.nn.Parameter], Options]:
     """The trainable parameters and the normalized options; raises TypeError
     or ValueError on bad input. `optimizers`: optimizer_list()'s."""
     trainable, precision = _check_model_and_optimizer(model, optimizers, stage, mixed_precision, offload_optimizer)
@@ -310,10 +328,18 @@ def check_wrap_arguments(model, optimizers, stage, mixed_precision, offload_opti
                 f"zero_ext.wrap: reshard_after_forward={reshard_after_forward!r} needs stage=3: stages 0-2 keep "
                 "parameters whole (FSDP2's reshard_after_forward=False is stage 2); pass stage=3 to release "
                 "parameters between uses")
+    max_live = _budget_bytes(max_live_mb, "max_live_mb", 2**20,
+                             "bounds stage 3's gathered parameters: pass stage=3" if stage != 3 else None)
+    persist = _budget_bytes(persist_kb, "persist_kb", 2**10,
+                            "keeps small buckets out of the offload files: it needs offload_optimizer='nvme' or "
+                            "offload_params='nvme'" if offload_dir is None else None)
+    if persist_kb is None and offload_dir is not None:
+        persist = int(NVME_PERSIST_KB * 2**10)
     options = Options(stage=stage, precision=precision, offload=offload_optimizer == "cpu", units=units,
                       bucket_bytes=int(bucket_mb * 2**20), timeout=_timeout(timeout), prefetch=int(prefetch),
                       skip_nonfinite=skip_nonfinite, reshard_after_forward=reshard_after_forward,
                       offload_params=offload_params, offload_path=offload_dir, offload_optimizer=offload_optimizer,
+                      max_live_bytes=max_live, persist_bytes=persist,
                       whole_params=any(optimizer_sharding(opt, shards_state=stage > 0) == WHOLE for opt in optimizers))
     return trainable, options
 

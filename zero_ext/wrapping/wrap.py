@@ -183,6 +183,8 @@ def wrap(
     device: Union[None, str, torch.device] = None,
     param_init_fn: Optional[Callable[[torch.nn.Module], None]] = None,
     reshard_after_forward: Union[None, bool, int, Callable[[torch.nn.Module], Union[bool, int]]] = None,
+    max_live_mb: Optional[float] = None,
+    persist_kb: Optional[float] = None,
     unfreeze_later: bool = False,
 ) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
     """Makes `model` and `optimizer` ZeRO data parallel, in place.
@@ -253,6 +255,14 @@ def wrap(
             forward and gathers it again within subgroups of k consecutive
             ranks (a node); a callable module -> bool | int decides per unit
             (asked about each member). 1 means False, the group size True.
+        max_live_mb: stage 3: the most MiB of full parameters gathered at
+            once that prefetch may reach (a unit in use is always gathered);
+            None: the prefetch count alone bounds it. DeepSpeed's
+            stage3_max_live_parameters, in bytes.
+        persist_kb: with offload to files ("nvme"): buckets (stage 3: units)
+            whose shard is smaller than this many KiB stay in memory, where
+            reading them would cost a drive's latency for little memory
+            (default 128). DeepSpeed's stage3_param_persistence_threshold.
         unfreeze_later: parameters frozen now (requires_grad=False) that are
             in the optimizer may be made trainable after wrap(): they are
             planned as trainable and frozen again before wrap() returns
@@ -288,12 +298,13 @@ def _optimized_parameters(optimizers: List[torch.optim.Optimizer]) -> List[torch
 
 def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optimizer, offload_params, offload_path,
           units, bucket_mb, timeout, prefetch, skip_nonfinite, device, param_init_fn,
-          reshard_after_forward) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+          reshard_after_forward, max_live_mb, persist_kb) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
     """wrap(), once the parameters unfreeze_later plans as trainable are marked so."""
     optimizers = optimizer_list(optimizer)
     trainable, options = check_wrap_arguments(model, optimizers, stage, mixed_precision, offload_optimizer,
                                               units, bucket_mb, timeout, prefetch, skip_nonfinite,
-                                              reshard_after_forward, offload_params, offload_path)
+                                              reshard_after_forward, offload_params, offload_path,
+                                              max_live_mb, persist_kb)
     check_launch(process_group)
     # What transformers' model.dtype says before mixed precision casts the
     # parameters: the dtype exports declare (as the unwrapped model's would).
@@ -359,7 +370,9 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
         handles.offload.enable_swap(
             offload_file.file_path(options.offload_path, topology.mesh_rank), options.offload_params == "nvme",
             options.offload_optimizer == "nvme", offload_file.IO_THREADS, offload_file.CHUNK_BYTES,
-            offload_file.WRITE_BEHIND_BYTES)
+            offload_file.WRITE_BEHIND_BYTES, options.persist_bytes)
+    if options.max_live_bytes:
+        core.set_max_live_bytes(options.max_live_bytes)
     if unit_names:
         handles.units.set_unit_names(unit_names)
         if topology.mesh_size > 1:  # for the errors that find ranks at different units

@@ -21,8 +21,7 @@ from typing import Any, Dict, List, Set
 import torch
 
 from .. import plan
-from ...optim import as_one, qualified_class_names
-from ...optim.streamed_step import offload_in_memory
+from ...optim import as_one, offload_in_memory, qualified_class_names
 from ...tools import state_of, state_or_none
 from ...groups import Ranks, refuse_different_paths
 

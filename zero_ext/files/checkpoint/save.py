@@ -26,8 +26,7 @@ import torch
 from . import format as files
 from .. import plan
 from . import publish
-from ...optim import as_one, class_name, qualified_class_names
-from ...optim.streamed_step import offload_in_memory
+from ...optim import as_one, class_name, offload_in_memory, qualified_class_names
 from ...tools import faults
 from ...tools import state_of, state_or_none
 from .checksum import digest
