@@ -17,7 +17,7 @@ BackwardRound::BackwardRound(const Layout& layout, ParamStore& store, GradReduce
       gather_comm_(gather_comm), regather_comm_(regather_comm) {}
 
 RoundState BackwardRound::state() const {
-  if (!broken_.empty() || !forward_raised_.empty()) return RoundState::kBroken;
+  if (!broken_.empty() || !unusable_report_.empty()) return RoundState::kBroken;
   if (in_second_round_) return RoundState::kSecondRound;
   return epilogue_.pending() ? RoundState::kArmed : RoundState::kIdle;
 }
@@ -178,14 +178,14 @@ void BackwardRound::mark_broken() {
   }
 }
 
-void BackwardRound::mark_forward_raised(const std::string& report) {
-  if (forward_raised_.empty()) {
-    forward_raised_ = report;
+void BackwardRound::mark_unusable(const std::string& report) {
+  if (unusable_report_.empty()) {
+    unusable_report_ = report;
   }
 }
 
 void BackwardRound::check_usable() const {
-  TORCH_CHECK(forward_raised_.empty(), forward_raised_);
+  TORCH_CHECK(unusable_report_.empty(), unusable_report_);
   TORCH_CHECK(!mesh_.failed() && !gather_comm_.failed() && !regather_comm_.failed(), "zero_ext: rank ", mesh_.rank(),
               " cannot go on training: an earlier collective of this model failed (see the first "
               "error), so this rank's collectives are out of step with the other ranks'. Restart "

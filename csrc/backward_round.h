@@ -75,10 +75,11 @@ class BackwardRound {
   // Called inside a catch block: remembers the error that left this rank's
   // collectives out of step; check_usable() then refuses to go on.
   void mark_broken();
-  // The model's forward raised on this rank after some of its collectives
-  // went out ([Note: a forward that raised] in sharded_model.cpp):
+  // This rank cannot go on: its forward raised after some of its
+  // collectives went out ([Note: a forward that raised] in sharded_model.cpp),
+  // or its offload file failed ([Note: an offload file that failed]):
   // check_usable() then raises `report`.
-  void mark_forward_raised(const std::string& report);
+  void mark_unusable(const std::string& report);
   void check_usable() const;
 
   int64_t epilogues_run() const { return epilogues_run_; }
@@ -113,7 +114,7 @@ class BackwardRound {
   Epilogue epilogue_;
   bool in_second_round_ = false;
   std::string broken_;  // first line of the error that broke this rank
-  std::string forward_raised_;  // the report of a forward that raised mid-way, if one did
+  std::string unusable_report_;  // why this rank cannot go on (a forward that raised mid-way, an offload file that failed)
   int64_t output_hook_task_ = -1;  // last graph task whose gradient passed an output hook
   int64_t epilogues_run_ = 0;
   int64_t synced_epilogues_ = 0;

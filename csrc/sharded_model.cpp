@@ -256,7 +256,7 @@ void ShardedModel::forward_raised(std::string error) {
       "timeout. Fix what raised on rank " + std::to_string(me) + " (an input of another shape or type on some "
       "ranks only, data-dependent code) and restart every rank from the last checkpoint: catching the error "
       "and going on cannot work, as this rank's next collectives would pair with other ones of the other ranks.";
-  round_.mark_forward_raised(report);
+  round_.mark_unusable(report);
   comm_.post_report(report);  // the model's groups share one report key
 }
 
@@ -712,6 +712,23 @@ void ShardedModel::enable_swap(std::string path, bool params, bool optimizer, in
               " is not available in this version; it runs on CPU models (use offload_optimizer='cpu' on an "
               "accelerator)");
   swap_ = std::make_unique<SwapSpace>(std::move(path), threads, chunk_bytes, max_writing_bytes);
+  // [Note: an offload file that failed] A read or write of this rank's file
+  // failed (a full disk, a failing drive) somewhere inside a forward,
+  // backward or step: what this rank holds is no longer what the other ranks
+  // expect (a step half done, a gradient not kept), so, as for a forward that
+  // raised, it refuses every later entry point and posts the report, which
+  // the other ranks' stalled waits raise within the stall interval.
+  swap_->on_failure([this](const std::string& error) {
+    const std::string first_line = error.substr(0, error.find('\n'));
+    const std::string report =
+        "zero_ext: rank " + std::to_string(mesh_.rank()) + " cannot go on training: its offload file failed (" +
+        first_line + "). Its shards, gradients or optimizer state no longer match the other ranks' step, so every "
+        "rank stops with this error instead of waiting out the timeout. Free space on offload_path's file system "
+        "(or point offload_path at a healthy drive) and restart every rank from the last checkpoint; checkpoints "
+        "saved before are untouched.";
+    round_.mark_unusable(report);
+    if (mesh_.size() > 1) comm_.post_report(report);
+  });
   store_.enable_swap(*swap_, params && layout_.params_sharded(), optimizer, persist_bytes);
   if (optimizer && !layout_.ddp_in_place() && !layout_.replicated()) reducer_.enable_swap(*swap_, persist_bytes);
   swap_->open();

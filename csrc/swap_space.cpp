@@ -84,7 +84,8 @@ void SwapSpace::finish(Slot& slot) {
   }
   try {
     file_->wait(slot.ticket);
-  } catch (...) {
+  } catch (const std::exception& e) {
+    if (on_failure_) on_failure_(e.what());
     if (writing) {
       slot.state = SlotState::kResident;  // the value is still in memory: nothing lost
       slot.in_file = false;

@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -64,6 +65,9 @@ class SwapSpace {
   int64_t io_buffer_bytes() const { return threads_ * chunk_bytes_; }
   int64_t num_slots() const { return static_cast<int64_t>(slots_.size()); }
   void reset_peak() { peak_resident_bytes_ = resident_bytes_; }
+  // Called with the file's error when a transfer fails, before it is raised
+  // (ShardedModel stops the rank and tells the others: [Note: an offload file that failed]).
+  void on_failure(std::function<void(const std::string&)> callback) { on_failure_ = std::move(callback); }
   // Test-only: see SwapFile::fail_writes_after.
   void fail_writes_after(int64_t bytes) { file_->fail_writes_after(bytes); }
 
@@ -98,6 +102,7 @@ class SwapSpace {
   int64_t writing_bytes_ = 0;
   int64_t resident_bytes_ = 0;
   int64_t peak_resident_bytes_ = 0;
+  std::function<void(const std::string&)> on_failure_;
 };
 
 } // namespace zero_ext

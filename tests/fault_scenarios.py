@@ -113,6 +113,38 @@ def raise_inside_zero_ext(rank: int, world: int, stage: int, point: str, timeout
     return "finished"
 
 
+def offload_file_fails_on_one_rank(rank: int, world: int, stage: int, timeout: float, steps: int = 6) -> str:
+    """offload_*="nvme": the victim's offload file stops taking writes at
+    FAULT_STEP (a disk that fills up). The victim sees zero_ext's error naming
+    the file, then goes on training as a user skipping a bad batch would, and
+    lingers; the others must end with the report it posted, not the timeout."""
+    import tempfile
+    from zero_ext.tools import state_of
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = zero_ext.wrap(model, opt, stage=stage, timeout=timeout, offload_optimizer="nvme",
+                               offload_params="nvme" if stage == 3 else None, persist_kb=0,
+                               offload_path=tempfile.mkdtemp(prefix="zero_ext_fault_nvme_"))
+    raised = None
+    for step in range(steps):
+        if rank == VICTIM and step == FAULT_STEP:
+            record_fault()
+            state_of(model).handles.offload.swap_fail_writes_after(0)
+        try:
+            loss_of(model, step, rank).backward()
+            opt.step()
+            opt.zero_grad()
+        except RuntimeError as e:
+            if rank == VICTIM and raised is None and "No space left on device" in str(e):
+                raised = str(e).splitlines()[0]
+                continue
+            if raised is None:
+                raise  # not the victim: its own error, as zero_ext raised it
+            linger_until_the_others_end(world, rank, timeout + 5)
+            raise RuntimeError(f"after the offload failure ({raised}): {e}") from e
+    return "finished"
+
+
 def extra_backward_on_rank0(rank: int, world: int, stage: int, timeout: float, steps: int = 4) -> str:
     """Rank 0 runs two backward passes before step 1's optimizer step, the
     others one: a divergence zero_ext must report, not hang on."""

@@ -97,6 +97,21 @@ def test_an_error_inside_zero_ext_on_one_rank_ends_every_rank(stage, point):
     assert other.exitcode == 1 and other.error.startswith("RuntimeError: zero_ext: ")
 
 
+def test_an_offload_file_that_fails_on_one_rank_ends_every_rank_naming_it():
+    """Stage 3 with parameters and optimizer in files; the victim's disk
+    fills mid-training and it lingers: the other rank ends with the victim's
+    report (naming its file), posted for stalled waits, within the bound."""
+    ends = run_with_fault(2, "fault_scenarios:offload_file_fails_on_one_rank", (3, TIMEOUT), deadline_s=BOUND + 30)
+    report("stage 3, the victim's offload file full", ends)
+    assert_everyone_ended_in_time(ends)
+    victim, other = ends[1], ends[0]
+    assert victim.exitcode == 1 and "No space left on device" in victim.error, victim.error
+    assert "rank 1 cannot go on training: its offload file failed" in victim.error, victim.error
+    assert other.exitcode == 1 and other.error.startswith("RuntimeError: zero_ext: "), other.error
+    assert "rank 1 cannot go on training: its offload file failed" in other.error, other.error
+    assert "zero_ext-rank1-" in other.error and "No space left on device" in other.error, other.error
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_different_number_of_backward_passes_is_reported(stage):
     ends = run_with_fault(2, "fault_scenarios:extra_backward_on_rank0", (stage, TIMEOUT), deadline_s=BOUND + 30)
