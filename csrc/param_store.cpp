@@ -389,7 +389,12 @@ void ParamStore::point_params(int64_t b, bool gathered) {
 
 void ParamStore::regrow_flat(int64_t b) {
   if (shard_is_flat(b)) return;
-  grow_storage(values_[b].flat, layout_.bucket(b).padded * values_[b].flat.element_size());
+  const size_t nbytes = layout_.bucket(b).padded * values_[b].flat.element_size();
+  if (swap_ != nullptr && values_[b].flat.device().is_cpu()) {
+    swap_->grow_tensor(values_[b].flat, nbytes);  // [Note: recycled host blocks]
+  } else {
+    grow_storage(values_[b].flat, nbytes);
+  }
 }
 
 void ParamStore::open_inspection_copy(int64_t b) {
@@ -403,7 +408,11 @@ void ParamStore::open_inspection_copy(int64_t b) {
 void ParamStore::release_flat(int64_t b) {
   values_[b].inspected.reset();  // changes made for inspection go, unless written back
   if (shard_is_flat(b)) return;
-  release_storage(values_[b].flat);
+  if (swap_ != nullptr && values_[b].flat.device().is_cpu() && !flat_released(b)) {
+    swap_->release_tensor(values_[b].flat);
+  } else {
+    release_storage(values_[b].flat);
+  }
 }
 
 bool ParamStore::flat_released(int64_t b) const {

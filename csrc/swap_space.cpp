@@ -42,6 +42,7 @@ int64_t SwapSpace::add(const at::Tensor& tensor, std::string what) {
   slot.state = storage_is_released(tensor) ? SlotState::kEmpty : SlotState::kResident;
   if (slot.state == SlotState::kResident) resident_bytes_ += slot.bytes;
   planned_bytes_ += (std::max<int64_t>(slot.bytes, 1) + SwapFile::kAlign - 1) / SwapFile::kAlign * SwapFile::kAlign;
+  max_cached_bytes_ = std::max<int64_t>(max_cached_bytes_, 4 * slot.bytes);
   slots_.push_back(std::move(slot));
   peak_resident_bytes_ = std::max(peak_resident_bytes_, resident_bytes_);
   return static_cast<int64_t>(slots_.size()) - 1;
@@ -61,14 +62,38 @@ SwapSpace::Slot& SwapSpace::slot_at(int64_t slot) {
   return slots_[slot];
 }
 
+void SwapSpace::grow_tensor(const at::Tensor& tensor, size_t nbytes) {
+  c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
+  auto found = free_blocks_.find(nbytes);
+  if (found == free_blocks_.end() || found->second.empty()) {
+    grow_storage(tensor, nbytes);
+    return;
+  }
+  storage->set_data_ptr_noswap(std::move(found->second.back()));
+  found->second.pop_back();
+  cached_bytes_ -= static_cast<int64_t>(nbytes);
+  storage->set_nbytes(nbytes);
+}
+
+void SwapSpace::release_tensor(const at::Tensor& tensor) {
+  c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
+  const size_t nbytes = storage->nbytes();
+  at::DataPtr block = storage->set_data_ptr(at::DataPtr(nullptr, storage->device()));
+  storage->set_nbytes(0);
+  if (block.get() != nullptr && cached_bytes_ + static_cast<int64_t>(nbytes) <= max_cached_bytes_) {
+    free_blocks_[nbytes].push_back(std::move(block));
+    cached_bytes_ += static_cast<int64_t>(nbytes);
+  }  // else freed here, as the block goes out of scope
+}
+
 void SwapSpace::grow(Slot& slot) {
-  grow_storage(slot.tensor, slot.bytes);
+  grow_tensor(slot.tensor, slot.bytes);
   resident_bytes_ += slot.bytes;
   peak_resident_bytes_ = std::max(peak_resident_bytes_, resident_bytes_);
 }
 
 void SwapSpace::release(Slot& slot) {
-  release_storage(slot.tensor);
+  release_tensor(slot.tensor);
   resident_bytes_ -= slot.bytes;
 }
 

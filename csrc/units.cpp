@@ -257,10 +257,10 @@ bool UnitScheduler::fits_live_budget(int64_t u) const {
   return live_bytes() + unit_bytes(u) <= max_live_bytes_;
 }
 
-// The unit after the ones being prefetched: its swapped shards start
-// coming in from the offload file, so its gather (the next prefetch) finds
-// them in memory: the disk is one unit ahead of the network, which is one
-// ahead of compute.
+// The units after the ones being prefetched: their swapped shards start
+// coming in from the offload file, so their gathers (the next prefetches)
+// find them in memory: the disk is kReadAheadUnits ahead of the network,
+// which is `prefetch` ahead of compute.
 void UnitScheduler::read_ahead(int64_t u) {
   if (units_[u].state != UnitState::kReleased) return;
   for (int64_t b : units_[u].buckets) store_.prefetch_value(b);
@@ -278,7 +278,7 @@ void UnitScheduler::prefetch_around(int64_t u, bool forward) {
     if (k == n) return;
     forward_cursor_ = k + 1;
     for (int64_t j = k + 1; j < n && j <= k + prefetch_ && fits_live_budget(order[j]); ++j) start_gather(order[j]);
-    if (k + prefetch_ + 1 < n) read_ahead(order[k + prefetch_ + 1]);
+    for (int64_t j = k + prefetch_ + 1; j < n && j <= k + prefetch_ + kReadAheadUnits; ++j) read_ahead(order[j]);
   } else {
     if (u == 0) {
       return;  // the root heads the order but runs its backward throughout
@@ -288,7 +288,7 @@ void UnitScheduler::prefetch_around(int64_t u, bool forward) {
     if (k < 0) return;
     backward_cursor_ = k;
     for (int64_t j = k - 1; j >= 0 && j >= k - prefetch_ && fits_live_budget(order[j]); --j) start_gather(order[j]);
-    if (k - prefetch_ - 1 >= 0) read_ahead(order[k - prefetch_ - 1]);
+    for (int64_t j = k - prefetch_ - 1; j >= 0 && j >= k - prefetch_ - kReadAheadUnits; --j) read_ahead(order[j]);
   }
 }
 

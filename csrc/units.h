@@ -137,6 +137,9 @@ class UnitScheduler {
   bool has_trainable(int64_t u) const;
   void prefetch_around(int64_t u, bool forward);
   void read_ahead(int64_t u);
+  // Units whose swapped shards are read ahead of their gather (offload files):
+  // two keep the drive's queue full between units (one left it idle a third of the time).
+  static constexpr int64_t kReadAheadUnits = 2;
   bool fits_live_budget(int64_t u) const;
   int64_t unit_bytes(int64_t u) const;
   int64_t max_live_bytes_ = 0;

@@ -24,6 +24,7 @@ import torch
 from ..tools import offload_file
 
 CHUNK_BYTES = 64 << 20  # state bytes stepped at once (two in memory: one stepping, one read ahead)
+READ_AHEAD = 1  # chunks whose reads are in flight while one steps (2 measured no faster, 16 MiB more)
 
 
 def probe_state_layout(optimizer: torch.optim.Optimizer, optimizer_class: type) -> List[List[Tuple[str, torch.dtype]]]:
@@ -86,9 +87,12 @@ class OffloadedState:
         extra = {} if io_threads is None else {"threads": io_threads}
         self.file = offload_file.OffloadFile(directory, rank, sizes, **extra)
         self.index = {id(p): i for i, p in enumerate(self.params)}
+        self._spare: Dict[Tuple[tuple, torch.dtype], List[torch.Tensor]] = {}
+        self._spare_limit = 0
         if chunks is not None:  # the caller's (zero_ext's step: whole buckets)
             self.chunks = [[p for p in chunk if id(p) in self.keys] for chunk in chunks]
             self.in_file = set()
+            self._spare_limit = self._spares_needed()
             return
         self.chunks = []
         current: List[torch.Tensor] = []
@@ -103,6 +107,18 @@ class OffloadedState:
         if current:
             self.chunks.append(current)
         self.in_file: set = set()  # ids of parameters whose state the file holds
+        self._spare_limit = self._spares_needed()
+
+    def _spares_needed(self) -> int:
+        """Tensors of one shape the step may keep for reuse: READ_AHEAD + 1
+        chunks' worth of the most any chunk holds."""
+        most = 0
+        for chunk in self.chunks:
+            counts: Dict[tuple, int] = {}
+            for p in chunk:
+                counts[tuple(p.shape)] = counts.get(tuple(p.shape), 0) + 1
+            most = max([most, *counts.values()])
+        return (READ_AHEAD + 1) * most
 
     def _region(self, p: torch.Tensor, key: str) -> str:
         return f"{key}/{self.index[id(p)]}"
@@ -113,9 +129,20 @@ class OffloadedState:
             if id(p) not in self.in_file:
                 continue  # never written: the optimizer creates it, or it is in memory (loaded)
             for key, dtype in self.keys[id(p)]:
-                out = torch.empty(p.shape, dtype=dtype)
+                spare = self._spare.get((tuple(p.shape), dtype))
+                out = spare.pop() if spare else torch.empty(p.shape, dtype=dtype)
                 reads.append((p, key, self.file.read(self._region(p, key), out)))
         return reads
+
+    def _recycle(self, writes: List[offload_file.Transfer]) -> None:
+        """Waits for `writes`; their tensors serve later reads of the same
+        shape (fresh memory costs a page fault per 4 KiB), at most
+        READ_AHEAD + 1 chunks' worth."""
+        for transfer in writes:
+            tensor = transfer.wait()
+            spare = self._spare.setdefault((tuple(tensor.shape), tensor.dtype), [])
+            if len(spare) < self._spare_limit:
+                spare.append(tensor)
 
     def step(self, step_fn: Callable[[], object], before_chunk: Optional[Callable[[int], None]] = None,
              after_chunk: Optional[Callable[[int], None]] = None) -> object:
@@ -126,22 +153,23 @@ class OffloadedState:
         caller brings the parameters themselves in and out)."""
         result = None
         writes: List[offload_file.Transfer] = []
-        ahead = self._read(self.chunks[0]) if self.chunks else []
+        ahead = [self._read(chunk) for chunk in self.chunks[:READ_AHEAD]]
         for k, chunk in enumerate(self.chunks):
-            current, ahead = ahead, (self._read(self.chunks[k + 1]) if k + 1 < len(self.chunks) else [])
+            if k + READ_AHEAD < len(self.chunks):
+                ahead.append(self._read(self.chunks[k + READ_AHEAD]))
+            current = ahead.pop(0)
             if before_chunk is not None:
                 before_chunk(k)
             for p, key, transfer in current:
                 self.optimizer.state[p][key] = transfer.wait()
             with stepping_only(self.optimizer, chunk):
                 result = step_fn()
-            for transfer in writes:  # the chunk before: done before more memory is taken
-                transfer.wait()
+            self._recycle(writes)  # the chunk before: done before more memory is taken
             writes = self._write_back(chunk)
             if after_chunk is not None:
                 after_chunk(k)
-        for transfer in writes:
-            transfer.wait()
+        self._recycle(writes)
+        self._spare.clear()
         return result
 
     def _write_back(self, params: Sequence[torch.Tensor]) -> List[offload_file.Transfer]:

@@ -21,7 +21,7 @@ from typing import Callable, Dict, Iterator, List
 
 import torch
 
-from .state_offload import OffloadedState, probe_state_layout, stepping_only
+from .state_offload import READ_AHEAD, OffloadedState, probe_state_layout, stepping_only
 
 STEP_CHUNK_BYTES = 16 << 20  # values + gradients + state stepped at once (two chunks are in memory)
 
@@ -80,8 +80,8 @@ class StreamedStep:
 
         def before(k: int) -> None:
             offload.swap_in(self.buckets[k])
-            if k + 1 < len(self.buckets):
-                offload.swap_prefetch(self.buckets[k + 1])
+            for ahead in self.buckets[k + 1:k + 1 + READ_AHEAD]:  # the drive's queue stays full
+                offload.swap_prefetch(ahead)
 
         def after(k: int) -> None:
             offload.swap_out(self.buckets[k], True, False)
