@@ -42,7 +42,7 @@ int64_t SwapSpace::add(const at::Tensor& tensor, std::string what) {
   slot.state = storage_is_released(tensor) ? SlotState::kEmpty : SlotState::kResident;
   if (slot.state == SlotState::kResident) resident_bytes_ += slot.bytes;
   planned_bytes_ += (std::max<int64_t>(slot.bytes, 1) + SwapFile::kAlign - 1) / SwapFile::kAlign * SwapFile::kAlign;
-  max_cached_bytes_ = std::max<int64_t>(max_cached_bytes_, 4 * slot.bytes);
+  max_cached_bytes_ = std::max<int64_t>(max_cached_bytes_, 2 * slot.bytes);
   slots_.push_back(std::move(slot));
   peak_resident_bytes_ = std::max(peak_resident_bytes_, resident_bytes_);
   return static_cast<int64_t>(slots_.size()) - 1;

@@ -72,7 +72,7 @@ class SwapSpace {
   // the system and coming again as fresh pages (a page fault per 4 KiB, and
   // the kernel zeroing them: ~1.5 ms per 4 MiB block, five blocks per unit
   // and step). What is cached counts in resident memory: the cap is
-  // max(16 MiB, 4 x the largest slot).
+  // max(16 MiB, 2 x the largest slot).
   void grow_tensor(const at::Tensor& tensor, size_t nbytes);
   void release_tensor(const at::Tensor& tensor);
   // Called with the file's error when a transfer fails, before it is raised

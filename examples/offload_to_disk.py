@@ -43,14 +43,14 @@ def initialize(module: torch.nn.Module) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--offload-path", default="/tmp/zero_ext_offload", help="a directory on a local drive")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--context", type=int, default=32)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--max-fraction", type=float, default=0.25,
                         help="fail if the peak resident memory added exceeds this fraction of the training state")
-    parser.add_argument("--log-every", type=int, default=5)
+    parser.add_argument("--log-every", type=int, default=2)
     args = parser.parse_args()
 
     distributed = "RANK" in os.environ
@@ -69,7 +69,7 @@ def main():
     params = sum(p.numel() for p in model.parameters())
     state = 16 * params // world  # this rank's fp32 values, gradients and AdamW's two moments
     base = status_bytes("VmRSS:")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     model, optimizer = zero_ext.wrap(model, optimizer, stage=3, offload_params="nvme", offload_optimizer="nvme",
                                      offload_path=args.offload_path, param_init_fn=initialize)
     if rank == 0:

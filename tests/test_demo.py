@@ -55,3 +55,21 @@ def test_the_closing_table_shows_bytes_during_the_step(tmp_path):
         grads, ddp_grads = float(zg) * unit[zgu], float(dg) * unit[dgu]
         assert abs(params - ddp_params) < 0.01 * ddp_params  # stage 2 keeps every parameter
         assert ddp_grads > 0 and abs(grads - ddp_grads / 2) < 0.05 * ddp_grads, (row, done.stdout)
+
+
+def test_the_offload_demo_trains_with_files_on_two_ranks(tmp_path):
+    """examples/offload_to_disk.py, small, under torchrun with 2 ranks: the
+    loss goes down over the steps and each log line reports the memory
+    figure; nothing is left in the offload directory."""
+    offload = tmp_path / "offload"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29675",
+           os.path.join(ROOT, "examples", "offload_to_disk.py"), "--offload-path", str(offload), "--dim", "64",
+           "--layers", "4", "--steps", "6", "--log-every", "5", "--max-fraction", "100"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+                          env={**os.environ, "PYTHONPATH": PACKAGE_ROOT})
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = re.findall(r"^step +(\d+)  loss ([\d.]+) .* peak resident added +\d+ MiB = [\d.]+ x the training state$",
+                       done.stdout, re.M)
+    assert [int(s) for s, _ in lines] == [1, 5], done.stdout
+    assert float(lines[-1][1]) < float(lines[0][1]), done.stdout
+    assert list(offload.iterdir()) == []
