@@ -3,6 +3,7 @@
 and the bytes held, and agree with what the run prints at its end."""
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -62,7 +63,10 @@ def test_the_offload_demo_trains_with_files_on_two_ranks(tmp_path):
     loss goes down over the steps and each log line reports the memory
     figure; nothing is left in the offload directory."""
     offload = tmp_path / "offload"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29675",
+    with socket.socket() as s:  # a free port: fixed ones collide with other tests running alongside
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
            os.path.join(ROOT, "examples", "offload_to_disk.py"), "--offload-path", str(offload), "--dim", "64",
            "--layers", "4", "--steps", "6", "--log-every", "5", "--max-fraction", "100"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
