@@ -35,7 +35,7 @@ SUBSET=(tests/test_parity.py tests/test_errors.py tests/test_checkpoint.py tests
         tests/test_default_settings.py tests/test_benchmarks.py tests/test_core_ops.py tests/test_python_calls.py
         tests/test_components.py tests/test_safetensors.py tests/test_weights.py tests/test_deferred_init.py
         tests/test_hf_flow.py tests/test_compile.py tests/test_env.py tests/test_profiler.py
-        tests/test_whole_param_optimizers.py tests/test_package_layout.py)
+        tests/test_whole_param_optimizers.py tests/test_package_layout.py tests/test_nvme_offload.py)
 # ZERO_EXT_VERSION_TESTS="tests/test_compile.py ..." runs those instead.
 [ -n "${ZERO_EXT_VERSION_TESTS:-}" ] && read -r -a SUBSET <<< "$ZERO_EXT_VERSION_TESTS"
 mkdir -p "$ENVS"
