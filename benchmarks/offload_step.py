@@ -108,11 +108,11 @@ def main():
     bound = max(compute, io_bound)
     params = sum(p.numel() for p in memory[0].parameters())
     print(f"model: {args.blocks} x Linear({args.width}, {args.width}), {params / 1e6:.1f} M parameters, stage 3, "
-          f"AdamW; training state (fp32 values, gradients, 2 moments) {16 * params / mib:.0f} MiB")
+          f"AdamW; training state (fp32 values, gradients, 2 moments) {16 * params / mib:.1f} MiB")
     print(f"disk under {directory}: zero_ext's SwapFile (4 threads, {bucket_mib} MiB regions, "
           f"O_DIRECT {direct}, read back {'exact' if ok else 'WRONG'}): write {swap_w:.0f} MiB/s, read "
           f"{swap_r:.0f} MiB/s; dd O_DIRECT 8 MiB blocks: write {dd_w:.0f} MiB/s, read {dd_r:.0f} MiB/s")
-    print(f"moved per step: read {read / mib:.0f} MiB, written {written / mib:.0f} MiB -> I/O bound "
+    print(f"moved per step: read {read / mib:.1f} MiB, written {written / mib:.1f} MiB -> I/O bound "
           f"{io_bound * 1e3:.0f} ms at the SwapFile's bandwidth")
     print()
     print("| system | step ms median | min | max |")

@@ -30,6 +30,18 @@ SwapSpace::SwapSpace(std::string path, int64_t threads, int64_t chunk_bytes, int
 #endif
 }
 
+SwapSpace::~SwapSpace() {
+  if (!file_) return;
+  for (Slot& slot : slots_) {
+    if (slot.state == SlotState::kReading || slot.state == SlotState::kWriting) {
+      try {
+        file_->wait(slot.ticket);
+      } catch (...) {  // nobody is left to tell; the memory is what must outlive the transfer
+      }
+    }
+  }
+}
+
 int64_t SwapSpace::add(const at::Tensor& tensor, std::string what) {
   TORCH_CHECK(!is_open(), "zero_ext internal: a swap slot added after the offload file was made");
   TORCH_CHECK(tensor.device().is_cpu() && tensor.is_contiguous() && tensor.storage_offset() == 0,

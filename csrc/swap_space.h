@@ -38,6 +38,10 @@ namespace zero_ext {
 class SwapSpace {
  public:
   SwapSpace(std::string path, int64_t threads, int64_t chunk_bytes, int64_t max_writing_bytes);
+  // Waits out every transfer in flight: the I/O threads use the slots' memory.
+  ~SwapSpace();
+  SwapSpace(const SwapSpace&) = delete;
+  SwapSpace& operator=(const SwapSpace&) = delete;
 
   // Before open(): `tensor` (contiguous CPU memory, its storage's own first
   // byte) gets a region of the file; `what` names it in errors.

@@ -156,3 +156,20 @@ def test_table_scripts_print_a_row_per_system(script, systems, extra):
     if script == "step_time.py":  # the same model and batches: the same loss everywhere
         losses = {line.split()[6] for line in done.stdout.splitlines() if line.split()[:1] and line.split()[0] in systems}
         assert len(losses) == 1, done.stdout
+
+
+def test_the_offload_step_benchmark_moves_what_the_step_must(tmp_path):
+    """benchmarks/offload_step.py on a tiny model: the table prints, and the
+    bytes the files moved per step are the exact count (not a timing): each
+    fp32 value read for the forward, the backward and the step, the gradient
+    and AdamW's two moments read by the step (6 reads of the values' bytes);
+    the gradient, the value and the two moments written (4)."""
+    import re
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "offload_step.py"), "--path", str(tmp_path), "--blocks",
+           "4", "--width", "256", "--rounds", "1", "--steps", "2", "--io-mib", "16"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "| nvme |" in done.stdout and "nvme step / bound =" in done.stdout, done.stdout
+    read, written = (float(v) for v in re.search(r"read ([\d.]+) MiB, written ([\d.]+) MiB", done.stdout).groups())
+    state = float(re.search(r"training state \(fp32 values, gradients, 2 moments\) ([\d.]+) MiB", done.stdout).group(1))
+    assert written == pytest.approx(state, rel=0.05) and read == pytest.approx(1.5 * written, rel=0.05), done.stdout
