@@ -25,7 +25,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout when none is installed
 from zero_ext.tools.offload_file import CHUNK_BYTES, OffloadFile  # noqa: E402
 
 

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout when none is installed
 import zero_ext  # noqa: E402
 from zero_ext.tools import state_of  # noqa: E402
 from offload_io import dd_mib_per_s, swap_mib_per_s  # noqa: E402
