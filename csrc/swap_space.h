@@ -76,7 +76,7 @@ class SwapSpace {
   // the system and coming again as fresh pages (a page fault per 4 KiB, and
   // the kernel zeroing them: ~1.5 ms per 4 MiB block, five blocks per unit
   // and step). What is cached counts in resident memory: the cap is
-  // max(16 MiB, 2 x the largest slot).
+  // max(8 MiB, 2 x the largest slot).
   void grow_tensor(const at::Tensor& tensor, size_t nbytes);
   void release_tensor(const at::Tensor& tensor);
   // Called with the file's error when a transfer fails, before it is raised
@@ -119,7 +119,7 @@ class SwapSpace {
   std::function<void(const std::string&)> on_failure_;
   std::unordered_map<size_t, std::vector<at::DataPtr>> free_blocks_;  // by size
   int64_t cached_bytes_ = 0;
-  int64_t max_cached_bytes_ = 16 << 20;
+  int64_t max_cached_bytes_ = 8 << 20;
 };
 
 } // namespace zero_ext
