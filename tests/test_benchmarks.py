@@ -160,10 +160,12 @@ def test_table_scripts_print_a_row_per_system(script, systems, extra):
 
 def test_the_offload_step_benchmark_moves_what_the_step_must(tmp_path):
     """benchmarks/offload_step.py on a tiny model: the table prints, and the
-    bytes the files moved per step are the exact count (not a timing): each
-    fp32 value read for the forward, the backward and the step, the gradient
-    and AdamW's two moments read by the step (6 reads of the values' bytes);
-    the gradient, the value and the two moments written (4)."""
+    bytes the files moved per step are what a streamed AdamW step must move
+    (counts, not timings): the gradient, the value and the two moments
+    written once (4 x the values' bytes, the training state); the gradient
+    and the two moments read by the step, and each value read for the
+    forward, the backward and the step unless it was still in memory (its
+    write behind not done yet when it was wanted again): 3 to 6 x."""
     import re
     cmd = [sys.executable, os.path.join(REPO, "benchmarks", "offload_step.py"), "--path", str(tmp_path), "--blocks",
            "4", "--width", "256", "--rounds", "1", "--steps", "2", "--io-mib", "16"]
@@ -172,4 +174,5 @@ def test_the_offload_step_benchmark_moves_what_the_step_must(tmp_path):
     assert "| nvme |" in done.stdout and "nvme step / bound =" in done.stdout, done.stdout
     read, written = (float(v) for v in re.search(r"read ([\d.]+) MiB, written ([\d.]+) MiB", done.stdout).groups())
     state = float(re.search(r"training state \(fp32 values, gradients, 2 moments\) ([\d.]+) MiB", done.stdout).group(1))
-    assert written == pytest.approx(state, rel=0.05) and read == pytest.approx(1.5 * written, rel=0.05), done.stdout
+    assert written == pytest.approx(state, rel=0.05), done.stdout
+    assert 0.75 * written * 0.95 <= read <= 1.5 * written * 1.05, done.stdout
