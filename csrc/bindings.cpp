@@ -200,6 +200,8 @@ TORCH_LIBRARY(zero_ext, m) {
       .def("swap_in", &ShardedModel::swap_in)
       .def("swap_prefetch", &ShardedModel::swap_prefetch)
       .def("swap_out", &ShardedModel::swap_out)
+      .def("swap_in_grads", &ShardedModel::swap_in_grads)
+      .def("swap_out_grads", &ShardedModel::swap_out_grads)
       .def("swap_stats", &ShardedModel::swap_stats)
       .def("swap_drain", &ShardedModel::swap_drain)
       .def("swap_reset_peak", &ShardedModel::swap_reset_peak)

@@ -782,6 +782,26 @@ void ShardedModel::swap_drain() {
   if (swap_) swap_->drain();
 }
 
+void ShardedModel::swap_in_grads(std::vector<int64_t> buckets) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!swap_) return;
+  at::NoGradGuard no_grad;
+  for (int64_t b : buckets) {
+    TORCH_CHECK(b >= 0 && b < layout_.num_buckets(), "zero_ext internal: no bucket ", b);
+    reducer_.prefetch_grads(b);
+  }
+  for (int64_t b : buckets) reducer_.ensure_grads(b);
+}
+
+void ShardedModel::swap_out_grads(std::vector<int64_t> buckets, bool dirty) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!swap_) return;
+  for (int64_t b : buckets) {
+    TORCH_CHECK(b >= 0 && b < layout_.num_buckets(), "zero_ext internal: no bucket ", b);
+    reducer_.park_grads(b, dirty);
+  }
+}
+
 c10::Dict<std::string, int64_t> ShardedModel::swap_stats() {
   std::lock_guard<std::mutex> lock(mutex_);
   c10::Dict<std::string, int64_t> out;

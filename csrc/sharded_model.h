@@ -247,6 +247,10 @@ class ShardedModel : public torch::CustomClassHolder {
   void swap_in(std::vector<int64_t> buckets);
   void swap_prefetch(std::vector<int64_t> buckets);
   void swap_out(std::vector<int64_t> buckets, bool stepped, bool grads_dirty);
+  // The gradients alone (a clip, chunk by chunk): in memory, then parked
+  // (written back if `dirty`).
+  void swap_in_grads(std::vector<int64_t> buckets);
+  void swap_out_grads(std::vector<int64_t> buckets, bool dirty);
   // Every write in flight done (the end of a streamed step); raises the first failure.
   void swap_drain();
   c10::Dict<std::string, int64_t> swap_stats();

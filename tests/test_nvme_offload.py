@@ -206,3 +206,38 @@ def test_budgets_are_checked():
     with pytest.raises(ValueError, match="max_live_mb must be None or a finite number >= 0"):
         zero_ext.wrap(model, sgd(model), stage=3, max_live_mb=-1)
     assert type(model) is torch.nn.Sequential
+
+
+def test_clipping_streams_the_gradients_chunk_by_chunk(tmp_path, monkeypatch):
+    """The three clipping calls over gradients in the offload file give the
+    in-memory result; a clip that scales nothing holds one chunk of
+    gradients at a time (two blocks' here), never all of them (the ones that
+    scale also write each chunk back, behind)."""
+    from zero_ext.optim import streamed_step
+    monkeypatch.setattr(streamed_step, "STEP_CHUNK_BYTES", 2 * (64 * 64 + 64) * 4)
+
+    def run(**options):
+        model = blocks(n=8, width=64)
+        model, opt = zero_ext.wrap(model, sgd(model), stage=2, bucket_mb=0.004, **options)
+        g = torch.Generator().manual_seed(1)
+        norms = []
+        for clip in (lambda: opt.clip_grad_norm_(1e6),  # scales nothing
+                     lambda: opt.clip_grad_norm_(0.05),
+                     lambda: zero_ext.clip_grad_norm_(model.parameters(), 0.05, norm_type=float("inf")),
+                     lambda: zero_ext.clip_grad_value_(model.parameters(), 1e-3)):
+            model(torch.randn(4, 64, generator=g)).square().mean().backward()
+            if options:  # the backward's writes done and their memory let go: the clip's peak from here
+                state_of(model).handles.offload.swap_drain()
+                state_of(model).handles.offload.swap_reset_peak()
+            norms.append(clip())
+            if options and len(norms) == 1:
+                peak = state_of(model).handles.offload.stats()["peak_resident_bytes"]
+                assert peak == 2 * (64 * 64 + 64) * 4, peak  # one chunk: two blocks' gradients
+            opt.step()
+            opt.zero_grad()
+        return norms, zero_ext.full_state_dict(model)
+
+    plain_norms, plain = run()
+    norms, streamed = run(offload_optimizer="nvme", offload_path=str(tmp_path), persist_kb=0)
+    assert torch.allclose(torch.stack(norms[:3]), torch.stack(plain_norms[:3]), rtol=1e-6)
+    assert all(torch.allclose(streamed[k], v, rtol=1e-6, atol=1e-7) for k, v in plain.items())

@@ -7,7 +7,7 @@ from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from .streamed_step import offload_in_memory
+from .streamed_step import gradient_chunks
 
 
 def _local_norm(grads: List[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
@@ -32,15 +32,47 @@ def _reduce(local: torch.Tensor, state, norm_type: float) -> torch.Tensor:
     return on_device.to(local.device)
 
 
+# A part: (zero_ext state, this rank's gradient tensors of it, streamed). Streamed
+# (offload_optimizer="nvme"): the tensors are the optimizer's segments, whose
+# gradients are in the offload file and come in chunk by chunk (gradient_chunks).
+Part = Tuple[object, List[torch.Tensor], bool]
+
+
+def _part_norm(part: Part, norm_type: float, device: torch.device) -> torch.Tensor:
+    state, tensors, streamed = part
+    if not streamed:
+        return _local_norm(tensors, norm_type, device)
+    chunks = [_local_norm(grads, norm_type, device) for grads in gradient_chunks(state, tensors, changed=False)]
+    if not chunks:
+        return _local_norm([], norm_type, device)
+    return torch.stack(chunks).max() if math.isinf(norm_type) else torch.stack(chunks).sum()
+
+
+def _in_place(parts: List[Part], plain: List[torch.Tensor], apply, identity: bool = False) -> None:
+    """apply(list of same-device, same-dtype gradients) over every gradient,
+    streamed parts chunk by chunk (written back) unless `identity` (apply
+    would change nothing: no chunk is read and written again for it)."""
+    every = [g for _, tensors, streamed in parts if not streamed for g in tensors] + plain
+    by_kind: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
+    for g in every:
+        by_kind.setdefault((g.device, g.dtype), []).append(g)
+    for grads in by_kind.values():
+        apply(grads)
+    for state, tensors, streamed in parts:
+        if streamed and not identity:
+            for grads in gradient_chunks(state, tensors, changed=True):
+                if grads:
+                    apply(grads)
+
+
 @torch.no_grad()
-def clip_sharded(parts: List[Tuple[object, List[torch.Tensor]]], plain: List[torch.Tensor],
+def clip_sharded(parts: List[Part], plain: List[torch.Tensor],
                  max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
-    """parts: (zero_ext state, this rank's gradient tensors of it); plain:
-    gradients every rank holds whole. Clips all in place; returns the total norm."""
+    """parts: see Part; plain: gradients every rank holds whole. Clips all
+    in place; returns the total norm."""
     norm_type = float(norm_type)
     device = parts[0][0].device if parts else (plain[0].device if plain else torch.device("cpu"))
-    totals = [_reduce(_local_norm(grads, norm_type, device), state, norm_type).to(device)
-              for state, grads in parts]
+    totals = [_reduce(_part_norm(part, norm_type, device), part[0], norm_type).to(device) for part in parts]
     totals.append(_local_norm(plain, norm_type, device))
     if math.isinf(norm_type):
         total = torch.stack(totals).max()
@@ -51,12 +83,10 @@ def clip_sharded(parts: List[Tuple[object, List[torch.Tensor]]], plain: List[tor
             f"zero_ext.clip_grad_norm_: the total norm of order {norm_type} of the gradients is "
             f"non-finite, so it cannot be clipped. Pass error_if_nonfinite=False to clip anyway.")
     clip_coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
-    every = [g for _, grads in parts for g in grads] + plain
-    by_device: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
-    for g in every:
-        by_device.setdefault((g.device, g.dtype), []).append(g)
-    for (dev, dtype), grads in by_device.items():
-        torch._foreach_mul_(grads, clip_coef.to(device=dev, dtype=dtype))
+    # Streamed gradients are not read and rewritten to be multiplied by 1 (the same values).
+    unchanged = any(streamed for _, _, streamed in parts) and bool(clip_coef == 1.0)
+    _in_place(parts, plain, lambda grads: torch._foreach_mul_(
+        grads, clip_coef.to(device=grads[0].device, dtype=grads[0].dtype)), identity=unchanged)
     return total
 
 
@@ -80,12 +110,11 @@ def settle_owners(params: List[torch.Tensor]) -> None:
         state.handles.optimizer.settle()
 
 
-def _held_gradients(params: List[torch.Tensor]
-                    ) -> Tuple[List[Tuple[object, List[torch.Tensor]]], List[torch.Tensor]]:
-    """The gradients this rank holds for `params`: (zero_ext state, its
-    gradient tensors here) for wrapped parameters whose optimizer steps
-    zero_ext's segments (this rank's shard in stages 1-3), sorted the same on
-    every rank; and the plain gradients (unwrapped parameters, stage 0 in fp32)."""
+def _held_gradients(params: List[torch.Tensor]) -> Tuple[List[Part], List[torch.Tensor]]:
+    """The gradients this rank holds for `params`: a Part per zero_ext state
+    whose optimizer steps zero_ext's segments (this rank's shard in stages
+    1-3), sorted the same on every rank; and the plain gradients (unwrapped
+    parameters, stage 0 in fp32)."""
     sharded: Dict[int, Tuple[object, set, List[torch.Tensor]]] = {}
     plain: List[torch.Tensor] = []
     for p in params:
@@ -98,16 +127,17 @@ def _held_gradients(params: List[torch.Tensor]
         elif owner_of_segment is not None:
             entry = sharded.setdefault(id(owner_of_segment), (owner_of_segment, set(), []))
             if p.grad is not None:
-                entry[2].append(p.grad)
+                entry[2].append(p)
         elif p.grad is not None:
             plain.append(p.grad)
     parts = []
-    for state, wanted, segment_grads in sharded.values():
+    for state, wanted, given in sharded.values():
         segments = state.handles.optimizer.segments()
         owners = state.handles.optimizer.segment_param_indices()
-        grads = [seg.grad for seg, owner in zip(segments, owners)
-                 if id(state.bucketed[owner]) in wanted and seg.grad is not None]
-        parts.append((state, grads + segment_grads))
+        chosen = [seg for seg, owner in zip(segments, owners)
+                  if id(state.bucketed[owner]) in wanted and seg.grad is not None] + given
+        streamed = state.streams_optimizer  # the gradients are in the offload file
+        parts.append((state, chosen if streamed else [seg.grad for seg in chosen], streamed))
     # Every state in a fixed order on every rank: the reductions are collective.
     parts.sort(key=lambda part: part[0].names[0] if part[0].names else "")
     return parts, plain
@@ -124,9 +154,8 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     accepted for compatibility (zero_ext always uses the foreach kernels)."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     settle_owners(params)
-    with offload_in_memory(_owners(params), grads_changed=True):
-        parts, plain = _held_gradients(params)
-        return clip_sharded(parts, plain, max_norm, norm_type, error_if_nonfinite)
+    parts, plain = _held_gradients(params)
+    return clip_sharded(parts, plain, max_norm, norm_type, error_if_nonfinite)
 
 
 @torch.no_grad()
@@ -141,12 +170,10 @@ def clip_grad_value_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], cl
     `foreach` is accepted for compatibility."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     settle_owners(params)
-    with offload_in_memory(_owners(params), grads_changed=True):
-        parts, plain = _held_gradients(params)
-        clip_value = float(clip_value)
-        by_kind: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
-        for g in [g for _, grads in parts for g in grads] + plain:
-            by_kind.setdefault((g.device, g.dtype), []).append(g)
-        for grads in by_kind.values():  # as torch's: clamp_min then clamp_max, per device and dtype
-            torch._foreach_clamp_min_(grads, -clip_value)
-            torch._foreach_clamp_max_(grads, clip_value)
+    parts, plain = _held_gradients(params)
+    clip_value = float(clip_value)
+
+    def clamp(grads: List[torch.Tensor]) -> None:  # as torch's: clamp_min then clamp_max, per device and dtype
+        torch._foreach_clamp_min_(grads, -clip_value)
+        torch._foreach_clamp_max_(grads, clip_value)
+    _in_place(parts, plain, clamp)

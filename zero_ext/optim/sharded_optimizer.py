@@ -27,7 +27,7 @@ from ..tools import attach_state, state_of, swap_class
 from .clip import clip_sharded
 from .cpu_adam import adam_step_
 from .ownership import is_elementwise
-from .streamed_step import StreamedStep, offload_in_memory
+from .streamed_step import StreamedStep
 
 def _uses_cpu_adam(optimizer: torch.optim.Optimizer) -> bool:
     """Offload: torch's Adam and AdamW run as zero_ext's fused C++ kernel
@@ -210,11 +210,12 @@ class ZeroExtOptimizer:
         its total norm before clipping, like torch.nn.utils.clip_grad_norm_."""
         state = state_of(self)
         state.handles.optimizer.settle()  # late gradients reduced, .grad final
-        with offload_in_memory([state], grads_changed=True):
-            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-            if state.sharded_optimizer:
-                return clip_sharded([(state, grads)], [], max_norm, norm_type, error_if_nonfinite=False)
-            return clip_sharded([], grads, max_norm, norm_type, error_if_nonfinite=False)
+        held = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if state.sharded_optimizer:
+            streamed = state.streams_optimizer  # chunk by chunk from the offload file
+            part = (state, held if streamed else [p.grad for p in held], streamed)
+            return clip_sharded([part], [], max_norm, norm_type, error_if_nonfinite=False)
+        return clip_sharded([], [p.grad for p in held], max_norm, norm_type, error_if_nonfinite=False)
 
 
 def shard_optimizer(optimizer: torch.optim.Optimizer, state, ordered_params: List[torch.Tensor],

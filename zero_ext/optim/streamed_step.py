@@ -100,6 +100,35 @@ class StreamedStep:
 
 
 
+def gradient_chunks(state, segments: List[torch.Tensor], changed: bool) -> Iterator[List[torch.Tensor]]:
+    """offload_optimizer="nvme": the gradients of `segments` (the model's
+    optimizer tensors) chunk by chunk, each chunk's buckets brought in for
+    its turn and parked after (written back if `changed`): a clip holds a
+    chunk of gradients, never all of them. Yields each chunk's .grad tensors
+    (None ones left out)."""
+    handles = state.handles
+    bucket_of_param = _bucket_of_params(handles)
+    bucket_of = {id(s): bucket_of_param[owner] for s, owner in zip(handles.optimizer.segments(),
+                                                                   handles.optimizer.segment_param_indices())}
+    by_bucket: Dict[int, List[torch.Tensor]] = {}
+    for segment in segments:
+        by_bucket.setdefault(bucket_of[id(segment)], []).append(segment)
+    chunk: List[int] = []
+    size = 0
+    for b in sorted(by_bucket) + [None]:
+        nbytes = 0 if b is None else sum(4 * s.numel() for s in by_bucket[b])
+        if chunk and (b is None or size + nbytes > STEP_CHUNK_BYTES):
+            handles.offload.swap_in_grads(chunk)
+            try:
+                yield [s.grad for bucket in chunk for s in by_bucket[bucket] if s.grad is not None]
+            finally:
+                handles.offload.swap_out_grads(chunk, changed)
+            chunk, size = [], 0
+        if b is not None:
+            chunk.append(b)
+            size += nbytes
+
+
 @contextlib.contextmanager
 def offload_in_memory(states, values_changed: bool = False, grads_changed: bool = False) -> Iterator[None]:
     """For the duration, every value, gradient and optimizer state entry of

@@ -276,12 +276,14 @@ class OffloadFiles(_Handle):
     swap_in: Callable[[List[int]], None]  # buckets
     swap_prefetch: Callable[[List[int]], None]
     swap_out: Callable[[List[int], bool, bool], None]  # buckets, stepped, gradients changed
+    swap_in_grads: Callable[[List[int]], None]  # buckets: their gradients alone
+    swap_out_grads: Callable[[List[int], bool], None]  # buckets, changed
     swap_reset_peak: Callable[[], None]
     swap_drain: Callable[[], None]  # every write in flight done
     swap_fail_writes_after: Callable[[int], None]  # test-only
 
-    BOUND = ("enable_swap", "swapped", "swap_in", "swap_prefetch", "swap_out", "swap_reset_peak", "swap_drain",
-             "swap_fail_writes_after")
+    BOUND = ("enable_swap", "swapped", "swap_in", "swap_prefetch", "swap_out", "swap_in_grads", "swap_out_grads",
+             "swap_reset_peak", "swap_drain", "swap_fail_writes_after")
 
     def stats(self) -> Dict[str, int]:
         """file_bytes, bytes_written, bytes_read, resident_bytes,
