@@ -742,12 +742,18 @@ void ShardedModel::set_max_live_bytes(int64_t bytes) {
   if (units_) units_->set_max_live_bytes(bytes);
 }
 
+void ShardedModel::check_buckets(const std::vector<int64_t>& buckets) const {
+  for (int64_t b : buckets) {
+    TORCH_CHECK(b >= 0 && b < layout_.num_buckets(), "zero_ext internal: no bucket ", b);
+  }
+}
+
 void ShardedModel::swap_in(std::vector<int64_t> buckets) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!swap_) return;
+  check_buckets(buckets);
   at::NoGradGuard no_grad;
   for (int64_t b : buckets) {
-    TORCH_CHECK(b >= 0 && b < layout_.num_buckets(), "zero_ext internal: no bucket ", b);
     store_.prefetch_value(b);  // every read of the batch in flight before the first wait
     reducer_.prefetch_grads(b);
   }
@@ -760,8 +766,8 @@ void ShardedModel::swap_in(std::vector<int64_t> buckets) {
 void ShardedModel::swap_prefetch(std::vector<int64_t> buckets) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!swap_) return;
+  check_buckets(buckets);
   for (int64_t b : buckets) {
-    TORCH_CHECK(b >= 0 && b < layout_.num_buckets(), "zero_ext internal: no bucket ", b);
     store_.prefetch_value(b);
     reducer_.prefetch_grads(b);
   }
@@ -770,8 +776,8 @@ void ShardedModel::swap_prefetch(std::vector<int64_t> buckets) {
 void ShardedModel::swap_out(std::vector<int64_t> buckets, bool stepped, bool grads_dirty) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!swap_) return;
+  check_buckets(buckets);
   for (int64_t b : buckets) {
-    TORCH_CHECK(b >= 0 && b < layout_.num_buckets(), "zero_ext internal: no bucket ", b);
     store_.unhold_value(b, stepped);
     reducer_.park_grads(b, grads_dirty);
   }
@@ -785,21 +791,17 @@ void ShardedModel::swap_drain() {
 void ShardedModel::swap_in_grads(std::vector<int64_t> buckets) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!swap_) return;
+  check_buckets(buckets);
   at::NoGradGuard no_grad;
-  for (int64_t b : buckets) {
-    TORCH_CHECK(b >= 0 && b < layout_.num_buckets(), "zero_ext internal: no bucket ", b);
-    reducer_.prefetch_grads(b);
-  }
+  for (int64_t b : buckets) reducer_.prefetch_grads(b);
   for (int64_t b : buckets) reducer_.ensure_grads(b);
 }
 
 void ShardedModel::swap_out_grads(std::vector<int64_t> buckets, bool dirty) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!swap_) return;
-  for (int64_t b : buckets) {
-    TORCH_CHECK(b >= 0 && b < layout_.num_buckets(), "zero_ext internal: no bucket ", b);
-    reducer_.park_grads(b, dirty);
-  }
+  check_buckets(buckets);
+  for (int64_t b : buckets) reducer_.park_grads(b, dirty);
 }
 
 c10::Dict<std::string, int64_t> ShardedModel::swap_stats() {

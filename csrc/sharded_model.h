@@ -290,6 +290,7 @@ class ShardedModel : public torch::CustomClassHolder {
   void launch_unit_reductions(int64_t u);
   void drain_deferred_uses();  // under mutex_
   int64_t collectives_submitted() const;  // on all of the model's groups
+  void check_buckets(const std::vector<int64_t>& buckets) const;  // indices from Python
 
   std::shared_ptr<IssueCounts> issue_counts_;  // shared by the communicators below
   Communicator comm_;
