@@ -555,7 +555,9 @@ void GradReducer::enable_swap(SwapSpace& swap, int64_t persist_bytes) {
     segment_stand_ins_.push_back(unreadable_like(
         segment_grads_[s], "zero_ext: this gradient is kept in the offload file (offload_optimizer='nvme') and "
                            "holds its values only during optimizer.step(). Read gradients with "
-                           "zero_ext.full_grads(model); clip with optimizer.clip_grad_norm_ or zero_ext.clip_grad_norm_."));
+                           "zero_ext.full_grads(model); clip with optimizer.clip_grad_norm_ or zero_ext.clip_grad_norm_. "
+                           "torch.amp.GradScaler reads them before the step: with offload to files use zero_ext's "
+                           "own fp16 loss scaling (mixed_precision='fp16') instead."));
   }
   for (size_t b = 0; b < buckets_.size(); ++b) {
     BucketGrads& bucket = buckets_[b];

@@ -93,6 +93,17 @@ def test_between_steps_everything_is_in_the_file_and_unreadable_in_memory(tmp_pa
     assert os.listdir(tmp_path) == []  # unlinked once open ([Note: offload files])
 
 
+def test_a_grad_scaler_ends_in_an_error_that_names_zero_exts_loss_scaling(tmp_path):
+    """torch.amp.GradScaler unscales the optimizer's .grad before the step,
+    which are in the offload file then: a clear error, not a crash."""
+    model = blocks()
+    model, opt = zero_ext.wrap(model, sgd(model), stage=2, bucket_mb=0.004, **nvme(2, tmp_path))
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.randn(4, 32)).square().mean()).backward()
+    with pytest.raises(RuntimeError, match=r"GradScaler reads them before the step: .*\(mixed_precision='fp16'\)"):
+        scaler.step(opt)
+
+
 def test_stage_0_takes_no_optimizer_offload_to_files(tmp_path):
     model = blocks()
     with pytest.raises(ValueError, match="offload_optimizer='nvme' needs stage 1, 2 or 3"):
