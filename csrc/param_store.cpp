@@ -158,14 +158,13 @@ void ParamStore::build_segments() {
 // buffer here ([Note: one rank's shard is its flat buffer] would keep the
 // whole model in memory). While parked, the optimizer's segments view a
 // storage of no memory whose data access raises, never the freed buffer.
-bool ParamStore::enable_swap(SwapSpace& swap, bool params, bool masters, int64_t persist_bytes) {
+void ParamStore::enable_swap(SwapSpace& swap, bool params, bool masters, int64_t persist_bytes) {
   at::NoGradGuard no_grad;
   swap_ = &swap;
   value_slot_.assign(values_.size(), -1);
   held_.assign(values_.size(), 0);
   held_dirty_.assign(values_.size(), 0);
   parked_segments_.resize(values_.size());
-  bool any = false;
   bool split = false;
   for (size_t b = 0; b < values_.size(); ++b) {
     BucketValues& values = values_[b];
@@ -186,7 +185,6 @@ bool ParamStore::enable_swap(SwapSpace& swap, bool params, bool masters, int64_t
         "zero_ext: this tensor is a segment of a parameter shard kept in the offload file (offload_*='nvme'); "
         "it holds its values only during optimizer.step(). Read parameters with zero_ext.full_params(model) "
         "or zero_ext.full_state_dict(model).");
-    any = true;
   }
   if (split) build_segments();
   for (size_t b = 0; b < values_.size(); ++b) {
@@ -197,7 +195,6 @@ bool ParamStore::enable_swap(SwapSpace& swap, bool params, bool masters, int64_t
                                          layout_.describe_bucket(static_cast<int64_t>(b), ""));
     for (int64_t s : segments_of_bucket_[b]) point_at(segments_[s], parked_segments_[b]);  // open() parks it
   }
-  return any;
 }
 
 void ParamStore::ensure_value(int64_t b) {

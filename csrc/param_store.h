@@ -135,9 +135,10 @@ class ParamStore {
 
   // offload_*="nvme" ([Note: swapped values]): before anything reads the
   // shards. `params`: stage 3 shards (and their masters) live in the file;
-  // `masters`: fp32 masters do (mixed precision). Returns whether any did.
-  // Buckets whose value is smaller than `persist_bytes` stay in memory.
-  bool enable_swap(SwapSpace& swap, bool params, bool masters, int64_t persist_bytes);
+  // `masters`: fp32 masters do (mixed precision). Buckets whose value is
+  // smaller than `persist_bytes` stay in memory.
+  void enable_swap(SwapSpace& swap, bool params, bool masters, int64_t persist_bytes);
+  bool swapping() const { return swap_ != nullptr; }
   bool value_swapped(int64_t b) const { return !value_slot_.empty() && value_slot_[b] >= 0; }
   // Bucket b's value (master, else shard) in memory, its segments pointing
   // at it; parked again (written back if `dirty`), the segments unreadable.

@@ -208,7 +208,7 @@ void SwapSpace::discard(int64_t index) {
 
 bool SwapSpace::resident(int64_t index) const {
   const SlotState state = slots_.at(index).state;
-  return state == SlotState::kResident || state == SlotState::kReading;
+  return state == SlotState::kResident || state == SlotState::kWriting;
 }
 
 void SwapSpace::drain() {

@@ -57,6 +57,7 @@ class SwapSpace {
   void ensure_memory(int64_t slot);
   // The value is no longer needed (zero_grad): memory released, nothing written.
   void discard(int64_t slot);
+  // Whether the slot's memory holds its value now (resident, or being written; not while a read lands).
   bool resident(int64_t slot) const;
   // Every write done; raises the first failure.
   void drain();

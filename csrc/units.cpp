@@ -211,6 +211,7 @@ void UnitScheduler::release_after_backward(bool keep_graph) {
 }
 
 void UnitScheduler::park_read_ahead() {
+  if (!store_.swapping()) return;  // once per backward: nothing to walk without offload files
   for (const Unit& unit : units_) {
     if (unit.state != UnitState::kReleased) continue;
     for (int64_t b : unit.buckets) store_.after_gather(b);  // a no-op unless read ahead and never gathered

@@ -51,15 +51,20 @@ def probe_state_layout(optimizer: torch.optim.Optimizer, optimizer_class: type) 
     return layouts
 
 
-@contextlib.contextmanager
-def stepping_only(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> Iterator[None]:
-    """Each group lists only its members of `params` (in its own order) for
-    the duration."""
+def group_lists(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> List[List[torch.Tensor]]:
+    """Per param group, its members of `params`, in the group's own order
+    (computed once per chunk, not at every step)."""
     chosen = {id(p) for p in params}
+    return [[p for p in group["params"] if id(p) in chosen] for group in optimizer.param_groups]
+
+
+@contextlib.contextmanager
+def stepping_only(optimizer: torch.optim.Optimizer, lists: List[List[torch.Tensor]]) -> Iterator[None]:
+    """Each group lists only `lists`' entry for it (group_lists) for the duration."""
     saved = [group["params"] for group in optimizer.param_groups]
     try:
-        for group in optimizer.param_groups:
-            group["params"] = [p for p in group["params"] if id(p) in chosen]
+        for group, params_of_group in zip(optimizer.param_groups, lists):
+            group["params"] = params_of_group
         yield
     finally:
         for group, params_of_group in zip(optimizer.param_groups, saved):
@@ -72,9 +77,13 @@ class OffloadedState:
 
     def __init__(self, optimizer: torch.optim.Optimizer, optimizer_class: type, directory: str, rank: int,
                  chunk_bytes: int = CHUNK_BYTES, io_threads: Optional[int] = None,
-                 chunks: Optional[List[List[torch.Tensor]]] = None):
+                 chunks: Optional[List[List[torch.Tensor]]] = None,
+                 layouts: Optional[List[List[Tuple[str, torch.dtype]]]] = None):
+        """`chunks`: the caller's (zero_ext's step: whole buckets), else cut
+        at `chunk_bytes` of state; `layouts`: probe_state_layout's, if the
+        caller has them already."""
         self.optimizer = optimizer
-        layouts = probe_state_layout(optimizer, optimizer_class)
+        layouts = layouts if layouts is not None else probe_state_layout(optimizer, optimizer_class)
         self.keys: Dict[int, List[Tuple[str, torch.dtype]]] = {}
         self.params: List[torch.Tensor] = []
         for group, layout in zip(optimizer.param_groups, layouts):
@@ -87,27 +96,25 @@ class OffloadedState:
         extra = {} if io_threads is None else {"threads": io_threads}
         self.file = offload_file.OffloadFile(directory, rank, sizes, **extra)
         self.index = {id(p): i for i, p in enumerate(self.params)}
+        self.chunks = ([[p for p in chunk if id(p) in self.keys] for chunk in chunks] if chunks is not None
+                       else self._cut(chunk_bytes))
+        self.lists = [group_lists(optimizer, chunk) for chunk in self.chunks]
+        self.in_file: set = set()  # ids of parameters whose state the file holds
         self._spare: Dict[Tuple[tuple, torch.dtype], List[torch.Tensor]] = {}
-        self._spare_limit = 0
-        if chunks is not None:  # the caller's (zero_ext's step: whole buckets)
-            self.chunks = [[p for p in chunk if id(p) in self.keys] for chunk in chunks]
-            self.in_file = set()
-            self._spare_limit = self._spares_needed()
-            return
-        self.chunks = []
-        current: List[torch.Tensor] = []
+        self._spare_limit = self._spares_needed()
+
+    def _cut(self, chunk_bytes: int) -> List[List[torch.Tensor]]:
+        """The parameters in order, in chunks of at most `chunk_bytes` of state (at least one each)."""
+        chunks: List[List[torch.Tensor]] = []
         size = 0
         for p in self.params:
             nbytes = sum(p.numel() * dtype.itemsize for _, dtype in self.keys[id(p)])
-            if current and size + nbytes > chunk_bytes:
-                self.chunks.append(current)
-                current, size = [], 0
-            current.append(p)
+            if not chunks or size + nbytes > chunk_bytes:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(p)
             size += nbytes
-        if current:
-            self.chunks.append(current)
-        self.in_file: set = set()  # ids of parameters whose state the file holds
-        self._spare_limit = self._spares_needed()
+        return chunks
 
     def _spares_needed(self) -> int:
         """Tensors of one shape the step may keep for reuse: READ_AHEAD + 1
@@ -162,7 +169,7 @@ class OffloadedState:
                 before_chunk(k)
             for p, key, transfer in current:
                 self.optimizer.state[p][key] = transfer.wait()
-            with stepping_only(self.optimizer, chunk):
+            with stepping_only(self.optimizer, self.lists[k]):
                 result = step_fn()
             self._recycle(writes)  # the chunk before: done before more memory is taken
             writes = self._write_back(chunk)

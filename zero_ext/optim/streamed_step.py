@@ -21,18 +21,24 @@ from typing import Callable, Dict, Iterator, List
 
 import torch
 
-from .state_offload import READ_AHEAD, OffloadedState, probe_state_layout, stepping_only
+from .state_offload import READ_AHEAD, OffloadedState, group_lists, probe_state_layout, stepping_only
 
 STEP_CHUNK_BYTES = 16 << 20  # values + gradients + state stepped at once (two chunks are in memory)
 
 
-def _bucket_of_params(handles) -> List[int]:
-    """The bucket of each of the core's parameters."""
-    triples = handles.reduction.bucket_layout()
-    out: List[int] = []
-    for b in range(0, len(triples), 3):
-        out.extend([b // 3] * triples[b + 1])
-    return out
+def bucket_of_segments(state) -> Dict[int, int]:
+    """id(segment) -> its bucket, for the model's optimizer tensors; worked
+    out once per model (the layout is fixed at wrap)."""
+    if not state.bucket_of_segment:
+        handles = state.handles
+        triples = handles.reduction.bucket_layout()  # (first param, count, padded) per bucket
+        bucket_of_param: List[int] = []
+        for b in range(0, len(triples), 3):
+            bucket_of_param.extend([b // 3] * triples[b + 1])
+        state.bucket_of_segment.update(
+            (id(s), bucket_of_param[owner])
+            for s, owner in zip(handles.optimizer.segments(), handles.optimizer.segment_param_indices()))
+    return state.bucket_of_segment
 
 
 class StreamedStep:
@@ -42,18 +48,16 @@ class StreamedStep:
     def __init__(self, optimizer: torch.optim.Optimizer, optimizer_class: type, state, offload_state: bool,
                  chunk_bytes: int = STEP_CHUNK_BYTES):
         self.handles = state.handles
-        segments = self.handles.optimizer.segments()
-        owners = self.handles.optimizer.segment_param_indices()
-        bucket_of = _bucket_of_params(self.handles)
+        bucket_of = bucket_of_segments(state)
         mine = {id(t) for group in optimizer.param_groups for t in group["params"]}
         by_bucket: Dict[int, List[torch.Tensor]] = {}
-        for segment, owner in zip(segments, owners):
+        for segment in self.handles.optimizer.segments():
             if id(segment) in mine:
-                by_bucket.setdefault(bucket_of[owner], []).append(segment)
+                by_bucket.setdefault(bucket_of[id(segment)], []).append(segment)
         state_bytes: Dict[int, int] = {}
-        if offload_state:
-            layouts = probe_state_layout(optimizer, optimizer_class)
-            state_bytes = {id(p): sum(torch.empty((), dtype=dtype).element_size() for _, dtype in layout)
+        layouts = probe_state_layout(optimizer, optimizer_class) if offload_state else None
+        if layouts is not None:
+            state_bytes = {id(p): sum(dtype.itemsize for _, dtype in layout)
                            for group, layout in zip(optimizer.param_groups, layouts) for p in group["params"]}
         # Per element: the fp32 value, the fp32 gradient and the state's entries.
         self.buckets: List[List[int]] = []
@@ -69,10 +73,10 @@ class StreamedStep:
             chunks[-1].extend(by_bucket[b])
             size += nbytes
         self.optimizer = optimizer
-        self.chunks = chunks
+        self.lists = [group_lists(optimizer, chunk) for chunk in chunks]
         # offload_params="nvme" alone: the state stays in memory, the shards stream.
         self.offloaded = OffloadedState(optimizer, optimizer_class, state.offload_path, max(state.shard_rank, 0),
-                                        chunks=chunks) if offload_state else None
+                                        chunks=chunks, layouts=layouts) if offload_state else None
 
     def step(self, step_fn: Callable[[], object]) -> object:
         """`step_fn` (the optimizer's step without its hooks) once per chunk."""
@@ -90,9 +94,9 @@ class StreamedStep:
             result = self.offloaded.step(step_fn, before, after)
         else:
             result = None
-            for k, chunk in enumerate(self.chunks):
+            for k, lists in enumerate(self.lists):
                 before(k)
-                with stepping_only(self.optimizer, chunk):
+                with stepping_only(self.optimizer, lists):
                     result = step_fn()
                 after(k)
         offload.swap_drain()  # a step that returned has its values in the file
@@ -107,9 +111,7 @@ def gradient_chunks(state, segments: List[torch.Tensor], changed: bool) -> Itera
     chunk of gradients, never all of them. Yields each chunk's .grad tensors
     (None ones left out)."""
     handles = state.handles
-    bucket_of_param = _bucket_of_params(handles)
-    bucket_of = {id(s): bucket_of_param[owner] for s, owner in zip(handles.optimizer.segments(),
-                                                                   handles.optimizer.segment_param_indices())}
+    bucket_of = bucket_of_segments(state)
     by_bucket: Dict[int, List[torch.Tensor]] = {}
     for segment in segments:
         by_bucket.setdefault(bucket_of[id(segment)], []).append(segment)

@@ -39,6 +39,7 @@ class ZeroState:
     offload_path: Optional[str] = None  # offload_*="nvme": the directory of this rank's offload files
     streams_optimizer: bool = False  # offload_optimizer="nvme": the step streams state through a file
     streamed: list = field(default_factory=list)  # its optimizers' StreamedSteps (optim/streamed_step.py)
+    bucket_of_segment: Dict[int, int] = field(default_factory=dict)  # id(segment) -> bucket, filled once when streamed
     step_round: Optional[StepRound] = None  # the step of the model's optimizers (set at construction)
     frozen_at_wrap: Set[int] = field(default_factory=set)  # ids of parameters frozen then
     output_dtype: Optional[torch.dtype] = None  # MixedPrecision.output_dtype: the forward's outputs cast to it
