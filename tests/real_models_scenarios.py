@@ -12,6 +12,7 @@ them all (zero_ext never hands a failed model's groups to another model).
 """
 from __future__ import annotations
 
+import tempfile
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -557,4 +558,8 @@ DIVERGENCES: Dict[str, Callable[[int, int], dict]] = {
         rank, world, lambda r: {"reshard_after_forward": False} if r == 1 else {}),
     "wrap_different_offload_params": lambda rank, world: _wrap_differently(
         rank, world, lambda r: {"offload_params": "cpu"} if r == 1 else {}),
+    "wrap_different_offload_optimizer": lambda rank, world: _wrap_differently(  # state in files on rank 1 only
+        rank, world, lambda r: {"offload_optimizer": "nvme", "offload_path": tempfile.mkdtemp()} if r == 1 else {}),
+    "wrap_different_max_live_mb": lambda rank, world: _wrap_differently(  # prefetch bounded on rank 1 only
+        rank, world, lambda r: {"max_live_mb": 0.001} if r == 1 else {}),
 }

@@ -76,6 +76,9 @@ EXPECTED = {
     "wrap_a_different_optimizer_sharding": (["zero_ext.wrap: the ranks wrapped different models",
                                              "optimizer sharding:"], 0),
     "wrap_different_offload_params": (["zero_ext.wrap: the ranks wrapped different models", "offload_params:"], 0),
+    "wrap_different_offload_optimizer": (["zero_ext.wrap: the ranks wrapped different models",
+                                          "offload_optimizer:"], 0),
+    "wrap_different_max_live_mb": (["zero_ext.wrap: the ranks wrapped different models", "max_live_mb:"], 0),
 }
 
 
