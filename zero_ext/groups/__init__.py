@@ -8,13 +8,23 @@ from .mesh import Topology, resolve_topology
 from .process_groups import (acquire_groups, acquire_mesh_groups, acquire_subgroups, group_timeout,
                              handed_to_backend, pooled_groups, retire_if_failed)
 from .ranks import Ranks, refuse_different_paths
+from .tensor_parallel import (TensorParallel, TensorParallelSpec, check_supported, find_tensor_parallel,
+                              global_description, localize, norm_parts_over_tp, tensor_parallel_of)
 
 __all__ = [
     "Ranks",
+    "TensorParallel",
+    "TensorParallelSpec",
     "Topology",
     "acquire_groups",
     "acquire_mesh_groups",
     "acquire_subgroups",
+    "check_supported",
+    "find_tensor_parallel",
+    "global_description",
+    "localize",
+    "norm_parts_over_tp",
+    "tensor_parallel_of",
     "group_timeout",
     "handed_to_backend",
     "pooled_groups",

@@ -32,14 +32,17 @@ def _reduce(local: torch.Tensor, state, norm_type: float) -> torch.Tensor:
     return on_device.to(local.device)
 
 
-# A part: (zero_ext state, this rank's gradient tensors of it, streamed). Streamed
-# (offload_optimizer="nvme"): the tensors are the optimizer's segments, whose
-# gradients are in the offload file and come in chunk by chunk (gradient_chunks).
-Part = Tuple[object, List[torch.Tensor], bool]
+# A part: (zero_ext state, this rank's gradient tensors of it, streamed, over tp).
+# Streamed (offload_optimizer="nvme"): the tensors are the optimizer's segments,
+# whose gradients are in the offload file and come in chunk by chunk
+# (gradient_chunks). Over tp: a tensor-parallel model's gradients of the
+# parameters split over tp, whose sums add up over the tp ranks (the rest,
+# which every tp rank holds alike, count once; groups/tensor_parallel.py).
+Part = Tuple[object, List[torch.Tensor], bool, bool]
 
 
 def _part_norm(part: Part, norm_type: float, device: torch.device) -> torch.Tensor:
-    state, tensors, streamed = part
+    state, tensors, streamed, _ = part
     if not streamed:
         return _local_norm(tensors, norm_type, device)
     chunks = [_local_norm(grads, norm_type, device) for grads in gradient_chunks(state, tensors, changed=False)]
@@ -52,13 +55,13 @@ def _in_place(parts: List[Part], plain: List[torch.Tensor], apply, identity: boo
     """apply(list of same-device, same-dtype gradients) over every gradient,
     streamed parts chunk by chunk (written back) unless `identity` (apply
     would change nothing: no chunk is read and written again for it)."""
-    every = [g for _, tensors, streamed in parts if not streamed for g in tensors] + plain
+    every = [g for _, tensors, streamed, _ in parts if not streamed for g in tensors] + plain
     by_kind: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
     for g in every:
         by_kind.setdefault((g.device, g.dtype), []).append(g)
     for grads in by_kind.values():
         apply(grads)
-    for state, tensors, streamed in parts:
+    for state, tensors, streamed, _ in parts:
         if streamed and not identity:
             for grads in gradient_chunks(state, tensors, changed=True):
                 if grads:
@@ -72,7 +75,14 @@ def clip_sharded(parts: List[Part], plain: List[torch.Tensor],
     in place; returns the total norm."""
     norm_type = float(norm_type)
     device = parts[0][0].device if parts else (plain[0].device if plain else torch.device("cpu"))
-    totals = [_reduce(_part_norm(part, norm_type, device), part[0], norm_type).to(device) for part in parts]
+    totals = []
+    for part in parts:
+        total = _reduce(_part_norm(part, norm_type, device), part[0], norm_type).to(device)
+        if part[3]:  # summed over dp above, now over tp
+            total = total.to(part[0].device)
+            part[0].tensor_parallel.all_reduce(total, math.isinf(norm_type))
+            total = total.to(device)
+        totals.append(total)
     totals.append(_local_norm(plain, norm_type, device))
     if math.isinf(norm_type):
         total = torch.stack(totals).max()
@@ -84,7 +94,7 @@ def clip_sharded(parts: List[Part], plain: List[torch.Tensor],
             f"non-finite, so it cannot be clipped. Pass error_if_nonfinite=False to clip anyway.")
     clip_coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
     # Streamed gradients are not read and rewritten to be multiplied by 1 (the same values).
-    unchanged = any(streamed for _, _, streamed in parts) and bool(clip_coef == 1.0)
+    unchanged = any(streamed for _, _, streamed, _ in parts) and bool(clip_coef == 1.0)
     _in_place(parts, plain, lambda grads: torch._foreach_mul_(
         grads, clip_coef.to(device=grads[0].device, dtype=grads[0].dtype)), identity=unchanged)
     return total
@@ -110,6 +120,19 @@ def settle_owners(params: List[torch.Tensor]) -> None:
         state.handles.optimizer.settle()
 
 
+def parts_of(state, held: List[Tuple[torch.Tensor, torch.Tensor]]) -> List[Part]:
+    """The Parts of one model's (tensor the optimizer steps, its parameter)
+    pairs whose gradients this rank holds. A tensor-parallel model has a split
+    part on every rank, maybe empty: its tp all-reduce is collective."""
+    streamed = state.streams_optimizer  # the gradients are in the offload file
+    tp = state.tensor_parallel
+    parts = []
+    for over_tp in ((False, True) if tp is not None else (False,)):
+        kept = [t for t, owner in held if tp is None or tp.sums_over_tp(owner) == over_tp]
+        parts.append((state, kept if streamed else [t.grad for t in kept], streamed, over_tp))
+    return parts
+
+
 def _held_gradients(params: List[torch.Tensor]) -> Tuple[List[Part], List[torch.Tensor]]:
     """The gradients this rank holds for `params`: a Part per zero_ext state
     whose optimizer steps zero_ext's segments (this rank's shard in stages
@@ -122,7 +145,7 @@ def _held_gradients(params: List[torch.Tensor]) -> Tuple[List[Part], List[torch.
         state = ref() if ref is not None else None
         segment_ref = getattr(p, "_zero_ext_segment_of", None)  # a tensor of the sharded optimizer
         owner_of_segment = segment_ref() if segment_ref is not None else None
-        if state is not None and state.sharded_optimizer:
+        if state is not None and (state.sharded_optimizer or state.tensor_parallel is not None):
             sharded.setdefault(id(state), (state, set(), []))[1].add(id(p))
         elif owner_of_segment is not None:
             entry = sharded.setdefault(id(owner_of_segment), (owner_of_segment, set(), []))
@@ -132,14 +155,17 @@ def _held_gradients(params: List[torch.Tensor]) -> Tuple[List[Part], List[torch.
             plain.append(p.grad)
     parts = []
     for state, wanted, given in sharded.values():
-        segments = state.handles.optimizer.segments()
-        owners = state.handles.optimizer.segment_param_indices()
-        chosen = [seg for seg, owner in zip(segments, owners)
-                  if id(state.bucketed[owner]) in wanted and seg.grad is not None] + given
-        streamed = state.streams_optimizer  # the gradients are in the offload file
-        parts.append((state, chosen if streamed else [seg.grad for seg in chosen], streamed))
+        if state.sharded_optimizer:
+            segments = state.handles.optimizer.segments()
+            owners = [state.bucketed[i] for i in state.handles.optimizer.segment_param_indices()]
+        else:  # stage 0 of a tensor-parallel model: the parameters themselves
+            segments = owners = state.bucketed
+        owner_of = {id(seg): owner for seg, owner in zip(segments, owners)}
+        chosen = [(seg, owner) for seg, owner in zip(segments, owners)
+                  if id(owner) in wanted and seg.grad is not None] + [(seg, owner_of[id(seg)]) for seg in given]
+        parts += parts_of(state, chosen)
     # Every state in a fixed order on every rank: the reductions are collective.
-    parts.sort(key=lambda part: part[0].names[0] if part[0].names else "")
+    parts.sort(key=lambda part: (part[0].names[0] if part[0].names else "", part[3]))
     return parts, plain
 
 

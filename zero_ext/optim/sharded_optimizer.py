@@ -24,7 +24,7 @@ from typing import Dict, List
 import torch
 
 from ..tools import attach_state, state_of, swap_class
-from .clip import clip_sharded
+from .clip import clip_sharded, parts_of
 from .cpu_adam import adam_step_
 from .ownership import is_elementwise
 from .streamed_step import StreamedStep
@@ -212,9 +212,13 @@ class ZeroExtOptimizer:
         state.handles.optimizer.settle()  # late gradients reduced, .grad final
         held = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         if state.sharded_optimizer:
-            streamed = state.streams_optimizer  # chunk by chunk from the offload file
-            part = (state, held if streamed else [p.grad for p in held], streamed)
-            return clip_sharded([part], [], max_norm, norm_type, error_if_nonfinite=False)
+            owner_of = dict(zip(map(id, state.handles.optimizer.segments()),
+                                state.handles.optimizer.segment_param_indices()))
+            parts = parts_of(state, [(p, state.bucketed[owner_of[id(p)]]) for p in held])
+            return clip_sharded(parts, [], max_norm, norm_type, error_if_nonfinite=False)
+        if state.tensor_parallel is not None:  # stage 0: the local leaves themselves
+            return clip_sharded(parts_of(state, [(p, p) for p in held]), [], max_norm, norm_type,
+                                error_if_nonfinite=False)
         return clip_sharded([], [p.grad for p in held], max_norm, norm_type, error_if_nonfinite=False)
 
 

@@ -10,6 +10,7 @@ from typing import Dict, List, Optional, Set
 import torch
 import torch.distributed as dist
 
+from ..groups import TensorParallel
 from ..optim import StepRound
 from ..tools import CoreHandles
 
@@ -44,6 +45,9 @@ class ZeroState:
     frozen_at_wrap: Set[int] = field(default_factory=set)  # ids of parameters frozen then
     output_dtype: Optional[torch.dtype] = None  # MixedPrecision.output_dtype: the forward's outputs cast to it
     unit_of_module: Dict[int, int] = field(default_factory=dict)  # stage 3: id(member module) -> unit index
+    # A tensor-parallel model: the tp group and each local leaf's spec
+    # (groups/tensor_parallel.py, [Note: local leaves]); None otherwise.
+    tensor_parallel: Optional[TensorParallel] = None
 
     def __post_init__(self) -> None:
         self.handles = CoreHandles.of(self.core)  # the core by concern (tools/core_handles.py)

@@ -18,15 +18,30 @@ def full_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
         for name, p in model.named_parameters(remove_duplicate=False):  # tied names too
             if name in full and id(p) in masters:
                 full[name] = masters[id(p)].to("cpu", copy=True)
-    return full
+    return _over_tensor_parallel(state, model, full, lambda tp, t, spec: tp.full(t, spec))
+
+
+def _over_tensor_parallel(state, model: torch.nn.Module, values: Dict[str, Optional[torch.Tensor]], how) -> dict:
+    """A tensor-parallel model: each local leaf's entry made full (gathered
+    over tp, a collective in named_parameters() order) or local, by `how`."""
+    tp = state.tensor_parallel
+    if tp is None:
+        return values
+    out = dict(values)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        spec = tp.spec_of(p)
+        if spec is not None and out.get(name) is not None:
+            out[name] = how(tp, out[name], spec)
+    return out
 
 
 @torch.no_grad()
 def load_full_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Loads a full state_dict (e.g. from an unwrapped model) into a wrapped
     model, in place, on every rank. Keys must match exactly."""
-    state_of(model)
-    model.load_state_dict(state_dict, strict=True)  # stage 3: gathers and writes shards
+    state = state_of(model)
+    local = _over_tensor_parallel(state, model, dict(state_dict), lambda tp, t, spec: tp.local_of(t, spec))
+    model.load_state_dict(local, strict=True)  # stage 3: gathers and writes shards
 
 
 @torch.no_grad()
@@ -41,4 +56,5 @@ def full_grads(model: torch.nn.Module) -> Dict[str, Optional[torch.Tensor]]:
     grads = state.handles.reduction.full_grads()
     has = state.handles.reduction.has_grad()
     by_id = {id(p): (g.float().cpu() if h else None) for p, g, h in zip(state.bucketed, grads, has)}
-    return {name: by_id.get(id(p)) for name, p in model.named_parameters()}
+    out = {name: by_id.get(id(p)) for name, p in model.named_parameters()}
+    return _over_tensor_parallel(state, model, out, lambda tp, t, spec: tp.full(t, spec))

@@ -15,11 +15,12 @@ first differing parameter's description) so the error names the parameter.
 from __future__ import annotations
 
 import hashlib
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
-from ..groups import Topology
+from ..groups import TensorParallel, Topology, global_description
 from ..tools import all_gather_into_tensor
 
 _DESCRIPTION_BYTES = 200
@@ -168,4 +169,61 @@ def wrap_fields(options, topology: Topology, ordered: List[torch.nn.Parameter], 
         ("zero_ext groups already held", pooled_groups,
          f"{pooled_groups} pooled groups (models wrapped before on this rank)"),
         ("versions", version, version),
+    ]
+
+
+def check_tensor_parallel_agree(topology: Topology, tp: TensorParallel, device: torch.device,
+                                fields: List[Tuple[str, object, str]], dp_error: Optional[ValueError]) -> None:
+    """Collective over every rank of the dp x tp mesh: the fields that every
+    rank has alike whatever its tp coordinate (full shapes and placements,
+    stage, options), and whether its data-parallel check (run before, over
+    its dp group only) failed, so that a failure anywhere raises on every
+    rank, never leaving the other tp groups to wait. Raises ValueError."""
+    exchange_device = device if device.type == "cuda" else torch.device("cpu")
+    mine = [int(dist.get_rank()), int(dp_error is not None)] + [_hash(value) for _, value, _ in fields]
+    row = torch.tensor(mine, dtype=torch.int64, device=exchange_device)
+    rows = _Table(topology, exchange_device).gather(row) if topology.mesh_size > 1 else row.view(1, -1).cpu()
+    table = torch.empty(tp.size * rows.numel(), dtype=torch.int64, device=exchange_device)
+    all_gather_into_tensor(table, rows.reshape(-1).to(exchange_device).contiguous(), group=tp.group)
+    table = table.view(-1, len(mine)).cpu()
+    ranks = table[:, 0].tolist()
+    failed = [r for r, bad in zip(ranks, table[:, 1].tolist()) if bad]
+    if dp_error is not None:
+        raise dp_error
+    lines = []
+    for k, (name, _, shown) in enumerate(fields):
+        column = table[:, k + 2]
+        if bool((column == column[0]).all()):
+            continue
+        others = sorted(r for r, v in zip(ranks, column.tolist()) if v != mine[k + 2])
+        lines.append(f"{name}: {shown} on this rank (global rank {mine[0]}); different on global "
+                     + _ranks_text(others))
+    if failed and not lines:
+        raise ValueError(
+            f"zero_ext.wrap: global rank(s) {sorted(failed)} found that their data-parallel group wrapped different "
+            "models or options (their error names what differs); every rank stopped.")
+    if lines:
+        raise ValueError(
+            "zero_ext.wrap: the ranks of the tensor-parallel model disagree about it, so their collectives would "
+            "not match:\n  " + "\n  ".join(lines)
+            + "\nEvery rank must build the same mesh (init_device_mesh with the same shape and names), apply the "
+              "same parallelize_module plan to the same model, and call zero_ext.wrap() with the same options and "
+              "process_group=mesh['dp'].")
+
+
+def tensor_parallel_fields(options, topology: Topology, tp: TensorParallel, names: List[str],
+                           ordered: List[torch.nn.Parameter], unit_names: List[str]) -> List[Tuple[str, object, str]]:
+    """What every rank of the dp x tp mesh has alike, field by field."""
+    described = sorted(global_description(n, p) for n, p in zip(names, ordered))
+    precision = options.precision
+    return [
+        ("mesh", (topology.replicas, topology.shard_size, tp.size),
+         f"data parallel {topology.replicas} x {topology.shard_size}, tensor parallel {tp.size}"),
+        ("stage", options.stage, f"stage={options.stage}"),
+        ("parameters", described, f"{len(described)} parameters (full shapes and placements)"),
+        ("units", unit_names, f"{len(unit_names)} units"),
+        ("mixed_precision", (str(precision.compute_dtype), str(precision.reduce_dtype), repr(precision.loss_scale)),
+         f"compute {precision.compute_dtype}"),
+        ("offload", (options.offload_optimizer, options.offload_params),
+         f"offload_optimizer={options.offload_optimizer!r}, offload_params={options.offload_params!r}"),
     ]

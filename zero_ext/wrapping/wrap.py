@@ -14,9 +14,10 @@ import torch.distributed as dist
 from .config import DynamicLossScale, MixedPrecision
 from .buckets import plan_buckets
 from ..files import install_pretrained_export, local_views
-from .deferred_init import materialize, move_to_device, plan_deferred
-from ..groups import (Ranks, Topology, acquire_groups, acquire_mesh_groups, acquire_subgroups, group_timeout,
-                     pooled_groups, resolve_topology, retire_if_failed)
+from .deferred_init import has_meta_parameters, materialize, move_to_device, plan_deferred
+from ..groups import (Ranks, TensorParallel, Topology, acquire_groups, acquire_mesh_groups, acquire_subgroups, group_timeout,
+                     check_supported, find_tensor_parallel, localize, pooled_groups, resolve_topology,
+                     retire_if_failed, tensor_parallel_of)
 from ..groups import stall_query as whereabouts
 from ..optim import WHOLE, optimizer_sharding, plan_owners, shard_optimizer
 from ..runtime import ZeroState, install_forward_hooks, swap_module_class
@@ -25,7 +26,7 @@ from .unit_advice import unit_advice
 from .units import Unit, assign_parameters, resolve_units
 from .reshard import plan_reshard
 from .arguments import Options, check_backend, check_launch, check_wrap_arguments, optimizer_list
-from .fingerprint import check_ranks_agree, wrap_fields
+from .fingerprint import check_ranks_agree, check_tensor_parallel_agree, tensor_parallel_fields, wrap_fields
 
 def _plan_units(model: torch.nn.Module, units: List[Unit]):
     """Stage 3: one bucket per unit and dtype, frozen parameters included.
@@ -279,6 +280,12 @@ def wrap(
     if not isinstance(unfreeze_later, bool):
         raise TypeError(f"zero_ext.wrap: unfreeze_later must be True or False, got {unfreeze_later!r}")
     optimizers = optimizer_list(optimizer)
+    # A tensor-parallel model: its DTensor parameters become local leaves
+    # first ([Note: local leaves] in groups/tensor_parallel.py), put back if wrap() fails.
+    found = find_tensor_parallel(model, process_group) if isinstance(model, torch.nn.Module) else []
+    check_supported(found, has_meta_parameters(model) if found else False, optimizers, stage, _elementwise)
+    specs, restore = localize(found, optimizers)
+    arguments["tensor_parallel"] = tensor_parallel_of(found, specs)
     # Planned as trainable and frozen again right after, the supported way to
     # unfreeze later (see ZeroState.check_parameters_unchanged).
     later = [p for p in _optimized_parameters(optimizers)
@@ -287,9 +294,19 @@ def wrap(
         p.requires_grad_(True)
     try:
         return _wrap(**arguments)
+    except BaseException:
+        restore()
+        raise
     finally:
         for p in later:
             p.requires_grad_(False)
+
+
+def _elementwise(optimizer: torch.optim.Optimizer) -> bool:
+    try:
+        return optimizer_sharding(optimizer, shards_state=True) != WHOLE
+    except TypeError:  # reads across parameters (LBFGS)
+        return False
 
 
 def _optimized_parameters(optimizers: List[torch.optim.Optimizer]) -> List[torch.nn.Parameter]:
@@ -298,7 +315,8 @@ def _optimized_parameters(optimizers: List[torch.optim.Optimizer]) -> List[torch
 
 def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optimizer, offload_params, offload_path,
           units, bucket_mb, timeout, prefetch, skip_nonfinite, device, param_init_fn,
-          reshard_after_forward, max_live_mb, persist_kb) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+          reshard_after_forward, max_live_mb, persist_kb,
+          tensor_parallel: Optional[TensorParallel]) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
     """wrap(), once the parameters unfreeze_later plans as trainable are marked so."""
     optimizers = optimizer_list(optimizer)
     trainable, options = check_wrap_arguments(model, optimizers, stage, mixed_precision, offload_optimizer,
@@ -339,11 +357,20 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
     names = [names_by_id[id(p)] for p in ordered]
     unit_names = _unit_names(model, unit_list)
     reshard = plan_reshard(options.reshard_after_forward, unit_list, unit_names, topology.shard_size)
-    check_ranks_agree(topology, model_device, wrap_fields(
+    fields = wrap_fields(
         options, topology, ordered, names, counts, unit_names, unit_of_bucket, list(model.named_buffers()),
         deferred is not None, pooled_groups(), f"zero_ext {__version__}, torch {torch.__version__}",
-        owners or [-1] * len(ordered), reshard),
-        list(zip(names, ordered)))
+        owners or [-1] * len(ordered), reshard)
+    if tensor_parallel is None:
+        check_ranks_agree(topology, model_device, fields, list(zip(names, ordered)))
+    else:  # the dp group's check, then one over dp x tp, which also carries the first one's outcome
+        dp_error = None
+        try:
+            check_ranks_agree(topology, model_device, fields, list(zip(names, ordered)))
+        except ValueError as error:
+            dp_error = error
+        check_tensor_parallel_agree(topology, tensor_parallel, model_device, tensor_parallel_fields(
+            options, topology, tensor_parallel, names, ordered, unit_names), dp_error)
     if deferred:
         move_to_device(deferred, ordered, names)
     # Groups of zero_ext's own (see groups/process_groups.py), owned by this model; stage 3
@@ -405,6 +432,7 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
         streams_optimizer=options.offload_optimizer == "nvme",
         frozen_at_wrap={id(p) for p in model.parameters() if not p.requires_grad},
         output_dtype=options.precision.output_dtype,
+        tensor_parallel=tensor_parallel,
     )
     weakref.finalize(state, retire_if_failed, handles,
                      own_groups + ([replica_group] if replica_group is not None else []) + header_groups
