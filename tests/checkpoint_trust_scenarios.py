@@ -250,7 +250,7 @@ def _mutate_meta(path: str, case: str) -> None:
     elif case == "no-optimizer-classes":  # version 4 records them
         del meta["optimizer_classes"]
     elif case == "newer-version":
-        meta["version"] = 5
+        meta["version"] = 6
     elif case == "older-version":
         meta["version"] = 2
     else:

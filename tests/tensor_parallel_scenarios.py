@@ -76,6 +76,114 @@ def parallelize(model: TPNet, tp_mesh) -> TPNet:
     return model
 
 
+SEQ, EXPERTS = 4, 4
+
+
+class SequenceParallelNet(nn.Module):
+    """Sequence parallel (Megatron-SP): the norms see this rank's part of
+    the sequence (SequenceParallel), up gathers it (ColwiseParallel from
+    Shard(1)), down scatters it back (RowwiseParallel to Shard(1)); the
+    norm weights are replicated DTensors whose gradients come out Partial."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.inp = nn.Linear(IN, HIDDEN)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.out = nn.Linear(HIDDEN, OUT)
+        self.tp_mesh = None
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (batch, SEQ, IN)
+        h = self.inp(x)
+        if self.tp_mesh is not None:  # this rank's part of the sequence (its backward gathers the gradient)
+            from torch.distributed.tensor import DTensor, Replicate, Shard
+            h = DTensor.from_local(h, self.tp_mesh, [Replicate()]).redistribute(self.tp_mesh, [Shard(1)]).to_local()
+        for block in self.blocks:
+            h = block(h)
+        if self.tp_mesh is not None:  # the whole sequence again (differentiable)
+            from torch.distributed.tensor import DTensor, Shard
+            h = DTensor.from_local(h, self.tp_mesh, [Shard(1)]).full_tensor()
+        return self.out(h).mean(dim=1)
+
+
+def parallelize_sequence(model: SequenceParallelNet, tp_mesh) -> SequenceParallelNet:
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+                                            "down": RowwiseParallel(output_layouts=Shard(1))})
+    model.tp_mesh = tp_mesh
+    return model
+
+
+class PackedExperts(nn.Module):
+    """EXPERTS experts packed in two parameters, (E, HIDDEN, FFN) and (E,
+    FFN, HIDDEN); made expert parallel by splitting them along dim 0 over
+    the tp dimension (each tp rank holds whole experts). Tokens go to one
+    expert each, weighted by a router's gate; an expert no token picks gets
+    no gradient that step."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(EXPERTS, HIDDEN, FFN))
+        self.w2 = nn.Parameter(torch.empty(EXPERTS, FFN, HIDDEN))
+
+    def forward(self, x: torch.Tensor, route: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        w1, w2, first, mesh = self.w1, self.w2, 0, None
+        if type(w1).__name__ == "DTensor":
+            from torch.distributed.tensor import DTensor, Partial, Replicate
+            mesh = w1.device_mesh
+            w1, w2 = w1.to_local(), w2.to_local()
+            first = mesh.get_local_rank() * w1.shape[0]
+            # The same tokens on every tp rank; each rank's experts give a part
+            # of their gradient, summed over tp in backward.
+            x = DTensor.from_local(x, mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+            gate = DTensor.from_local(gate, mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+        out = torch.zeros_like(x)
+        for e in range(w1.shape[0]):
+            picked = route == first + e
+            if bool(picked.any()):
+                y = torch.tanh(x[picked] @ w1[e]) @ w2[e]
+                out = out.index_add(0, picked.nonzero().view(-1), y * gate[picked, first + e:first + e + 1])
+        if mesh is not None:  # each rank's experts' part, summed over tp
+            out = DTensor.from_local(out, mesh, [Partial()]).redistribute(mesh, [Replicate()]).to_local()
+        return out
+
+
+class MoENet(nn.Module):
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.inp = nn.Linear(IN, HIDDEN)
+        self.router = nn.Linear(HIDDEN, EXPERTS)
+        self.experts = PackedExperts()
+        self.out = nn.Linear(HIDDEN, OUT)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        self.skipped = EXPERTS - 1  # routed to in no step but the last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        gate = torch.softmax(self.router(h), dim=-1)
+        # Fixed routing (not the gate's argmax, which rounding could flip):
+        # token k goes to expert k % (EXPERTS - 1), so one expert is skipped.
+        route = torch.arange(h.shape[0]) % (EXPERTS - 1)
+        return self.out(h + self.experts(h, route, gate))
+
+
+def parallelize_experts(model: MoENet, tp_mesh) -> MoENet:
+    from torch.distributed.tensor import Shard, distribute_tensor
+    for name in ("w1", "w2"):
+        param = getattr(model.experts, name)
+        model.experts.register_parameter(name, nn.Parameter(distribute_tensor(param.detach(), tp_mesh, [Shard(0)])))
+    return model
+
+
 _MESHES: dict = {}
 
 
@@ -111,9 +219,13 @@ class TPContext:
             self.dp_mesh, self.tp_mesh, _, self.dp_rank = mesh_of(layout)
         self.checkpoints: list = []
 
-    def model(self, **kwargs) -> TPNet:
-        model = TPNet(**kwargs)
-        return model if self.reference else parallelize(model, self.tp_mesh)
+    def model(self, cls=None, **kwargs) -> nn.Module:
+        cls = cls or TPNet
+        model = cls(**kwargs)
+        if self.reference:
+            return model
+        how = {TPNet: parallelize, SequenceParallelNet: parallelize_sequence, MoENet: parallelize_experts}[cls]
+        return how(model, self.tp_mesh)
 
     def wrap(self, model, opt, stage: Optional[int] = None, **options):
         if self.reference:
@@ -128,7 +240,7 @@ class TPContext:
 
     def loss(self, model, step: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(1000 * step + 7)
-        x = torch.randn(self.dp * BATCH, IN, generator=g)
+        x = torch.randn(self.dp * BATCH, *((SEQ,) if isinstance(model, SequenceParallelNet) else ()), IN, generator=g)
         y = torch.randn(self.dp * BATCH, OUT, generator=g)
         total = 0.0
         for r, w in self.participants():
@@ -195,6 +307,15 @@ def sgd_momentum_plain(ctx: TPContext) -> None:
     model = ctx.model()
     model, opt = ctx.wrap(model, sgd_momentum(model))
     _train(ctx, model, opt, steps=3)
+    ok = True
+    if not ctx.reference:  # memory_report per dimension: the full model, then this rank's tp part
+        report = zero_ext.memory_report(model, opt)
+        whole = {n: p.numel() * 4 for n, p in TPNet().named_parameters()}
+        split = {n for n in whole if n.endswith(("up.weight", "up.bias", "down.weight"))}
+        tp = ctx.tp_mesh.size()
+        ok = (report["params_full"] == sum(whole.values())
+              and report["params_tp_local"] == sum(b // tp if n in split else b for n, b in whole.items()))
+    ctx.checkpoints.append(("memory_report per dimension", {"ok": torch.tensor(ok)}))
 
 
 def adamw_no_sync_accumulation_clip(ctx: TPContext) -> None:
@@ -228,6 +349,22 @@ def activation_checkpointed_blocks(ctx: TPContext) -> None:
         parallelize(model, ctx.tp_mesh)
     model, opt = ctx.wrap(model, adamw(model))
     _train(ctx, model, opt, steps=2)
+
+
+def sequence_parallel_norms(ctx: TPContext) -> None:
+    """SequenceParallel norms (their weights' gradients Partial over tp,
+    summed by the leaves' DTensor), clipped, momentum SGD."""
+    model = ctx.model(SequenceParallelNet)
+    model, opt = ctx.wrap(model, sgd_momentum(model))
+    _train(ctx, model, opt, steps=2, clip=(0.5,))
+
+
+def packed_experts_skipping_one(ctx: TPContext) -> None:
+    """A packed-expert MoE, experts split whole over tp (expert parallel on
+    the tp dimension), one expert routed no token: AdamW, clipped."""
+    model = ctx.model(MoENet)
+    model, opt = ctx.wrap(model, adamw(model))
+    _train(ctx, model, opt, steps=2, clip=(0.5,))
 
 
 def checkpoint_at_another_stage_and_convert(ctx: TPContext) -> None:
@@ -280,21 +417,115 @@ def _shared_dir(ctx: TPContext) -> str:
     return os.path.join(box[0], "ckpt")
 
 
+REFUSALS = {  # case: what every rank's error must say
+    "process_group=None (the world, which holds the tp ranks)": "Pass the data-parallel dimension",
+    "process_group=mesh['tp']": "Pass the data-parallel dimension",
+    "a non-elementwise optimizer on tensor-parallel parameters": "not elementwise",
+    "stage 2 on tp rank 1, 3 elsewhere (each dp group agrees)": "stage",
+    # tp rank 0's ranks raise what differs, the others that their peers' dp group failed
+    "another bucket_mb on one rank of tp rank 0's dp group only": ("bucket", "their data-parallel group wrapped"),
+    "save_weights of a tensor-parallel model": "full_state_dict",
+    "a dp 2 x tp 2 checkpoint loaded at dp 1 x tp 4": "split over tensor parallel along dim 1",
+}
+
+
+class _NotElementwise(torch.optim.Optimizer):
+    """Reads a whole parameter (a row norm): what zero_ext steps by owner."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad / (p.grad.norm() + 1e-6), alpha=-group["lr"])
+
+
+def refusals(ctx: TPContext) -> None:
+    """Each case raises zero_ext's error on every rank (one rank going on
+    would hang in its next collective), and a good wrap follows each."""
+    if ctx.reference:
+        for case in REFUSALS:
+            ctx.checkpoints.append((case, {"ok": torch.tensor(True)}))
+        return
+    dp_mesh, tp_mesh, _, dp_rank = mesh_of(ctx.layout)
+    tp_rank = tp_mesh.get_local_rank()
+
+    def attempt(case: str) -> str:
+        model = ctx.model()
+        opt = adamw(model)
+        try:
+            if case.startswith("process_group=None"):
+                zero_ext.wrap(model, opt, stage=ctx.stage)
+            elif case.startswith("process_group=mesh['tp']"):
+                zero_ext.wrap(model, opt, stage=ctx.stage, process_group=tp_mesh)
+            elif case.startswith("a non-elementwise"):
+                zero_ext.wrap(model, _NotElementwise(model.parameters()), stage=ctx.stage, process_group=dp_mesh)
+            elif case.startswith("stage 2 on tp rank 1"):
+                zero_ext.wrap(model, opt, stage=2 if tp_rank == 1 else 3, process_group=dp_mesh)
+            elif case.startswith("another bucket_mb"):
+                zero_ext.wrap(model, opt, stage=ctx.stage, process_group=dp_mesh,
+                              bucket_mb=1.0 if (tp_rank, dp_rank) == (0, 1) else BUCKET_MB)
+            elif case.startswith("save_weights"):
+                model, opt = ctx.wrap(model, opt)
+                zero_ext.save_weights(model, _shared_dir(ctx))
+            else:
+                model, opt = ctx.wrap(model, opt)
+                path = _shared_dir(ctx)
+                zero_ext.save(path, model, opt)
+                other_dp, other_tp, _, _ = mesh_of("1x4")
+                wide = parallelize(TPNet(), other_tp)
+                wide_opt = adamw(wide)
+                wide, wide_opt = zero_ext.wrap(wide, wide_opt, stage=ctx.stage, process_group=other_dp,
+                                               bucket_mb=BUCKET_MB)
+                try:
+                    zero_ext.load(path, wide, wide_opt)
+                finally:
+                    dist.barrier()
+                    if dist.get_rank() == 0:
+                        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        except (ValueError, NotImplementedError) as error:
+            return str(error)
+        return "accepted"
+
+    for case, expected in REFUSALS.items():
+        message = attempt(case)
+        ok = any(e in message for e in (expected if isinstance(expected, tuple) else (expected,)))
+        ctx.checkpoints.append((case, {"ok": torch.tensor(ok)}))
+        if not ok:
+            print(f"[tp refusal] {case}: {message[:400]}", flush=True)
+    # Nothing was left half done: the same ranks wrap and train.
+    sgd_momentum_plain(ctx)
+
+
+def _refusals_reference(ctx: TPContext) -> None:
+    refusals(ctx)
+    if ctx.reference:
+        sgd_momentum_plain(ctx)
+
+
 SCENARIOS = {f.__name__: f for f in [
     sgd_momentum_plain,
     adamw_no_sync_accumulation_clip,
     inf_norm_clip_retain_graph,
     activation_checkpointed_blocks,
+    sequence_parallel_norms,
+    packed_experts_skipping_one,
     checkpoint_at_another_stage_and_convert,
 ]}
+SCENARIOS["refusals"] = _refusals_reference
 # The 1x4 and 3-D layouts run a representative pair.
 LAYOUT_SCENARIOS = {"2x2": list(SCENARIOS), "1x4": ["adamw_no_sync_accumulation_clip", "sgd_momentum_plain"],
                     "2x1x2": ["adamw_no_sync_accumulation_clip", "checkpoint_at_another_stage_and_convert"]}
 
 
+STAGES_OF = {"refusals": (1, 3)}  # stage-independent but for the checkpoint case
+
+
 def all_items() -> List[str]:
     return [f"{name}/stage{stage}/tp{layout}" for layout in LAYOUTS for name in LAYOUT_SCENARIOS[layout]
-            for stage in range(4)]
+            for stage in STAGES_OF.get(name, range(4))]
 
 
 _REFERENCES: dict = {}

@@ -102,8 +102,8 @@ FIELDS = {
     "wrong-type": ["start"], "not-a-dict": ["object"], "deep": ["JSON"], "overlap": ["overlap"],
     "gap": ["lin.weight"], "unknown-file": ["evil.sh"],
     "bad-optimizer-class": ["optimizer_classes[0]", "qualified class name"],
-    "no-optimizer-classes": ["optimizer_classes", "missing"], "newer-version": ["version 5", "newer zero_ext"],
-    "older-version": ["version 2", "reads versions 3 to 4"],
+    "no-optimizer-classes": ["optimizer_classes", "missing"], "newer-version": ["version 6", "newer zero_ext"],
+    "older-version": ["version 2", "reads versions 3 to 5"],
 }
 
 

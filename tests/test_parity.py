@@ -7,6 +7,8 @@ and a fresh one goes on with the next scenario. Results are cached per world
 size and reported one test per scenario and stage.
 ZERO_EXT_PARITY_WORLDS=1,2 limits the world sizes (the torch-versions subset).
 
+Tensor parallelism: tensor_parallel_scenarios.py's items, in the world-4 group.
+
 Hybrid sharding: every scenario again at world size 4 as a 2x2 (replicate,
 shard) DeviceMesh, and a representative set on the degenerate 4x1 (replicas
 only) and 1x4 (one row: flat) meshes, against the same flat reference.
@@ -18,6 +20,7 @@ import pytest
 
 from dist_harness import assert_item_matched, run_items_on_ranks
 from parity_scenarios import all_items
+from tensor_parallel_scenarios import all_items as tensor_parallel_items
 
 WORLD_SIZES = tuple(int(w) for w in os.environ.get("ZERO_EXT_PARITY_WORLDS", "1,2,4").split(","))
 
@@ -42,9 +45,13 @@ def mesh_items(mesh: str):
     return items if names is None else [i for i in items if any(i.startswith(n + "/") for n in names)]
 
 
+# Tensor parallelism (tensor_parallel_scenarios.py): its items run in the flat world-4 group.
+TENSOR_PARALLEL = tensor_parallel_items() if 4 in WORLD_SIZES else []
+
+
 @functools.lru_cache(maxsize=None)
 def group_results(world: int, mesh: str = ""):
-    items = mesh_items(mesh) if mesh else all_items()
+    items = mesh_items(mesh) if mesh else all_items() + (TENSOR_PARALLEL if world == 4 else [])
     return run_items_on_ranks(world, "parity_scenarios:run_one", items, item_deadline_s=180)
 
 
@@ -60,3 +67,11 @@ def test_parity(world, item):
 def test_hybrid_parity(item):
     mesh = item.rsplit("/mesh", 1)[1]
     assert_item_matched(4, group_results(4, mesh)[item])
+
+
+@pytest.mark.parametrize("item", TENSOR_PARALLEL)
+def test_tensor_parallel_parity(item):
+    """A model made tensor parallel with parallelize_module, wrapped over
+    mesh['dp'] (dp 2 x tp 2, dp 1 x tp 4, (replicate 2, shard 1) x tp 2),
+    against one process over the global batch."""
+    assert_item_matched(4, group_results(4)[item])

@@ -8,10 +8,16 @@ the writing). Values are the fp32 masters where they exist. Pieces are
 indexed by parameter name and element range, not by rank or bucket, so a
 loading rank reads the ranges of each parameter its own layout needs,
 whatever world size, stage or bucket size wrote them.
+
+A tensor-parallel model (groups/tensor_parallel.py) stores each parameter
+full: a parameter split over tp tp rank by tp rank (each rank's part
+flattened, metadata ParamMeta.tensor_parallel), so a rank's ranges of its
+local leaf shift by where its part starts (stored_offset); a parameter every
+tp rank holds alike is written by tp rank 0 and read by all.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -79,12 +85,77 @@ def wanted_ranges(state, model: torch.nn.Module, optimizer) -> Dict[str, List[Tu
     optimizer state."""
     wanted: Dict[str, List[Tuple[int, int]]] = {}
     names = state.bucketed_names
+    shift = [stored_offset(state, p, writing=False) for p in state.bucketed]
     for i, start, view in local_views(state):
-        wanted.setdefault(names[i], []).append((start, view.numel()))
+        wanted.setdefault(names[i], []).append((shift[i] + start, view.numel()))
     bucketed = {id(p) for p in state.bucketed}
     for n, p in model.named_parameters():
         if id(p) not in bucketed:
-            wanted.setdefault(n, []).append((0, p.numel()))
+            wanted.setdefault(n, []).append((stored_offset(state, p, writing=False), p.numel()))
     for tensor, i, start in optimizer_pieces(state, optimizer):
-        wanted.setdefault(names[i], []).append((start, tensor.numel()))
+        wanted.setdefault(names[i], []).append((shift[i] + start, tensor.numel()))
     return wanted
+
+
+def _split_numels(spec) -> List[int]:
+    """Each tp rank's element count of a split parameter."""
+    dim, shape = spec.shard_dim, list(spec.shape)
+    out = []
+    for size in spec.local_sizes():
+        shape[dim] = size
+        n = 1
+        for s in shape:
+            n *= s
+        out.append(n)
+    return out
+
+
+def stored_offset(state, p: torch.Tensor, writing: bool) -> Optional[int]:
+    """Where this rank's local values of parameter `p` start among the stored
+    elements of the full parameter: 0 without tensor parallelism; None when
+    writing a part another tp rank writes (a parameter every tp rank holds
+    alike: tp rank 0 writes it)."""
+    tp = state.tensor_parallel
+    if tp is None:
+        return 0
+    spec = tp.spec_of(p)
+    if spec is None or spec.shard_dim is None:
+        return None if writing and tp.rank != 0 else 0
+    return sum(_split_numels(spec)[:tp.rank])
+
+
+def full_shape(state, p: torch.Tensor) -> Tuple[int, ...]:
+    """The parameter's full shape (a tensor-parallel leaf's: the full tensor's)."""
+    spec = state.tensor_parallel.spec_of(p) if state.tensor_parallel is not None else None
+    return tuple(spec.shape) if spec is not None else tuple(p.shape)
+
+
+def tensor_parallel_split(state, p: torch.Tensor) -> Optional[Tuple[int, Tuple[int, ...]]]:
+    """(dim, each tp rank's extent) of a parameter split over tp, else None."""
+    spec = state.tensor_parallel.spec_of(p) if state.tensor_parallel is not None else None
+    if spec is None or spec.shard_dim is None:
+        return None
+    return spec.shard_dim, tuple(spec.local_sizes())
+
+
+def check_split_readable(state, model: torch.nn.Module, saved_splits: Dict[str, Optional[tuple]], where: str) -> None:
+    """Refuses (ValueError) a checkpoint whose stored order of some parameter
+    is not the one this model's ranks read: a split along a dimension other
+    than 0 read at another tp layout (along dim 0, or not split, the stored
+    order is the full tensor's own, which any split reads)."""
+    for name, p in model.named_parameters():
+        if name not in saved_splits:
+            continue  # strict=False: not loaded
+        saved = saved_splits[name]
+        mine = tensor_parallel_split(state, p)
+        if saved == mine:
+            continue
+        if (saved is None or saved[0] == 0) and (mine is None or mine[0] == 0):
+            continue
+        raise ValueError(
+            f"zero_ext.load: {where} stores '{name}' "
+            + (f"split over tensor parallel along dim {saved[0]} into {list(saved[1])}" if saved else "whole")
+            + ", and this model "
+            + (f"splits it along dim {mine[0]} into {list(mine[1])}" if mine else "holds it whole")
+            + ". Load it with the tensor-parallel layout it was saved with, or convert it to full tensors "
+              "(python -m zero_ext.convert) and load those with zero_ext.load_full_state_dict.")

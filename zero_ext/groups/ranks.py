@@ -10,6 +10,7 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from ..tools import all_gather_into_tensor
 from .process_groups import handed_to_backend
 
 
@@ -36,9 +37,15 @@ class Ranks:
         self.stage = state.stage
         self.group = state.process_group
         # Over every rank of the mesh (hybrid: both levels); ranks by mesh rank.
-        self.distributed = self.group is not None and state.mesh_size > 1
-        self.rank = state.mesh_rank if self.distributed else 0
-        self.world = state.mesh_size
+        # A tensor-parallel model: over the data-parallel mesh, then across tp
+        # (groups/tensor_parallel.py); rank tp_rank * mesh size + mesh rank.
+        self.tp = state.tensor_parallel if state.tensor_parallel is not None and state.tensor_parallel.size > 1 \
+            else None
+        self.mesh_size = state.mesh_size
+        self.distributed = (self.group is not None and state.mesh_size > 1) or self.tp is not None
+        self.rank = (state.mesh_rank if self.group is not None and state.mesh_size > 1 else 0) + (
+            self.tp.rank * state.mesh_size if self.tp is not None else 0)
+        self.world = state.mesh_size * (self.tp.size if self.tp is not None else 1)
         self.handles = state.handles
         # NCCL moves device tensors only; gloo takes host tensors.
         self.device = state.device if dist.is_initialized() and self.distributed and \
@@ -56,10 +63,17 @@ class Ranks:
         return RuntimeError(f"{self.operation} at {self.where()} stopped: {error}")
 
     def _all_gather(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
-        out = torch.empty(self.world * tensor.numel(), dtype=tensor.dtype, device=self.device)
+        out = torch.empty(self.mesh_size * tensor.numel(), dtype=tensor.dtype, device=self.device)
         with handed_to_backend(out, tensor):
             try:
-                self.handles.collectives.mesh_all_gather(out, tensor, what)
+                if self.mesh_size > 1:
+                    self.handles.collectives.mesh_all_gather(out, tensor, what)
+                else:
+                    out.copy_(tensor.view(-1))
+                if self.tp is not None:
+                    across = torch.empty(self.world * tensor.numel(), dtype=tensor.dtype, device=self.device)
+                    all_gather_into_tensor(across, out, group=self.tp.group)
+                    out = across
             except RuntimeError as error:  # a peer died or left: say where this rank was
                 raise self._failed(error) from error
         return out.view(self.world, -1)
@@ -67,7 +81,10 @@ class Ranks:
     def _broadcast(self, tensor: torch.Tensor, what: str) -> None:
         with handed_to_backend(tensor):
             try:
-                self.handles.collectives.mesh_broadcast_from_rank0(tensor, what)
+                if self.mesh_size > 1:
+                    self.handles.collectives.mesh_broadcast_from_rank0(tensor, what)
+                if self.tp is not None:  # tp rank 0 of each tp group holds rank 0's now
+                    dist.broadcast(tensor, dist.get_global_rank(self.tp.group, 0), group=self.tp.group)
             except RuntimeError as error:
                 raise self._failed(error) from error
 

@@ -1,6 +1,7 @@
 """Bytes of model state a rank holds, for logs, demos and benchmarks."""
 from __future__ import annotations
 
+import math
 from typing import Dict
 
 import torch
@@ -25,6 +26,8 @@ def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> D
     the fp32 shard accumulator, as the stage keeps them), and with mixed
     precision the fp32 master shards count as optimizer state, as in the ZeRO
     paper's K; for a plain or DDP model gradients are the .grad tensors.
+    A tensor-parallel model's report adds "params_full" and "params_tp_local"
+    (see _per_dimension).
     """
     optimizer = as_one(optimizer)  # a list or tuple of the model's optimizers
     masters = 0
@@ -40,4 +43,21 @@ def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> D
     else:
         params = sum(p.numel() * p.element_size() for p in model.parameters())
         grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
-    return {"params": params, "grads": grads, "optimizer_state": _optimizer_state_bytes(optimizer) + masters}
+    report = {"params": params, "grads": grads, "optimizer_state": _optimizer_state_bytes(optimizer) + masters}
+    if state is not None and state.tensor_parallel is not None:
+        report.update(_per_dimension(model, state.tensor_parallel))
+    return report
+
+
+def _per_dimension(model: torch.nn.Module, tp) -> Dict[str, int]:
+    """A tensor-parallel model's parameter bytes before each dimension
+    shards them: the full model ("params_full"), this rank's tensor-parallel
+    part of it ("params_tp_local", which the data-parallel group shards into
+    "params" at stage 3)."""
+    full = local = 0
+    for p in model.parameters():
+        spec = tp.spec_of(p)
+        size = p.element_size()
+        local += p.numel() * size
+        full += (math.prod(spec.shape) if spec is not None else p.numel()) * size
+    return {"params_full": full, "params_tp_local": local}

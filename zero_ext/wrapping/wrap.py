@@ -156,6 +156,8 @@ def _enable_stall_diagnosis(handles: CoreHandles, ranks: Ranks, topology: Topolo
     # model (or a restarted job whose store outlived the last one, as
     # torchrun's agent store does) never reads an earlier one's posts.
     key_space = ranks.from_rank0(uuid.uuid4().hex)
+    if ranks.tp is not None:  # each data-parallel group of a tensor-parallel model posts apart
+        key_space += f"-tp{ranks.tp.rank}"
     handles.diagnostics.enable_stall_diagnosis(min(max(seconds / 4, 1.0), 5.0), key_space,
                                                topology.shard_mesh_ranks(), topology.replica_mesh_ranks())
 

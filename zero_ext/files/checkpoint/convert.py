@@ -126,7 +126,7 @@ def _convert_safetensors(ckpt: "Checkpoint", out: str, dtype: Optional[torch.dty
     writer = st.ModelWriter(out, entries, max_bytes)
     try:
         for i, param in enumerate(params):
-            writer.put(i, reader.read(PieceKind.PARAM, param.name, 0, param.numel).view(param.shape))
+            writer.put(i, param.full_from_stored(reader.read(PieceKind.PARAM, param.name, 0, param.numel)))
         for k, buf in enumerate(buffers.values()):
             writer.put(len(params) + k, buf)
         writer.finish()
@@ -188,7 +188,7 @@ def _write(skeleton: Dict[str, torch.Tensor], fill: list, reader: "PieceReader",
                 value = tensor.contiguous()
             else:
                 flat = reader.read(PieceKind.PARAM, param.name, 0, tensor.numel())
-                value = flat.to(tensor.dtype).view(tensor.shape)
+                value = param.full_from_stored(flat.to(tensor.dtype))
             if value.numel() * value.element_size() != size:
                 raise RuntimeError(f"zero_ext.convert: record size mismatch for {param and param.name}")
             os.pwrite(f.fileno(), bytes_view(value), offset)

@@ -44,7 +44,8 @@ def _check_same_model(where: str, meta: CheckpointMeta, model: torch.nn.Module, 
     shapes always (a saved (1,) never broadcasts into a (4,))."""
     saved = {p.name: tuple(p.shape) for p in meta.params}
     saved.update({n: tuple(b.shape) for n, b in buffers.items()})
-    mine = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    state = state_of(model)
+    mine = {n: plan.full_shape(state, p) for n, p in model.named_parameters()}
     mine.update({n: tuple(b.shape) for n, b in plan.persistent_buffers(model).items()})
     missing = sorted(set(mine) - set(saved)) if strict else []
     unexpected = sorted(set(saved) - set(mine)) if strict else []
@@ -137,15 +138,17 @@ def _read_values(reader: PieceReader, scratch: torch.Tensor, state, model, loade
     rank holds: shards staged, whole parameters later."""
     out = []
     names = state.bucketed_names
+    shift = [plan.stored_offset(state, p, writing=False) for p in state.bucketed]
     for i, start, view in plan.local_views(state):
         if names[i] in loaded:
-            out.append((view, _fetch(state.sharded_optimizer, reader, scratch, PieceKind.PARAM, names[i], start,
-                                     view.numel(), dtype=view.dtype)))
+            out.append((view, _fetch(state.sharded_optimizer, reader, scratch, PieceKind.PARAM, names[i],
+                                     shift[i] + start, view.numel(), dtype=view.dtype)))
     bucketed = {id(p) for p in state.bucketed}
     for n, p in model.named_parameters():
         if id(p) not in bucketed and n in loaded:
-            out.append((p.detach().view(-1),
-                        _fetch(False, reader, scratch, PieceKind.PARAM, n, 0, p.numel(), dtype=p.dtype)))
+            out.append((p.detach().view(-1), _fetch(False, reader, scratch, PieceKind.PARAM, n,
+                                                    plan.stored_offset(state, p, writing=False), p.numel(),
+                                                    dtype=p.dtype)))
     return out
 
 
@@ -160,6 +163,7 @@ def _read_optimizer(where: str, reader: PieceReader, scratch: torch.Tensor, stat
         name, length = names[i], tensor.numel()
         if name not in loaded:
             continue  # strict=False: a parameter the checkpoint lacks starts fresh
+        start += plan.stored_offset(state, state.bucketed[i], writing=False)  # tensor parallel: this rank's part
         scalars = reader.scalars(name, start, length)
         keys = reader.keys(PieceKind.STATE, name)
         if not scalars and not keys and not reader.keys(PieceKind.WHOLE, name):
@@ -250,6 +254,7 @@ def _load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *
                 checkpoint.open(file)
             buffers = checkpoint.load_buffers()
             _check_same_model(where, meta, model, buffers, strict)
+            plan.check_split_readable(state, model, {p.name: p.tensor_parallel for p in meta.params}, where)
             if with_optimizer:
                 groups = _saved_groups(checkpoint, optimizer)
             else:  # "fresh": checked like every file, not used

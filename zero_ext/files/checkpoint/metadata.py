@@ -10,6 +10,9 @@ every shard file). Code past parse reads attributes, never string keys.
 Version 4 records the qualified class of each optimizer the state was saved
 from (`optimizer_classes`, so load can refuse another optimizer); version 3
 (saved before that) is read with `optimizer_classes` None: nothing to compare.
+Version 5 is a version 4 document whose parameters may carry `tensor_parallel`
+(a tensor-parallel model's split: ParamMeta); save writes 5 only then, so
+whatever an older zero_ext reads it reads right, and it refuses the rest.
 
 `seal` adds "checksum": the checksum (checksum.py) of the document's canonical encoding
 (sorted keys, no spaces) without that field. A flipped byte anywhere in the
@@ -31,8 +34,8 @@ import torch
 from .checksum import ALGORITHM, MAX, digest
 
 FORMAT = "zero_ext-checkpoint"
-VERSION = 4  # what save writes
-READABLE_VERSIONS = (3, 4)  # 3: no optimizer_classes
+VERSION = 5  # what save writes
+READABLE_VERSIONS = (3, 4, 5)  # 3: no optimizer_classes; 5: parameters may be stored split over tensor parallel
 METADATA = "metadata.json"
 HEADER = 64  # bytes before the first piece of a shard file
 CHUNK_BYTES = 8 << 20  # a piece's bytes are checksummed in chunks of this size
@@ -156,10 +159,29 @@ class ParamMeta:
     dtype: str  # of its values in the shard files
     trainable: bool
     group: Optional[int]  # optimizer param group
+    # Saved from a tensor-parallel model with the parameter split over tp:
+    # (dim, each tp rank's extent along it). Its elements are then stored
+    # tp rank by tp rank, each rank's part flattened (split along dim 0, that
+    # is the full tensor's own order); None: the full tensor's order.
+    tensor_parallel: Optional[Tuple[int, Tuple[int, ...]]] = None
 
     @property
     def numel(self) -> int:
         return numel(self.shape)
+
+    def full_from_stored(self, flat: torch.Tensor) -> torch.Tensor:
+        """The full tensor, in its shape, from its elements in stored order."""
+        if self.tensor_parallel is None or self.tensor_parallel[0] == 0:
+            return flat.view(self.shape)
+        dim, sizes = self.tensor_parallel
+        parts, at = [], 0
+        for size in sizes:
+            shape = list(self.shape)
+            shape[dim] = size
+            n = numel(shape)
+            parts.append(flat[at:at + n].view(shape))
+            at += n
+        return torch.cat(parts, dim=dim)
 
     @classmethod
     def parse(cls, obj: Any, f: Fields, field: str) -> "ParamMeta":
@@ -170,14 +192,28 @@ class ParamMeta:
         if name not in aliases:
             f.fail(f"{field}.aliases", f"must include the parameter's own name {name!r}")
         group = f.get(obj, "group", field)
-        return cls(name, aliases, f.shape(f.get(obj, "shape", field), f"{field}.shape"),
-                   f.dtype(f.get(obj, "dtype", field), f"{field}.dtype"),
+        shape = f.shape(f.get(obj, "shape", field), f"{field}.shape")
+        split = None
+        if "tensor_parallel" in obj:
+            tp = f.dict(obj["tensor_parallel"], f"{field}.tensor_parallel")
+            dim = f.int(f.get(tp, "dim", f"{field}.tensor_parallel"), f"{field}.tensor_parallel.dim", 0,
+                        max(len(shape) - 1, 0))
+            sizes = tuple(f.int(v, f"{field}.tensor_parallel.sizes[{j}]") for j, v in enumerate(
+                f.list(f.get(tp, "sizes", f"{field}.tensor_parallel"), f"{field}.tensor_parallel.sizes")))
+            if not shape or not sizes or len(sizes) > _MAX_RANKS or sum(sizes) != shape[dim]:
+                f.fail(f"{field}.tensor_parallel.sizes", f"{list(sizes)} do not split dim {dim} of shape "
+                       f"{list(shape)}")
+            split = (dim, sizes)
+        return cls(name, aliases, shape, f.dtype(f.get(obj, "dtype", field), f"{field}.dtype"),
                    f.bool(f.get(obj, "trainable", field), f"{field}.trainable"),
-                   None if group is None else f.int(group, f"{field}.group"))
+                   None if group is None else f.int(group, f"{field}.group"), split)
 
     def to_json(self) -> dict:
-        return {"name": self.name, "aliases": list(self.aliases), "shape": list(self.shape), "dtype": self.dtype,
-                "trainable": self.trainable, "group": self.group}
+        out = {"name": self.name, "aliases": list(self.aliases), "shape": list(self.shape), "dtype": self.dtype,
+               "trainable": self.trainable, "group": self.group}
+        if self.tensor_parallel is not None:
+            out["tensor_parallel"] = {"dim": self.tensor_parallel[0], "sizes": list(self.tensor_parallel[1])}
+        return out
 
 
 @dataclass(frozen=True)
@@ -385,7 +421,8 @@ class CheckpointMeta:
         if not self.optimizer_classes:
             raise RuntimeError("zero_ext internal: a checkpoint of this version records its optimizer classes")
         return seal({
-            "format": FORMAT, "version": VERSION, "checksum_algorithm": ALGORITHM, "token": self.token, "world_size": self.world_size,
+            "format": FORMAT, "version": VERSION if any(p.tensor_parallel for p in self.params) else 4,
+            "checksum_algorithm": ALGORITHM, "token": self.token, "world_size": self.world_size,
             "stage": self.stage, "compute_dtype": self.compute_dtype, "offload": self.offload,
             "loss_scaler": {"scale": self.loss_scaler.scale, "clean_steps": self.loss_scaler.clean_steps,
                             "skipped_steps": self.loss_scaler.skipped_steps},
@@ -441,6 +478,8 @@ class CheckpointMeta:
             f.fail("chunk_bytes", "must be a multiple of 16 (every dtype's size divides it)")
         params = tuple(ParamMeta.parse(p, f, f"params[{i}]")
                        for i, p in enumerate(f.list(f.get(doc, "params", ""), "params")))
+        if version < 5 and any(p.tensor_parallel for p in params):
+            f.fail("params", f"split over tensor parallel in a version {version} document (only 5 has them)")
         meta = cls(
             token=token, world_size=world, stage=f.int(f.get(doc, "stage", ""), "stage", 0, 3),
             compute_dtype=None if compute is None else f.dtype(compute, "compute_dtype"),

@@ -119,23 +119,27 @@ def _write_rank_files(tmp: str, model, optimizer, state, ranks: Ranks, token: st
 
     try:
         names = state.bucketed_names
+        # Where each parameter's local values start among its stored elements
+        # (tensor parallel: this tp rank's part; None: another tp rank writes it).
+        shift = [plan.stored_offset(state, p, writing=True) for p in state.bucketed]
         owned: Dict[int, List[Tuple[int, int]]] = {}
         for i, start, end in plan.owned_ranges(state, state.shard_rank):
             owned.setdefault(i, []).append(plan.replica_part(state, start, end))
         for i, start, view in plan.local_views(state):
             for lo, hi in owned.get(i, []):
                 a, b = max(lo, start), min(hi, start + view.numel())
-                if a < b:
-                    put(names[i], a, view[a - start:b - start])
-        if rank == 0:  # parameters not bucketed (frozen, stages 0-2 without mixed precision): full on every rank
+                if a < b and shift[i] is not None:
+                    put(names[i], shift[i] + a, view[a - start:b - start])
+        if rank % ranks.mesh_size == 0:  # parameters not bucketed (frozen, stages 0-2 without mixed precision): full on every rank
             bucketed = {id(p) for p in state.bucketed}
             for n, p in model.named_parameters():
-                if id(p) not in bucketed and p.numel():
-                    put(n, 0, p.detach().reshape(-1))
+                at = plan.stored_offset(state, p, writing=True)
+                if id(p) not in bucketed and p.numel() and at is not None:
+                    put(n, at, p.detach().reshape(-1))
 
         for tensor, i, start in plan.optimizer_pieces(state, optimizer):
             st = optimizer.state.get(tensor)
-            if not st:
+            if not st or shift[i] is None:
                 continue
             length = tensor.numel()
             # Sharded, a rank's state is its own; replicated (stage 0), every
@@ -156,9 +160,9 @@ def _write_rank_files(tmp: str, model, optimizer, state, ranks: Ranks, token: st
                 a, b = max(lo, start), min(hi, start + length)
                 if a >= b:
                     continue
-                pieces.append(ScalarsPiece(-1, names[i], a, b - a, scalars))
+                pieces.append(ScalarsPiece(-1, names[i], shift[i] + a, b - a, scalars))
                 for k, v in flat.items():
-                    put(names[i], a, v[a - start:b - start], key=k)
+                    put(names[i], shift[i] + a, v[a - start:b - start], key=k)
         writer.close()
     except BaseException:
         writer.abort()
@@ -185,7 +189,8 @@ def _stored_dtypes(model, state, pieces: List[Piece]) -> Dict[str, str]:
     return out
 
 
-def _metadata(model, optimizer, state, token: str, pieces: List[Piece], sizes: Dict[str, FileMeta]) -> CheckpointMeta:
+def _metadata(model, optimizer, state, token: str, pieces: List[Piece], sizes: Dict[str, FileMeta],
+              world: int) -> CheckpointMeta:
     group_of = {}
     index = {id(p): i for i, p in enumerate(state.bucketed)}
     for g_index, members in enumerate(plan.optimizer_pieces_by_group(state, optimizer)):
@@ -198,11 +203,11 @@ def _metadata(model, optimizer, state, token: str, pieces: List[Piece], sizes: D
     params = []
     for n, p in model.named_parameters():
         i = index.get(id(p))
-        params.append(ParamMeta(n, tuple(aliases[id(p)]), tuple(p.shape), dtypes[n], p.requires_grad,
-                                group_of.get(i) if i is not None else None))
+        params.append(ParamMeta(n, tuple(aliases[id(p)]), plan.full_shape(state, p), dtypes[n], p.requires_grad,
+                                group_of.get(i) if i is not None else None, plan.tensor_parallel_split(state, p)))
     scale, clean, skipped = state.handles.checkpoint.loss_scaler_state()
     return CheckpointMeta(
-        token=token, world_size=state.mesh_size, stage=state.stage,
+        token=token, world_size=world, stage=state.stage,
         compute_dtype=None if state.compute_dtype is None else files.dtype_name(state.compute_dtype),
         offload=state.offload, loss_scaler=LossScaler(scale, int(clean), int(skipped)),
         chunk_bytes=CHUNK_BYTES, params=tuple(params), files=sizes,
@@ -320,9 +325,10 @@ def _save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, e
     error, note = None, ""
     if ranks.rank == 0:
         try:
-            sizes = _check_written(tmp, state.mesh_size, gathered)
+            sizes = _check_written(tmp, ranks.world, gathered)
             _check_scalars_agree(gathered)
-            meta = _metadata(model, optimizer, state, token, [p for ps, _ in gathered for p in ps], sizes)
+            meta = _metadata(model, optimizer, state, token, [p for ps, _ in gathered for p in ps], sizes,
+                             ranks.world)
             document = meta.to_json()
             _reads_back(document, target)
         except Exception as e:  # noqa: BLE001

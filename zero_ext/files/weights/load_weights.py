@@ -199,6 +199,10 @@ def load_weights(model: torch.nn.Module, source, strict: bool = True) -> LoadedW
     a shape mismatch always does). Collective. Returns the missing and
     unexpected keys and the bytes this rank read."""
     state = state_of(model)
+    if state.tensor_parallel is not None:  # every rank of a tensor-parallel model raises alike
+        raise NotImplementedError(
+            "zero_ext.load_weights: this version does not read weights into a tensor-parallel model; load the "
+            "full tensors with zero_ext.load_full_state_dict(model, state_dict) (each rank keeps its part)")
     ranks = Ranks(state)
     opened = None
     try:

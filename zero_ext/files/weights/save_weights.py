@@ -61,6 +61,11 @@ def save_weights(model: torch.nn.Module, path, dtype: Optional[torch.dtype] = No
     """Writes the model's full weights (fp32 masters under mixed precision,
     or cast to `dtype`) as safetensors; see the module's docstring."""
     state = state_of(model)
+    if state.tensor_parallel is not None:  # every rank of a tensor-parallel model raises alike
+        raise NotImplementedError(
+            "zero_ext.save_weights: this version does not write a tensor-parallel model's weights as safetensors; "
+            "zero_ext.full_state_dict(model) gives the full tensors on every rank, or zero_ext.save then "
+            "python -m zero_ext.convert CKPT OUT --format safetensors writes them")
     ranks = Ranks(state)
     path = os.fspath(path)
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
