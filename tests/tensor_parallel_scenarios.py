@@ -314,11 +314,12 @@ def sgd_momentum_plain(ctx: TPContext) -> None:
     _train(ctx, model, opt, steps=3)
     ok = True
     if not ctx.reference:  # memory_report per dimension: the full model, then this rank's tp part
-        report = zero_ext.memory_report(model, opt)
+        report = zero_ext.memory_report(model, opt, by_dimension=True)
+        ok = set(zero_ext.memory_report(model, opt)) == {"params", "grads", "optimizer_state"}
         whole = {n: p.numel() * 4 for n, p in TPNet().named_parameters()}
         split = {n for n in whole if n.endswith(("up.weight", "up.bias", "down.weight"))}
         tp = ctx.tp_mesh.size()
-        ok = (report["params_full"] == sum(whole.values())
+        ok = ok and (report["params_full"] == sum(whole.values())
               and report["params_tp_local"] == sum(b // tp if n in split else b for n, b in whole.items()))
     ctx.checkpoints.append(("memory_report per dimension", {"ok": torch.tensor(ok)}))
 
@@ -386,6 +387,34 @@ def packed_experts_skipping_one(ctx: TPContext) -> None:
     model = ctx.model(MoENet)
     model, opt = ctx.wrap(model, adamw(model))
     _train(ctx, model, opt, steps=2, clip=(0.5,))
+
+
+def loss_parallel_uneven_head(ctx: TPContext) -> None:
+    """The output head column parallel with its logits left sharded (OUT 3
+    over tp 2: an uneven split, 2 + 1 classes), cross-entropy under torch's
+    loss_parallel(); momentum SGD, clipped."""
+    model = ctx.model()
+    if not ctx.reference:
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+        parallelize_module(model.out, ctx.tp_mesh, ColwiseParallel(use_local_output=False))
+    model, opt = ctx.wrap(model, sgd_momentum(model))
+    for step in range(2):
+        g = torch.Generator().manual_seed(1000 * step + 11)
+        x = torch.randn(ctx.dp * BATCH, IN, generator=g)
+        y = torch.randint(0, OUT, (ctx.dp * BATCH,), generator=g)
+        if ctx.reference:
+            sum(w * F.cross_entropy(model(x[r * BATCH:(r + 1) * BATCH]), y[r * BATCH:(r + 1) * BATCH])
+                for r, w in ctx.participants()).backward()
+        else:
+            from torch.distributed.tensor.parallel import loss_parallel
+            sl = slice(ctx.dp_rank * BATCH, (ctx.dp_rank + 1) * BATCH)
+            with loss_parallel():
+                F.cross_entropy(model(x[sl]), y[sl]).backward()
+        ctx.record_grads(f"step {step}", model)
+        ctx.record_value(f"step {step}: norm", ctx.clip(model, opt, 0.5))
+        opt.step()
+        opt.zero_grad()
+        ctx.record_params(f"step {step}", model)
 
 
 def checkpoint_at_another_stage_and_convert(ctx: TPContext) -> None:
@@ -534,6 +563,7 @@ SCENARIOS = {f.__name__: f for f in [
     bf16_offloaded_sgd,
     sequence_parallel_norms,
     packed_experts_skipping_one,
+    loss_parallel_uneven_head,
     checkpoint_at_another_stage_and_convert,
 ]}
 SCENARIOS["refusals"] = _refusals_reference

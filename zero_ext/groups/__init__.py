@@ -9,7 +9,7 @@ from .process_groups import (acquire_groups, acquire_mesh_groups, acquire_subgro
                              handed_to_backend, pooled_groups, retire_if_failed)
 from .ranks import Ranks, refuse_different_paths
 from .tensor_parallel import (TensorParallel, TensorParallelSpec, check_supported, find_tensor_parallel,
-                              global_description, localize, norm_parts_over_tp, tensor_parallel_of)
+                              global_description, is_dtensor, localize, norm_parts_over_tp, tensor_parallel_of)
 
 __all__ = [
     "Ranks",
@@ -22,6 +22,7 @@ __all__ = [
     "check_supported",
     "find_tensor_parallel",
     "global_description",
+    "is_dtensor",
     "localize",
     "norm_parts_over_tp",
     "tensor_parallel_of",

@@ -13,6 +13,7 @@ before its backward.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import sys
@@ -22,6 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch.utils._pytree import tree_flatten, tree_iter, tree_map_only, tree_unflatten
 
+from ..groups import is_dtensor
 from ..tools import outside_compile, state_of
 
 
@@ -276,7 +278,9 @@ class RootHooks:
         grad = torch.is_grad_enabled()
         if grad and self.loss_scaling():
             output = replaced = _map_outputs(output, self._scale_boundary)
-        self.units.end_forward(tensors_requiring_grad(output) if grad else [])
+        outputs = tensors_requiring_grad(output) if grad else []
+        with core_dispatch(outputs):
+            self.units.end_forward(outputs)
         self.finished = True
         if self.output_dtype is not None:
             dtype = self.output_dtype
@@ -297,6 +301,16 @@ class RootHooks:
             hooks.forget_run(hook_outputs=False)
         self.runs.clear()
         self.depth = max(self.depth - 1, 0)
+
+
+def core_dispatch(outputs: List[torch.Tensor]):
+    """Around a core op that takes a unit's outputs (to hook their backward):
+    outputs that are DTensors (a tensor-parallel model) reach the op's own
+    kernel, not DTensor's dispatch, which has no rule for zero_ext's ops and
+    need none (the kernel reads no values, it hooks the tensors' autograd)."""
+    if any(is_dtensor(t) for t in outputs):
+        return torch._C._DisableTorchDispatch()
+    return contextlib.nullcontext()
 
 
 def _raised_now() -> str:
@@ -327,7 +341,9 @@ class UnitHooks:
         return self.root.uses.enter(self.u, args, kwargs, gather=True)
 
     def post_forward(self, mod: torch.nn.Module, args: Any, output: Any) -> None:
-        self.units.post_forward(self.u, tensors_requiring_grad(output) if torch.is_grad_enabled() else [])
+        outputs = tensors_requiring_grad(output) if torch.is_grad_enabled() else []
+        with core_dispatch(outputs):
+            self.units.post_forward(self.u, outputs)
 
 
 # [Note: merged units]
@@ -415,7 +431,8 @@ class MergedUnitHooks:
         grad = torch.is_grad_enabled()
         outputs = tensors_requiring_grad(output) if grad else []
         if self.root.phase is ModelPhase.IDLE or self.state is RunState.CLOSED:
-            self.units.post_forward(self.u, outputs)
+            with core_dispatch(outputs):
+                self.units.post_forward(self.u, outputs)
             return
         if outputs:
             self.to_hook.extend(outputs)
@@ -426,7 +443,8 @@ class MergedUnitHooks:
     def after_last_member(self, mod: torch.nn.Module, args: Any, output: Any) -> None:
         outputs = tensors_requiring_grad(output) if torch.is_grad_enabled() else []
         if self.root.phase is ModelPhase.IDLE or self.state is RunState.CLOSED:
-            self.units.post_forward(self.u, outputs)
+            with core_dispatch(outputs):
+                self.units.post_forward(self.u, outputs)
             return
         self._close(outputs)
 
@@ -445,7 +463,8 @@ class MergedUnitHooks:
             to_hook = to_hook + outputs
         if to_hook:
             self.units.hook_regather(to_hook, self.u)
-        self.units.post_forward(self.u, [] if hold else outputs)
+        with core_dispatch(outputs):
+            self.units.post_forward(self.u, [] if hold else outputs)
 
     def close_if_open(self) -> None:
         """The model's forward ends and its last member did not run."""

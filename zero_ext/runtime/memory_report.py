@@ -19,15 +19,18 @@ def _optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     )
 
 
-def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, int]:
+def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  by_dimension: bool = False) -> Dict[str, int]:
     """This rank's bytes of parameters, gradients and optimizer state.
 
     For a wrapped model, gradients are zero_ext's buffers (full staging and/or
     the fp32 shard accumulator, as the stage keeps them), and with mixed
     precision the fp32 master shards count as optimizer state, as in the ZeRO
     paper's K; for a plain or DDP model gradients are the .grad tensors.
-    A tensor-parallel model's report adds "params_full" and "params_tp_local"
-    (see _per_dimension).
+    by_dimension: a tensor-parallel model's report adds the parameter bytes
+    before each dimension shards them, "params_full" and "params_tp_local"
+    (see _per_dimension); off by default, so the values still sum to what
+    this rank holds.
     """
     optimizer = as_one(optimizer)  # a list or tuple of the model's optimizers
     masters = 0
@@ -44,7 +47,7 @@ def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> D
         params = sum(p.numel() * p.element_size() for p in model.parameters())
         grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
     report = {"params": params, "grads": grads, "optimizer_state": _optimizer_state_bytes(optimizer) + masters}
-    if state is not None and state.tensor_parallel is not None:
+    if by_dimension and state is not None and state.tensor_parallel is not None:
         report.update(_per_dimension(model, state.tensor_parallel))
     return report
 
