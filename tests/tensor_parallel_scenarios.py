@@ -155,6 +155,9 @@ class PackedExperts(nn.Module):
                 y = torch.tanh(x[picked] @ w1[e]) @ w2[e]
                 out = out.index_add(0, picked.nonzero().view(-1), y * gate[picked, first + e:first + e + 1])
         if mesh is not None:  # each rank's experts' part, summed over tp
+            # x and gate in every rank's graph, whatever the routing: their
+            # backward all-reduces over tp run on every tp rank alike.
+            out = out + 0.0 * (x.sum() + gate.sum())
             out = DTensor.from_local(out, mesh, [Partial()]).redistribute(mesh, [Replicate()]).to_local()
         return out
 
@@ -170,14 +173,14 @@ class MoENet(nn.Module):
         with torch.no_grad():
             for p in self.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-        self.skipped = EXPERTS - 1  # routed to in no step but the last
+        self.routed = EXPERTS - 1  # experts tokens go to: the last one is skipped
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
         gate = torch.softmax(self.router(h), dim=-1)
         # Fixed routing (not the gate's argmax, which rounding could flip):
-        # token k goes to expert k % (EXPERTS - 1), so one expert is skipped.
-        route = torch.arange(h.shape[0]) % (EXPERTS - 1)
+        # token k goes to expert k % routed (EXPERTS - 1: one expert is skipped).
+        route = torch.arange(h.shape[0]) % self.routed
         return self.out(h + self.experts(h, route, gate))
 
 
@@ -383,10 +386,60 @@ def sequence_parallel_norms(ctx: TPContext) -> None:
 
 def packed_experts_skipping_one(ctx: TPContext) -> None:
     """A packed-expert MoE, experts split whole over tp (expert parallel on
-    the tp dimension), one expert routed no token: AdamW, clipped."""
+    the tp dimension), one expert routed no token: AdamW, clipped. Then
+    saved and loaded at dp 1 x tp 4 (every split along dim 0, so another
+    tp and dp size reads it), where one more step over the same global batch
+    (now one dp rank's, every expert routed) goes on as one process."""
     model = ctx.model(MoENet)
     model, opt = ctx.wrap(model, adamw(model))
     _train(ctx, model, opt, steps=2, clip=(0.5,))
+    if ctx.layout != "2x2":
+        return
+    g = torch.Generator().manual_seed(77)
+    x = torch.randn(ctx.dp * BATCH, IN, generator=g)
+    y = torch.randn(ctx.dp * BATCH, OUT, generator=g)
+
+    def global_loss(m):  # the dp 2 global batch, as dp 1 x tp 4 (or the reference) computes it whole
+        return sum(0.5 * F.mse_loss(m(x[r * BATCH:(r + 1) * BATCH]), y[r * BATCH:(r + 1) * BATCH]) for r in range(2))
+    if ctx.reference:
+        wide, wide_opt = model, opt
+    else:
+        path = _shared_dir(ctx)
+        zero_ext.save(path, model, opt)
+        other_dp, other_tp, _, _ = mesh_of("1x4")
+        wide = parallelize_experts(MoENet(seed=3), other_tp)
+        wide, wide_opt = zero_ext.wrap(wide, adamw(wide), stage=ctx.stage, process_group=other_dp,
+                                       bucket_mb=BUCKET_MB)
+        zero_ext.load(path, wide, wide_opt)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    wide.routed = EXPERTS
+    global_loss(wide).backward()
+    wide_opt.step()
+    wide_opt.zero_grad()
+    ctx.record_params("loaded at dp 1 x tp 4, one more step", wide)
+
+
+def full_state_dict_in_and_functional_clip(ctx: TPContext) -> None:
+    """load_full_state_dict of one process's weights into a fresh TP model
+    (another seed), then training clipped by zero_ext.clip_grad_norm_ (the
+    functional form) over model.parameters()."""
+    model = ctx.model(seed=1)
+    model, opt = ctx.wrap(model, sgd_momentum(model))
+    full = TPNet(seed=0).state_dict()
+    if ctx.reference:
+        model.load_state_dict(full)
+    else:
+        zero_ext.load_full_state_dict(model, full)
+    for step in range(2):
+        ctx.loss(model, 10 * step).backward()
+        ctx.record_grads(f"step {step}", model)
+        clip = torch.nn.utils.clip_grad_norm_ if ctx.reference else zero_ext.clip_grad_norm_
+        ctx.record_value(f"step {step}: norm", clip(model.parameters(), 0.5))
+        opt.step()
+        opt.zero_grad()
+        ctx.record_params(f"step {step}", model)
 
 
 def loss_parallel_uneven_head(ctx: TPContext) -> None:
@@ -476,6 +529,9 @@ REFUSALS = {  # case: what every rank's error must say
     "another bucket_mb on one rank of tp rank 0's dp group only": ("bucket", "their data-parallel group wrapped"),
     "save_weights of a tensor-parallel model": "full_state_dict",
     "a dp 2 x tp 2 checkpoint loaded at dp 1 x tp 4": "split over tensor parallel along dim 1",
+    "mixed_precision='fp16' (loss scaling agreed over dp only)": "fp16 loss scaling",
+    "load_full_state_dict of a rank's parts (model.state_dict())": "pass full tensors",
+    "every expert of tp rank 1 routed no token (its part gets no gradient)": "on some of its 2 tensor-parallel ranks",
 }
 
 
@@ -517,6 +573,20 @@ def refusals(ctx: TPContext) -> None:
             elif case.startswith("another bucket_mb"):
                 zero_ext.wrap(model, opt, stage=ctx.stage, process_group=dp_mesh,
                               bucket_mb=1.0 if (tp_rank, dp_rank) == (0, 1) else BUCKET_MB)
+            elif case.startswith("mixed_precision='fp16'"):
+                zero_ext.wrap(model, opt, stage=ctx.stage, process_group=dp_mesh, mixed_precision="fp16")
+            elif case.startswith("load_full_state_dict"):
+                model, opt = ctx.wrap(model, opt)
+                zero_ext.load_full_state_dict(model, {k: v.clone() for k, v in model.state_dict().items()})
+            elif case.startswith("every expert of tp rank 1"):
+                moe = parallelize_experts(MoENet(), tp_mesh)
+                moe, moe_opt = ctx.wrap(moe, adamw(moe))
+                moe.routed = 2  # experts 0 and 1, both on tp rank 0
+                ctx.loss(moe, 0).backward()
+                try:
+                    moe_opt.step()
+                except RuntimeError as error:
+                    raise ValueError(str(error)) from error
             elif case.startswith("save_weights"):
                 model, opt = ctx.wrap(model, opt)
                 zero_ext.save_weights(model, _shared_dir(ctx))
@@ -564,6 +634,7 @@ SCENARIOS = {f.__name__: f for f in [
     sequence_parallel_norms,
     packed_experts_skipping_one,
     loss_parallel_uneven_head,
+    full_state_dict_in_and_functional_clip,
     checkpoint_at_another_stage_and_convert,
 ]}
 SCENARIOS["refusals"] = _refusals_reference

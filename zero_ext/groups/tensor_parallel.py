@@ -115,7 +115,27 @@ class TensorParallel:
         spec = self.specs.get(id(tensor))
         return spec is not None and spec.shard_dim is not None
 
+    def check_grads_agree(self, params: Sequence[torch.Tensor], names: Sequence[str], has: Sequence[bool],
+                          device: torch.device) -> None:
+        """Collective over tp, after the dp ranks agreed which parameters got
+        a gradient: every tp rank must have the same ones. A tp part unused
+        in backward on one rank (an expert no token reached) would leave that
+        part unstepped while the others step, and a replicated parameter
+        used on some tp ranks only would drift apart: raises on every rank."""
+        mask = torch.tensor([int(bool(h)) for h in has], dtype=torch.int32, device=self._device(
+            torch.empty(0, device=device)))
+        dist.all_reduce(mask, group=self.group)
+        partial = [n for n, v in zip(names, mask.tolist()) if 0 < v < self.size]
+        if partial:
+            raise RuntimeError(
+                f"zero_ext: parameter(s) {partial[:4]} of a tensor-parallel model got a gradient on some of its "
+                f"{self.size} tensor-parallel ranks and not on the others in this step (their part was not used in "
+                "backward there, e.g. experts no token was routed to on one rank). Those ranks' parts would not step "
+                "while the others do. Use every rank's part in every forward (run an expert on zero tokens, as a "
+                "grouped GEMM does), or freeze the parameter.")
+
     def all_reduce(self, tensor: torch.Tensor, maximum: bool) -> None:
+        """In place, over tp (tensor on the device the backend moves)."""
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM, group=self.group)
 
     def full(self, local: torch.Tensor, spec: TensorParallelSpec) -> torch.Tensor:
@@ -127,11 +147,18 @@ class TensorParallel:
         sizes = spec.local_sizes()
         padded_shape = list(local.shape)
         padded_shape[dim] = max(sizes)
-        padded = local.new_zeros(padded_shape)
+        padded = torch.zeros(padded_shape, dtype=local.dtype, device=self._device(local))
         padded.narrow(dim, 0, local.shape[dim]).copy_(local)
         pieces = [torch.empty_like(padded) for _ in range(self.size)]
-        dist.all_gather(pieces, padded.contiguous(), group=self.group)
-        return torch.cat([piece.narrow(dim, 0, n) for piece, n in zip(pieces, sizes)], dim=dim)
+        dist.all_gather(pieces, padded, group=self.group)
+        return torch.cat([piece.narrow(dim, 0, n) for piece, n in zip(pieces, sizes)], dim=dim).to(local.device)
+
+    def _device(self, tensor: torch.Tensor) -> torch.device:
+        """Where the tp group's backend moves tensors: NCCL the current CUDA
+        device (full_state_dict's values are on the host), gloo the host."""
+        if self.mesh.device_type == "cuda" and tensor.device.type != "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return tensor.device
 
     def local_of(self, full: torch.Tensor, spec: TensorParallelSpec) -> torch.Tensor:
         """This rank's part of a full tensor (a view)."""
@@ -148,6 +175,25 @@ class _Found:
     name: str  # the attribute name in the module
     param: torch.nn.Parameter  # the DTensor parameter
     spec: TensorParallelSpec
+
+
+def _check_local_part(where: str, p, spec: TensorParallelSpec) -> None:
+    """This rank's part is where zero_ext puts it back together: its mesh
+    coordinate numbers it in the tp group, and a split part has the extent
+    DTensor's Shard gives (torch.chunk's); a DTensor built otherwise
+    (from_local with other extents, a mesh out of rank order) is refused."""
+    mesh = spec.mesh
+    coordinate = mesh.get_local_rank()
+    if dist.get_rank(mesh.get_group(0)) != coordinate:
+        raise ValueError(
+            f"zero_ext.wrap: parameter '{where}' is on a tensor-parallel mesh whose ranks are not in increasing "
+            "order; build the mesh with init_device_mesh, which lays ranks out in order.")
+    dim = spec.shard_dim
+    if dim is not None and p._local_tensor.shape[dim] != spec.local_sizes()[coordinate]:
+        raise ValueError(
+            f"zero_ext.wrap: parameter '{where}' holds {p._local_tensor.shape[dim]} of its {spec.shape[dim]} "
+            f"rows along dim {dim} on tp rank {coordinate}, where Shard({dim}) puts {spec.local_sizes()[coordinate]}; "
+            "zero_ext takes DTensors split as distribute_tensor / parallelize_module split them.")
 
 
 def _group_ranks(group) -> List[int]:
@@ -192,6 +238,7 @@ def find_tensor_parallel(model: torch.nn.Module, process_group) -> List[_Found]:
                     "tensor-parallel parameters that are Shard(dim) or Replicate() (what ColwiseParallel, "
                     "RowwiseParallel and SequenceParallel make).")
             spec = TensorParallelSpec(mesh, tuple(p.placements), p.shape, tuple(p.stride()))
+            _check_local_part(where, p, spec)
             if found and found[0].spec.mesh != mesh:
                 raise ValueError(
                     f"zero_ext.wrap: parameters '{found[0].module.__class__.__name__}.{found[0].name}' and "
@@ -223,11 +270,21 @@ def find_tensor_parallel(model: torch.nn.Module, process_group) -> List[_Found]:
 
 
 def check_supported(found: List[_Found], deferred: bool, optimizers: Sequence[torch.optim.Optimizer],
-                    stage: int, elementwise: Callable[[torch.optim.Optimizer], bool]) -> None:
+                    stage: int, elementwise: Callable[[torch.optim.Optimizer], bool], loss_scaling: bool,
+                    skip_nonfinite: bool) -> None:
     """What this version does not combine with tensor parallelism, refused
     before anything changes."""
     if not found:
         return
+    if loss_scaling or skip_nonfinite:
+        # The step decision (a non-finite gradient skips it, fp16 scaling
+        # backs off) is agreed over the data-parallel group only: a tp part
+        # that overflowed on one tp rank would skip that rank's step alone.
+        what = "fp16 loss scaling" if loss_scaling else "skip_nonfinite=True"
+        raise ValueError(
+            f"zero_ext.wrap: {what} is not available with a tensor-parallel model in this version (the skip "
+            "decision is agreed over the data-parallel group, not across tp); use mixed_precision='bf16', which "
+            "needs no loss scaling, and leave skip_nonfinite off")
     if deferred:
         raise ValueError(
             "zero_ext.wrap: a meta-device model (zero_ext.empty_init) with tensor-parallel parameters is not "

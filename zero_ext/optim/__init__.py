@@ -3,7 +3,7 @@ gradient clipping over sharded gradients, the CPU Adam kernel, and the step
 streamed through offload files."""
 from __future__ import annotations
 
-from .clip import clip_grad_norm_, clip_grad_value_
+from .clip import check_tensor_parallel_grads, clip_grad_norm_, clip_grad_value_
 from .optimizer_set import as_one, class_name, qualified_class_names
 from .ownership import WHOLE, optimizer_sharding, plan_owners
 from .sharded_optimizer import check_step_not_patched, shard_optimizer
@@ -14,6 +14,7 @@ __all__ = [
     "StepRound",
     "WHOLE",
     "as_one",
+    "check_tensor_parallel_grads",
     "check_step_not_patched",
     "class_name",
     "clip_grad_norm_",

@@ -118,6 +118,16 @@ def settle_owners(params: List[torch.Tensor]) -> None:
     csrc/rank_agreement.h). In the same order on every rank: collective."""
     for state in _owners(params):
         state.handles.optimizer.settle()
+        check_tensor_parallel_grads(state)
+
+
+def check_tensor_parallel_grads(state) -> None:
+    """A tensor-parallel model, once its gradients are settled: every tp
+    rank has the same parameters with gradients (collective over tp;
+    TensorParallel.check_grads_agree). Nothing without tensor parallelism."""
+    tp = state.tensor_parallel
+    if tp is not None and tp.size > 1:
+        tp.check_grads_agree(state.bucketed, state.bucketed_names, state.handles.reduction.has_grad(), state.device)
 
 
 def parts_of(state, held: List[Tuple[torch.Tensor, torch.Tensor]]) -> List[Part]:

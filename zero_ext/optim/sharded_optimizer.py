@@ -24,7 +24,7 @@ from typing import Dict, List
 import torch
 
 from ..tools import attach_state, state_of, swap_class
-from .clip import clip_sharded, parts_of
+from .clip import check_tensor_parallel_grads, clip_sharded, parts_of
 from .cpu_adam import adam_step_
 from .ownership import is_elementwise
 from .streamed_step import StreamedStep
@@ -210,6 +210,7 @@ class ZeroExtOptimizer:
         its total norm before clipping, like torch.nn.utils.clip_grad_norm_."""
         state = state_of(self)
         state.handles.optimizer.settle()  # late gradients reduced, .grad final
+        check_tensor_parallel_grads(state)
         held = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         if state.sharded_optimizer:
             owner_of = dict(zip(map(id, state.handles.optimizer.segments()),
@@ -272,6 +273,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, state, ordered_params: Lis
     def before_step(opt, args, kwargs) -> None:
         state.check_parameters_unchanged()
         state.handles.optimizer.check_before_step()
+        check_tensor_parallel_grads(state)
         foreign = [t for group in opt.param_groups for t in group["params"] if id(t) not in managed]
         if foreign:
             raise ValueError(

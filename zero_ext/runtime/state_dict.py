@@ -5,6 +5,7 @@ from typing import Dict, Mapping, Optional
 
 import torch
 
+from ..optim import check_tensor_parallel_grads
 from ..tools import state_of
 
 
@@ -40,6 +41,14 @@ def load_full_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.
     """Loads a full state_dict (e.g. from an unwrapped model) into a wrapped
     model, in place, on every rank. Keys must match exactly."""
     state = state_of(model)
+    if state.tensor_parallel is not None:  # full tensors in: refused alike on every rank before anything changes
+        for name, p in model.named_parameters(remove_duplicate=False):
+            spec = state.tensor_parallel.spec_of(p)
+            if spec is not None and name in state_dict and tuple(state_dict[name].shape) != tuple(spec.shape):
+                raise ValueError(
+                    f"zero_ext.load_full_state_dict: '{name}' has shape {tuple(state_dict[name].shape)}, and this "
+                    f"tensor-parallel model's parameter is {tuple(spec.shape)} in full; pass full tensors "
+                    "(zero_ext.full_state_dict's), not a rank's part (model.state_dict()'s)")
     local = _over_tensor_parallel(state, model, dict(state_dict), lambda tp, t, spec: tp.local_of(t, spec))
     model.load_state_dict(local, strict=True)  # stage 3: gathers and writes shards
 
@@ -54,6 +63,7 @@ def full_grads(model: torch.nn.Module) -> Dict[str, Optional[torch.Tensor]]:
     """
     state = state_of(model)
     grads = state.handles.reduction.full_grads()
+    check_tensor_parallel_grads(state)  # a gradient on some tp ranks only raises, never hangs the gather
     has = state.handles.reduction.has_grad()
     by_id = {id(p): (g.float().cpu() if h else None) for p, g, h in zip(state.bucketed, grads, has)}
     out = {name: by_id.get(id(p)) for name, p in model.named_parameters()}

@@ -25,7 +25,7 @@ from ..tools import CoreHandles, __version__, attach_state, core_loader, faults,
 from .unit_advice import unit_advice
 from .units import Unit, assign_parameters, resolve_units
 from .reshard import plan_reshard
-from .arguments import Options, check_backend, check_launch, check_wrap_arguments, optimizer_list
+from .arguments import Options, _precision, check_backend, check_launch, check_wrap_arguments, optimizer_list
 from .fingerprint import check_ranks_agree, check_tensor_parallel_agree, tensor_parallel_fields, wrap_fields
 
 def _plan_units(model: torch.nn.Module, units: List[Unit]):
@@ -199,6 +199,10 @@ def wrap(
     replicates across rows (hybrid sharding, FSDP2's HSDP): gradients are
     reduce-scattered within the row, and only the shard all-reduced across
     rows. Shard within a node, replicate across nodes.
+    A model made tensor parallel with torch's parallelize_module (DTensor
+    parameters on a 1-D "tp" mesh) takes the data-parallel dimension,
+    process_group=mesh["dp"] (or mesh["replicate", "shard"]): each
+    parameter's tp-local tensor is sharded over it (docs/multi-node.md).
 
     Args:
         model: module already on its device; modified in place, same names.
@@ -285,9 +289,14 @@ def wrap(
     # A tensor-parallel model: its DTensor parameters become local leaves
     # first ([Note: local leaves] in groups/tensor_parallel.py), put back if wrap() fails.
     found = find_tensor_parallel(model, process_group) if isinstance(model, torch.nn.Module) else []
-    check_supported(found, has_meta_parameters(model) if found else False, optimizers, stage, _elementwise)
+    check_supported(found, has_meta_parameters(model) if found else False, optimizers, stage, _elementwise,
+                    _loss_scaling(mixed_precision), skip_nonfinite is True)
     specs, restore = localize(found, optimizers)
-    arguments["tensor_parallel"] = tensor_parallel_of(found, specs)
+    try:
+        arguments["tensor_parallel"] = tensor_parallel_of(found, specs)
+    except BaseException:
+        restore()
+        raise
     # Planned as trainable and frozen again right after, the supported way to
     # unfreeze later (see ZeroState.check_parameters_unchanged).
     later = [p for p in _optimized_parameters(optimizers)
@@ -302,6 +311,14 @@ def wrap(
     finally:
         for p in later:
             p.requires_grad_(False)
+
+
+def _loss_scaling(mixed_precision) -> bool:
+    """Whether wrap() will scale the loss (fp16); a bad value is refused later, by check_wrap_arguments."""
+    try:
+        return _precision(mixed_precision).loss_scale is not None
+    except (TypeError, ValueError):
+        return False
 
 
 def _elementwise(optimizer: torch.optim.Optimizer) -> bool:

@@ -156,6 +156,10 @@ def export_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     from one). Collective under mixed precision or at stage 3: every rank
     calls it."""
     state = state_of(model)
+    if state.tensor_parallel is not None:  # every rank alike: model.state_dict() holds tp parts
+        raise NotImplementedError(
+            "zero_ext: this version does not export a tensor-parallel model's weights (save_pretrained, an "
+            "integration's state_dict); zero_ext.full_state_dict(model) gives the full tensors on every rank")
     if not state.handles.optimizer.has_masters():
         return model.state_dict()
     full = collections.OrderedDict(full_state_dict(model))
