@@ -45,13 +45,17 @@ def mesh_items(mesh: str):
     return items if names is None else [i for i in items if any(i.startswith(n + "/") for n in names)]
 
 
-# Tensor parallelism (tensor_parallel_scenarios.py): its items run in the flat world-4 group.
-TENSOR_PARALLEL = tensor_parallel_items() if 4 in WORLD_SIZES else []
+# Tensor parallelism (tensor_parallel_scenarios.py): its items run in the flat
+# world-4 group, or (the torch-versions subset, without world 4) in a group of their own.
+TENSOR_PARALLEL = tensor_parallel_items()
 
 
 @functools.lru_cache(maxsize=None)
 def group_results(world: int, mesh: str = ""):
-    items = mesh_items(mesh) if mesh else all_items() + (TENSOR_PARALLEL if world == 4 else [])
+    if mesh == "tp":
+        items = TENSOR_PARALLEL
+    else:
+        items = mesh_items(mesh) if mesh else all_items() + (TENSOR_PARALLEL if world == 4 else [])
     return run_items_on_ranks(world, "parity_scenarios:run_one", items, item_deadline_s=180)
 
 
@@ -74,4 +78,4 @@ def test_tensor_parallel_parity(item):
     """A model made tensor parallel with parallelize_module, wrapped over
     mesh['dp'] (dp 2 x tp 2, dp 1 x tp 4, (replicate 2, shard 1) x tp 2),
     against one process over the global batch."""
-    assert_item_matched(4, group_results(4)[item])
+    assert_item_matched(4, (group_results(4) if 4 in WORLD_SIZES else group_results(4, "tp"))[item])
