@@ -253,7 +253,9 @@ class TPContext:
         total = 0.0
         for r, w in self.participants():
             sl = slice(r * BATCH, (r + 1) * BATCH)
-            total = total + w * F.mse_loss(model(x[sl]), y[sl])
+            # .float(): bf16 outputs against fp32 targets (torch 2.11's mse_loss
+            # backward returns an fp32 gradient for a bf16 input of mixed dtypes).
+            total = total + w * F.mse_loss(model(x[sl]).float(), y[sl])
         return total
 
     def no_sync(self, model):
@@ -298,9 +300,11 @@ def _train(ctx: TPContext, model, opt, steps: int, first_step: int = 0, backward
             sync = k == backwards - 1
             with contextlib.nullcontext() if sync else ctx.no_sync(model):
                 loss = ctx.loss(model, 10 * step + k)
-                if retain:  # a second backward over the same forward
+                if retain and step % 2 == 0:  # a second backward over the same forward
                     (0.5 * loss).backward(retain_graph=True)
                     (0.5 * loss).backward()
+                elif retain:  # the list form, two roots of one graph in one call
+                    torch.autograd.backward([0.25 * loss, 0.75 * loss])
                 else:
                     loss.backward()
         ctx.record_grads(f"step {step}", model)
@@ -336,7 +340,8 @@ def adamw_no_sync_accumulation_clip(ctx: TPContext) -> None:
 
 
 def inf_norm_clip_retain_graph(ctx: TPContext) -> None:
-    """Two backwards over one forward (retain_graph) and an inf-norm clip."""
+    """Two backwards over one forward (retain_graph), then
+    torch.autograd.backward over a list of roots; an inf-norm clip."""
     model = ctx.model()
     model, opt = ctx.wrap(model, sgd_momentum(model))
     _train(ctx, model, opt, steps=2, clip=(0.05, float("inf")), retain=True)
