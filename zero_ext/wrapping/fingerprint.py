@@ -174,17 +174,18 @@ def wrap_fields(options, topology: Topology, ordered: List[torch.nn.Parameter], 
 
 def check_tensor_parallel_agree(topology: Topology, tp: TensorParallel, device: torch.device,
                                 fields: List[Tuple[str, object, str]], dp_error: Optional[ValueError]) -> None:
-    """Collective over every rank of the dp x tp mesh: the fields that every
-    rank has alike whatever its tp coordinate (full shapes and placements,
-    stage, options), and whether its data-parallel check (run before, over
-    its dp group only) failed, so that a failure anywhere raises on every
-    rank, never leaving the other tp groups to wait. Raises ValueError."""
+    """Collective over this rank's tp group, after its data-parallel check:
+    the fields every rank has alike whatever its tp coordinate (full shapes
+    and placements, stage, options), and whether that check failed here.
+    Every pair of ranks is linked through a tp group and a dp group, so a
+    difference anywhere, or a dp group's failure, raises on every rank,
+    never leaving another group to wait. One fixed-size row per rank: ranks
+    whose dp meshes differ still exchange it whole. Raises ValueError."""
     exchange_device = device if device.type == "cuda" else torch.device("cpu")
     mine = [int(dist.get_rank()), int(dp_error is not None)] + [_hash(value) for _, value, _ in fields]
     row = torch.tensor(mine, dtype=torch.int64, device=exchange_device)
-    rows = _Table(topology, exchange_device).gather(row) if topology.mesh_size > 1 else row.view(1, -1).cpu()
-    table = torch.empty(tp.size * rows.numel(), dtype=torch.int64, device=exchange_device)
-    all_gather_into_tensor(table, rows.reshape(-1).to(exchange_device).contiguous(), group=tp.group)
+    table = torch.empty(tp.size * row.numel(), dtype=torch.int64, device=exchange_device)
+    all_gather_into_tensor(table, row, group=tp.group)
     table = table.view(-1, len(mine)).cpu()
     ranks = table[:, 0].tolist()
     failed = [r for r, bad in zip(ranks, table[:, 1].tolist()) if bad]
