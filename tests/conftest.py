@@ -28,7 +28,11 @@ def pytest_collection_modifyitems(session, config, items):
 def pytest_cmdline_main(config):
     """`-n N` without `--dist`: whole files to a worker, in the order above.
     Most files run their scenarios in one group of ranks (a module fixture):
-    split over workers, each would start and run the group again."""
-    if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", "no") == "no":
+    split over workers, each would start and run the group again.
+    pytest-xdist 3 has already turned `-n` into `--dist load` by now, so
+    whether `--dist` was passed is read from the command line itself."""
+    args = config.invocation_params.args
+    explicit = any(a in ("--dist", "-d") or str(a).startswith("--dist=") for a in args)
+    if getattr(config.option, "numprocesses", None) and not explicit:
         config.option.dist = "loadfile"
         config.option.loadscopereorder = False

@@ -307,12 +307,17 @@ def _train(ctx: TPContext, model, opt, steps: int, first_step: int = 0, backward
                     torch.autograd.backward([0.25 * loss, 0.75 * loss])
                 else:
                     loss.backward()
-        ctx.record_grads(f"step {step}", model)
-        if clip is not None:
-            ctx.record_value(f"step {step}: norm", ctx.clip(model, opt, *clip))
-        opt.step()
-        opt.zero_grad()
-        ctx.record_params(f"step {step}", model)
+        _record_step(ctx, model, opt, step, None if clip is None else lambda: ctx.clip(model, opt, *clip))
+
+
+def _record_step(ctx: TPContext, model, opt, step: int, clip=None) -> None:
+    """The gradients, the norm clip() returns (if any), a step, the parameters."""
+    ctx.record_grads(f"step {step}", model)
+    if clip is not None:
+        ctx.record_value(f"step {step}: norm", clip())
+    opt.step()
+    opt.zero_grad()
+    ctx.record_params(f"step {step}", model)
 
 
 def sgd_momentum_plain(ctx: TPContext) -> None:
@@ -439,12 +444,8 @@ def full_state_dict_in_and_functional_clip(ctx: TPContext) -> None:
         zero_ext.load_full_state_dict(model, full)
     for step in range(2):
         ctx.loss(model, 10 * step).backward()
-        ctx.record_grads(f"step {step}", model)
         clip = torch.nn.utils.clip_grad_norm_ if ctx.reference else zero_ext.clip_grad_norm_
-        ctx.record_value(f"step {step}: norm", clip(model.parameters(), 0.5))
-        opt.step()
-        opt.zero_grad()
-        ctx.record_params(f"step {step}", model)
+        _record_step(ctx, model, opt, step, lambda: clip(model.parameters(), 0.5))
 
 
 def loss_parallel_uneven_head(ctx: TPContext) -> None:
@@ -468,11 +469,7 @@ def loss_parallel_uneven_head(ctx: TPContext) -> None:
             sl = slice(ctx.dp_rank * BATCH, (ctx.dp_rank + 1) * BATCH)
             with loss_parallel():
                 F.cross_entropy(model(x[sl]), y[sl]).backward()
-        ctx.record_grads(f"step {step}", model)
-        ctx.record_value(f"step {step}: norm", ctx.clip(model, opt, 0.5))
-        opt.step()
-        opt.zero_grad()
-        ctx.record_params(f"step {step}", model)
+        _record_step(ctx, model, opt, step, lambda: ctx.clip(model, opt, 0.5))
 
 
 def checkpoint_at_another_stage_and_convert(ctx: TPContext) -> None:
