@@ -474,7 +474,8 @@ def loss_parallel_uneven_head(ctx: TPContext) -> None:
 
 def checkpoint_at_another_stage_and_convert(ctx: TPContext) -> None:
     """Two steps, save; a fresh model wrapped at the next stage loads it and
-    trains two more; convert writes full shapes equal to the full state."""
+    trains two more; convert writes full shapes equal to the full state, as
+    a state_dict and as safetensors."""
     model = ctx.model()
     model, opt = ctx.wrap(model, adamw(model))
     _train(ctx, model, opt, steps=2)
@@ -495,7 +496,11 @@ def checkpoint_at_another_stage_and_convert(ctx: TPContext) -> None:
             out = os.path.join(path + "-converted.pt")
             convert(path, out)
             converted = torch.load(out, weights_only=True)
-            ok = _converted_matches(converted, zero_ext.full_state_dict(model))
+            full = zero_ext.full_state_dict(model)
+            from safetensors.torch import load_file
+            convert(path, path + "-converted.safetensors", format="safetensors")
+            ok = (_converted_matches(converted, full)
+                  and _converted_matches(load_file(path + "-converted.safetensors"), full))
         else:
             zero_ext.full_state_dict(model)
         flag = torch.tensor([int(ok)])
@@ -505,8 +510,9 @@ def checkpoint_at_another_stage_and_convert(ctx: TPContext) -> None:
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(path, ignore_errors=True)
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path + "-converted.pt")
+            for suffix in ("-converted.pt", "-converted.safetensors"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path + suffix)
 
 
 def _converted_matches(converted: dict, full: dict) -> bool:
