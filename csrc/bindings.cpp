@@ -103,6 +103,7 @@ TORCH_LIBRARY(zero_ext, m) {
       .def("loss_scaling", &ShardedModel::loss_scaling)
       .def("on_output_grad", &ShardedModel::on_output_grad)
       .def("found_nonfinite", &ShardedModel::found_nonfinite)
+      .def("note_nonfinite_elsewhere", &ShardedModel::note_nonfinite_elsewhere)
       .def("begin_step", &ShardedModel::begin_step)
       .def("set_skip_nonfinite", &ShardedModel::set_skip_nonfinite)
       .def("enable_stall_diagnosis", &ShardedModel::enable_stall_diagnosis)

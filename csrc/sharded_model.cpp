@@ -477,6 +477,11 @@ bool ShardedModel::found_nonfinite() {
   return gate_.found_nonfinite();
 }
 
+void ShardedModel::note_nonfinite_elsewhere() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  gate_.note_nonfinite_elsewhere();
+}
+
 void ShardedModel::set_skip_nonfinite(bool skip) {
   std::lock_guard<std::mutex> lock(mutex_);
   gate_.set_skip_nonfinite(skip);

@@ -136,6 +136,9 @@ class ShardedModel : public torch::CustomClassHolder {
   // Collective (settles first): whether a gradient since zero_grad was
   // non-finite on some rank.
   bool found_nonfinite();
+  // Before begin_step: another group of ranks (a tensor-parallel model's
+  // other tp ranks) found a non-finite gradient; this step decides as they do.
+  void note_nonfinite_elsewhere();
   void set_skip_nonfinite(bool skip);
   // Once per optimizer.step(): whether to skip it (StepDecision, as an int).
   int64_t begin_step();

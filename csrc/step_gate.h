@@ -48,6 +48,10 @@ class StepGate {
     found_nonfinite_ = true;
     ++nonfinite_backwards_;
   }
+  // Another group's gradients were non-finite (a tensor-parallel model's
+  // other tp ranks: zero_ext/groups/tensor_parallel.py), so this step is
+  // decided as theirs.
+  void note_nonfinite_elsewhere() { found_nonfinite_ = true; }
   // Since the last zero_grad().
   bool found_nonfinite() const { return found_nonfinite_; }
   void clear_nonfinite() { found_nonfinite_ = false; }

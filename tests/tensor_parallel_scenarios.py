@@ -36,7 +36,9 @@ BUCKET_MB = 0.0005
 # large terms of their sums left (measured: up to 0.04), so atol 0.1; the
 # parameters SGD steps (lr 0.005) from them by far less, atol 0.01.
 BF16_LABEL, BF16_GRADS_LABEL = "[bf16] ", "[bf16 grads] "
-TOLERANCES = {BF16_LABEL: (2e-2, 1e-2), BF16_GRADS_LABEL: (2e-2, 1e-1), "": (1e-5, 1e-4)}
+FP16_LABEL = "[fp16] "  # fp16 compute (11 significant bits), parameters stepped at lr 0.005
+TOLERANCES = {BF16_LABEL: (2e-2, 1e-2), BF16_GRADS_LABEL: (2e-2, 1e-1), FP16_LABEL: (1e-2, 1e-3),
+              "": (1e-5, 1e-4)}
 LAYOUTS = ("2x2", "1x4", "2x1x2")
 
 
@@ -386,6 +388,46 @@ def bf16_offloaded_sgd(ctx: TPContext) -> None:
                                 for label, values in ctx.checkpoints[before:]]
 
 
+def fp16_overflow_on_one_tp_rank(ctx: TPContext) -> None:
+    """fp16 with dynamic loss scaling. In step 0 only tp rank 1's part of one
+    split gradient overflows (a hook makes it inf there, so only that tp
+    rank's dp group sees it): every rank skips the step and halves its scale
+    alike. Step 1 then equals one process that skipped step 0's update,
+    within fp16's tolerance (labels [fp16])."""
+    model = ctx.model()
+    scale = zero_ext.DynamicLossScale(initial_scale=16.0)  # no natural overflow at these magnitudes
+    options = {} if ctx.reference else {"mixed_precision": zero_ext.MixedPrecision(
+        torch.float16, loss_scale=scale, output_dtype=torch.float32)}
+    model, opt = ctx.wrap(model, torch.optim.SGD(model.parameters(), lr=0.005), **options)
+    leaf = model.blocks[0].up._parameters["weight"]
+    hook = leaf.register_hook(lambda g: g * float("inf")) \
+        if not ctx.reference and ctx.tp_mesh.get_local_rank() == 1 else None
+    ctx.loss(model, 0).backward()
+    if hook is not None:
+        hook.remove()
+    if ctx.reference:
+        opt.zero_grad()  # the skipped step
+        checks = [True, True]
+    else:
+        opt.step()
+        opt.zero_grad()
+        mine = torch.tensor([float(opt.skipped_steps), float(state_loss_scale(model))])
+        everyone = [torch.empty(2) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, mine)
+        checks = [all(float(e[0]) == 1.0 for e in everyone), all(float(e[1]) == 8.0 for e in everyone)]
+    for label, ok in zip(["step 0 skipped on every rank", "the loss scale halved alike on every rank"], checks):
+        ctx.checkpoints.append((label, {"ok": torch.tensor(ok)}))
+    ctx.loss(model, 1).backward()
+    opt.step()
+    opt.zero_grad()
+    ctx.record_params(f"{FP16_LABEL}step 1", model)
+
+
+def state_loss_scale(model) -> float:
+    from zero_ext.tools import state_of
+    return state_of(model).handles.optimizer.loss_scale()
+
+
 def sequence_parallel_norms(ctx: TPContext) -> None:
     """SequenceParallel norms (their weights' gradients Partial over tp,
     summed by the leaves' DTensor), clipped, momentum SGD."""
@@ -537,7 +579,6 @@ REFUSALS = {  # case: what every rank's error must say
     "another bucket_mb on one rank of tp rank 0's dp group only": ("bucket", "their data-parallel group wrapped"),
     "save_weights of a tensor-parallel model": "full_state_dict",
     "a dp 2 x tp 2 checkpoint loaded at dp 1 x tp 4": "split over tensor parallel along dim 1",
-    "mixed_precision='fp16' (loss scaling agreed over dp only)": "fp16 loss scaling",
     "load_full_state_dict of a rank's parts (model.state_dict())": "pass full tensors",
     "every expert of tp rank 1 routed no token (its part gets no gradient)": "on some of its 2 tensor-parallel ranks",
 }
@@ -581,8 +622,6 @@ def refusals(ctx: TPContext) -> None:
             elif case.startswith("another bucket_mb"):
                 zero_ext.wrap(model, opt, stage=ctx.stage, process_group=dp_mesh,
                               bucket_mb=1.0 if (tp_rank, dp_rank) == (0, 1) else BUCKET_MB)
-            elif case.startswith("mixed_precision='fp16'"):
-                zero_ext.wrap(model, opt, stage=ctx.stage, process_group=dp_mesh, mixed_precision="fp16")
             elif case.startswith("load_full_state_dict"):
                 model, opt = ctx.wrap(model, opt)
                 zero_ext.load_full_state_dict(model, {k: v.clone() for k, v in model.state_dict().items()})
@@ -639,6 +678,7 @@ SCENARIOS = {f.__name__: f for f in [
     inf_norm_clip_retain_graph,
     activation_checkpointed_blocks,
     bf16_offloaded_sgd,
+    fp16_overflow_on_one_tp_rank,
     sequence_parallel_norms,
     packed_experts_skipping_one,
     loss_parallel_uneven_head,

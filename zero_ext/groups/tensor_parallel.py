@@ -122,7 +122,7 @@ class TensorParallel:
         in backward on one rank (an expert no token reached) would leave that
         part unstepped while the others step, and a replicated parameter
         used on some tp ranks only would drift apart: raises on every rank."""
-        mask = torch.tensor([int(bool(h)) for h in has], dtype=torch.int32, device=self._device(
+        mask = torch.tensor([int(bool(h)) for h in has], dtype=torch.int32, device=self.device_of(
             torch.empty(0, device=device)))
         dist.all_reduce(mask, group=self.group)
         partial = [n for n, v in zip(names, mask.tolist()) if 0 < v < self.size]
@@ -147,13 +147,13 @@ class TensorParallel:
         sizes = spec.local_sizes()
         padded_shape = list(local.shape)
         padded_shape[dim] = max(sizes)
-        padded = torch.zeros(padded_shape, dtype=local.dtype, device=self._device(local))
+        padded = torch.zeros(padded_shape, dtype=local.dtype, device=self.device_of(local))
         padded.narrow(dim, 0, local.shape[dim]).copy_(local)
         pieces = [torch.empty_like(padded) for _ in range(self.size)]
         dist.all_gather(pieces, padded, group=self.group)
         return torch.cat([piece.narrow(dim, 0, n) for piece, n in zip(pieces, sizes)], dim=dim).to(local.device)
 
-    def _device(self, tensor: torch.Tensor) -> torch.device:
+    def device_of(self, tensor: torch.Tensor) -> torch.device:
         """Where the tp group's backend moves tensors: NCCL the current CUDA
         device (full_state_dict's values are on the host), gloo the host."""
         if self.mesh.device_type == "cuda" and tensor.device.type != "cuda":
@@ -270,21 +270,11 @@ def find_tensor_parallel(model: torch.nn.Module, process_group) -> List[_Found]:
 
 
 def check_supported(found: List[_Found], deferred: bool, optimizers: Sequence[torch.optim.Optimizer],
-                    stage: int, elementwise: Callable[[torch.optim.Optimizer], bool], loss_scaling: bool,
-                    skip_nonfinite: bool) -> None:
+                    stage: int, elementwise: Callable[[torch.optim.Optimizer], bool]) -> None:
     """What this version does not combine with tensor parallelism, refused
     before anything changes."""
     if not found:
         return
-    if loss_scaling or skip_nonfinite:
-        # The step decision (a non-finite gradient skips it, fp16 scaling
-        # backs off) is agreed over the data-parallel group only: a tp part
-        # that overflowed on one tp rank would skip that rank's step alone.
-        what = "fp16 loss scaling" if loss_scaling else "skip_nonfinite=True"
-        raise ValueError(
-            f"zero_ext.wrap: {what} is not available with a tensor-parallel model in this version (the skip "
-            "decision is agreed over the data-parallel group, not across tp); use mixed_precision='bf16', which "
-            "needs no loss scaling, and leave skip_nonfinite off")
     if deferred:
         raise ValueError(
             "zero_ext.wrap: a meta-device model (zero_ext.empty_init) with tensor-parallel parameters is not "

@@ -21,6 +21,8 @@ from __future__ import annotations
 import enum
 from typing import Optional, Set, Tuple
 
+import torch
+
 
 class RoundState(enum.Enum):
     """Where a model's optimizer step stands."""
@@ -37,6 +39,10 @@ class StepRound:
         self.state = RoundState.IDLE
         self.done: Set[int] = set()  # the open round's optimizers that have stepped
         self.waiting_zero: Optional[bool] = None  # set_to_none of a zero_grad that waits
+        # A tensor-parallel model's TensorParallel (set at wrap): the core agrees
+        # on non-finite gradients over the data-parallel group; the tp ranks then
+        # agree here, so every rank skips (and moves the loss scale) alike.
+        self.tensor_parallel = None
 
     def join(self, optimizer) -> None:
         # A token in the optimizer's __dict__, not id(): wrappers that copy
@@ -56,11 +62,24 @@ class StepRound:
                     f"step would use gradients accumulated over several backwards. zero_ext zeroes a model's "
                     f"gradients together; step every optimizer of the model (or none) between backwards, or "
                     f"call zero_grad() after the last one's step.")
+            self._agree_nonfinite_over_tp()
             skip = bool(self.handles.optimizer.begin_step())
             self.state = RoundState.SKIPPING if skip else RoundState.STEPPING
             self.done = set()
             return skip, True
         return self.state is RoundState.SKIPPING, False
+
+    def _agree_nonfinite_over_tp(self) -> None:
+        """Collective over tp (one flag): if any tp rank's gradients were
+        non-finite, this rank decides its step as if its own were."""
+        tp = self.tensor_parallel
+        if tp is None or tp.size < 2:
+            return
+        mine = bool(self.handles.optimizer.found_nonfinite())
+        flag = torch.tensor([int(mine)], dtype=torch.int32, device=tp.device_of(torch.empty(0)))
+        tp.all_reduce(flag, maximum=True)
+        if bool(flag.item()) and not mine:
+            self.handles.optimizer.note_nonfinite_elsewhere()
 
     def stepped(self, optimizer) -> None:
         if self.state is RoundState.IDLE:

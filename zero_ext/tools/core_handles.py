@@ -187,6 +187,8 @@ class OptimizerShards(_Handle):
     segment_compute_copies: Callable[[], List[Tensor]]
     note_compute_copy_written: Callable[[], None]
     begin_step: Callable[[], int]
+    found_nonfinite: Callable[[], bool]  # some rank's gradients since the last zero_grad held inf/nan
+    note_nonfinite_elsewhere: Callable[[], None]  # another tp rank's did: decide this step as theirs
     check_before_step: Callable[[], None]
     after_step: Callable[[List[int]], None]  # the parameters stepped
     settle: Callable[[], None]
@@ -201,7 +203,8 @@ class OptimizerShards(_Handle):
     load_masters: Callable[[List[Tensor]], None]
 
     BOUND = ("segments", "segment_param_indices", "segment_compute_copies", "note_compute_copy_written",
-             "begin_step", "check_before_step", "after_step", "settle", "enable_loss_scaling",
+             "begin_step", "found_nonfinite", "note_nonfinite_elsewhere", "check_before_step", "after_step",
+             "settle", "enable_loss_scaling",
              "disable_loss_scaling", "loss_scale", "loss_scaling", "set_skip_nonfinite", "whole_params",
              "has_masters", "full_masters", "load_masters")
 

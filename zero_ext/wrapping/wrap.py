@@ -25,7 +25,7 @@ from ..tools import CoreHandles, __version__, attach_state, core_loader, faults,
 from .unit_advice import unit_advice
 from .units import Unit, assign_parameters, resolve_units
 from .reshard import plan_reshard
-from .arguments import Options, _precision, check_backend, check_launch, check_wrap_arguments, optimizer_list
+from .arguments import Options, check_backend, check_launch, check_wrap_arguments, optimizer_list
 from .fingerprint import check_ranks_agree, check_tensor_parallel_agree, tensor_parallel_fields, wrap_fields
 
 def _plan_units(model: torch.nn.Module, units: List[Unit]):
@@ -289,8 +289,7 @@ def wrap(
     # A tensor-parallel model: its DTensor parameters become local leaves
     # first ([Note: local leaves] in groups/tensor_parallel.py), put back if wrap() fails.
     found = find_tensor_parallel(model, process_group) if isinstance(model, torch.nn.Module) else []
-    check_supported(found, has_meta_parameters(model) if found else False, optimizers, stage, _elementwise,
-                    _loss_scaling(mixed_precision), skip_nonfinite is True)
+    check_supported(found, has_meta_parameters(model) if found else False, optimizers, stage, _elementwise)
     specs, restore = localize(found, optimizers)
     try:
         arguments["tensor_parallel"] = tensor_parallel_of(found, specs)
@@ -311,14 +310,6 @@ def wrap(
     finally:
         for p in later:
             p.requires_grad_(False)
-
-
-def _loss_scaling(mixed_precision) -> bool:
-    """Whether wrap() will scale the loss (fp16); a bad value is refused later, by check_wrap_arguments."""
-    try:
-        return _precision(mixed_precision).loss_scale is not None
-    except (TypeError, ValueError):
-        return False
 
 
 def _elementwise(optimizer: torch.optim.Optimizer) -> bool:
@@ -453,6 +444,7 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
         output_dtype=options.precision.output_dtype,
         tensor_parallel=tensor_parallel,
     )
+    state.step_round.tensor_parallel = tensor_parallel  # its skip decisions agree across tp too
     weakref.finalize(state, retire_if_failed, handles,
                      own_groups + ([replica_group] if replica_group is not None else []) + header_groups
                      + regather_groups)
