@@ -77,3 +77,23 @@ def test_the_offload_demo_trains_with_files_on_two_ranks(tmp_path):
     assert [int(s) for s, _ in lines] == [1, 5], done.stdout
     assert float(lines[-1][1]) < float(lines[0][1]), done.stdout
     assert list(offload.iterdir()) == []
+
+
+def test_the_tensor_parallel_example_follows_its_reference(tmp_path):
+    """examples/tensor_parallel.py, dp 2 x tp 2 (it spawns its 4 gloo ranks):
+    zero_ext over the TP model prints the same losses and gradient norms as
+    the same training without zero_ext (--reference: gradients averaged over
+    dp and clipped by hand), and --check finds the TP model equal to one
+    process."""
+    def run(*extra):
+        cmd = [sys.executable, os.path.join(ROOT, "examples", "tensor_parallel.py"), "--steps", "3", "--log-every",
+               "1", "--dim", "64", "--layers", "1", "--context", "16", "--batch", "2", *extra]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(tmp_path),
+                              env={**os.environ, "PYTHONPATH": PACKAGE_ROOT})
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+    wrapped, reference = run("--check"), run("--reference")
+    steps = re.compile(r"^step +(\d+) +loss ([\d.]+) +grad norm ([\d.]+)$", re.M)
+    assert len(steps.findall(wrapped)) == 3 and steps.findall(wrapped) == steps.findall(reference), (wrapped, reference)
+    diff = re.search(r"largest gradient \|diff\| ([\d.e+-]+)", wrapped)
+    assert diff is not None and float(diff.group(1)) < 1e-5, wrapped
