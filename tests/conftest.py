@@ -16,7 +16,10 @@ SLOWEST_FILES_S = {
     "test_lightning.py": 18, "test_checkpoint_integrity.py": 18, "test_hf_integrations.py": 15,
     "test_checkpoint_trust.py": 12, "test_gpu_benchmark.py": 10, "test_units_policy.py": 9,
     "test_lightning_packages.py": 40, "test_tolerances.py": 10,
+    # Grown since: the tensor-parallel items in the world-4 group, the TP example's two runs.
+    "test_demo.py": 60,
 }
+SLOWEST_FILES_S["test_parity.py"] = 200
 
 
 def pytest_collection_modifyitems(session, config, items):
