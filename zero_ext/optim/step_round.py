@@ -33,16 +33,16 @@ class RoundState(enum.Enum):
 
 
 class StepRound:
-    def __init__(self, handles) -> None:
+    def __init__(self, handles, tensor_parallel=None) -> None:
         self.handles = handles
         self.size = 0  # optimizers of the model; each has a token 0..size-1 (_zero_ext_member)
         self.state = RoundState.IDLE
         self.done: Set[int] = set()  # the open round's optimizers that have stepped
         self.waiting_zero: Optional[bool] = None  # set_to_none of a zero_grad that waits
-        # A tensor-parallel model's TensorParallel (set at wrap): the core agrees
-        # on non-finite gradients over the data-parallel group; the tp ranks then
-        # agree here, so every rank skips (and moves the loss scale) alike.
-        self.tensor_parallel = None
+        # A tensor-parallel model's TensorParallel: the core agrees on non-finite
+        # gradients over the data-parallel group; the tp ranks then agree here,
+        # so every rank skips (and moves the loss scale) alike.
+        self.tensor_parallel = tensor_parallel
 
     def join(self, optimizer) -> None:
         # A token in the optimizer's __dict__, not id(): wrappers that copy

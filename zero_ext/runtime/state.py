@@ -51,7 +51,7 @@ class ZeroState:
 
     def __post_init__(self) -> None:
         self.handles = CoreHandles.of(self.core)  # the core by concern (tools/core_handles.py)
-        self.step_round = StepRound(self.handles)
+        self.step_round = StepRound(self.handles, self.tensor_parallel)
 
     # The modes, as the core's layout decided them at wrap() (csrc/layout.h):
     # read here, and nowhere else compared with stage numbers.

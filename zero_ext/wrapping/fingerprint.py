@@ -172,7 +172,7 @@ def wrap_fields(options, topology: Topology, ordered: List[torch.nn.Parameter], 
     ]
 
 
-def check_tensor_parallel_agree(topology: Topology, tp: TensorParallel, device: torch.device,
+def check_tensor_parallel_agree(tp: TensorParallel, device: torch.device,
                                 fields: List[Tuple[str, object, str]], dp_error: Optional[ValueError]) -> None:
     """Collective over this rank's tp group, after its data-parallel check:
     the fields every rank has alike whatever its tp coordinate (full shapes

@@ -291,18 +291,15 @@ def wrap(
     found = find_tensor_parallel(model, process_group) if isinstance(model, torch.nn.Module) else []
     check_supported(found, has_meta_parameters(model) if found else False, optimizers, stage, _elementwise)
     specs, restore = localize(found, optimizers)
+    later: List[torch.nn.Parameter] = []
     try:
         arguments["tensor_parallel"] = tensor_parallel_of(found, specs)
-    except BaseException:
-        restore()
-        raise
-    # Planned as trainable and frozen again right after, the supported way to
-    # unfreeze later (see ZeroState.check_parameters_unchanged).
-    later = [p for p in _optimized_parameters(optimizers)
-             if not p.requires_grad and p.dtype == torch.float32] if unfreeze_later else []
-    for p in later:
-        p.requires_grad_(True)
-    try:
+        # Planned as trainable and frozen again right after, the supported way to
+        # unfreeze later (see ZeroState.check_parameters_unchanged).
+        later = [p for p in _optimized_parameters(optimizers)
+                 if not p.requires_grad and p.dtype == torch.float32] if unfreeze_later else []
+        for p in later:
+            p.requires_grad_(True)
         return _wrap(**arguments)
     except BaseException:
         restore()
@@ -379,7 +376,7 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
             check_ranks_agree(topology, model_device, fields, list(zip(names, ordered)))
         except ValueError as error:
             dp_error = error
-        check_tensor_parallel_agree(topology, tensor_parallel, model_device, tensor_parallel_fields(
+        check_tensor_parallel_agree(tensor_parallel, model_device, tensor_parallel_fields(
             options, topology, tensor_parallel, names, ordered, unit_names), dp_error)
     if deferred:
         move_to_device(deferred, ordered, names)
@@ -444,7 +441,6 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
         output_dtype=options.precision.output_dtype,
         tensor_parallel=tensor_parallel,
     )
-    state.step_round.tensor_parallel = tensor_parallel  # its skip decisions agree across tp too
     weakref.finalize(state, retire_if_failed, handles,
                      own_groups + ([replica_group] if replica_group is not None else []) + header_groups
                      + regather_groups)
