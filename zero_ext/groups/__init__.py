@@ -9,7 +9,7 @@ from .process_groups import (acquire_groups, acquire_mesh_groups, acquire_subgro
                              handed_to_backend, pooled_groups, retire_if_failed)
 from .ranks import Ranks, refuse_different_paths
 from .tensor_parallel import (TensorParallel, TensorParallelSpec, check_supported, find_tensor_parallel,
-                              global_description, is_dtensor, localize, norm_parts_over_tp, tensor_parallel_of)
+                              global_description, is_dtensor, localize, tensor_parallel_of)
 
 __all__ = [
     "Ranks",
@@ -24,7 +24,6 @@ __all__ = [
     "global_description",
     "is_dtensor",
     "localize",
-    "norm_parts_over_tp",
     "tensor_parallel_of",
     "group_timeout",
     "handed_to_backend",

@@ -23,7 +23,6 @@ checkpoints (one part per tp rank, convert puts them together).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -38,12 +37,16 @@ def _dtensor_api():
     return DTensor, Replicate, Shard
 
 
+_DTENSOR: list = []  # the DTensor class, looked up once (is_dtensor runs at every unit's forward)
+
+
 def is_dtensor(tensor: object) -> bool:
-    try:
-        DTensor, _, _ = _dtensor_api()
-    except ImportError:  # pragma: no cover - torch without DTensor
-        return False
-    return isinstance(tensor, DTensor)
+    if not _DTENSOR:
+        try:
+            _DTENSOR.append(_dtensor_api()[0])
+        except ImportError:  # pragma: no cover - torch without DTensor
+            _DTENSOR.append(type(None))
+    return isinstance(tensor, _DTENSOR[0])
 
 
 @dataclass(frozen=True)
@@ -78,11 +81,6 @@ class TensorParallelSpec:
         return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape,
                                   stride=self.stride)
 
-    def describe(self) -> str:
-        dim = self.shard_dim
-        how = f"split along dim {dim}" if dim is not None else "replicated"
-        return f"full shape {tuple(self.shape)}, {how} over tp {self.size}"
-
 
 class TensorParallelModule:
     """Mixin in front of the class of a module holding local leaves: the
@@ -115,8 +113,7 @@ class TensorParallel:
         spec = self.specs.get(id(tensor))
         return spec is not None and spec.shard_dim is not None
 
-    def check_grads_agree(self, params: Sequence[torch.Tensor], names: Sequence[str], has: Sequence[bool],
-                          device: torch.device) -> None:
+    def check_grads_agree(self, names: Sequence[str], has: Sequence[bool], device: torch.device) -> None:
         """Collective over tp, after the dp ranks agreed which parameters got
         a gradient: every tp rank must have the same ones. A tp part unused
         in backward on one rank (an expert no token reached) would leave that
@@ -346,14 +343,3 @@ def global_description(name: str, p: torch.Tensor) -> str:
     shape = tuple(spec.shape) if spec is not None else tuple(p.shape)
     placed = f" {spec.placements}" if spec is not None else ""
     return f"'{name}' {shape}{placed} {str(p.dtype).replace('torch.', '')}" + ("" if p.requires_grad else " frozen")
-
-
-def norm_parts_over_tp(tp: Optional[TensorParallel], split: torch.Tensor, whole: torch.Tensor,
-                       norm_type: float) -> torch.Tensor:
-    """The global norm's accumulator from this rank's two parts (each already
-    reduced over dp): `split` (tensor-parallel split parameters: summed, or
-    maxed, over tp) and `whole` (everything every tp rank holds alike)."""
-    if tp is None:
-        return torch.maximum(split, whole) if math.isinf(norm_type) else split + whole
-    tp.all_reduce(split, math.isinf(norm_type))
-    return torch.maximum(split, whole) if math.isinf(norm_type) else split + whole

@@ -127,7 +127,7 @@ def check_tensor_parallel_grads(state) -> None:
     TensorParallel.check_grads_agree). Nothing without tensor parallelism."""
     tp = state.tensor_parallel
     if tp is not None and tp.size > 1:
-        tp.check_grads_agree(state.bucketed, state.bucketed_names, state.handles.reduction.has_grad(), state.device)
+        tp.check_grads_agree(state.bucketed_names, state.handles.reduction.has_grad(), state.device)
 
 
 def parts_of(state, held: List[Tuple[torch.Tensor, torch.Tensor]]) -> List[Part]:
