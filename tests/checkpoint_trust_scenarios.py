@@ -590,6 +590,9 @@ def _zero_size_convert(root: str) -> Dict[str, Any]:
 
 def first_world1(rank: int, world: int, item) -> Any:
     case, root = item
+    if case.startswith("dcp:"):
+        import dcp_trust_scenarios
+        return dcp_trust_scenarios.world1(root, case[4:])
     if case.startswith("meta:"):
         path = _copy_base(root, case[5:])
         _mutate_meta(path, case[5:])
@@ -803,6 +806,9 @@ def _scalar_per_slice(root: str, rank: int) -> Dict[str, Any]:
 
 def world2(rank: int, world: int, item) -> Any:
     case, root = item
+    if case.startswith("dcp:"):
+        import dcp_trust_scenarios
+        return dcp_trust_scenarios.world2(root, case[4:], rank, world)
     if case.startswith("fail-") or case.startswith("file-vanishes"):
         return _save_fails(root, case, rank, world)
     if case == "extra-rule":

@@ -532,9 +532,22 @@ def checkpoint_at_another_stage_and_convert(ctx: TPContext) -> None:
     if ctx.reference:
         _train(ctx, model, opt, steps=2, first_step=2)
         ctx.checkpoints.append(("converted equals full state", {"ok": torch.tensor(True)}))
+        ctx.checkpoints.append(("DCP loaded at dp 1 x tp 4 equals full state", {"ok": torch.tensor(True)}))
         return
     path = _shared_dir(ctx)
     try:
+        # DCP, in the background: chunks in full-tensor coordinates, so another
+        # tp layout reads splits along any dimension (zero_ext's format refuses).
+        handle = zero_ext.save(path + "-dcp", model, opt, format="dcp", async_save=True)
+        saved = zero_ext.full_state_dict(model)
+        other_dp, other_tp, _, _ = mesh_of("1x4")
+        wide = parallelize(TPNet(seed=5), other_tp)
+        wide, wide_opt = zero_ext.wrap(wide, adamw(wide), stage=(ctx.stage + 2) % 4, process_group=other_dp,
+                                       bucket_mb=BUCKET_MB)
+        handle.wait()
+        zero_ext.load(path + "-dcp", wide, wide_opt)
+        loaded = zero_ext.full_state_dict(wide)
+        same = saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
         zero_ext.save(path, model, opt)
         fresh = ctx.model(seed=1)
         fresh, fresh_opt = ctx.wrap(fresh, adamw(fresh), stage=(ctx.stage + 1) % 4)
@@ -556,6 +569,7 @@ def checkpoint_at_another_stage_and_convert(ctx: TPContext) -> None:
         flag = torch.tensor([int(ok)])
         dist.broadcast(flag, 0)
         ctx.checkpoints.append(("converted equals full state", {"ok": torch.tensor(bool(flag.item()))}))
+        ctx.checkpoints.append(("DCP loaded at dp 1 x tp 4 equals full state", {"ok": torch.tensor(same)}))
     finally:
         dist.barrier()
         if dist.get_rank() == 0:

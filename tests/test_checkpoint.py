@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import zero_ext
-from checkpoint_scenarios import CONFIGS, K, RESHARD_SAVES, global_batch, make, saved_name, train
+from checkpoint_scenarios import CONFIGS, K, RESHARD_SAVES, global_batch, label_of, make, saved_name, train
 from dist_harness import run_on_ranks
 from parity_scenarios import Net
 from zero_ext.convert import convert
@@ -23,13 +23,14 @@ def resume_results(world: int, root: str, mesh: str):
     return run_on_ranks(world, "checkpoint_scenarios:resume_equivalence", (root, mesh), deadline_s=600)
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"stage{c[0]}-{c[1] or 'fp32'}{'-offload' if c[2] else ''}")
+@pytest.mark.parametrize("config", CONFIGS, ids=label_of)
 @pytest.mark.parametrize("world,mesh", [(1, ""), (2, ""), (4, "2x2")])
 def test_resume_is_bit_identical(world, mesh, config, tmp_path_factory):
+    """Either format, saved at once or asynchronously while the next steps
+    change every weight: loading gives the state at the save's call."""
     root = str(tmp_path_factory.getbasetemp() / f"resume-{world}{mesh}")
     results = resume_results(world, root, mesh)
-    stage, precision, offload = config
-    label = f"stage{stage}-{precision or 'fp32'}{'-offload' if offload else ''}"
+    label = label_of(config)
     for rank, per_rank in enumerate(results):
         assert per_rank[label] is None, f"rank {rank}: {per_rank[label]}"
 
@@ -55,18 +56,23 @@ def _reference(precision, steps):
 
 @pytest.mark.parametrize("world,mesh", [(1, ""), (2, ""), (4, ""), (4, "2x2"), (4, "4x1")])
 def test_resharded_load_continues_like_one_process(world, mesh, saved_at_world_4):
-    """Saved flat or hybrid at world 4, loaded flat at 1, 2, 4 or hybrid over
-    2x2 and 4x1, into every stage: training goes on as in one process."""
+    """Saved flat or hybrid at world 4 (zero_ext's format, DCP by zero_ext in
+    either layout, DCP by FSDP2 and as torchtitan writes it), loaded flat at
+    1, 2, 4 or hybrid over 2x2 and 4x1, into every stage (and zero_ext's
+    fp32 DCP saves into FSDP2): training goes on as in one process."""
     per_rank = [torch.load(io.BytesIO(raw), weights_only=True) for raw in
                 run_on_ranks(world, "checkpoint_scenarios:load_resharded", (saved_at_world_4, mesh), deadline_s=600)]
-    for stage, precision, saved_mesh in RESHARD_SAVES:
+    for stage, precision, saved_mesh, fmt in RESHARD_SAVES:
         want = _reference(precision, 2 * K)
         rtol, atol = (2e-2, 2e-3) if precision else (1e-5, 1e-6)
-        for new_stage in (0, 1, 2, 3):
-            label = f"{saved_name(stage, precision, saved_mesh)}->stage{new_stage}"
+        name = saved_name(stage, precision, saved_mesh, fmt)
+        into = [f"stage{s}" for s in (0, 1, 2, 3)] + (["fsdp2"] if f"{name}->fsdp2" in per_rank[0] else [])
+        assert len(into) == 5 or fmt not in ("dcp", "dcp-torchtitan") or precision or mesh, name
+        for target in into:
+            label = f"{name}->{target}"
             for rank, got in enumerate(per_rank):
-                for name, value in want.items():
-                    assert torch.allclose(got[label][name], value, rtol=rtol, atol=atol), (rank, label, name)
+                for param, value in want.items():
+                    assert torch.allclose(got[label][param], value, rtol=rtol, atol=atol), (rank, label, param)
 
 
 @pytest.mark.parametrize("saved", ["saved-stage3-fp32", "saved-stage3-fp32-mesh2x2"])
@@ -144,8 +150,12 @@ def test_convert_to_safetensors_matches_the_state_dict(saved_at_world_4, tmp_pat
     assert all(torch.equal(half[k], want[k].to(torch.bfloat16)) for k in want if want[k].is_floating_point())
 
 
-@pytest.mark.parametrize("fault", ["after_shards:1", "before_publish:0", "between_renames:0"])
+@pytest.mark.parametrize("fault", ["after_shards:1", "before_publish:0", "between_renames:0",
+                                   "async/async_after_write:1", "async/before_publish:0"])
 def test_a_crash_during_save_leaves_the_previous_checkpoint(fault, tmp_path, monkeypatch):
+    """A rank killed during a save (async/: an asynchronous DCP save, killed
+    in its writer thread while training goes on) leaves the previous
+    checkpoint loadable."""
     from zero_ext.tools import faults
     if fault == "between_renames:0":  # only a save that cannot exchange directories renames twice
         monkeypatch.setenv(faults.VARIABLE, faults.spec("no_exchange"))

@@ -16,6 +16,7 @@ import os
 import pytest
 
 from checkpoint_trust_scenarios import META_CASES
+from dcp_trust_scenarios import WORLD1_CASES as DCP_WORLD1, WORLD2_CASES as DCP_WORLD2
 from dist_harness import run_items_on_ranks
 
 TARGET = "checkpoint_trust_scenarios"
@@ -26,12 +27,12 @@ FIRST_ITEMS = ([f"meta:{c}" for c in META_CASES]
                + ["extra-kinds", "strict"]
                + [f"mixed:{n}" for n in ("rank0.bin", "buffers.pt", "optimizer.pt", "extra-rank0.pt")]
                + [f"race:{k}" for k in (1, 2, 3)]
-               + ["zero-size-save", "optimizer-class"])
+               + ["zero-size-save", "optimizer-class"] + [f"dcp:{c}" for c in DCP_WORLD1])
 WORLD2_ITEMS = ["paths-differ", "regular-file", "symlink", "not-a-checkpoint", "bad-extra-rank1",
                 "fail-shards-rank1", "fail-fsync-rank1", "fail-metadata-rank0", "fail-rename-rank0",
                 "file-vanishes-rank1", "extra-rule", "ranks-open-different-saves", "zero-size-load-from-w1",
                 "zero-size-save",
-                "zero-size-load-from-w2", "optimizer-class", "scalar-per-slice"]
+                "zero-size-load-from-w2", "optimizer-class", "scalar-per-slice"] + [f"dcp:{c}" for c in DCP_WORLD2]
 LAST_ITEMS = ["zero-size-load-from-w1", "zero-size-load-from-w2", "zero-size-convert"]
 
 
@@ -269,3 +270,65 @@ def test_a_save_refuses_scalar_state_that_differs_between_slices_of_a_parameter(
         assert "zero_ext bug" not in got["message"], got["message"]
         assert got["seconds"] < FAST, (rank, got)
         assert not got["published"] and got["litter"] == [], (rank, got)
+
+
+# 7: DCP directories, whoever wrote them ---------------------------------------
+
+DCP_REFUSALS = {
+    "evil-metadata": ["not a valid torch.distributed.checkpoint metadata", "refused to load io.open"],
+    "evil-item": ["extra.rank0", "weights_only"],
+    "traversal": ["'../secret.bin'", "not a plain file name"],
+    "absolute": ["secret.bin", "not a plain file name"],
+    "data-symlink": ["__0_0.distcp", "never links"],
+    "flipped-byte": ["model.lin.weight", "does not match its checksum"],
+    "truncated": ["__0_0.distcp", "truncated"],
+    "overlap": ["model.lin.weight", "overlap"],
+    "outside-shape": ["model.lin.weight", "lies outside its shape"],
+    "sidecar-of-another-save": ["zero_ext-dcp.json", "another save"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(DCP_REFUSALS))
+def test_a_crafted_or_damaged_dcp_checkpoint_is_refused_and_runs_no_code(case, first):
+    got = ranks(first, f"dcp:{case}")[0]
+    refused(got, ("ValueError", "RuntimeError"), "zero_ext.load:", *DCP_REFUSALS[case])
+    assert not got["marker"], "loading ran code from the checkpoint"
+    assert got["model_unchanged"], "nothing may be loaded from a refused checkpoint"
+
+
+def test_a_dcp_checkpoint_without_checksums_is_checked_for_structure_only(first):
+    """Another tool's DCP carries no checksums: a flipped byte inside a
+    tensor's data is not detected (documented in docs/checkpoints.md); a
+    flip that breaks its serialization is."""
+    got = ranks(first, "dcp:foreign-flipped-byte")[0]
+    assert not got["marker"]
+    if got["error"] is not None:
+        refused(got, ("ValueError",), "zero_ext.load:", "model.lin.weight")
+
+
+def test_dcp_loading_is_strict_and_a_model_only_checkpoint_needs_fresh(first):
+    got = ranks(first, "dcp:strict")[0]
+    refused(got["missing"], ("RuntimeError",), "zero_ext.load:", "more.weight", "strict=False")
+    assert got["nonstrict"]["error"] is None and got["nonstrict_loaded"], got
+    got = ranks(first, "dcp:model-only")[0]
+    refused(got["refused"], ("RuntimeError",), "no optimizer state", "optimizer_class_mismatch=\"fresh\"")
+    assert got["refused"]["model_unchanged"]
+    assert got["fresh"]["error"] is None and got["fresh_loaded"], got
+
+
+def test_checkpoint_exists_knows_dcp_directories(first):
+    got = ranks(first, "dcp:exists")[0]
+    assert got == {"ours": True, "empty": False, "torch": True}, got
+
+
+def test_async_and_dcp_saves_fail_together(world2):
+    for rank, got in enumerate(ranks(world2, "dcp:async-fail-rank1")):
+        refused(got, ("RuntimeError",), "zero_ext.save:", "rank 1", "planted async-fail-rank1")
+        assert got["again"] == "RuntimeError", (rank, got)
+        assert got["litter"] == [], (rank, got["litter"])
+        assert got["previous"]["error"] is None and got["previous"]["value"] == "first", (rank, got)
+    for rank, got in enumerate(ranks(world2, "dcp:options-differ")):
+        refused(got, ("ValueError",), "zero_ext.save:", "different options", "format='dcp'")
+        assert got["seconds"] < FAST and not got["written"], (rank, got)
+    for rank, got in enumerate(ranks(world2, "dcp:async-then-load")):
+        assert got["error"] is None and got["same"] and got["done"], (rank, got)

@@ -48,6 +48,10 @@ class ZeroState:
     # A tensor-parallel model: the tp group and each local leaf's spec
     # (groups/tensor_parallel.py, [Note: local leaves]); None otherwise.
     tensor_parallel: Optional[TensorParallel] = None
+    # zero_ext.save(..., async_save=True): the save in flight (files/asynchronous.py,
+    # waited for by the next save or load) and the host buffers its snapshot reuses.
+    async_save: Optional[object] = None
+    save_stager: Optional[object] = None
 
     def __post_init__(self) -> None:
         self.handles = CoreHandles.of(self.core)  # the core by concern (tools/core_handles.py)

@@ -47,8 +47,9 @@ def storable(dtype: torch.dtype) -> bool:
 
 def is_checkpoint_entry(name: str) -> bool:
     """A name that can appear in a checkpoint directory (or a save's staging)."""
-    return (name in ("optimizer.pt", "buffers.pt", METADATA, METADATA + ".partial", STAGING_MARKER)
-            or re.fullmatch(r"(rank\d+\.bin|extra-rank\d+\.pt)", name) is not None)
+    return (name in ("optimizer.pt", "buffers.pt", METADATA, METADATA + ".partial", STAGING_MARKER,
+                     ".metadata", ".metadata.partial", ".metadata.tmp", "zero_ext-dcp.json")
+            or re.fullmatch(r"(rank\d+\.bin|extra-rank\d+\.pt|__\d+_\d+\.distcp)", name) is not None)
 
 
 def shard_header(token: str, rank: int, world_size: int) -> bytes:

@@ -16,7 +16,7 @@ model and optimizer state while the load runs.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Set
+from typing import Any, Dict, List, Optional, Set
 
 import torch
 
@@ -24,6 +24,9 @@ from .. import plan
 from ...optim import as_one, offload_in_memory, qualified_class_names
 from ...tools import state_of, state_or_none
 from ...groups import Ranks, refuse_different_paths
+from .. import asynchronous
+from ..dcp.reader import is_dcp
+from .publish import resolve
 
 # What load does when the checkpoint's optimizer class is not the optimizer's.
 CLASS_MISMATCH = ("error", "fresh", "load")
@@ -40,10 +43,16 @@ def _unscalar(spec: Scalar) -> Any:
 
 def _check_same_model(where: str, meta: CheckpointMeta, model: torch.nn.Module, buffers: Dict[str, Any],
                       strict: bool) -> None:
-    """Like nn.Module.load_state_dict: names must match unless not strict;
-    shapes always (a saved (1,) never broadcasts into a (4,))."""
     saved = {p.name: tuple(p.shape) for p in meta.params}
     saved.update({n: tuple(b.shape) for n, b in buffers.items()})
+    check_same_names(where, saved, model, strict)
+
+
+def check_same_names(where: str, saved: Dict[str, tuple], model: torch.nn.Module, strict: bool) -> None:
+    """Like nn.Module.load_state_dict: names (parameters and persistent
+    buffers) must match unless not strict; shapes always (a saved (1,)
+    never broadcasts into a (4,)). Both formats' loads ask this."""
+    saved = {n: tuple(s) for n, s in saved.items()}
     state = state_of(model)
     mine = {n: plan.full_shape(state, p) for n, p in model.named_parameters()}
     mine.update({n: tuple(b.shape) for n, b in plan.persistent_buffers(model).items()})
@@ -193,6 +202,29 @@ def _restored(value: Any, tensor: torch.Tensor) -> Any:
     return value  # a scalar (0-d tensors stay on the host, as before)
 
 
+def install(model, optimizer, groups: List[Optional[dict]], opt_state: Dict[torch.Tensor, dict],
+            buffers: Dict[str, torch.Tensor], restored) -> None:
+    """Phase C of either format's load: the saved hyperparameters into each
+    param group (None: keep its own), the optimizer state (the old state
+    goes before the new reaches the device; "fresh": none comes), buffers."""
+    for mine, theirs in zip(optimizer.param_groups, groups):
+        if theirs is not None:
+            mine.update({k: v for k, v in theirs.items() if k != "params"})
+    optimizer.state.clear()
+    for tensor, st in opt_state.items():
+        optimizer.state[tensor] = {k: restored(v, tensor) for k, v in st.items()}
+    for n, buf in plan.persistent_buffers(model).items():
+        if n in buffers:
+            buf.copy_(buffers[n])
+
+
+def refresh(state) -> None:
+    """After a load (collective: every rank got here): no stale gradients,
+    the parameters rebuilt from the loaded shards."""
+    state.handles.reduction.zero_grad(True)
+    state.handles.checkpoint.refresh_params_from_shards()
+
+
 @torch.no_grad()
 def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, strict: bool = True,
          optimizer_class_mismatch: str = "error") -> Any:
@@ -207,6 +239,7 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     anyway). Every byte is checked against the checksum zero_ext.save wrote
     before any is copied. Reads nothing outside the checkpoint and unpickles
     only with weights_only=True. Collective."""
+    asynchronous.wait_for_previous(state_of(model))  # a save in flight finishes first (its error raised here)
     # offload_*="nvme": the values, gradients and optimizer state this rank
     # holds in its offload files are in memory for the checkpoint's duration.
     with offload_in_memory([state_or_none(model)], values_changed=True):
@@ -233,6 +266,20 @@ def _load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *
         listed = ", ".join(f"rank {r}: {m!r}" for r, (_, m) in enumerate(asked))
         raise ValueError(f"zero_ext.load: ranks passed different optimizer_class_mismatch ({listed}); pass the same "
                          "on every rank. Nothing was loaded")
+    error, dcp_dir = None, None
+    try:
+        where = resolve(target, "zero_ext.load")
+        dcp_dir = where if is_dcp(where) else None
+    except Exception as e:  # noqa: BLE001 - a missing checkpoint raises on every rank
+        error = e
+    kinds = ranks.settle(error, dcp_dir is not None)
+    if any(k != kinds[0] for k in kinds):
+        raise RuntimeError(f"zero_ext.load: ranks see different checkpoints at {path} (one a DCP directory): it "
+                           "was replaced during this load. Nothing was loaded; load again")
+    if dcp_dir is not None:
+        from ..dcp.load import load_dcp
+        return load_dcp(dcp_dir, model, optimizer, state, ranks, strict, optimizer_class_mismatch,
+                        check_same_names)
     checkpoint = None
     try:
         # Phase A: open and validate; nothing in the model changes yet.
@@ -285,15 +332,7 @@ def _load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *
             for view, value in values:
                 view.copy_(_value(value))
             del values
-            if with_optimizer:
-                for mine, theirs in zip(optimizer.param_groups, groups):
-                    mine.update({k: v for k, v in theirs.items() if k != "params"})
-            optimizer.state.clear()  # the old state goes before the new reaches the device ("fresh": none comes)
-            for tensor, st in opt_state.items():
-                optimizer.state[tensor] = {k: _restored(v, tensor) for k, v in st.items()}
-            for n, buf in plan.persistent_buffers(model).items():
-                if n in buffers:
-                    buf.copy_(buffers[n])
+            install(model, optimizer, groups if with_optimizer else [], opt_state, buffers, _restored)
         except Exception as e:  # noqa: BLE001
             error = e
         ranks.settle(error, action=f"zero_ext.load: copying {where} into the model",
@@ -301,8 +340,7 @@ def _load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *
     finally:
         if checkpoint is not None:
             checkpoint.close()
-    state.handles.reduction.zero_grad(True)
-    state.handles.checkpoint.refresh_params_from_shards()  # collective: every rank got here
+    refresh(state)
     scaler = meta.loss_scaler
     state.handles.checkpoint.restore_loss_scaler(float(scaler.scale), scaler.clean_steps, scaler.skipped_steps)
     return extra

@@ -34,6 +34,9 @@ from ..bytes_io import fsync_dir
 from .format import STAGING_MARKER, is_checkpoint_entry, write_file
 from .metadata import FORMAT, METADATA
 
+INDEX_FILES = (METADATA, ".metadata")  # what a save writes last: zero_ext's format, DCP's
+
+
 def staging_path(target: str, token: str) -> str:
     """Where a save stages its files before publishing them at `target`."""
     return f"{target}.tmp-{token[:12]}"
@@ -55,7 +58,7 @@ def resolve(path: str, who: str = "zero_ext") -> str:
         return path
     aside = sorted(glob.glob(glob.escape(path) + ".old-*"), key=os.path.getmtime)
     for candidate in reversed(aside):
-        if os.path.isfile(os.path.join(candidate, METADATA)):
+        if any(os.path.isfile(os.path.join(candidate, index)) for index in INDEX_FILES):
             return candidate
     partial = glob.glob(glob.escape(path) + ".tmp-*")
     hint = f" (only unfinished saves: {partial}; a save died before completing)" if partial else ""
@@ -64,15 +67,21 @@ def resolve(path: str, who: str = "zero_ext") -> str:
 
 def checkpoint_exists(path) -> bool:
     """Whether `zero_ext.load(path, ...)` finds a save: the directory it
-    would read (resolve) holds a regular metadata.json, which a save writes
-    last. Reads the filesystem only: not collective, usable before wrap() or
+    would read (resolve) holds a regular metadata.json or DCP's `.metadata`
+    (whoever wrote it), which a save writes last. Reads the filesystem only: not collective, usable before wrap() or
     init_process_group. Does not validate the save (load does, and raises if
     it is damaged), so a damaged save is not mistaken for none."""
     try:
         where = resolve(os.path.abspath(os.fspath(path)))
-        return stat.S_ISREG(os.lstat(os.path.join(where, METADATA)).st_mode)
     except OSError:  # FileNotFoundError from resolve too
         return False
+    for index in INDEX_FILES:
+        try:
+            if stat.S_ISREG(os.lstat(os.path.join(where, index)).st_mode):
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def check_target(path: str) -> None:
@@ -147,15 +156,17 @@ def _rename_twice(target: str, tmp: str, token: str) -> str:
     return aside
 
 
-def publish(target: str, tmp: str, token: str, meta: dict) -> Tuple[Optional[BaseException], str]:
-    """Rank 0: metadata last, then the directory into place in one step; then
-    the replaced checkpoint and crashed saves' leftovers are removed. Returns
-    the error, if any, and what became of the directories."""
+def publish(target: str, tmp: str, token: str, meta, index_file: str = METADATA) -> Tuple[Optional[BaseException], str]:
+    """Rank 0: metadata last (zero_ext's metadata.json document, or DCP's
+    `.metadata` bytes with index_file=".metadata"), then the directory into
+    place in one step; then the replaced checkpoint and crashed saves'
+    leftovers are removed. Returns the error, if any, and what became of
+    the directories."""
     old, placed = None, False  # old: where the replaced checkpoint is once the new one is placed
     try:
-        staging = os.path.join(tmp, METADATA + ".partial")
-        write_file(staging, json.dumps(meta).encode())
-        os.replace(staging, os.path.join(tmp, METADATA))
+        staging = os.path.join(tmp, index_file + ".partial")
+        write_file(staging, meta if isinstance(meta, bytes) else json.dumps(meta).encode())
+        os.replace(staging, os.path.join(tmp, index_file))
         fsync_dir(tmp)
         faults.exit_if_armed("before_publish", 0)
         exchanged = False
@@ -229,7 +240,7 @@ def _remove_own(path: str, die_at: Optional[str] = None) -> None:
     except OSError:
         pass
     try:
-        names = sorted(os.listdir(path), key=lambda n: (n != METADATA, n == STAGING_MARKER, n))
+        names = sorted(os.listdir(path), key=lambda n: (n not in INDEX_FILES, n == STAGING_MARKER, n))
     except OSError:
         return
     for removed, name in enumerate(names, 1):

@@ -26,8 +26,8 @@ import torch
 from . import format as files
 from .. import plan
 from . import publish
+from .. import asynchronous
 from ...optim import as_one, class_name, offload_in_memory, qualified_class_names
-from ...tools import faults
 from ...tools import state_of, state_or_none
 from .checksum import digest
 from ...groups import Ranks, refuse_different_paths
@@ -100,7 +100,67 @@ def _checked_file(token: str, rank: int, value: Any, label: str) -> bytes:
         "object's state_dict() or plain values instead. Nothing was written")
 
 
-def _write_rank_files(tmp: str, model, optimizer, state, ranks: Ranks, token: str,
+def _rank_ops(model, optimizer, state, ranks: Ranks) -> list:
+    """What this rank writes, in order: ("put", name, start, tensor, key,
+    shape) for a range of a parameter's values (no key), of its elementwise
+    state (key) or a whole state that is not elementwise (key, shape), and
+    ScalarsPieces. Tensors are views of the live state (staged copies for
+    an asynchronous save)."""
+    rank = ranks.rank
+    ops: list = []
+
+    def put(param_name: str, start: int, tensor: torch.Tensor, key: str = "", shape=None) -> None:
+        ops.append(("put", param_name, start, tensor, key, shape))
+
+    names = state.bucketed_names
+    # Where each parameter's local values start among its stored elements
+    # (tensor parallel: this tp rank's part; None: another tp rank writes it).
+    shift = [plan.stored_offset(state, p, writing=True) for p in state.bucketed]
+    owned: Dict[int, List[Tuple[int, int]]] = {}
+    for i, start, end in plan.owned_ranges(state, state.shard_rank):
+        owned.setdefault(i, []).append(plan.replica_part(state, start, end))
+    for i, start, view in plan.local_views(state):
+        for lo, hi in owned.get(i, []):
+            a, b = max(lo, start), min(hi, start + view.numel())
+            if a < b and shift[i] is not None:
+                put(names[i], shift[i] + a, view[a - start:b - start])
+    if rank % ranks.mesh_size == 0:  # parameters not bucketed (frozen, stages 0-2 without mixed precision): full on every rank
+        bucketed = {id(p) for p in state.bucketed}
+        for n, p in model.named_parameters():
+            at = plan.stored_offset(state, p, writing=True)
+            if id(p) not in bucketed and p.numel() and at is not None:
+                put(n, at, p.detach().reshape(-1))
+
+    for tensor, i, start in plan.optimizer_pieces(state, optimizer):
+        st = optimizer.state.get(tensor)
+        if not st or shift[i] is None:
+            continue
+        length = tensor.numel()
+        # Sharded, a rank's state is its own; replicated (stage 0), every
+        # rank has all of it and writes its owned ranges only.
+        sharded = state.grads_sharded
+        ranges = [plan.replica_part(state, start, start + length)] if sharded else owned.get(i, [])
+        scalars = {k: _scalar(names[i], k, v) for k, v in st.items()}
+        scalars = {k: v for k, v in scalars.items() if v is not None}
+        flat = {k: v.detach().reshape(-1) for k, v in st.items()
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == length}
+        # State that is not elementwise (Adafactor's factors, ...) belongs to a
+        # whole parameter: its owner writes it (replicated: rank 0).
+        writes_whole = state.whole_params or rank == 0
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() != length and writes_whole:
+                put(names[i], 0, v.reshape(-1), key=k, shape=tuple(v.shape))
+        for lo, hi in ranges:
+            a, b = max(lo, start), min(hi, start + length)
+            if a >= b:
+                continue
+            ops.append(ScalarsPiece(-1, names[i], shift[i] + a, b - a, scalars))
+            for k, v in flat.items():
+                put(names[i], shift[i] + a, v[a - start:b - start], key=k)
+    return ops
+
+
+def _write_rank_files(tmp: str, ops: list, ranks: Ranks, token: str,
                       blobs: Dict[str, bytes]) -> Tuple[List[Piece], Dict[str, FileMeta]]:
     """This rank's files in `tmp`; returns its pieces (indices assigned
     later) and {file: size and checksum}."""
@@ -108,69 +168,21 @@ def _write_rank_files(tmp: str, model, optimizer, state, ranks: Ranks, token: st
     name = f"rank{rank}.bin"
     writer = files.ShardWriter(os.path.join(tmp, name), token, rank, ranks.world)
     pieces: List[Piece] = []
-
-    def put(param_name: str, start: int, tensor: torch.Tensor, key: str = "", shape=None) -> None:
-        """A range of a parameter's values (no key), of its elementwise state
-        (key), or the whole of a state that is not elementwise (key, shape)."""
-        offset, dtype, crcs = writer.write(tensor)
-        stored = (-1, param_name, start, tensor.numel(), name, offset, dtype, tuple(crcs))
-        pieces.append(ParamPiece(*stored) if not key else StatePiece(*stored, key) if shape is None
-                      else WholeStatePiece(*stored, key, shape))
-
     try:
-        names = state.bucketed_names
-        # Where each parameter's local values start among its stored elements
-        # (tensor parallel: this tp rank's part; None: another tp rank writes it).
-        shift = [plan.stored_offset(state, p, writing=True) for p in state.bucketed]
-        owned: Dict[int, List[Tuple[int, int]]] = {}
-        for i, start, end in plan.owned_ranges(state, state.shard_rank):
-            owned.setdefault(i, []).append(plan.replica_part(state, start, end))
-        for i, start, view in plan.local_views(state):
-            for lo, hi in owned.get(i, []):
-                a, b = max(lo, start), min(hi, start + view.numel())
-                if a < b and shift[i] is not None:
-                    put(names[i], shift[i] + a, view[a - start:b - start])
-        if rank % ranks.mesh_size == 0:  # parameters not bucketed (frozen, stages 0-2 without mixed precision): full on every rank
-            bucketed = {id(p) for p in state.bucketed}
-            for n, p in model.named_parameters():
-                at = plan.stored_offset(state, p, writing=True)
-                if id(p) not in bucketed and p.numel() and at is not None:
-                    put(n, at, p.detach().reshape(-1))
-
-        for tensor, i, start in plan.optimizer_pieces(state, optimizer):
-            st = optimizer.state.get(tensor)
-            if not st or shift[i] is None:
+        for op in ops:
+            if not isinstance(op, tuple):
+                pieces.append(op)
                 continue
-            length = tensor.numel()
-            # Sharded, a rank's state is its own; replicated (stage 0), every
-            # rank has all of it and writes its owned ranges only.
-            sharded = state.grads_sharded
-            ranges = [plan.replica_part(state, start, start + length)] if sharded else owned.get(i, [])
-            scalars = {k: _scalar(names[i], k, v) for k, v in st.items()}
-            scalars = {k: v for k, v in scalars.items() if v is not None}
-            flat = {k: v.detach().reshape(-1) for k, v in st.items()
-                    if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == length}
-            # State that is not elementwise (Adafactor's factors, ...) belongs to a
-            # whole parameter: its owner writes it (replicated: rank 0).
-            writes_whole = state.whole_params or rank == 0
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() != length and writes_whole:
-                    put(names[i], 0, v.reshape(-1), key=k, shape=tuple(v.shape))
-            for lo, hi in ranges:
-                a, b = max(lo, start), min(hi, start + length)
-                if a >= b:
-                    continue
-                pieces.append(ScalarsPiece(-1, names[i], shift[i] + a, b - a, scalars))
-                for k, v in flat.items():
-                    put(names[i], shift[i] + a, v[a - start:b - start], key=k)
+            _, param_name, start, tensor, key, shape = op
+            offset, dtype, crcs = writer.write(tensor)
+            stored = (-1, param_name, start, tensor.numel(), name, offset, dtype, tuple(crcs))
+            pieces.append(ParamPiece(*stored) if not key else StatePiece(*stored, key) if shape is None
+                          else WholeStatePiece(*stored, key, shape))
         writer.close()
     except BaseException:
         writer.abort()
         raise
     written = {name: FileMeta(writer.offset, None)}
-    if rank == 0:  # buffers are tensors: always weights_only-safe
-        values = {k: v.detach().cpu() for k, v in plan.persistent_buffers(model).items()}
-        blobs["buffers.pt"] = files.packed(token, 0, values)
     for file, blob in blobs.items():
         files.write_file(os.path.join(tmp, file), blob)
         written[file] = FileMeta(len(blob), digest(blob))
@@ -267,20 +279,38 @@ def _reads_back(document: dict, target: str) -> None:
                            f"(a zero_ext bug; please report it): {error}") from None
 
 
-def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: Any = None) -> None:
+FORMATS = ("zero_ext", "dcp")
+
+
+def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: Any = None, *,
+         format: str = "zero_ext", async_save: bool = False, dcp_layout: str = "get_state_dict"):
     """Writes a sharded checkpoint directory at `path`, atomically: every rank
     writes its own shards; the directory appears (replacing an older
     checkpoint) only once all ranks have finished. Collective: call on every
     rank with the same path. `extra` (per rank) may hold what
     torch.load(weights_only=True) reads: tensors, numbers, strings, None,
-    lists, tuples and dicts of them."""
+    lists, tuples and dicts of them.
+
+    format="dcp" writes a torch.distributed.checkpoint directory instead
+    (files/dcp/): `{"model": ..., "optim": ...}` in get_state_dict's layout,
+    or torchtitan's with dcp_layout="torchtitan" (`extra` then holds its
+    other entries: {"lr_scheduler": ..., "dataloader": ..., "train_state": ...}).
+
+    async_save=True returns an AsyncSave at once (`wait()`, `done()`): the
+    state at the call is copied to host buffers, written and published in
+    the background (files/asynchronous.py); otherwise returns None when the
+    checkpoint is in place."""
+    state = state_of(model)
+    asynchronous.wait_for_previous(state)  # one save at a time per model: the last one's error surfaces here
     # offload_*="nvme": the values, gradients and optimizer state this rank
-    # holds in its offload files are in memory for the checkpoint's duration.
+    # holds in its offload files are in memory for the checkpoint's duration
+    # (an asynchronous save's snapshot is taken inside).
     with offload_in_memory([state_or_none(model)], values_changed=False):
-        _save(path, model, optimizer, extra)
+        return _save(path, model, optimizer, extra, format, bool(async_save), dcp_layout)
 
 
-def _save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: Any = None) -> None:
+def _save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: Any, format: str,
+          async_save: bool, dcp_layout: str):
     """save() with the offloaded state in memory."""
     state = state_of(model)
     optimizer = as_one(optimizer)  # a list or tuple of the model's optimizers: one view
@@ -288,42 +318,79 @@ def _save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, e
     token = ranks.from_rank0(uuid.uuid4().hex)
 
     # Phase 0: every input checked on every rank; nothing written yet.
-    error, target, blobs = None, None, {}
+    error, target, blobs, layout = None, None, {}, None
     try:
         if state_or_none(optimizer) is not state:
             raise ValueError("zero_ext.save: this optimizer was not wrapped together with this model")
+        if format not in FORMATS:
+            raise ValueError(f"zero_ext.save: format must be one of {list(FORMATS)}, not {format!r}")
         target = os.path.abspath(os.fspath(path))
-        blobs[f"extra-rank{ranks.rank}.pt"] = _checked_file(token, ranks.rank, extra, "extra")
+        if format == "dcp":
+            from ..dcp.layout import layout_named
+            layout = layout_named(dcp_layout)
+            if layout.name == "torchtitan" and extra is not None and not isinstance(extra, dict):
+                raise TypeError("zero_ext.save: with dcp_layout=\"torchtitan\", extra holds the checkpoint's other "
+                                "top-level entries, a dict such as {\"lr_scheduler\": ..., \"train_state\": ...}, "
+                                f"not a {type(extra).__name__}. Nothing was written")
+            _checked_file(token, ranks.rank, extra, "extra")  # what the reader's weights_only load accepts
+        else:
+            blobs[f"extra-rank{ranks.rank}.pt"] = _checked_file(token, ranks.rank, extra, "extra")
         if ranks.rank == 0:
             publish.check_target(target)
-            groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-            blobs["optimizer.pt"] = _checked_file(
-                token, 0, {"class": class_name(optimizer), "param_groups": groups}, "optimizer")
+            if format != "dcp":
+                groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+                blobs["optimizer.pt"] = _checked_file(
+                    token, 0, {"class": class_name(optimizer), "param_groups": groups}, "optimizer")
     except Exception as e:  # noqa: BLE001 - raised on every rank by settle
         error = e
-    refuse_different_paths(ranks.settle(error, target), "zero_ext.save",
+    asked = ranks.settle(error, (target, format, async_save, dcp_layout if format == "dcp" else None))
+    refuse_different_paths([a[0] for a in asked], "zero_ext.save",
                            "a save writes one checkpoint at rank 0's path", "Nothing was written")
+    if any(a[1:] != asked[0][1:] for a in asked):
+        listed = ", ".join(f"rank {r}: format={a[1]!r}, async_save={a[2]}, dcp_layout={a[3]!r}"
+                           for r, a in enumerate(asked))
+        raise ValueError(f"zero_ext.save: ranks passed different options ({listed}); pass the same on every rank. "
+                         "Nothing was written")
 
-    # Phase 1: every rank's files into the staging directory.
     tmp = publish.staging_path(target, token)
-    error, pieces, written = None, [], {}
-    try:
-        publish.make_staging(tmp, token, ranks.rank)
-        pieces, written = _write_rank_files(tmp, model, optimizer, state, ranks, token, blobs)
-    except Exception as e:  # noqa: BLE001
+    group = asynchronous.exchange_group(ranks) if async_save else None  # collective: before anything is staged
+    if format == "dcp":
+        members = _group_members(state, optimizer, ranks)
+    error, job = None, None
+    try:  # what this rank writes (a snapshot of it, asynchronous)
+        if format == "dcp":
+            job = _dcp_job(model, optimizer, state, ranks, token, target, tmp, layout, extra, members, async_save)
+        else:
+            job = _own_job(model, optimizer, state, ranks, token, target, tmp, blobs, async_save)
+    except Exception as e:  # noqa: BLE001 - raised on every rank by settle
         error = e
-    faults.exit_if_armed("after_shards", ranks.rank)
+    ranks.settle(error, action=f"zero_ext.save: preparing {target}", note="Nothing was written")
+    if async_save:
+        return asynchronous.AsyncSave(job, ranks, group, state)
+    asynchronous.run_now(job, ranks)
+    return None
 
-    def remove_tmp() -> None:
-        if ranks.rank == 0:  # every rank has stopped writing by now
-            shutil.rmtree(tmp, ignore_errors=True)
-    gathered = ranks.settle(error, (pieces, written), action=f"zero_ext.save: writing {target}",
-                            note=f"The unfinished {tmp} was removed and the previous checkpoint, if any, is untouched",
-                            on_failure=remove_tmp)
 
-    # Phase 2: rank 0 checks, writes the metadata and publishes.
-    error, note = None, ""
-    if ranks.rank == 0:
+def _staged(state, tensors: List[torch.Tensor]):
+    """A copy function over a snapshot of `tensors` in the model's reusable host buffers."""
+    return asynchronous.stager_of(state).stage(tensors)
+
+
+def _own_job(model, optimizer, state, ranks: Ranks, token: str, target: str, tmp: str, blobs: Dict[str, bytes],
+             async_save: bool) -> "asynchronous.Job":
+    ops = _rank_ops(model, optimizer, state, ranks)
+    if ranks.rank == 0:  # buffers are tensors: always weights_only-safe
+        values = {k: v.detach().cpu().clone() for k, v in plan.persistent_buffers(model).items()}
+        blobs["buffers.pt"] = files.packed(token, 0, values)
+    if async_save:
+        copy = _staged(state, [op[3] for op in ops if isinstance(op, tuple)])
+        ops = [op if not isinstance(op, tuple) else op[:3] + (copy(op[3]),) + op[4:] for op in ops]
+
+    def write():
+        publish.make_staging(tmp, token, ranks.rank)
+        return _write_rank_files(tmp, ops, ranks, token, blobs)
+
+    def publish_all(gathered):
         try:
             sizes = _check_written(tmp, ranks.world, gathered)
             _check_scalars_agree(gathered)
@@ -331,10 +398,45 @@ def _save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, e
                              ranks.world)
             document = meta.to_json()
             _reads_back(document, target)
+        except Exception as e:  # noqa: BLE001 - reported to every rank by the caller
+            shutil.rmtree(tmp, ignore_errors=True)
+            return e, f"Nothing was published: {tmp} was removed and the previous checkpoint, if any, is untouched"
+        return publish.publish(target, tmp, token, document)
+
+    return asynchronous.Job(ranks.rank, write, publish_all, lambda: shutil.rmtree(tmp, ignore_errors=True),
+                            f"zero_ext.save: writing {target}",
+                            f"The unfinished {tmp} was removed and the previous checkpoint, if any, is untouched")
+
+
+def _group_members(state, optimizer, ranks: Ranks) -> List[List[int]]:
+    """Each param group's parameters (bucketed indices) over every rank: a
+    rank's optimizer holds its own segments only. Collective."""
+    mine = plan.optimizer_pieces_by_group(state, optimizer)
+    every = ranks.gather(mine)
+    return [sorted(set().union(*(r[g] for r in every))) for g in range(len(mine))]
+
+
+def _dcp_job(model, optimizer, state, ranks: Ranks, token: str, target: str, tmp: str, layout, extra: Any,
+             members: List[List[int]], async_save: bool) -> "asynchronous.Job":
+    from ..dcp import save as dcp_save
+
+    items = dcp_save.contents(model, optimizer, state, ranks.rank, ranks.mesh_size, layout, extra, members)
+    if async_save:
+        items = items.staged(_staged(state, [t.data for t in items.tensors]))
+
+    def write():
+        publish.make_staging(tmp, token, ranks.rank)
+        return dcp_save.write_rank_file(tmp, ranks.rank, items)
+
+    def publish_all(reports):
+        try:
+            meta, sidecar = dcp_save.index_files(reports, token, target)
+            files.write_file(os.path.join(tmp, dcp_save.SIDECAR), sidecar)
         except Exception as e:  # noqa: BLE001
             shutil.rmtree(tmp, ignore_errors=True)
-            error = e
-            note = f"Nothing was published: {tmp} was removed and the previous checkpoint, if any, is untouched"
-        else:
-            error, note = publish.publish(target, tmp, token, document)
-    ranks.settle(error, action=f"zero_ext.save: publishing {target}", note=note)  # nobody returns before it is in place
+            return e, f"Nothing was published: {tmp} was removed and the previous checkpoint, if any, is untouched"
+        return publish.publish(target, tmp, token, meta, index_file=dcp_save.METADATA)
+
+    return asynchronous.Job(ranks.rank, write, publish_all, lambda: shutil.rmtree(tmp, ignore_errors=True),
+                            f"zero_ext.save: writing {target}",
+                            f"The unfinished {tmp} was removed and the previous checkpoint, if any, is untouched")
