@@ -75,6 +75,27 @@ def test_resharded_load_continues_like_one_process(world, mesh, saved_at_world_4
                     assert torch.allclose(got[label][param], value, rtol=rtol, atol=atol), (rank, label, param)
 
 
+@pytest.mark.parametrize("saved", ["saved-stage3-fp32-dcp", "saved-stage1-fp32-mesh2x2-dcp",
+                                   "saved-stage2-bf16-dcp", "saved-stage3-fp32-dcp-torchtitan"])
+def test_one_plain_process_reads_zero_ext_dcp(saved, saved_at_world_4, tmp_path):
+    """zero_ext's DCP, saved over 4 ranks (flat or hybrid, fp32 masters of
+    a bf16 run), read by one plain process with torch's own dcp.load (its
+    "model" part, or torchtitan's top-level entries) and by
+    dcp_to_torch_save: the full state at the save."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = os.path.join(saved_at_world_4, saved)
+    want = torch.load(path + ".full.pt", weights_only=True)
+    model = {k: torch.zeros_like(v) for k, v in want.items()}
+    dcp.load(model if saved.endswith("torchtitan") else {"model": model}, checkpoint_id=path, no_dist=True)
+    assert model.keys() == want.keys() and all(torch.equal(model[k], want[k]) for k in want)
+    dcp_to_torch_save(path, str(tmp_path / "plain.pt"))
+    whole = torch.load(str(tmp_path / "plain.pt"), weights_only=False)  # written just now by torch itself
+    got = whole if saved.endswith("torchtitan") else whole["model"]
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 @pytest.mark.parametrize("saved", ["saved-stage3-fp32", "saved-stage3-fp32-mesh2x2"])
 def test_convert_gives_a_plain_state_dict(saved, saved_at_world_4, tmp_path):
     out = str(tmp_path / "plain.pt")
