@@ -80,8 +80,9 @@ def resume_equivalence(rank: int, world: int, root: str, mesh: str = "") -> Dict
         path = os.path.join(root, label)
         model, opt = make(stage, precision, offload, mesh=mesh)
         train(model, opt, range(K), rank, world, dtype)
-        handle = zero_ext.save(path, model, opt, extra={"rank": rank, "label": label}, format=fmt,
-                               async_save=asynchronous)
+        extra = {"rank": rank, "label": label}
+        handle = zero_ext.save(path, model, opt, extra=extra, format=fmt, async_save=asynchronous)
+        extra["label"] = "changed after the call"  # an asynchronous save keeps what extra held at the call
         train(model, opt, range(K, 2 * K), rank, world, dtype)
         if asynchronous:
             assert handle is not None and not isinstance(handle, bool)

@@ -21,6 +21,7 @@ The next save on the same model waits for the last (and raises its error).
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -75,6 +76,7 @@ class AsyncSave:
 
     def _run(self, world: int, group) -> None:
         job = self._job
+        _yield_to_training()
         report, failure = None, None
         try:
             report = job.write()
@@ -111,6 +113,17 @@ class AsyncSave:
             raise TimeoutError(f"{self._job.action} is still running after {timeout} s")
         if self._error is not None:
             raise self._error
+
+
+def _yield_to_training() -> None:
+    """The writer thread runs at the lowest CPU priority (Linux: a thread's
+    own nice value): where training keeps every core busy, the write takes
+    the time training leaves (waits in collectives, data loading) instead of
+    slowing its steps; with a core to spare it changes nothing."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not permitted: an ordinary thread
+        pass
 
 
 def wait_for_previous(state) -> None:

@@ -55,7 +55,10 @@ class TensorItem:
 class Contents:
     """What this rank writes: tensor chunks and values (bytes items)."""
     tensors: List[TensorItem] = field(default_factory=list)
-    values: Dict[str, Tuple[Path, Any]] = field(default_factory=dict)
+    values: Dict[str, Tuple[Path, bytes]] = field(default_factory=dict)  # serialized at the call: a snapshot
+
+    def value(self, key: str, path: Path, value: Any) -> None:
+        self.values[key] = (path, _bytes_of(value))
 
     def staged(self, copy) -> "Contents":
         """The same contents with each tensor replaced by copy(tensor)."""
@@ -158,7 +161,7 @@ def contents(model: torch.nn.Module, optimizer, state, rank: int, mesh_size: int
                 if isinstance(v, torch.Tensor):
                     whole(key, path, v.detach().cpu())
                 else:
-                    out.values[key] = (path, v)
+                    out.value(key, path, v)
 
     if rank == 0:
         for g, group in enumerate(optimizer.param_groups):
@@ -168,7 +171,7 @@ def contents(model: torch.nn.Module, optimizer, state, rank: int, mesh_size: int
                 hyper["params"] = params
             for k, v in hyper.items():
                 for key, path in layout.group_keys(g, params, k):
-                    out.values[key] = (path, v)
+                    out.value(key, path, v)
     if layout.name == "torchtitan":
         flat: Dict[str, Tuple[Path, Any]] = {}
         flatten(extra if extra is not None else {}, (), flat)
@@ -178,9 +181,9 @@ def contents(model: torch.nn.Module, optimizer, state, rank: int, mesh_size: int
                                   value.detach().cpu(), shared=True)
                 out.tensors.append(item)
             else:
-                out.values[key] = (path, value)
+                out.value(key, path, value)
     else:
-        out.values[f"extra.rank{rank}"] = (("extra", f"rank{rank}"), extra)
+        out.value(f"extra.rank{rank}", ("extra", f"rank{rank}"), extra)
     return out
 
 
@@ -228,8 +231,7 @@ def write_rank_file(directory: str, rank: int, items: Contents) -> RankReport:
                 tensors.setdefault(item.key, []).append((item.box, str(data.dtype), item.shape, stored, check,
                                                          item.shared))
                 paths[item.key] = item.path
-            for key, (path, value) in items.values.items():
-                blob = _bytes_of(value)
+            for key, (path, blob) in items.values.items():
                 at = f.tell()
                 f.write(blob)
                 values[key] = (path, Stored(name, at, len(blob)), digest(blob))
