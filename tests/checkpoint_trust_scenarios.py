@@ -34,12 +34,14 @@ SECRET_VALUE = 1234.5  # the float a secret file next to a checkpoint is made of
 class Tiny(nn.Module):
     """A linear layer, a one-element parameter (and a zero-size one) and a buffer."""
 
-    def __init__(self, seed: int = 0, buffer_len: Optional[int] = 4, more: bool = False, zero_size: bool = False):
+    def __init__(self, seed: int = 0, buffer_len: Optional[int] = 4, more: bool = False, zero_size: bool = False,
+                 scalar: bool = False):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.lin = nn.Linear(3, 2)
         self.one = nn.Parameter(torch.empty(1))
         self.empty = nn.Parameter(torch.empty(0)) if zero_size else None
+        self.scalar = nn.Parameter(torch.empty(())) if scalar else None  # 0-d, as CLIP's logit_scale
         if buffer_len is not None:
             self.register_buffer("scale", torch.empty(buffer_len))
         if more:
@@ -52,6 +54,8 @@ class Tiny(nn.Module):
         y = self.lin(x) * self.one
         if self.empty is not None:
             y = y + self.empty.sum()
+        if self.scalar is not None:
+            y = y * self.scalar
         return self.more(y) if hasattr(self, "more") else y
 
 

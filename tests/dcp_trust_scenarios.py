@@ -19,10 +19,14 @@ import zero_ext
 from checkpoint_trust_scenarios import Evil, _secret, attempt, litter, make, params_of, same, step
 from zero_ext.files.dcp import save as _dcp_save
 
-WORLD1_CASES = ["evil-metadata", "evil-item", "traversal", "absolute", "data-symlink", "flipped-byte",
-                "truncated", "overlap", "outside-shape", "sidecar-of-another-save", "foreign-flipped-byte",
-                "strict", "model-only", "exists"]
-WORLD2_CASES = ["async-fail-rank1", "options-differ", "async-then-load"]
+WORLD1_CASES = ["evil-metadata", "evil-build", "evil-item", "traversal", "absolute", "data-symlink", "fifo",
+                "flipped-byte", "truncated", "overlap", "outside-shape", "sidecar-of-another-save",
+                "foreign-flipped-byte", "strict", "model-only", "exists"]
+WORLD2_CASES = ["async-fail-rank1", "options-differ", "async-then-load", "zero-size-and-scalar", "two-models-async"]
+
+# A pickle that sets an attribute on an allowlisted class (BUILD with slot
+# state on pathlib.PosixPath): refused, and the class untouched after.
+EVIL_BUILD = b"cpathlib\nPosixPath\n(N(dS'is_absolute'\nctorch\nSize\nstb."
 
 
 def _saved(root: str, case: str, rank: int = 0) -> tuple:
@@ -61,7 +65,18 @@ def world1(root: str, case: str) -> Dict[str, Any]:
     model, opt, path = _saved(root, case)
     marker = os.path.join(os.path.dirname(path), "marker")
     out: Dict[str, Any] = {}
-    if case == "evil-metadata":  # torch's own reader would run this
+    if case == "evil-build":
+        import pathlib
+        with open(os.path.join(path, ".metadata"), "wb") as f:
+            f.write(EVIL_BUILD)
+        out = _load(path)
+        out["marker"] = pathlib.Path("/etc").is_absolute() is not True  # the class was changed
+        return out
+    if case == "fifo":  # a plain open would block forever on it
+        data = os.path.join(path, "__0_0.distcp")
+        os.remove(data)
+        os.mkfifo(data)
+    elif case == "evil-metadata":  # torch's own reader would run this
         with open(os.path.join(path, ".metadata"), "wb") as f:
             pickle.dump(Evil(marker), f)
     elif case == "evil-item":  # a bytes item whose unpickling runs code
@@ -165,6 +180,41 @@ def world2(root: str, case: str, rank: int, world: int) -> Dict[str, Any]:
         out = attempt(lambda: zero_ext.load(path, model, opt))
         out["same"] = same(params_of(model), want)
         out["done"] = handle.done()
+        return out
+    if case == "zero-size-and-scalar":  # a 0-d and a zero-size parameter's state round-trips through DCP
+        out = {}
+        for stage in (0, 1, 2, 3):
+            def build(seed):
+                model, opt = make(stage, seed=seed, zero_size=True, scalar=True)
+                return model, opt
+            model, opt = build(0)
+            step(model, opt, rank)
+            path = os.path.join(root, "dcp-w2", case, f"stage{stage}")
+            zero_ext.save(path, model, opt, format="dcp")
+            step(model, opt, rank)
+            want = params_of(model)
+            fresh, fresh_opt = build(5)
+            loaded = attempt(lambda: zero_ext.load(path, fresh, fresh_opt))
+            stepped = attempt(lambda: step(fresh, fresh_opt, rank)) if loaded["error"] is None else loaded
+            out[f"stage{stage}"] = {"error": stepped["error"], "message": stepped["message"],
+                                    "same": stepped["error"] is None and same(params_of(fresh), want)}
+        return out
+    if case == "two-models-async":  # two models' saves in flight at once: each its own exchange
+        a, a_opt = make(2)
+        b, b_opt = make(1, seed=3)
+        step(a, a_opt, rank)
+        step(b, b_opt, rank)
+        where = os.path.join(root, "dcp-w2", case)
+        want = {"a": params_of(a), "b": params_of(b)}
+        first = zero_ext.save(os.path.join(where, "a"), a, a_opt, format="dcp", async_save=True)
+        second = zero_ext.save(os.path.join(where, "b"), b, b_opt, async_save=True)
+        (second if rank else first).wait()  # the ranks wait in opposite orders
+        (first if rank else second).wait()
+        out = {}
+        for name, (stage, seed) in (("a", (2, 7)), ("b", (1, 8))):
+            m, o = make(stage, seed=seed)
+            got = attempt(lambda: zero_ext.load(os.path.join(where, name), m, o))
+            out[name] = got["error"] is None and same(params_of(m), want[name])
         return out
     # async-fail-rank1: rank 1's writer fails in the background; every rank's wait() raises it
     model, opt = make(2)

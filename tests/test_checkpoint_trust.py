@@ -276,6 +276,8 @@ def test_a_save_refuses_scalar_state_that_differs_between_slices_of_a_parameter(
 
 DCP_REFUSALS = {
     "evil-metadata": ["not a valid torch.distributed.checkpoint metadata", "refused to load io.open"],
+    "evil-build": ["not a valid torch.distributed.checkpoint metadata", "refused to set the state of", "PosixPath"],
+    "fifo": ["__0_0.distcp", "not a regular file"],
     "evil-item": ["extra.rank0", "weights_only"],
     "traversal": ["'../secret.bin'", "not a plain file name"],
     "absolute": ["secret.bin", "not a plain file name"],
@@ -332,3 +334,11 @@ def test_async_and_dcp_saves_fail_together(world2):
         assert got["seconds"] < FAST and not got["written"], (rank, got)
     for rank, got in enumerate(ranks(world2, "dcp:async-then-load")):
         assert got["error"] is None and got["same"] and got["done"], (rank, got)
+    for rank, got in enumerate(ranks(world2, "dcp:two-models-async")):
+        assert got == {"a": True, "b": True}, (rank, got)
+
+
+def test_zero_size_and_0d_parameters_round_trip_through_dcp(world2):
+    for rank, got in enumerate(ranks(world2, "dcp:zero-size-and-scalar")):
+        for stage, outcome in got.items():
+            assert outcome["error"] is None and outcome["same"], (rank, stage, outcome)

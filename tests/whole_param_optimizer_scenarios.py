@@ -346,7 +346,12 @@ RESHARD_CASES = {
     "adafactor": (WithBiases, lambda ps: [adafactor(ps)], None, 2),  # factored state: shaped unlike its parameter
     "adafactor_bf16": (WithBiases, lambda ps: [adafactor(ps)], "bf16", 3),
     "unknown": (Matrices, lambda ps: [trust_ratio(ps)], None, 1),
+    # As DCP (state that is not elementwise: whole tensors of their own shape),
+    # flat, and hybrid over 2x1 (an owner in each row: the first row's writes).
+    "muon_adamw_list_dcp": (WithBiases, muon_and_adamw, None, 2),
+    "adafactor_dcp_hybrid": (WithBiases, lambda ps: [adafactor(ps)], None, 2),
 }
+SAVED_AS = {"muon_adamw_list_dcp": ("dcp", ""), "adafactor_dcp_hybrid": ("dcp", "2x1")}  # (format, mesh); else ours, flat
 
 
 def reshard_make(case: str, stage: Optional[int], seed: int = 0, mesh: str = ""):
@@ -366,9 +371,10 @@ def reshard_dtype(case: str):
 def save_for_resharding(rank: int, world: int, root: str) -> None:
     assert world == 2, "the loads expect a checkpoint saved at world size 2"
     for case, (_, _, _, stage) in RESHARD_CASES.items():
-        model, opts = reshard_make(case, stage)
+        fmt, mesh = SAVED_AS.get(case, ("zero_ext", ""))
+        model, opts = reshard_make(case, stage, mesh=mesh)
         reshard_train(model, opts, range(RESHARD_K), rank, world, reshard_dtype(case))
-        zero_ext.save(os.path.join(root, case), model, opts, extra={"saved_at": world})
+        zero_ext.save(os.path.join(root, case), model, opts, extra={"saved_at": world}, format=fmt)
 
 
 def load_resharded(rank: int, world: int, root: str, mesh: str = "") -> bytes:

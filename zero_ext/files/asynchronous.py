@@ -23,7 +23,7 @@ from __future__ import annotations
 import datetime
 import os
 import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,6 @@ from ..tools import faults
 
 _ALIGN = 64
 _EXCHANGE_TIMEOUT = datetime.timedelta(minutes=30)
-_groups: Dict[Tuple[int, ...], Any] = {}
 
 
 class Job:
@@ -84,7 +83,7 @@ class AsyncSave:
         except BaseException as e:  # noqa: BLE001 - reported to every rank below
             failure = (type(e).__name__, str(e), job.note)
         try:
-            outcomes = _gather((failure, report), world, group)
+            outcomes = _gather((failure, report), job.rank, world, group)
             failed = [(r, f) for r, (f, _) in enumerate(outcomes) if f is not None]
             if failed:
                 if job.rank == 0:
@@ -96,7 +95,7 @@ class AsyncSave:
             if job.rank == 0:
                 error, note = job.publish([r for _, r in outcomes])
                 outcome = None if error is None else f"{type(error).__name__}: {error}. {note}".rstrip()
-            outcome = _from_rank0(outcome, world, group)
+            outcome = _from_rank0(outcome, group)
             if outcome is not None:
                 self._error = RuntimeError(f"{job.action.replace('writing', 'publishing')} failed on rank 0: {outcome}")
         except BaseException as e:  # noqa: BLE001 - a peer died or the exchange failed
@@ -134,35 +133,45 @@ def wait_for_previous(state) -> None:
         previous.wait()
 
 
-def _gather(obj: Any, world: int, group) -> List[Any]:
-    if group is None:
+def _gather(obj: Any, rank: int, world: int, exchange: Optional[ExchangeGroup]) -> List[Any]:
+    """Every rank's `obj`, by the save's rank."""
+    if exchange is None:
         return [obj]
     out: List[Any] = [None] * world
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    dist.all_gather_object(out, (rank, obj), group=exchange.group)
+    by_rank = dict(out)
+    return [by_rank[r] for r in range(world)]
 
 
-def _from_rank0(obj: Any, world: int, group) -> Any:
-    if group is None:
+def _from_rank0(obj: Any, exchange: Optional[ExchangeGroup]) -> Any:
+    if exchange is None:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    dist.broadcast_object_list(box, src=exchange.members[0], group=exchange.group)
     return box[0]
 
 
-def exchange_group(ranks) -> Any:
-    """A gloo group over the save's ranks for the background threads
-    (collective on those ranks, once per set of ranks); None alone."""
+class ExchangeGroup:
+    """A gloo group over one model's save ranks for its writer threads: its
+    own (two models' saves in flight at once never share one, where gloo
+    would pair one's collective with the other's), created on the model's
+    first asynchronous save (collective on its ranks). `members[r]` is the
+    global rank of the save's rank r (Ranks' numbering, which is not the
+    group's own order under tensor parallelism)."""
+
+    def __init__(self, ranks):
+        self.members = list(ranks.gather(dist.get_rank()))
+        self.group = dist.new_group(ranks=sorted(self.members), backend="gloo", timeout=_EXCHANGE_TIMEOUT,
+                                    use_local_synchronization=True)
+
+
+def exchange_group(ranks, state) -> Optional[ExchangeGroup]:
+    """The model's exchange group (made at its first asynchronous save); None alone."""
     if not ranks.distributed:
         return None
-    # Ordered by Ranks' numbering: rank r of the save is the group's rank r.
-    members = tuple(ranks.gather(dist.get_rank()))
-    group = _groups.get(members)
-    if group is None:
-        group = dist.new_group(ranks=list(members), backend="gloo", timeout=_EXCHANGE_TIMEOUT,
-                               use_local_synchronization=True)
-        _groups[members] = group
-    return group
+    if state.save_exchange is None:
+        state.save_exchange = ExchangeGroup(ranks)
+    return state.save_exchange
 
 
 class Stager:

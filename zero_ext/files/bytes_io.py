@@ -9,6 +9,13 @@ from typing import Any
 import torch
 
 
+# Opening a file a checkpoint names: never through a link, never inherited, and
+# never blocking (a FIFO planted in a checkpoint would block a plain open
+# forever; the regular-file check after the open refuses it).
+READ_NOFOLLOW = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+                 | getattr(os, "O_NONBLOCK", 0))
+
+
 def bytes_view(t: torch.Tensor):
     """The tensor's memory as a ctypes buffer, without a copy. Only host
     memory: a device pointer handed to file I/O would crash the process."""

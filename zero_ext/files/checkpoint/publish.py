@@ -30,7 +30,7 @@ import sys
 from typing import List, Optional, Tuple
 
 from ...tools import faults
-from ..bytes_io import fsync_dir
+from ..bytes_io import READ_NOFOLLOW, fsync_dir
 from .format import STAGING_MARKER, is_checkpoint_entry, write_file
 from .metadata import FORMAT, METADATA
 
@@ -199,7 +199,7 @@ def publish(target: str, tmp: str, token: str, meta, index_file: str = METADATA)
 
 def _is_zero_ext_metadata(path: str) -> bool:
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(path, READ_NOFOLLOW)
     except OSError:
         return False
     try:

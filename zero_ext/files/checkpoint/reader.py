@@ -22,11 +22,11 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from .checksum import digest
-from ..bytes_io import bytes_view, close_opened
+from ..bytes_io import READ_NOFOLLOW, bytes_view, close_opened
 from .format import dtype_of, parse_shard_header
 from .metadata import HEADER, METADATA, CheckpointMeta, Piece, PieceKind, StoredPiece, rank_of_file
 
-_NOFOLLOW = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = READ_NOFOLLOW
 _RESTORE = "restore the checkpoint from a good copy"
 
 

@@ -353,9 +353,9 @@ def _save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, e
                          "Nothing was written")
 
     tmp = publish.staging_path(target, token)
-    group = asynchronous.exchange_group(ranks) if async_save else None  # collective: before anything is staged
+    group = asynchronous.exchange_group(ranks, state) if async_save else None  # collective: before anything is staged
     if format == "dcp":
-        members = _group_members(state, optimizer, ranks)
+        members = group_members(state, optimizer, ranks)
     error, job = None, None
     try:  # what this rank writes (a snapshot of it, asynchronous)
         if format == "dcp":
@@ -408,11 +408,18 @@ def _own_job(model, optimizer, state, ranks: Ranks, token: str, target: str, tmp
                             f"The unfinished {tmp} was removed and the previous checkpoint, if any, is untouched")
 
 
-def _group_members(state, optimizer, ranks: Ranks) -> List[List[int]]:
+def group_members(state, optimizer, ranks: Ranks) -> List[List[int]]:
     """Each param group's parameters (bucketed indices) over every rank: a
-    rank's optimizer holds its own segments only. Collective."""
-    mine = plan.optimizer_pieces_by_group(state, optimizer)
-    every = ranks.gather(mine)
+    rank's optimizer holds its own segments only. Collective; an optimizer
+    not wrapped with this model raises on every rank."""
+    error, mine = None, None
+    try:
+        if state_or_none(optimizer) is not state:
+            raise ValueError("zero_ext: this optimizer was not wrapped together with this model")
+        mine = plan.optimizer_pieces_by_group(state, optimizer)
+    except Exception as e:  # noqa: BLE001 - raised on every rank by settle
+        error = e
+    every = ranks.settle(error, mine)
     return [sorted(set().union(*(r[g] for r in every))) for g in range(len(mine))]
 
 

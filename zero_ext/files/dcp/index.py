@@ -84,16 +84,37 @@ def _allowed() -> Dict[Tuple[str, str], Any]:
     return allowed
 
 
-class _Unpickler(pickle.Unpickler):
-    """Only DCP's metadata classes and torch's value types; anything else
-    (a callable that would run code) is refused."""
+def _buildable() -> Tuple[type, ...]:
+    from torch.distributed.checkpoint import metadata as md
+    from torch.distributed.checkpoint import filesystem as fs
+    return tuple(getattr(md, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                          "ChunkStorageMetadata", "TensorProperties", "StorageMeta", "MetadataIndex")
+                 if hasattr(md, n)) + (fs._StorageInfo,)
+
+
+class _Unpickler(pickle._Unpickler):  # the Python implementation: its opcodes can be guarded one by one
+    """Only DCP's metadata classes and torch's value types (anything else, a
+    callable that would run code, is refused), and state set only on
+    instances of DCP's dataclasses: BUILD on a class or a function would
+    change it for the whole process (a refused file must leave no trace)."""
     allowed: Dict[Tuple[str, str], Any] = {}
+    buildable: Tuple[type, ...] = ()
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def find_class(self, module: str, name: str) -> Any:
         found = self.allowed.get((module, name))
         if found is None:
             raise pickle.UnpicklingError(f"refused to load {module}.{name}: not a part of DCP's metadata")
         return found
+
+    def load_build(self) -> None:
+        target = self.stack[-2]  # the object under its state
+        if isinstance(target, type) or type(target) not in self.buildable:
+            raise pickle.UnpicklingError(f"refused to set the state of {target!r}: only DCP's metadata objects "
+                                         "take state")
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = load_build
 
 
 def _fail(where: str, what: str) -> ValueError:
@@ -139,7 +160,7 @@ class DcpIndex:
         from torch.distributed.checkpoint import metadata as md
 
         if not _Unpickler.allowed:
-            _Unpickler.allowed = _allowed()
+            _Unpickler.allowed, _Unpickler.buildable = _allowed(), _buildable()
         try:
             meta = _Unpickler(io.BytesIO(data)).load()
         except pickle.UnpicklingError as error:
@@ -200,18 +221,30 @@ def _tensor_entry(key: str, entry: Any, stored, where: str) -> TensorEntry:
     return TensorEntry(dtype, shape, tuple(out))
 
 
+_MAX_CHUNKS = 1 << 18  # of one tensor: 3 boxes per range of 80k ranks; a bound on the overlap check's work
+
+
 def _check_disjoint(key: str, chunks: List[Chunk], where: str) -> None:
-    """No element is in two chunks (which one would a reader believe?).
-    Sorted by their first offset, a chunk can only meet those starting
-    before it ends in that dimension."""
-    order = sorted((c for c in chunks if volume(c.box[1])), key=lambda c: c.box[0])
-    for i, a in enumerate(order):
-        end = a.box[0][0] + a.box[1][0] if a.box[0] else None
-        for b in order[i + 1:]:
-            if end is not None and b.box[0][0] >= end:
-                break
+    """No element is in two chunks (which one would a reader believe?). A
+    sweep along the dimension where the chunks' offsets differ most: a chunk
+    is compared only with those still open along it, so tensors split along
+    any one dimension (every writer's layout) cost n log n."""
+    boxes = [c for c in chunks if volume(c.box[1])]
+    if len(boxes) < 2:
+        return
+    if len(boxes) > _MAX_CHUNKS:
+        raise _fail(where, f"'{key}' has {len(boxes)} chunks, more than {_MAX_CHUNKS}")
+    dims = len(boxes[0].box[0])
+    dim = max(range(dims), key=lambda d: len({c.box[0][d] for c in boxes}))
+    order = sorted(boxes, key=lambda c: c.box[0][dim])
+    open_: List[Chunk] = []
+    for b in order:
+        start = b.box[0][dim]
+        open_ = [a for a in open_ if a.box[0][dim] + a.box[1][dim] > start]
+        for a in open_:
             if intersect(a.box, b.box) is not None:
                 raise _fail(where, f"two chunks of '{key}' overlap (at {list(a.box[0])} and {list(b.box[0])})")
+        open_.append(b)
 
 
 def _paths(data: Any, entries: Dict[str, Entry]) -> Optional[Dict[str, Tuple[Union[str, int], ...]]]:

@@ -148,8 +148,8 @@ def _scalar(where: str, key: str, name: str, value: Any) -> Any:
 class Plan:
     """Phase A's findings: what this rank reads, and from where."""
 
-    def __init__(self, checkpoint: DcpCheckpoint, state, model, optimizer, strict: bool, with_optimizer: bool,
-                 rank: int, check_names):
+    def __init__(self, checkpoint: DcpCheckpoint, state, model, strict: bool, with_optimizer: bool,
+                 rank: int, check_names, group_members: List[List[int]]):
         where = checkpoint.where
         self.checkpoint = checkpoint
         names = [n for n, _ in model.named_parameters()]
@@ -167,13 +167,13 @@ class Plan:
                 "optimizer_class_mismatch=\"fresh\" to load the model and start this optimizer fresh. Nothing "
                 "was loaded")
         self.hyper = _saved_hyper(checkpoint, self.layout, name_set) if with_optimizer else {}
-        self.groups = self._groups(state, optimizer) if with_optimizer else []
+        self.groups = self._groups(state, group_members) if with_optimizer else []
         self.extra = self._extra(rank)
 
-    def _groups(self, state, optimizer) -> List[Optional[Dict[str, Any]]]:
+    def _groups(self, state, members_by_group: List[List[int]]) -> List[Optional[Dict[str, Any]]]:
         names = state.bucketed_names
         out = []
-        for members in plan.optimizer_pieces_by_group(state, optimizer):
+        for members in members_by_group:
             saved = [self.hyper.get(names[i]) for i in members]
             if not saved or saved[0] is None:
                 out.append(None)
@@ -242,14 +242,19 @@ def read_optimizer(p_plan: Plan, state, optimizer) -> Dict[torch.Tensor, Dict[st
         full = plan.full_shape(state, p)
         for k, key in keys.items():
             entry = checkpoint.index.entries[key]
+            # Elementwise state has the parameter's shape: for a 0-d parameter
+            # that is a scalar's shape too, told apart by the key (step counts).
+            elementwise = isinstance(entry, TensorEntry) and tuple(entry.shape) == tuple(full) and not (
+                full == () and count_problem(k, -1) is not None)
             if isinstance(entry, BytesEntry):
                 st[k] = _scalar(where, k, name, checkpoint.value(key))
+            elif elementwise:
+                host = torch.empty(tensor.numel(), dtype=entry.dtype)
+                if tensor.numel():
+                    filler.fill(key, p, _place(state, p), start, start + tensor.numel(), host)
+                st[k] = host
             elif entry.shape == ():
                 st[k] = _scalar(where, k, name, checkpoint.whole(key))
-            elif tuple(entry.shape) == tuple(full) and p.numel():
-                host = torch.empty(tensor.numel(), dtype=entry.dtype)
-                filler.fill(key, p, _place(state, p), start, start + tensor.numel(), host)
-                st[k] = host
             else:
                 if state.grads_sharded and not state.whole_params:
                     raise RuntimeError(
@@ -267,15 +272,20 @@ def load_dcp(where: str, model, optimizer, state, ranks, strict: bool, mismatch:
 
     """zero_ext.load's phases over a DCP directory (the caller checked the
     ranks agree on it). Returns this rank's extra."""
+    from ..checkpoint.save import group_members
+    members = group_members(state, optimizer, ranks)  # collective: a rank's optimizer holds its own segments
     checkpoint = None
     try:
         error, found = None, None
         try:
             checkpoint = DcpCheckpoint(where, "zero_ext.load")
-            found = Plan(checkpoint, state, model, optimizer, strict, mismatch != "fresh", ranks.rank, check_names)
+            found = Plan(checkpoint, state, model, strict, mismatch != "fresh", ranks.rank, check_names, members)
         except Exception as e:  # noqa: BLE001 - raised on every rank by settle
             error = e
-        ranks.settle(error, checkpoint.index.save_id if checkpoint is not None else None)
+        saves = ranks.settle(error, checkpoint.index.save_id if checkpoint is not None else None)
+        if any(s != saves[0] for s in saves):
+            raise RuntimeError(f"zero_ext.load: ranks opened different saves at {where}: it was replaced during "
+                               "this load. Nothing was loaded; load again")
 
         error, values, buffers, opt_state = None, [], {}, {}
         try:

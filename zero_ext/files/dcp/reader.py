@@ -16,14 +16,14 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ..bytes_io import bytes_view, close_opened
+from ..bytes_io import READ_NOFOLLOW, bytes_view, close_opened
 from ..checkpoint.checksum import digest
 from ..checkpoint.metadata import _canonical
 from .boxes import Box
 from .index import METADATA, BytesEntry, DcpIndex, Stored, TensorEntry
 
 SIDECAR = "zero_ext-dcp.json"
-_NOFOLLOW = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = READ_NOFOLLOW
 _RESTORE = "restore the checkpoint from a good copy"
 
 

@@ -114,8 +114,8 @@ def contents(model: torch.nn.Module, optimizer, state, rank: int, mesh_size: int
                         out.tensors)
     if rank == 0:
         for i, p in enumerate(state.bucketed):  # a zero-size parameter: one empty chunk, so the key exists
-            if p.numel() == 0:
-                whole(*layout.model_key(names[i]), p.detach())
+            if p.numel() == 0:  # (never read: a stage 3 parameter holds no data here)
+                whole(*layout.model_key(names[i]), torch.empty(plan.full_shape(state, p), dtype=p.dtype))
     if rank % mesh_size == 0:  # not bucketed (frozen, ...): whole on every rank of the data-parallel group
         bucketed = {id(p) for p in state.bucketed}
         for n, p in model.named_parameters():
@@ -142,7 +142,10 @@ def contents(model: torch.nn.Module, optimizer, state, rank: int, mesh_size: int
                                                  for lo, hi in ranges)
         for k, v in st.items():
             key, path = layout.state_key(names[i], str(k))
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == length:
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == length == 0:
+                if rank == 0:  # a zero-size parameter's state: one empty chunk, so the key exists
+                    whole(key, path, torch.empty(plan.full_shape(state, p), dtype=v.dtype))
+            elif isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == length:
                 flat = v.detach().reshape(-1)
                 for lo, hi in ranges:
                     a, b = max(lo, start), min(hi, start + length)
@@ -150,7 +153,7 @@ def contents(model: torch.nn.Module, optimizer, state, rank: int, mesh_size: int
                         _chunks(key, path, p, plan.full_shape(state, p), places[i], a, b,
                                 flat[a - start:b - start], out.tensors)
             elif isinstance(v, torch.Tensor) and v.dim() > 0:  # not elementwise: its owner writes it whole
-                if state.whole_params or rank == 0:
+                if (state.whole_params and state.replica_rank == 0) or rank == 0:  # hybrid: the first row's owner
                     whole(key, path, v.detach().cpu())
             elif writes_first or (length == 0 and rank == 0):  # a scalar: once per parameter
                 plain = v.item() if isinstance(v, torch.Tensor) else v
@@ -207,39 +210,30 @@ def write_rank_file(directory: str, rank: int, items: Contents) -> RankReport:
     """This rank's data file, each item's torch.save bytes one after the
     other (torch's FileSystemWriter's format). A tensor's checksum is of its
     values (XXH3 over its bytes, what load compares after reading it); a
-    value's, of its serialized bytes. The zip's own CRC32 is left out while
-    writing (torch.serialization.set_crc32_options: a process-wide switch,
-    restored after): the checksums above cover the same bytes at a tenth of
-    the cost, and torch.load does not need it."""
+    value's, of its serialized bytes."""
     name = f"__{rank}_0.distcp"
     tensors: Dict[str, List[tuple]] = {}
     values: Dict[str, tuple] = {}
     paths: Dict[str, Path] = {}
-    crc = getattr(torch.serialization, "get_crc32_options", lambda: True)()
-    set_crc = getattr(torch.serialization, "set_crc32_options", lambda on: None)
-    set_crc(False)
-    try:
-        with open(os.path.join(directory, name), "wb") as f:
-            for item in items.tensors:
-                data = item.data.detach().cpu()
-                if data.untyped_storage().nbytes() != data.numel() * data.element_size() or not data.is_contiguous():
-                    data = data.clone(memory_format=torch.contiguous_format)  # torch.save writes a view's whole storage
-                at = f.tell()
-                torch.save(data, f)
-                check = digest(bytes_view(data)) if data.numel() else digest(b"")
-                stored = Stored(name, at, f.tell() - at)
-                tensors.setdefault(item.key, []).append((item.box, str(data.dtype), item.shape, stored, check,
-                                                         item.shared))
-                paths[item.key] = item.path
-            for key, (path, blob) in items.values.items():
-                at = f.tell()
-                f.write(blob)
-                values[key] = (path, Stored(name, at, len(blob)), digest(blob))
-                paths[key] = path
-            f.flush()
-            os.fsync(f.fileno())
-    finally:
-        set_crc(crc)
+    with open(os.path.join(directory, name), "wb") as f:
+        for item in items.tensors:
+            data = item.data.detach().cpu()
+            if data.untyped_storage().nbytes() != data.numel() * data.element_size() or not data.is_contiguous():
+                data = data.clone(memory_format=torch.contiguous_format)  # torch.save writes a view's whole storage
+            at = f.tell()
+            torch.save(data, f)
+            check = digest(bytes_view(data)) if data.numel() else digest(b"")
+            stored = Stored(name, at, f.tell() - at)
+            tensors.setdefault(item.key, []).append((item.box, str(data.dtype), item.shape, stored, check,
+                                                     item.shared))
+            paths[item.key] = item.path
+        for key, (path, blob) in items.values.items():
+            at = f.tell()
+            f.write(blob)
+            values[key] = (path, Stored(name, at, len(blob)), digest(blob))
+            paths[key] = path
+        f.flush()
+        os.fsync(f.fileno())
     return RankReport(tensors, values, paths)
 
 

@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..bytes_io import bytes_view as _bytes_view, close_opened, fsync_dir
+from ..bytes_io import READ_NOFOLLOW, bytes_view as _bytes_view, close_opened, fsync_dir
 
 DTYPES: Dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -37,7 +37,7 @@ DTYPES: Dict[str, torch.dtype] = {
 NAMES: Dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 MAX_HEADER = 100 * 1024 * 1024  # the safetensors package's own limit
 INDEX = "model.safetensors.index.json"
-_NOFOLLOW = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = READ_NOFOLLOW
 _PLAIN_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}\Z")
 
 
