@@ -10,8 +10,8 @@ on every rank through Ranks.settle, as every collective of zero_ext does.
 caller (a copy of what this rank writes into reusable host buffers,
 `Stager`: pinned where tensors live on a GPU, so the copy is a DMA); a
 thread per rank writes the files, then the ranks exchange their reports
-and the outcome over a gloo group of their own (created once per set of
-ranks), never over the model's group, which training keeps using. The
+and the outcome through the rendezvous store (Exchange), never over the
+model's group, which training keeps using. The
 save is published when every rank's thread is done; `wait()` returns then
 or raises the failure on every rank. The thread is not a daemon: a process
 exiting with a save in flight finishes it first; a process killed leaves
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import threading
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -65,15 +66,15 @@ class AsyncSave:
     """A save in flight: `wait()` blocks until it is published (or raises
     why not, on every rank); `done()` says whether it has finished."""
 
-    def __init__(self, job: Job, ranks, group, state):
+    def __init__(self, job: Job, exchange: Exchange, state):
         self._job = job
         self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, args=(ranks.world, group),
+        self._thread = threading.Thread(target=self._run, args=(exchange,),
                                         name=f"zero_ext-async-save-{job.rank}", daemon=False)
         self._thread.start()
         state.async_save = self
 
-    def _run(self, world: int, group) -> None:
+    def _run(self, exchange: Exchange) -> None:
         job = self._job
         _yield_to_training()
         report, failure = None, None
@@ -83,21 +84,22 @@ class AsyncSave:
         except BaseException as e:  # noqa: BLE001 - reported to every rank below
             failure = (type(e).__name__, str(e), job.note)
         try:
-            outcomes = _gather((failure, report), job.rank, world, group)
-            failed = [(r, f) for r, (f, _) in enumerate(outcomes) if f is not None]
-            if failed:
-                if job.rank == 0:
+            outcomes = exchange.reports((failure, report))
+            message = None
+            if outcomes is not None:  # save rank 0: every rank's report in hand
+                failed = [(r, f) for r, (f, _) in enumerate(outcomes) if f is not None]
+                if failed:
                     job.abandon()
-                rank, (kind, message, note) = failed[0]
-                self._error = RuntimeError(f"{job.action} failed on rank {rank}: {kind}: {message}. {note}".rstrip())
-                return
-            outcome = None
-            if job.rank == 0:
-                error, note = job.publish([r for _, r in outcomes])
-                outcome = None if error is None else f"{type(error).__name__}: {error}. {note}".rstrip()
-            outcome = _from_rank0(outcome, group)
-            if outcome is not None:
-                self._error = RuntimeError(f"{job.action.replace('writing', 'publishing')} failed on rank 0: {outcome}")
+                    rank, (kind, text, note) = failed[0]
+                    message = f"{job.action} failed on rank {rank}: {kind}: {text}. {note}".rstrip()
+                else:
+                    error, note = job.publish([r for _, r in outcomes])
+                    if error is not None:
+                        message = (f"{job.action.replace('writing', 'publishing')} failed on rank 0: "
+                                   f"{type(error).__name__}: {error}. {note}".rstrip())
+            message = exchange.outcome(message)
+            if message is not None:
+                self._error = RuntimeError(message)
         except BaseException as e:  # noqa: BLE001 - a peer died or the exchange failed
             self._error = RuntimeError(f"{job.action}: the ranks could not agree on the outcome ({e}); the previous "
                                        "checkpoint, if any, is untouched unless rank 0 published this one")
@@ -133,45 +135,54 @@ def wait_for_previous(state) -> None:
         previous.wait()
 
 
-def _gather(obj: Any, rank: int, world: int, exchange: Optional[ExchangeGroup]) -> List[Any]:
-    """Every rank's `obj`, by the save's rank."""
-    if exchange is None:
-        return [obj]
-    out: List[Any] = [None] * world
-    dist.all_gather_object(out, (rank, obj), group=exchange.group)
-    by_rank = dict(out)
-    return [by_rank[r] for r in range(world)]
+class Exchange:
+    """How the writer threads of one save agree, without a collective: through
+    the job's rendezvous store (torch.distributed's default store, which every
+    rank shares), under keys of this save's token. Each rank posts its report;
+    save rank 0 waits for all of them, publishes (or not) and posts the
+    outcome; the others wait for it. No process group is made or used: the
+    model's group stays training's, two saves in flight never pair their
+    messages, and no rank creates a group another does not (torch derives
+    later groups' names from how many each rank has made)."""
+
+    def __init__(self, ranks, token: str, timeout: Optional[datetime.timedelta]):
+        self.rank, self.world = ranks.rank, ranks.world
+        self.store = dist.distributed_c10d._get_default_store() if ranks.distributed else None
+        self.prefix = f"zero_ext/async_save/{token}/"
+        # A peer that died never posts: wait as long as the model's collectives would.
+        self.timeout = timeout or _EXCHANGE_TIMEOUT
+
+    def reports(self, mine: Any) -> Optional[List[Any]]:
+        """Posts this rank's report; save rank 0 gets every rank's (others None)."""
+        if self.store is None:
+            return [mine]
+        self.store.set(f"{self.prefix}report{self.rank}", pickle.dumps(mine))
+        if self.rank != 0:
+            return None
+        keys = [f"{self.prefix}report{r}" for r in range(self.world)]
+        self.store.wait(keys, self.timeout)
+        out = [pickle.loads(self.store.get(k)) for k in keys]  # written by this job's ranks only
+        for k in keys:
+            _forget(self.store, k)
+        return out
+
+    def outcome(self, decided: Any) -> Any:
+        """Save rank 0's outcome, on every rank."""
+        if self.store is None:
+            return decided
+        key = f"{self.prefix}outcome"
+        if self.rank == 0:
+            self.store.set(key, pickle.dumps(decided))
+            return decided
+        self.store.wait([key], self.timeout)
+        return pickle.loads(self.store.get(key))
 
 
-def _from_rank0(obj: Any, exchange: Optional[ExchangeGroup]) -> Any:
-    if exchange is None:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=exchange.members[0], group=exchange.group)
-    return box[0]
-
-
-class ExchangeGroup:
-    """A gloo group over one model's save ranks for its writer threads: its
-    own (two models' saves in flight at once never share one, where gloo
-    would pair one's collective with the other's), created on the model's
-    first asynchronous save (collective on its ranks). `members[r]` is the
-    global rank of the save's rank r (Ranks' numbering, which is not the
-    group's own order under tensor parallelism)."""
-
-    def __init__(self, ranks):
-        self.members = list(ranks.gather(dist.get_rank()))
-        self.group = dist.new_group(ranks=sorted(self.members), backend="gloo", timeout=_EXCHANGE_TIMEOUT,
-                                    use_local_synchronization=True)
-
-
-def exchange_group(ranks, state) -> Optional[ExchangeGroup]:
-    """The model's exchange group (made at its first asynchronous save); None alone."""
-    if not ranks.distributed:
-        return None
-    if state.save_exchange is None:
-        state.save_exchange = ExchangeGroup(ranks)
-    return state.save_exchange
+def _forget(store, key: str) -> None:
+    try:
+        store.delete_key(key)
+    except Exception:  # noqa: BLE001 - a store without deletion keeps a few bytes
+        pass
 
 
 class Stager:

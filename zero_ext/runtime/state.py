@@ -52,7 +52,6 @@ class ZeroState:
     # waited for by the next save or load) and the host buffers its snapshot reuses.
     async_save: Optional[object] = None
     save_stager: Optional[object] = None
-    save_exchange: Optional[object] = None  # the gloo group its writer threads agree over
 
     def __post_init__(self) -> None:
         self.handles = CoreHandles.of(self.core)  # the core by concern (tools/core_handles.py)

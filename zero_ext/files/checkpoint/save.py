@@ -30,7 +30,7 @@ from .. import asynchronous
 from ...optim import as_one, class_name, offload_in_memory, qualified_class_names
 from ...tools import state_of, state_or_none
 from .checksum import digest
-from ...groups import Ranks, refuse_different_paths
+from ...groups import Ranks, group_timeout, refuse_different_paths
 from .metadata import (CHUNK_BYTES, CheckpointMeta, FileMeta, LossScaler, ParamMeta, ParamPiece, Piece, Scalar,
                        ScalarsPiece, StatePiece, WholeStatePiece, count_problem,
                        describe_scalar, file_names, scalars_disagreement)
@@ -353,7 +353,6 @@ def _save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, e
                          "Nothing was written")
 
     tmp = publish.staging_path(target, token)
-    group = asynchronous.exchange_group(ranks, state) if async_save else None  # collective: before anything is staged
     if format == "dcp":
         members = group_members(state, optimizer, ranks)
     error, job = None, None
@@ -366,7 +365,8 @@ def _save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, e
         error = e
     ranks.settle(error, action=f"zero_ext.save: preparing {target}", note="Nothing was written")
     if async_save:
-        return asynchronous.AsyncSave(job, ranks, group, state)
+        timeout = group_timeout(state.process_group) if state.process_group is not None else None
+        return asynchronous.AsyncSave(job, asynchronous.Exchange(ranks, token, timeout), state)
     asynchronous.run_now(job, ranks)
     return None
 
