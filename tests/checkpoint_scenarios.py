@@ -56,8 +56,8 @@ def local_optimizer_state(opt) -> List[Dict[str, torch.Tensor]]:
 # saved at once or in the background while training changes every weight.
 CONFIGS = [(stage, precision, offload, "zero_ext", False) for stage in (0, 1, 2, 3)
            for precision, offload in ((None, False), ("bf16", False), (None, True), ("bf16", True))] + [
-    (stage, None, False, fmt, asynchronous) for stage in (0, 1, 2, 3)
-    for fmt, asynchronous in (("dcp", False), ("dcp", True), ("zero_ext", True))] + [
+    (stage, None, False, "dcp", False) for stage in (0, 1, 2, 3)] + [
+    (stage, None, False, fmt, True) for fmt, stages in (("dcp", (1, 3)), ("zero_ext", (0, 2))) for stage in stages] + [
     (3, "bf16", True, "dcp", True), (2, "bf16", True, "zero_ext", True)]
 
 

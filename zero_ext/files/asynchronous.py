@@ -6,13 +6,13 @@ Job exists); every rank writes its files into the staging directory
 the directory in one atomic step (`Job.publish`). `run_now` ends each step
 on every rank through Ranks.settle, as every collective of zero_ext does.
 
-`run_async` returns an AsyncSave at once. The state was staged by the
-caller (a copy of what this rank writes into reusable host buffers,
-`Stager`: pinned where tensors live on a GPU, so the copy is a DMA); a
-thread per rank writes the files, then the ranks exchange their reports
-and the outcome through the rendezvous store (Exchange), never over the
-model's group, which training keeps using. The
-save is published when every rank's thread is done; `wait()` returns then
+An asynchronous save is an AsyncSave, returned at once. The state was
+staged by the caller (a copy of what this rank writes into reusable host
+buffers, `Stager`: pinned where tensors live on a GPU, so the copy is a
+DMA); a thread per rank writes the files, then the ranks exchange their
+reports and the outcome through the rendezvous store (Exchange), never
+over the model's group, which training keeps using. The save is
+published when every rank's thread is done; `wait()` returns then
 or raises the failure on every rank. The thread is not a daemon: a process
 exiting with a save in flight finishes it first; a process killed leaves
 the staging directory unpublished and the previous checkpoint in place.
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ..tools import faults
 
 _ALIGN = 64
-_EXCHANGE_TIMEOUT = datetime.timedelta(minutes=30)
+_EXCHANGE_TIMEOUT = datetime.timedelta(minutes=30)  # where the model's group has no timeout to borrow
 
 
 class Job:
