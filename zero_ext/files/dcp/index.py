@@ -25,6 +25,7 @@ import torch
 from .boxes import Box, intersect, volume
 
 METADATA = ".metadata"
+SIDECAR = "zero_ext-dcp.json"  # zero_ext's checksums of a DCP save it wrote (save.py); other readers ignore it
 DATA_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}\Z")  # a file of the directory, no path
 _MAX_KEYS = 1 << 24
 _MAX = 1 << 62

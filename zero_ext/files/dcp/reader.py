@@ -20,9 +20,8 @@ from ..bytes_io import READ_NOFOLLOW, bytes_view, close_opened
 from ..checkpoint.checksum import digest
 from ..checkpoint.metadata import _canonical
 from .boxes import Box
-from .index import METADATA, BytesEntry, DcpIndex, Stored, TensorEntry
+from .index import METADATA, SIDECAR, BytesEntry, DcpIndex, Stored, TensorEntry
 
-SIDECAR = "zero_ext-dcp.json"
 _NOFOLLOW = READ_NOFOLLOW
 _RESTORE = "restore the checkpoint from a good copy"
 

@@ -34,10 +34,9 @@ from ..bytes_io import bytes_view
 from ..checkpoint.checksum import ALGORITHM, digest
 from ..checkpoint.metadata import count_problem, seal
 from .boxes import Box, boxes_of_range, flat_index, shifted, volume
-from .index import METADATA, DcpIndex, Stored, metadata_bytes
+from .index import METADATA, SIDECAR, DcpIndex, Stored, metadata_bytes
 from .layout import Layout, Path, flatten
 
-SIDECAR = "zero_ext-dcp.json"
 SIDECAR_FORMAT = "zero_ext-dcp-checksums"
 
 
