@@ -12,6 +12,7 @@ the same data; the reference plays every data-parallel rank at 1/dp.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import shutil
 import tempfile
@@ -606,6 +607,9 @@ REFUSALS = {  # case: what every rank's error must say
 }
 
 
+AFTER_REFUSALS = "a group every rank makes after the refusals gets one name on every rank"
+
+
 class _NotElementwise(torch.optim.Optimizer):
     """Reads a whole parameter (a row norm): what zero_ext steps by owner."""
 
@@ -625,6 +629,7 @@ def refusals(ctx: TPContext) -> None:
     if ctx.reference:
         for case in REFUSALS:
             ctx.checkpoints.append((case, {"ok": torch.tensor(True)}))
+        ctx.checkpoints.append((AFTER_REFUSALS, {"ok": torch.tensor(True)}))
         return
     dp_mesh, tp_mesh, _, dp_rank = mesh_of(ctx.layout)
     tp_rank = tp_mesh.get_local_rank()
@@ -684,6 +689,14 @@ def refusals(ctx: TPContext) -> None:
         ctx.checkpoints.append((case, {"ok": torch.tensor(ok)}))
         if not ok:
             print(f"[tp refusal] {case}: {message[:400]}", flush=True)
+    # The refused wraps made groups on some dp rows and not on others (tp rank
+    # 0's row wrapped at stage 3, tp rank 1's at stage 2); a group every rank
+    # makes now must still get one name everywhere (torch 2.15 salts names
+    # with a counter that member-only groups advanced on their members alone).
+    everyone = dist.new_group(ranks=list(range(dist.get_world_size())), timeout=datetime.timedelta(seconds=30))
+    agreed = torch.ones(1)
+    dist.all_reduce(agreed, group=everyone)
+    ctx.checkpoints.append((AFTER_REFUSALS, {"ok": torch.tensor(agreed.item() == dist.get_world_size())}))
     # Nothing was left half done: the same ranks wrap and train.
     sgd_momentum_plain(ctx)
 

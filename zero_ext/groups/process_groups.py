@@ -14,9 +14,8 @@ many exist, so destroying one on some ranks before others would make later
 names differ. destroy_process_group() frees them ([Note: groups die with
 destroy_process_group]).
 Over the world group they are created by every rank together, named by the
-group counter all ranks share; over a subgroup only its members take part,
-and torch names those by how many groups this rank knows, so every member
-must have created the same number of groups before (a limitation).
+group counter all ranks share; over a subgroup only its members take part
+([Note: member-only groups leave torch's counter alone]).
 """
 from __future__ import annotations
 
@@ -174,6 +173,36 @@ def pooled_groups() -> int:
     return sum(1 for entries in _pool.entries.values() for e in entries if e.group in live)
 
 
+# [Note: member-only groups leave torch's counter alone]
+# A group over a subgroup's ranks is created by its members alone
+# (use_local_synchronization=True): the other ranks are not in wrap's
+# collective. torch names such a group by a hash of its ranks and a salt; the
+# salt is len(_world.pg_names) up to torch 2.14 and, from 2.15, the world's
+# group counter, which the creation also advances, on the members only. A
+# wrap that creates groups on some rows of a mesh and not others (a refused
+# wrap, a model over one row) would then leave the rows' counters apart, and
+# the next group made by every rank (init_device_mesh, new_group) would get a
+# different name on each row and hang. So zero_ext salts its member-only
+# groups with a counter of its own per set of ranks (every member creates the
+# groups over its ranks in the same order, as wrap's collectives are the same
+# on each) and puts torch's counter back as it found it.
+_MEMBER_GROUP_SALT = 1 << 40  # far above any count torch reaches: no name of torch's collides
+_member_groups_made: Dict[Tuple[int, ...], int] = {}
+
+
+def _new_member_group(ranks: List[int], backend: str, **kwargs) -> dist.ProcessGroup:
+    """dist.new_group over `ranks`, called by those ranks alone."""
+    world = dist.distributed_c10d._world
+    made = _member_groups_made.get(tuple(ranks), 0)
+    _member_groups_made[tuple(ranks)] = made + 1
+    counter = world.group_count
+    world.group_count = _MEMBER_GROUP_SALT + made
+    try:
+        return dist.new_group(ranks=list(ranks), backend=backend, use_local_synchronization=True, **kwargs)
+    finally:
+        world.group_count = counter
+
+
 def acquire_groups(base: dist.ProcessGroup, count: int, timeout: Optional[datetime.timedelta],
                    device: torch.device, owner: object, backend: Optional[str] = None) -> List[dist.ProcessGroup]:
     """`count` groups over `base`'s ranks for `owner`; collective over `base`.
@@ -196,10 +225,9 @@ def acquire_groups(base: dist.ProcessGroup, count: int, timeout: Optional[dateti
     chosen = free[:count]
     while len(chosen) < count:
         kwargs = {"timeout": timeout} if timeout is not None else {}
-        group = dist.new_group(
-            ranks=dist.get_process_group_ranks(base), backend=backend,
-            use_local_synchronization=base is not dist.group.WORLD, **kwargs,
-        )
+        ranks = dist.get_process_group_ranks(base)
+        group = (dist.new_group(ranks=ranks, backend=backend, **kwargs) if base is dist.group.WORLD
+                 else _new_member_group(ranks, backend, **kwargs))
         entry = _Entry.of(group)
         entries.append(entry)
         chosen.append(entry)
@@ -246,8 +274,7 @@ def acquire_mesh_groups(shard_base: dist.ProcessGroup, replicate_base: dist.Proc
     for role, (base, wanted) in enumerate(((shard_base, count), (replicate_base, 1))):
         while len(chosen[role]) < wanted:
             kwargs = {"timeout": timeout} if timeout is not None else {}
-            group = dist.new_group(ranks=dist.get_process_group_ranks(base), backend=backend,
-                                   use_local_synchronization=True, **kwargs)
+            group = _new_member_group(dist.get_process_group_ranks(base), backend, **kwargs)
             entry = _Entry.of(group)
             pools[role].append(entry)
             chosen[role].append(entry)
@@ -285,7 +312,7 @@ def acquire_subgroups(base: dist.ProcessGroup, size: int, shard_rank: int, timeo
     sub = _subgroup_bases[key]() if key in _subgroup_bases else None
     if sub not in dist.distributed_c10d._world.pg_map:
         kwargs = {"timeout": timeout} if timeout is not None else {}
-        sub = dist.new_group(ranks=list(ranks), backend=backend, use_local_synchronization=True, **kwargs)
+        sub = _new_member_group(list(ranks), backend, **kwargs)
         _subgroup_bases[key] = _held_weakly(sub)
     return (acquire_groups(sub, 1, timeout, device, owner)
             + acquire_groups(sub, 1, timeout, device, owner, backend="gloo"))
