@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include "autograd_boundaries.h"
+#include "block_quantization.h"
 #include "core_ops.h"
 #include "cpu_adam.h"
 #include "layout.h"
@@ -81,6 +82,28 @@ struct StepGateProbe : torch::CustomClassHolder {
   }
 };
 
+// [Note: quantized payloads] as ops, for tests and benchmarks: a 1-D fp32
+// tensor to its payload (the residual, if given, filled), and back.
+at::Tensor quantize_blocks_op(const at::Tensor& values, int64_t bits, int64_t block,
+                              const std::optional<at::Tensor>& residual) {
+  const QuantFormat format{bits, block};
+  TORCH_CHECK((bits == 8 || bits == 4) && block >= 2 && block % 2 == 0,
+              "zero_ext.quantize_blocks: bits must be 8 or 4 and block an even number, got ", bits, " and ", block);
+  at::Tensor flat = values.to(at::kFloat).contiguous().view(-1);
+  at::Tensor payload = at::empty({format.payload_bytes(flat.numel())}, flat.options().dtype(at::kByte));
+  quantize_blocks(flat, payload, format, residual.has_value() ? *residual : at::Tensor());
+  return payload;
+}
+
+at::Tensor dequantize_blocks_op(const at::Tensor& payload, int64_t numel, int64_t bits, int64_t block) {
+  const QuantFormat format{bits, block};
+  TORCH_CHECK((bits == 8 || bits == 4) && block >= 2 && block % 2 == 0,
+              "zero_ext.dequantize_blocks: bits must be 8 or 4 and block an even number, got ", bits, " and ", block);
+  at::Tensor out = at::empty({numel}, payload.options().dtype(at::kFloat));
+  dequantize_blocks(payload.contiguous(), out, format, false);
+  return out;
+}
+
 } // namespace
 
 TORCH_LIBRARY(zero_ext, m) {
@@ -92,6 +115,8 @@ TORCH_LIBRARY(zero_ext, m) {
   m.def("unreadable_tensor(int[] size, ScalarType dtype, Device device, str message) -> Tensor",
         &unreadable_tensor);
   m.def("cpu_adam_isa() -> str", &cpu_adam_isa);
+  m.def("quantize_blocks(Tensor values, int bits, int block, Tensor(a!)? residual) -> Tensor", &quantize_blocks_op);
+  m.def("dequantize_blocks(Tensor payload, int numel, int bits, int block) -> Tensor", &dequantize_blocks_op);
   m.class_<ShardedModel>("ShardedModel")
       .def(torch::init<std::vector<at::Tensor>, std::vector<std::string>, std::vector<int64_t>,
                        std::vector<int64_t>, std::vector<int64_t>, int64_t, std::string, std::string,
@@ -177,6 +202,9 @@ TORCH_LIBRARY(zero_ext, m) {
       .def("sync", &ShardedModel::sync)
       .def("set_replica_sync", &ShardedModel::set_replica_sync)
       .def("set_gradient_divide_factor", &ShardedModel::set_gradient_divide_factor)
+      .def("enable_compression", &ShardedModel::enable_compression)
+      .def("traffic", &ShardedModel::traffic)
+      .def("residual_bytes", &ShardedModel::residual_bytes)
       .def("replica_sync", &ShardedModel::replica_sync)
       .def("zero_grad", &ShardedModel::zero_grad)
       .def("after_step", &ShardedModel::after_step)

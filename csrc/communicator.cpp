@@ -18,6 +18,7 @@
 #include "abandoned_collectives.h"
 #include "collective_sequence.h"
 #include "exchange_reduce_scatter.h"
+#include "quantized_collectives.h"
 
 namespace zero_ext {
 
@@ -59,6 +60,9 @@ void Communicator::enable_sequence_checks(
                                                    static_cast<GroupSlot>(slot + kDataSlots), counts_, std::move(order),
                                                    in_order, std::move(describe), std::move(progress));
   sequence_->headers().set_advice(advise_);
+  if (traffic_) {
+    sequence_->headers().count_traffic_to(traffic_);
+  }
 }
 
 void Communicator::set_advice(std::function<std::string(const std::string&)> advise) {
@@ -86,9 +90,13 @@ int64_t Communicator::blocking_headers() const { return sequence_ ? sequence_->b
 int64_t Communicator::ahead_headers() const { return sequence_ ? sequence_->ahead_headers() : 0; }
 
 c10::intrusive_ptr<c10d::Work> Communicator::issue_now(
-    const char* kind, int64_t numel, const std::function<c10::intrusive_ptr<c10d::Work>()>& issue) {
+    const char* kind, int64_t numel, TrafficKind traffic_kind, int64_t wire_bytes,
+    const std::function<c10::intrusive_ptr<c10d::Work>()>& issue) {
   const int64_t seq = issued_++;
   ++collectives_issued_;
+  if (traffic_) {
+    traffic_->bytes[static_cast<int>(traffic_kind)] += wire_bytes;
+  }
   (*counts_)[static_cast<int>(slot_)] = seq + 1;
   if (IssueLog* log = issue_log_.load()) {
     std::lock_guard<std::mutex> lock(log->mutex);
@@ -108,14 +116,28 @@ c10::intrusive_ptr<c10d::Work> Communicator::issue_now(
 c10::intrusive_ptr<c10d::Work> Communicator::submit(CollectiveOp op, Purpose purpose, int64_t subject,
                                                     const at::Tensor& sent, const std::string& label,
                                                     const char* kind, const at::Tensor& logged,
-                                                    std::function<c10::intrusive_ptr<c10d::Work>()> issue) {
+                                                    std::function<c10::intrusive_ptr<c10d::Work>()> issue,
+                                                    int64_t wire_bytes) {
   if (local()) {
     return nullptr;  // the result is already in place
   }
   ++submitted_;
   const int64_t numel = logged.numel();
+  TrafficKind traffic_kind = purpose == Purpose::kHeader ? TrafficKind::kHeaders : TrafficKind::kAllReduce;
+  if (wire_bytes < 0) {  // the plain collective's bytes ([Note: traffic])
+    const int64_t bytes = static_cast<int64_t>(sent.nbytes()), n = size_;
+    wire_bytes = op == CollectiveOp::kAllGather ? (n - 1) * bytes
+                 : op == CollectiveOp::kAllReduceSum || op == CollectiveOp::kAllReduceMax ? 2 * (n - 1) * bytes / n
+                                                                                        : (n - 1) * bytes / n;
+  }
+  if (purpose != Purpose::kHeader) {
+    traffic_kind = op == CollectiveOp::kAllGather       ? TrafficKind::kAllGather
+                   : op == CollectiveOp::kReduceScatter ? TrafficKind::kReduceScatter
+                   : op == CollectiveOp::kBroadcast     ? TrafficKind::kBroadcast
+                                                        : TrafficKind::kAllReduce;
+  }
   if (!sequence_) {
-    return issue_now(kind, numel, issue);
+    return issue_now(kind, numel, traffic_kind, wire_bytes, issue);
   }
   CollectiveId id;
   id.purpose = purpose;
@@ -124,7 +146,9 @@ c10::intrusive_ptr<c10d::Work> Communicator::submit(CollectiveOp op, Purpose pur
   id.numel = sent.numel();
   id.dtype = static_cast<int64_t>(sent.scalar_type());
   return sequence_->submit(id, label, sent.device(),
-                           [this, kind, numel, issue = std::move(issue)] { return issue_now(kind, numel, issue); });
+                           [this, kind, numel, traffic_kind, wire_bytes, issue = std::move(issue)] {
+                             return issue_now(kind, numel, traffic_kind, wire_bytes, issue);
+                           });
 }
 
 int64_t Communicator::seq_of(const c10::intrusive_ptr<c10d::Work>& work) const {
@@ -223,7 +247,7 @@ c10::intrusive_ptr<c10d::Work> Communicator::reduce_scatter_sum(at::Tensor& shar
   auto group = group_;
   if (reduces_scatter_by_exchange(full_in.device())) {
     return submit(CollectiveOp::kReduceScatter, purpose, subject, full_in, {}, "reduce_scatter", full_in,
-                  [group, shard_out, full_in] { return ExchangeReduceScatterWork::start(group, shard_out, full_in); });
+                  [group, shard_out, full_in] { return start_exchange_reduce_scatter(group, shard_out, full_in); });
   }
   return submit(CollectiveOp::kReduceScatter, purpose, subject, full_in, {}, "reduce_scatter", full_in,
                 [group, shard_out, full_in] {
@@ -266,6 +290,49 @@ c10::intrusive_ptr<c10d::Work> Communicator::broadcast_from_rank0(at::Tensor& te
     opts.rootRank = 0;
     return group->broadcast(tensors, opts);
   });
+}
+
+c10::intrusive_ptr<c10d::Work> Communicator::quantized_reduce_scatter_sum(at::Tensor& shard_out, at::Tensor& full_in,
+                                                                          const QuantFormat& format,
+                                                                          const at::Tensor& residual, Purpose purpose,
+                                                                          int64_t subject) {
+  if (local()) {
+    return reduce_scatter_sum(shard_out, full_in, purpose, subject);  // a copy: nothing to round
+  }
+  TORCH_CHECK(full_in.numel() == shard_out.numel() * size_,
+              "zero_ext internal: reduce-scatter input is not world_size shards");
+  auto group = group_;
+  const int64_t wire_bytes = (size_ - 1) * format.payload_bytes(shard_out.numel());
+  return submit(
+      CollectiveOp::kReduceScatter, purpose, subject, full_in, {}, "reduce_scatter", full_in,
+      [group, shard_out, full_in, format, residual] {
+        return start_quantized_reduce_scatter(group, shard_out, full_in, format, residual);
+      },
+      wire_bytes);
+}
+
+c10::intrusive_ptr<c10d::Work> Communicator::quantized_all_gather(at::Tensor& full_out, at::Tensor& shard_in,
+                                                                  const QuantFormat& format, Purpose purpose,
+                                                                  int64_t subject) {
+  if (local()) {
+    return all_gather(full_out, shard_in, purpose, subject);
+  }
+  TORCH_CHECK(full_out.numel() == shard_in.numel() * size_,
+              "zero_ext internal: all-gather output is not world_size shards");
+  ++all_gathers_issued_;
+  auto group = group_;
+  const int64_t wire_bytes = (size_ - 1) * format.payload_bytes(shard_in.numel());
+  return submit(
+      CollectiveOp::kAllGather, purpose, subject, shard_in, {}, "all_gather", full_out,
+      [group, full_out, shard_in, format] { return start_quantized_all_gather(group, full_out, shard_in, format); },
+      wire_bytes);
+}
+
+void Communicator::count_traffic_to(std::shared_ptr<Traffic> traffic) {
+  traffic_ = std::move(traffic);
+  if (sequence_) {
+    sequence_->headers().count_traffic_to(traffic_);
+  }
 }
 
 void Communicator::enable_stall_diagnosis(double seconds, const std::string& key_space,

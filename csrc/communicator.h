@@ -27,6 +27,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include "block_quantization.h"
 #include "collective_id.h"
 #include "diagnosis_store.h"
 #include "step_gate.h"
@@ -50,6 +51,19 @@ constexpr int kGroupSlots = 2 * kDataSlots;
 // Collectives may be issued from a header's completion callback (a gloo
 // thread; collective_sequence.h), so what they count is shared safely.
 using IssueCounts = std::array<std::atomic<int64_t>, kGroupSlots>;
+
+// [Note: traffic] Bytes a rank sends, counted when a collective goes out,
+// by what the collective does for the model (a reduce-scatter carried out as
+// an all-to-all counts as a reduce-scatter). Each kind counts what this rank
+// sends under the bandwidth-optimal algorithm for a group of n ranks and a
+// buffer of B bytes (what benchmarks/compare.py computes from the profiler):
+// an all-gather (n - 1) x its part, a reduce-scatter and a broadcast
+// (n - 1) / n x B, an all-reduce 2 (n - 1) / n x B; quantized collectives
+// count their payloads. The sequence checks' headers count apart.
+enum class TrafficKind : int { kAllGather = 0, kReduceScatter, kAllReduce, kBroadcast, kHeaders, kCount };
+struct Traffic {
+  std::array<std::atomic<int64_t>, static_cast<int>(TrafficKind::kCount)> bytes{};
+};
 
 // Test-only: every collective issued, in order ("<tag> <kind> <numel>").
 struct IssueLog {
@@ -102,6 +116,18 @@ class Communicator {
                                             int64_t subject = 0, const std::string& label = {});
   c10::intrusive_ptr<c10d::Work> broadcast_from_rank0(at::Tensor& tensor, Purpose purpose, int64_t subject = 0,
                                                       const std::string& label = {});
+  // [Note: quantized collectives] (quantized_collectives.h): the same
+  // results as reduce_scatter_sum and all_gather, sent as block-quantized
+  // integers; `residual` carries what rounding lost to the next call
+  // (undefined: none). Local groups copy, exact.
+  c10::intrusive_ptr<c10d::Work> quantized_reduce_scatter_sum(at::Tensor& shard_out, at::Tensor& full_in,
+                                                              const QuantFormat& format, const at::Tensor& residual,
+                                                              Purpose purpose, int64_t subject = 0);
+  c10::intrusive_ptr<c10d::Work> quantized_all_gather(at::Tensor& full_out, at::Tensor& shard_in,
+                                                      const QuantFormat& format, Purpose purpose,
+                                                      int64_t subject = 0);
+  // [Note: traffic] Counts this group's bytes (and its headers') into `traffic`.
+  void count_traffic_to(std::shared_ptr<Traffic> traffic);
 
   // [Note: collectives that prove what they are] Turns the checks on:
   // headers go over the group named `header_group_name` (a gloo group over
@@ -225,13 +251,18 @@ class Communicator {
   int64_t subgroup_size_ = 0;
   // Issues a collective through the sequence checks (now or once its headers
   // are verified), counted and logged when it goes out; nullptr without a group.
+  // `wire_bytes`: what the collective sends ([Note: traffic]); -1: the
+  // plain collective's bytes for `sent`.
   c10::intrusive_ptr<c10d::Work> submit(CollectiveOp op, Purpose purpose, int64_t subject,
                                         const at::Tensor& sent, const std::string& label, const char* kind,
                                         const at::Tensor& logged,
-                                        std::function<c10::intrusive_ptr<c10d::Work>()> issue);
+                                        std::function<c10::intrusive_ptr<c10d::Work>()> issue,
+                                        int64_t wire_bytes = -1);
   // The collective goes out now: counted, logged, its position noted.
-  c10::intrusive_ptr<c10d::Work> issue_now(const char* kind, int64_t numel,
+  c10::intrusive_ptr<c10d::Work> issue_now(const char* kind, int64_t numel, TrafficKind traffic_kind,
+                                           int64_t wire_bytes,
                                            const std::function<c10::intrusive_ptr<c10d::Work>()>& issue);
+  std::shared_ptr<Traffic> traffic_;
   int64_t seq_of(const c10::intrusive_ptr<c10d::Work>& work) const;
   void forget_seq(const c10::intrusive_ptr<c10d::Work>& work) const;
   // The mesh ranks of the group a rank waiting on `slot` waits with.

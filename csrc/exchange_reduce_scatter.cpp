@@ -1,12 +1,13 @@
 #include "exchange_reduce_scatter.h"
 
+#include "continued_work.h"
+
 #include <vector>
 
 namespace zero_ext {
 
-c10::intrusive_ptr<c10d::Work> ExchangeReduceScatterWork::start(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
-                                                                const at::Tensor& shard_out,
-                                                                const at::Tensor& full_in) {
+c10::intrusive_ptr<c10d::Work> start_exchange_reduce_scatter(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                                             const at::Tensor& shard_out, const at::Tensor& full_in) {
   const int64_t ranks = group->getSize();
   TORCH_CHECK(full_in.is_contiguous() && shard_out.is_contiguous() && full_in.numel() == shard_out.numel() * ranks,
               "zero_ext internal: reduce-scatter by exchange needs contiguous buffers of one shard per rank");
@@ -24,28 +25,7 @@ c10::intrusive_ptr<c10d::Work> ExchangeReduceScatterWork::start(const c10::intru
         return c10::IValue(out);
       },
       c10::TensorType::get());
-  return c10::make_intrusive<ExchangeReduceScatterWork>(std::move(exchange), std::move(summed));
-}
-
-bool ExchangeReduceScatterWork::isCompleted() {
-  return summed_->completed();
-}
-
-bool ExchangeReduceScatterWork::isSuccess() const {
-  return summed_->completed() && !summed_->hasError();
-}
-
-std::exception_ptr ExchangeReduceScatterWork::exception() const {
-  return summed_->completed() && summed_->hasError() ? summed_->exception_ptr() : nullptr;
-}
-
-bool ExchangeReduceScatterWork::wait(std::chrono::milliseconds timeout) {
-  exchange_->wait(timeout);  // throws on the exchange's failure or at the timeout
-  summed_->wait();
-  if (summed_->hasError()) {
-    std::rethrow_exception(summed_->exception_ptr());
-  }
-  return true;
+  return c10::make_intrusive<ContinuedWork>(std::move(exchange), std::move(summed), c10d::OpType::REDUCE_SCATTER);
 }
 
 } // namespace zero_ext

@@ -12,38 +12,16 @@
 // gloo's thread as the all-reduce's sum did. The received chunks need one
 // buffer the size of the input while the exchange is in flight.
 
-#include <chrono>
-#include <exception>
-
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 namespace zero_ext {
 
-class ExchangeReduceScatterWork : public c10d::Work {
- public:
-  // Starts the exchange of `full_in` (the group's size chunks, in rank
-  // order) on `group`; `shard_out` holds the sum of this rank's chunk over
-  // the ranks once the work completes.
-  static c10::intrusive_ptr<c10d::Work> start(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
-                                              const at::Tensor& shard_out, const at::Tensor& full_in);
-
-  bool isCompleted() override;
-  bool isSuccess() const override;
-  std::exception_ptr exception() const override;
-  // A finite timeout bounds the exchange (as gloo's own works do: it throws
-  // once the time is up); the sum after it takes microseconds.
-  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return summed_; }
-
-  // Through start().
-  ExchangeReduceScatterWork(c10::intrusive_ptr<c10d::Work> exchange, c10::intrusive_ptr<c10::ivalue::Future> summed)
-      : c10d::Work(-1, c10d::OpType::REDUCE_SCATTER), exchange_(std::move(exchange)), summed_(std::move(summed)) {}
-
- private:
-  c10::intrusive_ptr<c10d::Work> exchange_;
-  c10::intrusive_ptr<c10::ivalue::Future> summed_;  // completes once shard_out holds the sum, or with the error
-};
+// Starts the exchange of `full_in` (the group's size chunks, in rank order)
+// on `group`; `shard_out` holds the sum of this rank's chunk over the ranks
+// once the work (a ContinuedWork, continued_work.h) completes.
+c10::intrusive_ptr<c10d::Work> start_exchange_reduce_scatter(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                                             const at::Tensor& shard_out, const at::Tensor& full_in);
 
 } // namespace zero_ext

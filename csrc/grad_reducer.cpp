@@ -373,12 +373,25 @@ void GradReducer::launch(int64_t b) {
   if (divisor != 1.0) {
     bucket.staging.div_(divisor);
   }
-  const int64_t scratch_bytes = by_exchange_ ? bucket.staging.nbytes() : 0;  // the exchange's receive buffer
+  const bool quantized = grad_format_.enabled() && !comm_.local() && !layout_.ddp_in_place() && !layout_.replicated();
+  // The exchange's receive buffer; quantized: the fp32 values sent and the payloads both ways.
+  const int64_t scratch_bytes =
+      quantized ? 4 * bucket.staging.numel() + 2 * comm_.size() * grad_format_.payload_bytes(shape.shard)
+                : (by_exchange_ ? bucket.staging.nbytes() : 0);
   if (layout_.ddp_in_place()) {
     bucket.work = comm_.all_reduce_sum(bucket.staging, Purpose::kGradReduce, b);
   } else if (layout_.replicated()) {
     bucket.reduce_out = bucket.staging;
     bucket.work = comm_.all_reduce_sum(bucket.staging, Purpose::kGradReduce, b);
+  } else if (quantized) {
+    // [Note: quantized collectives]: written from the backend's thread,
+    // never straight into the accumulator (as the exchange below).
+    if (!bucket.residual.defined()) {
+      bucket.residual = at::zeros({bucket.staging.numel()}, bucket.staging.options().dtype(at::kFloat));
+    }
+    bucket.reduce_out = at::empty({shape.shard}, bucket.staging.options());
+    bucket.work = comm_.quantized_reduce_scatter_sum(bucket.reduce_out, bucket.staging, grad_format_, bucket.residual,
+                                                     Purpose::kGradReduce, b);
   } else if (!comm_.local() && bucket.staging.is_cpu() && !by_exchange_) {
     // Any other CPU reduction: an all-reduce in place (gloo's reduce-scatter
     // is one, plus a copy inside wait() that no bounded wait can see), read
@@ -409,7 +422,7 @@ void GradReducer::launch(int64_t b) {
     bucket.in_flight_bytes = bucket.staging.nbytes() + (own_output ? bucket.reduce_out.nbytes() : 0) + scratch_bytes;
     in_flight_bytes_ += bucket.in_flight_bytes;
     note_staging_peak();
-  } else if (by_exchange_ && !staging_is_transient()) {
+  } else if ((by_exchange_ || quantized) && !staging_is_transient()) {
     // Stage 1: the staging stays; the exchange's buffers are what is in flight.
     bucket.in_flight_bytes = bucket.reduce_out.nbytes() + scratch_bytes;
     in_flight_bytes_ += bucket.in_flight_bytes;
@@ -566,6 +579,14 @@ void GradReducer::retire(int64_t b) {
   if (staging_is_transient()) {
     bucket.staging.reset();
   }
+}
+
+int64_t GradReducer::residual_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& bucket : buckets_) {
+    bytes += bucket.residual.defined() ? static_cast<int64_t>(bucket.residual.nbytes()) : 0;
+  }
+  return bytes;
 }
 
 } // namespace zero_ext

@@ -104,6 +104,12 @@ class GradReducer {
   // FSDP2's set_gradient_divide_factor: reductions divide the sum over every
   // rank by `factor` instead of the number of ranks (0: that number again).
   void set_divide_factor(double factor) { divide_factor_ = factor; }
+  // wrap(compress_grads=): reductions within the shard group send
+  // block-quantized integers with error feedback ([Note: quantized
+  // collectives]); stages 2-3, before the first backward.
+  void set_compression(const QuantFormat& format) { grad_format_ = format; }
+  // Bytes of the error-feedback residuals held (fp32, a bucket each once reduced).
+  int64_t residual_bytes() const;
   bool replica_sync() const { return replica_sync_; }
   // Whether a bucket launched now keeps its result back from the replicas.
   bool defers_replica_sync() const { return hybrid_ && !replica_sync_ && layout_.stage() > 0; }
@@ -222,6 +228,7 @@ class GradReducer {
     bool result_unscaled = false;  // reduce_out already holds unscaled values (it carries `unsynced`)
     at::Tensor unsynced;     // fp32 sum of results kept back from the replicas ([Note: deferred replica all-reduce])
     c10::intrusive_ptr<c10d::Work> replica_work;  // hybrid: the all-reduce of the result across replicas
+    at::Tensor residual;     // compress_grads: what rounding kept back from the last reduction (the staging's size, fp32)
   };
 
   at::Tensor staging_region(int64_t b, int64_t i);
@@ -276,6 +283,7 @@ class GradReducer {
   int64_t frozen_skips_ = 0;            // buckets retired unreduced, for tests
   bool frozen_now(int64_t b) const;
   double divide_factor_ = 0.0;  // 0: the number of ranks
+  QuantFormat grad_format_;     // bits 0: reductions send the gradients' own dtype
   ReductionStream streams_;
   const StepGate& gate_;
   at::ScalarType reduce_dtype_ = at::kFloat;  // staging dtype outside the DDP layout

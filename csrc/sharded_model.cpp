@@ -44,6 +44,7 @@ ShardedModel::ShardedModel(std::vector<at::Tensor> params, std::vector<std::stri
                            std::optional<c10::ScalarType> reduce_dtype, bool offload, bool deferred,
                            std::vector<int64_t> owner_of_param)
     : issue_counts_(std::make_shared<IssueCounts>()),
+      traffic_(std::make_shared<Traffic>()),
       comm_(group_name, GroupSlot::kShard, issue_counts_),
       gather_comm_(stage == 3 ? (gather_group_name.empty() ? group_name : gather_group_name) : std::string(),
                    GroupSlot::kGather, issue_counts_),
@@ -70,7 +71,11 @@ ShardedModel::ShardedModel(std::vector<at::Tensor> params, std::vector<std::stri
                }
              }),
       round_(layout_, store_, reducer_, units_.get(), agreement_, gate_, hooks_, faults_, mesh_, gather_comm_,
-             regather_comm_) {}
+             regather_comm_) {
+  for (Communicator* comm : {&comm_, &gather_comm_, &replica_comm_, &regather_comm_}) {
+    comm->count_traffic_to(traffic_);
+  }
+}
 
 // --- autograd ----------------------------------------------------------------
 
@@ -688,6 +693,36 @@ void ShardedModel::set_gradient_divide_factor(double factor) {
   TORCH_CHECK(factor == 0.0 || (std::isfinite(factor) && factor > 0.0),
               "zero_ext: the gradient divide factor must be a finite number > 0, got ", factor);
   reducer_.set_divide_factor(factor);
+}
+
+void ShardedModel::enable_compression(int64_t weight_bits, int64_t grad_bits, int64_t block) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(weight_bits == 0 || weight_bits == 8, "zero_ext: compress_weights quantizes to 8 bits, got ",
+              weight_bits);
+  TORCH_CHECK(grad_bits == 0 || grad_bits == 8 || grad_bits == 4, "zero_ext: compress_grads quantizes to 8 or 4 bits, got ",
+              grad_bits);
+  TORCH_CHECK(block >= 2 && block % 2 == 0, "zero_ext: the quantization block must be an even number of elements, got ",
+              block);
+  TORCH_CHECK(weight_bits == 0 || units_, "zero_ext: compress_weights needs stage 3 (stages 0-2 gather no parameters)");
+  TORCH_CHECK(grad_bits == 0 || (!layout_.replicated() && !layout_.ddp_in_place()),
+              "zero_ext: compress_grads needs stage 2 or 3 (their reductions are reduce-scatters)");
+  if (units_) {
+    units_->set_compression(QuantFormat{weight_bits, block});
+  }
+  reducer_.set_compression(QuantFormat{grad_bits, block});
+}
+
+std::vector<int64_t> ShardedModel::traffic() const {
+  std::vector<int64_t> out;
+  for (const auto& bytes : traffic_->bytes) {
+    out.push_back(bytes.load());
+  }
+  return out;
+}
+
+int64_t ShardedModel::residual_bytes() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return reducer_.residual_bytes();
 }
 
 void ShardedModel::zero_grad(bool set_to_none) {

@@ -179,6 +179,14 @@ class ShardedModel : public torch::CustomClassHolder {
   void set_replica_sync(bool sync);
   // Gradients reduce to the sum over ranks divided by `factor` (0: the mean).
   void set_gradient_divide_factor(double factor);
+  // wrap(compress_weights=, compress_grads=): bits of stage 3 gathers and of
+  // gradient reductions within the shard group (0: off), `block` elements
+  // per scale ([Note: quantized collectives]). Before the first forward.
+  void enable_compression(int64_t weight_bits, int64_t grad_bits, int64_t block);
+  // [Note: traffic] Bytes this rank sent since wrap, by TrafficKind.
+  std::vector<int64_t> traffic() const;
+  // Bytes of the error-feedback residuals compress_grads holds.
+  int64_t residual_bytes();
   bool replica_sync();
   void zero_grad(bool set_to_none);
   bool reset_if_stale();
@@ -296,6 +304,7 @@ class ShardedModel : public torch::CustomClassHolder {
   void check_buckets(const std::vector<int64_t>& buckets) const;  // indices from Python
 
   std::shared_ptr<IssueCounts> issue_counts_;  // shared by the communicators below
+  std::shared_ptr<Traffic> traffic_;          // [Note: traffic], counted by the communicators below
   Communicator comm_;
   // Stage 3 gathers on a group of its own (see units.h).
   Communicator gather_comm_;

@@ -60,15 +60,19 @@ void UnitScheduler::start_gather(int64_t u) {
   }
   check_usable_();
   RECORD_USER_SCOPE("zero_ext::all_gather unit " + std::to_string(u));  // a profiler label; free when none runs
-  const bool from_partial = unit.state == UnitState::kPartial;
+  // Quantized for compute only: full_params, state_dict and checkpoints see
+  // exact values, so inspection gathers (even a kept part's unit) from the shards.
+  const bool quantized = weight_format_.enabled() && !gathering_for_inspection_;
+  const bool from_partial = unit.state == UnitState::kPartial && !(weight_format_.enabled() && !quantized);
+  unit.quantized = quantized;
   for (int64_t b : unit.buckets) {
     store_.regrow_flat(b);
-    if (from_partial) {  // within the subgroup, from the parts its members kept
-      gather_work_[b] = regather_comm_.all_gather(store_.flat_mut(b), partial_[b], Purpose::kUnitGather, b);
-    } else {
-      at::Tensor input = store_.gather_input(b);
-      gather_work_[b] = gather_comm_.all_gather(store_.flat_mut(b), input, Purpose::kUnitGather, b);
-    }
+    Communicator& comm = from_partial ? regather_comm_ : gather_comm_;
+    // Within the subgroup, from the parts its members kept; else from the shards.
+    at::Tensor input = from_partial ? partial_[b] : store_.gather_input(b);
+    gather_work_[b] = quantized
+                          ? comm.quantized_all_gather(store_.flat_mut(b), input, weight_format_, Purpose::kUnitGather, b)
+                          : comm.all_gather(store_.flat_mut(b), input, Purpose::kUnitGather, b);
     regathering_[b] = from_partial;
     ++param_gathers_;
   }
@@ -421,8 +425,26 @@ void UnitScheduler::start_gather_all() {
   for (int64_t u = 0; u < num_units(); ++u) start_gather(u);
 }
 
+void UnitScheduler::gather_exact_for_inspection(int64_t u) {
+  Unit& unit = units_[u];
+  if (!unit.quantized || (unit.state != UnitState::kGathering && unit.state != UnitState::kGathered)) {
+    return;
+  }
+  finish_gather(u);
+  for (int64_t b : unit.buckets) {  // every rank alike: inspection is collective, `quantized` the same everywhere
+    at::Tensor input = store_.gather_input(b);
+    gather_comm_.wait(gather_comm_.all_gather(store_.flat_mut(b), input, Purpose::kUnitGather, b), [&] {
+      return "exact all-gather for inspection of the parameters of " + layout_.describe_unit(u);
+    });
+    store_.point_params(b, /*gathered=*/true);
+    store_.after_gather(b);
+  }
+  unit.quantized = false;
+}
+
 void UnitScheduler::gather_all() {
   gathering_for_inspection_ = true;
+  for (int64_t u = 0; u < num_units(); ++u) gather_exact_for_inspection(u);
   for (int64_t u = 0; u < num_units(); ++u) start_gather(u);
   gathering_for_inspection_ = false;
   for (int64_t u = 0; u < num_units(); ++u) {
@@ -457,6 +479,7 @@ std::vector<int64_t> UnitScheduler::units_of(const std::vector<int64_t>& param_i
 void UnitScheduler::gather_units_of(const std::vector<int64_t>& param_indices) {
   const std::vector<int64_t> wanted = units_of(param_indices);
   gathering_for_inspection_ = true;
+  for (int64_t u : wanted) gather_exact_for_inspection(u);
   for (int64_t u : wanted) start_gather(u);
   gathering_for_inspection_ = false;
   for (int64_t u : wanted) {

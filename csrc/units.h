@@ -57,6 +57,9 @@ class UnitScheduler {
   // (or backward) begins, these units' gathers start, in place of the
   // automatic prefetch of the next units in the last forward's order.
   void set_prefetch(int64_t u, bool forward, const std::vector<int64_t>& units);
+  // wrap(compress_weights=): gathers send block-quantized int8 ([Note:
+  // quantized collectives]); before the first forward.
+  void set_compression(const QuantFormat& format) { weight_format_ = format; }
   // [Note: live budget] The most bytes of full parameters gathered at once
   // that prefetch may reach: a unit's gather ahead of use waits until it
   // fits (the units in use are always gathered). 0: the prefetch count alone.
@@ -122,11 +125,15 @@ class UnitScheduler {
     bool tracked_use = false;    // some use since the last epilogue had such inputs
     bool untracked_use = false;  // some use had no input requiring grad
     int64_t pins = 0;            // open zero_ext.full_params contexts holding it gathered
+    bool quantized = false;      // its gathered values came through compress_weights
   };
 
   Unit& unit_at(int64_t u);
   void start_gather(int64_t u);
   void finish_gather(int64_t u);
+  // Inspection sees exact values: a unit gathered quantized for compute is
+  // gathered again, exact, in place ([Note: quantized collectives]).
+  void gather_exact_for_inspection(int64_t u);
   // A pinned unit stays gathered (full_params) unless `even_pinned`.
   void release(int64_t u, bool even_pinned = false);
   // A gathered unit opened for inspection: its shard_is_flat buckets'
@@ -160,6 +167,7 @@ class UnitScheduler {
   std::vector<bool> kept_after_forward_;  // by unit: reshard_after_forward=False
   std::vector<bool> resharded_to_subgroup_;  // by unit: reshard_after_forward=<int>
   Communicator& regather_comm_;  // the subgroup those units gather in again
+  QuantFormat weight_format_;     // bits 0: gathers send the compute dtype
   std::vector<at::Tensor> partial_;  // by bucket: this rank's part of the subgroup's copy
   std::vector<bool> regathering_;    // by bucket: gather_work_ is on regather_comm_
   // Per unit, the units set_prefetch named (set: given, even if empty).

@@ -242,6 +242,10 @@ def main() -> None:
     parser.add_argument("--kill-at", metavar="RANK:STEP", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--step-seconds", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: a slower step
     parser.add_argument("--no-report", action="store_true", help="skip the closing bytes table")
+    parser.add_argument("--compress-weights", choices=["int8"], default=None,
+                        help="stage 3: all-gather parameters as block-quantized int8")
+    parser.add_argument("--compress-grads", choices=["int8", "int4"], default=None,
+                        help="stages 2-3: reduce gradients as block-quantized integers, with error feedback")
     parser.add_argument("--log-every", type=int, default=0, metavar="N",
                         help="every N steps, rank 0 logs loss, grad norm, tokens/s and bytes held "
                              "(default: a progress bar)")
@@ -265,7 +269,8 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.parameters())
     mesh = data_mesh(args.mesh, world)
     model, opt = zero_ext.wrap(model, opt, stage=args.stage, mixed_precision=args.mixed_precision,
-                               offload_optimizer="cpu" if args.offload else None, process_group=mesh)
+                               offload_optimizer="cpu" if args.offload else None, process_group=mesh,
+                               compress_weights=args.compress_weights, compress_grads=args.compress_grads)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
     first_step, save = 1, None
     if args.resume_dir:
@@ -300,8 +305,11 @@ def main() -> None:
     if not losses:
         losses = [float("nan")]
     first_loss, value = losses[0], losses[-1]
+    sent = zero_ext.traffic(model)
     if rank == 0:
         print(f"\nloss {first_loss:.3f} -> {value:.3f} (uniform guess: {math.log(len(chars)):.3f})")
+        if world > 1:
+            print("rank 0 sent (MiB): " + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in sent.items() if v))
         if args.mixed_precision == "fp16":
             stats = model._zero_ext.core.stats()
             print(f"fp16 loss scale {model._zero_ext.core.loss_scale():g}, "

@@ -2484,6 +2484,9 @@ def run_one(rank: int, world: int, item: str) -> Optional[str]:
     "scenario/stageN/meshRxS", hybrid sharding over an R x S mesh): None, or
     the first mismatch against the single-process reference (computed once
     per scenario)."""
+    if item.startswith("compression:"):  # quantized collectives (compression_scenarios.py), worlds 2 and 4
+        import compression_scenarios
+        return compression_scenarios.run_one(item, device_mesh)
     if "/tp" in item:  # tensor parallel (tensor_parallel_scenarios.py), in the world-4 group
         import tensor_parallel_scenarios
         return tensor_parallel_scenarios.run_one(item, compare)

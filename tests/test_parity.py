@@ -8,6 +8,8 @@ size and reported one test per scenario and stage.
 ZERO_EXT_PARITY_WORLDS=1,2 limits the world sizes (the torch-versions subset).
 
 Tensor parallelism: tensor_parallel_scenarios.py's items, in the world-4 group.
+Quantized collectives: compression_scenarios.py's items, in the world-2 and
+world-4 groups and the 2x2 mesh group.
 
 Hybrid sharding: every scenario again at world size 4 as a 2x2 (replicate,
 shard) DeviceMesh, and a representative set on the degenerate 4x1 (replicas
@@ -21,6 +23,7 @@ import pytest
 from dist_harness import assert_item_matched, run_items_on_ranks
 from parity_scenarios import all_items
 from tensor_parallel_scenarios import all_items as tensor_parallel_items
+from compression_scenarios import all_items as compression_items
 
 WORLD_SIZES = tuple(int(w) for w in os.environ.get("ZERO_EXT_PARITY_WORLDS", "1,2,4").split(","))
 
@@ -54,8 +57,12 @@ TENSOR_PARALLEL = tensor_parallel_items()
 def group_results(world: int, mesh: str = ""):
     if mesh == "tp":
         items = TENSOR_PARALLEL
+    elif mesh:
+        items = mesh_items(mesh) + (compression_items(mesh) if mesh == "2x2" else [])
     else:
-        items = mesh_items(mesh) if mesh else all_items() + (TENSOR_PARALLEL if world == 4 else [])
+        # The TP items last: their dp rows pool different numbers of groups
+        # (a refused wrap on one row), which a later wrap over every rank refuses.
+        items = all_items() + (compression_items() if world > 1 else []) + (TENSOR_PARALLEL if world == 4 else [])
     return run_items_on_ranks(world, "parity_scenarios:run_one", items, item_deadline_s=180)
 
 
@@ -71,6 +78,21 @@ def test_parity(world, item):
 def test_hybrid_parity(item):
     mesh = item.rsplit("/mesh", 1)[1]
     assert_item_matched(4, group_results(4, mesh)[item])
+
+
+@pytest.mark.parametrize("item", compression_items() + (compression_items("2x2") if HYBRID else []))
+@pytest.mark.parametrize("world", [w for w in WORLD_SIZES if w > 1])
+def test_compression(world, item):
+    """compress_weights / compress_grads against the same model uncompressed
+    (compression_scenarios.py): learning, traffic, error feedback,
+    checkpoints both ways, ranks that disagree; the hybrid items once, in
+    the 2x2 mesh group."""
+    if "/mesh" in item:
+        if world != 4:
+            pytest.skip("the 2x2 mesh runs at world size 4")
+        assert_item_matched(4, group_results(4, "2x2")[item])
+        return
+    assert_item_matched(world, group_results(world)[item])
 
 
 @pytest.mark.parametrize("item", TENSOR_PARALLEL)

@@ -12,7 +12,8 @@ try:
     from .files import checkpoint_exists, load, load_weights, save, save_weights
     from .optim import clip_grad_norm_, clip_grad_value_
     from .runtime import (full_grads, full_params, full_state_dict, load_full_state_dict, memory_report,
-                          register_forward_method, set_modules_to_backward_prefetch, set_modules_to_forward_prefetch)
+                          register_forward_method, set_modules_to_backward_prefetch, set_modules_to_forward_prefetch,
+                          traffic)
     from .wrapping import DynamicLossScale, MixedPrecision, empty_init, skip_init, wrap
 except ImportError as _error:
     import sys as _sys
@@ -48,5 +49,6 @@ __all__ = [
     "set_modules_to_backward_prefetch",
     "set_modules_to_forward_prefetch",
     "skip_init",
+    "traffic",
     "wrap",
 ]

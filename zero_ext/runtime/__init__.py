@@ -12,6 +12,7 @@ from .module import ZeroExtModule, swap_module_class
 from .prefetch import set_modules_to_backward_prefetch, set_modules_to_forward_prefetch
 from .state import ZeroState
 from .state_dict import full_grads, full_state_dict, load_full_state_dict
+from .traffic import traffic
 
 __all__ = [
     "ZeroExtModule",
@@ -26,4 +27,5 @@ __all__ = [
     "set_modules_to_backward_prefetch",
     "set_modules_to_forward_prefetch",
     "swap_module_class",
+    "traffic",
 ]

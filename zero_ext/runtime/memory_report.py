@@ -41,7 +41,7 @@ def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         params = stats["param_bytes"] + sum(
             p.numel() * p.element_size() for p in model.parameters() if id(p) not in bucketed
         )
-        grads = stats["grad_bytes"]
+        grads = stats["grad_bytes"] + state.handles.diagnostics.residual_bytes()  # compress_grads' residuals
         masters = stats["master_bytes"]
     else:
         params = sum(p.numel() * p.element_size() for p in model.parameters())

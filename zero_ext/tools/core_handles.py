@@ -244,9 +244,11 @@ class Diagnostics(_Handle):
     log_issues: Callable[[bool], None]
     take_issue_log: Callable[[], List[str]]
     set_unit_advice: Callable[[List[str]], None]  # per unit: what an error that names it advises
+    traffic: Callable[[], List[int]]  # bytes sent by kind ([Note: traffic]; runtime/traffic.py)
+    residual_bytes: Callable[[], int]  # compress_grads' error-feedback residuals
 
     BOUND = ("failed", "enable_stall_diagnosis", "stall_queries", "post_whereabouts", "enable_collective_checks",
-             "set_test_fault", "log_issues", "take_issue_log", "set_unit_advice")
+             "set_test_fault", "log_issues", "take_issue_log", "set_unit_advice", "traffic", "residual_bytes")
 
     def stats(self) -> CoreStats:
         return CoreStats.from_core(dict(self._core.stats()))

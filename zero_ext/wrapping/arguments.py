@@ -51,6 +51,12 @@ class Precision:
     output_dtype: Optional[torch.dtype] = None  # floating forward outputs cast to it
 
 
+# Elements per scale of compress_weights / compress_grads: at 2048 the fp32
+# scale adds 0.2% to an int8 payload, and the error is within 20% of a
+# 256-element block's (docs/benchmarks.md, "Fewer bytes on the wire").
+QUANTIZATION_BLOCK = 2048
+
+
 @dataclass(frozen=True)
 class Options:
     """wrap()'s options, checked and normalized."""
@@ -70,6 +76,13 @@ class Options:
     max_live_bytes: int = 0  # stage 3: prefetch stays under it ([Note: live budget]); 0: no bound
     persist_bytes: int = 0  # "nvme": buckets smaller stay in memory ([Note: persistent small buckets])
     reshard_after_forward: Any = True  # stage 3: wrapping/reshard.py
+    compress_weights: Optional[str] = None  # stage 3: "int8" gathers ([Note: quantized collectives])
+    compress_grads: Optional[str] = None  # stages 2-3: "int8" or "int4" reductions, with error feedback
+
+    def compression_bits(self) -> Tuple[int, int]:
+        """(weight bits, gradient bits) for the core; 0: off."""
+        bits = {None: 0, "int8": 8, "int4": 4}
+        return bits[self.compress_weights], bits[self.compress_grads]
 
 
 _FLOATS = {torch.float32: "torch.float32", torch.bfloat16: "torch.bfloat16", torch.float16: "torch.float16"}
@@ -293,8 +306,8 @@ def _budget_bytes(value, name: str, unit: int, needs: Optional[str]) -> int:
 
 def check_wrap_arguments(model, optimizers, stage, mixed_precision, offload_optimizer, units, bucket_mb, timeout,
                          prefetch, skip_nonfinite, reshard_after_forward=None, offload_params=None,
-                         offload_path=None, max_live_mb=None, persist_kb=None
-                         ) -> Tuple[List[torch.nn.Parameter], Options]:
+                         offload_path=None, max_live_mb=None, persist_kb=None, compress_weights=None,
+                         compress_grads=None) -> Tuple[List[torch.nn.Parameter], Options]:
     """The trainable parameters and the normalized options; raises TypeError
     or ValueError on bad input. `optimizers`: optimizer_list()'s."""
     trainable, precision = _check_model_and_optimizer(model, optimizers, stage, mixed_precision, offload_optimizer)
@@ -335,13 +348,39 @@ def check_wrap_arguments(model, optimizers, stage, mixed_precision, offload_opti
                             "offload_params='nvme'" if offload_dir is None else None)
     if persist_kb is None and offload_dir is not None:
         persist = int(NVME_PERSIST_KB * 2**10)
+    _check_compression(stage, precision, compress_weights, compress_grads)
     options = Options(stage=stage, precision=precision, offload=offload_optimizer == "cpu", units=units,
                       bucket_bytes=int(bucket_mb * 2**20), timeout=_timeout(timeout), prefetch=int(prefetch),
                       skip_nonfinite=skip_nonfinite, reshard_after_forward=reshard_after_forward,
                       offload_params=offload_params, offload_path=offload_dir, offload_optimizer=offload_optimizer,
-                      max_live_bytes=max_live, persist_bytes=persist,
+                      max_live_bytes=max_live, persist_bytes=persist, compress_weights=compress_weights,
+                      compress_grads=compress_grads,
                       whole_params=any(optimizer_sharding(opt, shards_state=stage > 0) == WHOLE for opt in optimizers))
     return trainable, options
+
+
+def _check_compression(stage: int, precision: Precision, compress_weights: Any, compress_grads: Any) -> None:
+    """compress_weights: None or "int8", stage 3; compress_grads: None, "int8"
+    or "int4", stages 2-3, gradients reduced in fp32 or bf16."""
+    for name, value, allowed in (("compress_weights", compress_weights, (None, "int8")),
+                                 ("compress_grads", compress_grads, (None, "int8", "int4"))):
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"zero_ext.wrap: {name} must be one of {allowed}, got {type(value).__name__} {value!r}")
+        if value not in allowed:
+            raise ValueError(f"zero_ext.wrap: {name} must be one of {allowed}, got {value!r}")
+    if compress_weights is not None and stage != 3:
+        raise ValueError(
+            f"zero_ext.wrap: compress_weights={compress_weights!r} quantizes stage 3's parameter all-gathers, but "
+            f"stage {stage} gathers no parameters in training; pass stage=3, or drop compress_weights")
+    if compress_grads is not None and stage not in (2, 3):
+        raise ValueError(
+            f"zero_ext.wrap: compress_grads={compress_grads!r} quantizes the gradient reduce-scatter of stages 2 "
+            f"and 3; stage {stage} all-reduces whole gradients: pass stage=2 or 3, or drop compress_grads")
+    if compress_grads is not None and precision.reduce_dtype == torch.float16:
+        raise ValueError(
+            f"zero_ext.wrap: compress_grads={compress_grads!r} with reduce_dtype=torch.float16: fp16 reductions "
+            "carry the loss scale, which error feedback would carry over into the next step's scale; reduce in "
+            "fp32 (MixedPrecision(reduce_dtype=torch.float32), the default) or bf16")
 
 
 def check_backend(group: Optional[dist.ProcessGroup], device: torch.device) -> None:

@@ -25,7 +25,7 @@ from ..tools import CoreHandles, __version__, attach_state, core_loader, faults,
 from .unit_advice import unit_advice
 from .units import Unit, assign_parameters, resolve_units
 from .reshard import plan_reshard
-from .arguments import Options, check_backend, check_launch, check_wrap_arguments, optimizer_list
+from .arguments import QUANTIZATION_BLOCK, Options, check_backend, check_launch, check_wrap_arguments, optimizer_list
 from .fingerprint import check_ranks_agree, check_tensor_parallel_agree, tensor_parallel_fields, wrap_fields
 
 def _plan_units(model: torch.nn.Module, units: List[Unit]):
@@ -124,6 +124,9 @@ def _build_core(ordered: List[torch.nn.Parameter], names: List[str], counts: Lis
     elif scale is not None:
         core.enable_loss_scaling(float(scale), 2.0, 0.5, 1, 1.0, 1, False)
     core.set_skip_nonfinite(options.skip_nonfinite)
+    weight_bits, grad_bits = options.compression_bits()
+    if weight_bits or grad_bits:
+        core.enable_compression(weight_bits, grad_bits, QUANTIZATION_BLOCK)
     return core
 
 
@@ -189,6 +192,8 @@ def wrap(
     max_live_mb: Optional[float] = None,
     persist_kb: Optional[float] = None,
     unfreeze_later: bool = False,
+    compress_weights: Optional[str] = None,
+    compress_grads: Optional[str] = None,
 ) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
     """Makes `model` and `optimizer` ZeRO data parallel, in place.
 
@@ -277,6 +282,16 @@ def wrap(
             optimizer state comes at their first step). Without it, only parameters trainable at wrap()
             may change requires_grad later (fp32 parameters only: zero_ext
             trains fp32 masters).
+        compress_weights: stage 3: "int8" all-gathers parameters as
+            block-quantized int8 (a scale per 2048 values; ZeRO++'s qwZ):
+            forward and backward compute with the dequantized values, the
+            fp32 masters, optimizer and checkpoints stay exact. None: off.
+        compress_grads: stages 2-3: "int8" or "int4" reduce-scatters
+            gradients as block-quantized integers summed in fp32, with error
+            feedback (what rounding lost is added to the bucket's next
+            reduction; ZeRO++'s qgZ). Over a hybrid mesh, within the shard
+            group; across replicas stays exact. None: off. See
+            ``zero_ext.traffic(model)`` for the bytes sent.
     Returns:
         ``(model, optimizer)``, the same objects (a list stays that list).
     Raises:
@@ -322,14 +337,14 @@ def _optimized_parameters(optimizers: List[torch.optim.Optimizer]) -> List[torch
 
 def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optimizer, offload_params, offload_path,
           units, bucket_mb, timeout, prefetch, skip_nonfinite, device, param_init_fn,
-          reshard_after_forward, max_live_mb, persist_kb,
+          reshard_after_forward, max_live_mb, persist_kb, compress_weights, compress_grads,
           tensor_parallel: Optional[TensorParallel]) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
     """wrap(), once the parameters unfreeze_later plans as trainable are marked so."""
     optimizers = optimizer_list(optimizer)
     trainable, options = check_wrap_arguments(model, optimizers, stage, mixed_precision, offload_optimizer,
                                               units, bucket_mb, timeout, prefetch, skip_nonfinite,
                                               reshard_after_forward, offload_params, offload_path,
-                                              max_live_mb, persist_kb)
+                                              max_live_mb, persist_kb, compress_weights, compress_grads)
     check_launch(process_group)
     # What transformers' model.dtype says before mixed precision casts the
     # parameters: the dtype exports declare (as the unwrapped model's would).
