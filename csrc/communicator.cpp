@@ -311,6 +311,26 @@ c10::intrusive_ptr<c10d::Work> Communicator::quantized_reduce_scatter_sum(at::Te
       wire_bytes);
 }
 
+bool Communicator::quantized_all_reduce_pays(const at::Tensor& tensor, const QuantFormat& format) const {
+  // (R - 1) payloads against 2 (R - 1) / R x the tensor's bytes.
+  return !local() && format.enabled() &&
+         size_ * format.payload_bytes(tensor.numel()) < 2 * static_cast<int64_t>(tensor.nbytes());
+}
+
+c10::intrusive_ptr<c10d::Work> Communicator::quantized_all_reduce_sum(at::Tensor& tensor, const QuantFormat& format,
+                                                                      const at::Tensor& residual, Purpose purpose,
+                                                                      int64_t subject) {
+  if (local()) {
+    return nullptr;  // the sum over one rank is in place
+  }
+  auto group = group_;
+  const int64_t wire_bytes = (size_ - 1) * format.payload_bytes(tensor.numel());
+  return submit(
+      CollectiveOp::kAllReduceSum, purpose, subject, tensor, {}, "all_reduce", tensor,
+      [group, tensor, format, residual] { return start_quantized_all_reduce(group, tensor, format, residual); },
+      wire_bytes);
+}
+
 c10::intrusive_ptr<c10d::Work> Communicator::quantized_all_gather(at::Tensor& full_out, at::Tensor& shard_in,
                                                                   const QuantFormat& format, Purpose purpose,
                                                                   int64_t subject) {

@@ -123,6 +123,11 @@ class Communicator {
   c10::intrusive_ptr<c10d::Work> quantized_reduce_scatter_sum(at::Tensor& shard_out, at::Tensor& full_in,
                                                               const QuantFormat& format, const at::Tensor& residual,
                                                               Purpose purpose, int64_t subject = 0);
+  // Whether quantized_all_reduce_sum of `tensor` sends fewer bytes than the exact all-reduce.
+  bool quantized_all_reduce_pays(const at::Tensor& tensor, const QuantFormat& format) const;
+  c10::intrusive_ptr<c10d::Work> quantized_all_reduce_sum(at::Tensor& tensor, const QuantFormat& format,
+                                                          const at::Tensor& residual, Purpose purpose,
+                                                          int64_t subject = 0);
   c10::intrusive_ptr<c10d::Work> quantized_all_gather(at::Tensor& full_out, at::Tensor& shard_in,
                                                       const QuantFormat& format, Purpose purpose,
                                                       int64_t subject = 0);

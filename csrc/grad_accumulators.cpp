@@ -186,8 +186,16 @@ void GradReducer::sync_deferred() {
   }
   std::vector<c10::intrusive_ptr<c10d::Work>> works(buckets_.size());
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    if (buckets_[b].unsynced.defined()) {
-      works[b] = replica_comm_.all_reduce_sum(buckets_[b].unsynced, Purpose::kDeferredSync, static_cast<int64_t>(b));
+    BucketGrads& bucket = buckets_[b];
+    if (!bucket.unsynced.defined()) continue;
+    if (replica_comm_.quantized_all_reduce_pays(bucket.unsynced, grad_format_)) {  // [Note: quantized collectives]
+      if (!bucket.replica_residual.defined()) {
+        bucket.replica_residual = at::zeros({bucket.unsynced.numel()}, bucket.unsynced.options().dtype(at::kFloat));
+      }
+      works[b] = replica_comm_.quantized_all_reduce_sum(bucket.unsynced, grad_format_, bucket.replica_residual,
+                                                        Purpose::kDeferredSync, static_cast<int64_t>(b));
+    } else {
+      works[b] = replica_comm_.all_reduce_sum(bucket.unsynced, Purpose::kDeferredSync, static_cast<int64_t>(b));
     }
   }
   for (size_t b = 0; b < buckets_.size(); ++b) {

@@ -456,7 +456,15 @@ void GradReducer::issue_replica_reduction(int64_t b) {
     bucket.result_unscaled = true;
     result = &bucket.reduce_out;
   }
-  bucket.replica_work = replica_comm_.all_reduce_sum(*result, Purpose::kReplicaReduce, b);
+  if (replica_comm_.quantized_all_reduce_pays(*result, grad_format_)) {  // [Note: quantized collectives]
+    if (!bucket.replica_residual.defined()) {
+      bucket.replica_residual = at::zeros({result->numel()}, result->options().dtype(at::kFloat));
+    }
+    bucket.replica_work =
+        replica_comm_.quantized_all_reduce_sum(*result, grad_format_, bucket.replica_residual, Purpose::kReplicaReduce, b);
+  } else {
+    bucket.replica_work = replica_comm_.all_reduce_sum(*result, Purpose::kReplicaReduce, b);
+  }
   bucket.replica_pending = false;
 }
 
@@ -585,6 +593,7 @@ int64_t GradReducer::residual_bytes() const {
   int64_t bytes = 0;
   for (const auto& bucket : buckets_) {
     bytes += bucket.residual.defined() ? static_cast<int64_t>(bucket.residual.nbytes()) : 0;
+    bytes += bucket.replica_residual.defined() ? static_cast<int64_t>(bucket.replica_residual.nbytes()) : 0;
   }
   return bytes;
 }

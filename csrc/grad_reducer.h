@@ -229,6 +229,7 @@ class GradReducer {
     at::Tensor unsynced;     // fp32 sum of results kept back from the replicas ([Note: deferred replica all-reduce])
     c10::intrusive_ptr<c10d::Work> replica_work;  // hybrid: the all-reduce of the result across replicas
     at::Tensor residual;     // compress_grads: what rounding kept back from the last reduction (the staging's size, fp32)
+    at::Tensor replica_residual;  // compress_grads, hybrid: the same for the reduction across replicas (the shard's size)
   };
 
   at::Tensor staging_region(int64_t b, int64_t i);

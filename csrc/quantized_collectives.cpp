@@ -87,4 +87,36 @@ c10::intrusive_ptr<c10d::Work> start_quantized_all_gather(const c10::intrusive_p
   return c10::make_intrusive<ContinuedWork>(std::move(gather), std::move(unpacked), c10d::OpType::_ALLGATHER_BASE);
 }
 
+c10::intrusive_ptr<c10d::Work> start_quantized_all_reduce(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                                          const at::Tensor& tensor, const QuantFormat& format,
+                                                          const at::Tensor& residual) {
+  const int64_t ranks = group->getSize();
+  TORCH_CHECK(tensor.is_contiguous(), "zero_ext internal: a quantized all-reduce needs a contiguous tensor");
+  const int64_t n = tensor.numel(), bytes = format.payload_bytes(n);
+  at::Tensor flat = tensor.view(-1);
+  at::Tensor wanted = residual.defined() ? flat.to(at::kFloat) + residual : flat.to(at::kFloat).contiguous();
+  at::Tensor payload = at::empty({bytes}, tensor.options().dtype(at::kByte));
+  quantize_blocks(wanted, payload, format, residual);
+  at::Tensor gathered = at::empty({ranks * bytes}, payload.options());
+  auto gather = group->_allgather_base(gathered, payload, c10d::AllgatherOptions());
+  auto summed = gather->getFuture()->then(
+      [gathered, payload, flat, ranks, n, bytes, format](c10::ivalue::Future& done) -> c10::IValue {
+        if (done.hasError()) {
+          std::rethrow_exception(done.exception_ptr());
+        }
+        // Every rank sums the same dequantized values in rank order: the replicas stay identical.
+        at::Tensor sum = flat.scalar_type() == at::kFloat ? flat : at::empty({n}, flat.options().dtype(at::kFloat));
+        for (int64_t r = 0; r < ranks; ++r) {
+          dequantize_blocks(gathered.narrow(0, r * bytes, bytes), sum, format, /*accumulate=*/r > 0);
+        }
+        if (!sum.is_same(flat)) {
+          at::Tensor out = flat;
+          out.copy_(sum);
+        }
+        return c10::IValue(flat);
+      },
+      c10::TensorType::get());
+  return c10::make_intrusive<ContinuedWork>(std::move(gather), std::move(summed), c10d::OpType::ALLREDUCE);
+}
+
 } // namespace zero_ext

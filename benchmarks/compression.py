@@ -1,0 +1,142 @@
+"""Quantized collectives (wrap's compress_weights / compress_grads): bytes sent,
+step time and learning of the demo language model (examples/train_lm.py's
+TinyGPT on its corpus), against the same run uncompressed.
+
+    python benchmarks/compression.py                      # stage 3, 2 gloo ranks, 200 steps
+    python benchmarks/compression.py --world 4 --stage 2
+
+Every configuration trains its own copy of the model from the same weights on
+the same batches; their steps are interleaved (a barrier, then each
+configuration's step in turn, the order rotated every step), timed as a
+user's loop would (perf_counter around forward, backward, step, zero_grad).
+Reported (rank 0):
+  loss           the global batch's loss, mean of the last 10 steps
+  MiB/step       bytes this rank sent per step, by zero_ext.traffic(model):
+                 all-gather (stage 3 gathers; stage 2's after the step) and
+                 reduce-scatter (gradients)
+  ms/step        min / median / max over the steps after the first 10
+Then the quantization kernels' throughput on this CPU, per block size.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+
+CONFIGS = {
+    "uncompressed": {},
+    "int8 grads": {"compress_grads": "int8"},
+    "int4 grads": {"compress_grads": "int4"},
+    "int8 weights + int8 grads": {"compress_weights": "int8", "compress_grads": "int8"},
+    "int8 weights + int4 grads": {"compress_weights": "int8", "compress_grads": "int4"},
+}
+
+
+def body(args, rank: int, world: int) -> Dict[str, dict]:
+    import zero_ext
+    import train_lm
+    text = open(os.path.join(os.path.dirname(HERE), "examples", "data", "corpus.txt"), encoding="utf-8").read()
+    chars = sorted(set(text))
+    data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
+    names = [n for n, c in CONFIGS.items() if args.stage == 3 or "compress_weights" not in c]
+    runs = {}
+    for name in names:
+        model, opt = train_lm.build(args, len(chars))
+        runs[name] = zero_ext.wrap(model, opt, stage=args.stage, bucket_mb=args.bucket_mb, **CONFIGS[name])
+    losses: Dict[str, List[float]] = {n: [] for n in names}
+    times: Dict[str, List[float]] = {n: [] for n in names}
+    for step in range(1, args.steps + 1):
+        x, y = train_lm.batches(data, args.context, args.batch, rank, world, step)
+        order = names[step % len(names):] + names[:step % len(names)]
+        for name in order:
+            model, opt = runs[name]
+            dist.barrier()
+            start = time.perf_counter()
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            times[name].append(time.perf_counter() - start)
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses[name].append(mean.item() / world)
+    out = {}
+    for name in names:
+        sent = zero_ext.traffic(runs[name][0])
+        settled = times[name][10:]
+        out[name] = {"loss": statistics.mean(losses[name][-10:]), "first_loss": losses[name][0],
+                     "sent": {k: v / args.steps for k, v in sent.items()},
+                     "ms": [1e3 * min(settled), 1e3 * statistics.median(settled), 1e3 * max(settled)]}
+    return out
+
+
+def kernel_throughput() -> List[str]:
+    ops = torch.ops.zero_ext
+    x = torch.randn(1 << 22)  # 16 MiB of fp32
+    rows = []
+    for bits in (8, 4):
+        for block in (256, 2048, 8192):
+            q, d = [], []
+            for _ in range(5):
+                start = time.perf_counter()
+                payload = ops.quantize_blocks(x, bits, block, None)
+                q.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                y = ops.dequantize_blocks(payload, x.numel(), bits, block)
+                d.append(time.perf_counter() - start)
+            error = ((x - y).norm() / x.norm()).item()
+            rows.append(f"| int{bits} | {block} | {16 / min(q) / 1024:.1f} | {16 / min(d) / 1024:.1f} | "
+                        f"{payload.numel() / x.nbytes:.4f} | {error:.4f} |")
+    return rows
+
+
+def main() -> None:
+    import train_lm  # noqa: F401 - fails early if the example moved
+    from _ranks import run_on_ranks
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--stage", type=int, default=3, choices=[2, 3])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    args = parser.parse_args()
+    results = run_on_ranks(args.world, body, args)[0]
+    base = results["uncompressed"]
+    print(f"stage {args.stage}, {args.world} gloo ranks, {args.steps} steps of the demo LM "
+          f"(dim {args.dim}, {args.layers} layers), torch {torch.__version__}")
+    print("| configuration | loss (vs uncompressed) | all-gather MiB/step | reduce-scatter MiB/step | "
+          "ms/step min / median / max |")
+    print("|---|---|---|---|---|")
+    for name, r in results.items():
+        gap = (r["loss"] - base["loss"]) / base["loss"]
+        ag, rs = r["sent"]["all_gather"] / 2**20, r["sent"]["reduce_scatter"] / 2**20
+        ag0, rs0 = base["sent"]["all_gather"] / 2**20, base["sent"]["reduce_scatter"] / 2**20
+        print(f"| {name} | {r['loss']:.4f} ({gap:+.2%}) | {ag:.3f} ({ag / ag0:.3f}x) | {rs:.3f} ({rs / rs0:.3f}x) | "
+              + " / ".join(f"{v:.1f}" for v in r["ms"]) + " |")
+    print("\nquantization kernels, one core's share (16 MiB of fp32):")
+    print("| bits | block | quantize GiB/s | dequantize GiB/s | payload / fp32 | relative error |")
+    print("|---|---|---|---|---|---|")
+    torch.set_num_threads(1)
+    for row in kernel_throughput():
+        print(row)
+
+
+if __name__ == "__main__":
+    main()
