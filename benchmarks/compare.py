@@ -271,7 +271,7 @@ def sent_bytes(ops, world: int) -> Dict[str, float]:
             headers += (world - 1) * numel * 8
             continue
         size = numel * {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8,
-                        "int": 4}.get(dtype, 4)
+                        "int": 4, "unsigned char": 1, "signed char": 1}.get(dtype, 4)  # bytes: quantized payloads
         if "all_reduce" in kind or "allreduce" in kind:
             b = 2 * (world - 1) / world * size
         elif "all_gather" in kind or "allgather" in kind:

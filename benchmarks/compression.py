@@ -4,6 +4,7 @@ TinyGPT on its corpus), against the same run uncompressed.
 
     python benchmarks/compression.py                      # stage 3, 2 gloo ranks, 200 steps
     python benchmarks/compression.py --world 4 --stage 2
+    python benchmarks/compression.py --world 4 --mesh 2x2 # hybrid: the replicas' all-reduce quantized too
 
 Every configuration trains its own copy of the model from the same weights on
 the same batches; their steps are interleaved (a barrier, then each
@@ -13,7 +14,8 @@ Reported (rank 0):
   loss           the global batch's loss, mean of the last 10 steps
   MiB/step       bytes this rank sent per step, by zero_ext.traffic(model):
                  all-gather (stage 3 gathers; stage 2's after the step) and
-                 reduce-scatter (gradients)
+                 reduce-scatter (gradients), all-reduce (across replicas on a
+                 mesh, and the small per-backward agreements)
   ms/step        min / median / max over the steps after the first 10
 Then the quantization kernels' throughput on this CPU, per block size.
 """
@@ -51,10 +53,16 @@ def body(args, rank: int, world: int) -> Dict[str, dict]:
     chars = sorted(set(text))
     data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
     names = [n for n, c in CONFIGS.items() if args.stage == 3 or "compress_weights" not in c]
+    group = None
+    if args.mesh:  # hybrid: (replicate, shard)
+        from torch.distributed.device_mesh import init_device_mesh
+        group = init_device_mesh("cpu", tuple(int(v) for v in args.mesh.split("x")),
+                                 mesh_dim_names=("replicate", "shard"))
     runs = {}
     for name in names:
         model, opt = train_lm.build(args, len(chars))
-        runs[name] = zero_ext.wrap(model, opt, stage=args.stage, bucket_mb=args.bucket_mb, **CONFIGS[name])
+        runs[name] = zero_ext.wrap(model, opt, stage=args.stage, bucket_mb=args.bucket_mb, process_group=group,
+                                   **CONFIGS[name])
     losses: Dict[str, List[float]] = {n: [] for n in names}
     times: Dict[str, List[float]] = {n: [] for n in names}
     for step in range(1, args.steps + 1):
@@ -103,12 +111,12 @@ def kernel_throughput() -> List[str]:
 
 
 def main() -> None:
-    import train_lm  # noqa: F401 - fails early if the example moved
     from _ranks import run_on_ranks
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--stage", type=int, default=3, choices=[2, 3])
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--mesh", default="", help="RxS: hybrid sharding, R replicas of an S-way sharding")
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
@@ -121,15 +129,18 @@ def main() -> None:
     base = results["uncompressed"]
     print(f"stage {args.stage}, {args.world} gloo ranks, {args.steps} steps of the demo LM "
           f"(dim {args.dim}, {args.layers} layers), torch {torch.__version__}")
+    if args.mesh:
+        print(f"hybrid mesh {args.mesh} (replicate x shard): all-reduce MiB/step is mostly across replicas")
     print("| configuration | loss (vs uncompressed) | all-gather MiB/step | reduce-scatter MiB/step | "
-          "ms/step min / median / max |")
-    print("|---|---|---|---|---|")
+          "all-reduce MiB/step | ms/step min / median / max |")
+    print("|---|---|---|---|---|---|")
     for name, r in results.items():
         gap = (r["loss"] - base["loss"]) / base["loss"]
         ag, rs = r["sent"]["all_gather"] / 2**20, r["sent"]["reduce_scatter"] / 2**20
         ag0, rs0 = base["sent"]["all_gather"] / 2**20, base["sent"]["reduce_scatter"] / 2**20
+        ar, ar0 = r["sent"]["all_reduce"] / 2**20, base["sent"]["all_reduce"] / 2**20
         print(f"| {name} | {r['loss']:.4f} ({gap:+.2%}) | {ag:.3f} ({ag / ag0:.3f}x) | {rs:.3f} ({rs / rs0:.3f}x) | "
-              + " / ".join(f"{v:.1f}" for v in r["ms"]) + " |")
+              f"{ar:.3f} ({ar / ar0:.3f}x) | " + " / ".join(f"{v:.1f}" for v in r["ms"]) + " |")
     print("\nquantization kernels, one core's share (16 MiB of fp32):")
     print("| bits | block | quantize GiB/s | dequantize GiB/s | payload / fp32 | relative error |")
     print("|---|---|---|---|---|---|")

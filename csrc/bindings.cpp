@@ -85,22 +85,23 @@ struct StepGateProbe : torch::CustomClassHolder {
 // [Note: quantized payloads] as ops, for tests and benchmarks: a 1-D fp32
 // tensor to its payload (the residual, if given, filled), and back.
 at::Tensor quantize_blocks_op(const at::Tensor& values, int64_t bits, int64_t block,
-                              const std::optional<at::Tensor>& residual) {
+                              const std::optional<at::Tensor>& residual, bool with_ops) {
   const QuantFormat format{bits, block};
   TORCH_CHECK((bits == 8 || bits == 4) && block >= 2 && block % 2 == 0,
               "zero_ext.quantize_blocks: bits must be 8 or 4 and block an even number, got ", bits, " and ", block);
   at::Tensor flat = values.to(at::kFloat).contiguous().view(-1);
   at::Tensor payload = at::empty({format.payload_bytes(flat.numel())}, flat.options().dtype(at::kByte));
-  quantize_blocks(flat, payload, format, residual.has_value() ? *residual : at::Tensor());
+  quantize_blocks(flat, payload, format, residual.has_value() ? *residual : at::Tensor(), with_ops);
   return payload;
 }
 
-at::Tensor dequantize_blocks_op(const at::Tensor& payload, int64_t numel, int64_t bits, int64_t block) {
+at::Tensor dequantize_blocks_op(const at::Tensor& payload, int64_t numel, int64_t bits, int64_t block,
+                                bool with_ops) {
   const QuantFormat format{bits, block};
   TORCH_CHECK((bits == 8 || bits == 4) && block >= 2 && block % 2 == 0,
               "zero_ext.dequantize_blocks: bits must be 8 or 4 and block an even number, got ", bits, " and ", block);
   at::Tensor out = at::empty({numel}, payload.options().dtype(at::kFloat));
-  dequantize_blocks(payload.contiguous(), out, format, false);
+  dequantize_blocks(payload.contiguous(), out, format, false, with_ops);
   return out;
 }
 
@@ -115,8 +116,11 @@ TORCH_LIBRARY(zero_ext, m) {
   m.def("unreadable_tensor(int[] size, ScalarType dtype, Device device, str message) -> Tensor",
         &unreadable_tensor);
   m.def("cpu_adam_isa() -> str", &cpu_adam_isa);
-  m.def("quantize_blocks(Tensor values, int bits, int block, Tensor(a!)? residual) -> Tensor", &quantize_blocks_op);
-  m.def("dequantize_blocks(Tensor payload, int numel, int bits, int block) -> Tensor", &dequantize_blocks_op);
+  // with_ops: the ATen-op path (what CUDA runs) on any device, for tests.
+  m.def("quantize_blocks(Tensor values, int bits, int block, Tensor(a!)? residual, bool with_ops=False) -> Tensor",
+        &quantize_blocks_op);
+  m.def("dequantize_blocks(Tensor payload, int numel, int bits, int block, bool with_ops=False) -> Tensor",
+        &dequantize_blocks_op);
   m.class_<ShardedModel>("ShardedModel")
       .def(torch::init<std::vector<at::Tensor>, std::vector<std::string>, std::vector<int64_t>,
                        std::vector<int64_t>, std::vector<int64_t>, int64_t, std::string, std::string,

@@ -160,7 +160,9 @@ void quantize_with_ops(const at::Tensor& values, const at::Tensor& payload, cons
   inv = at::where(representable, inv, at::zeros({}, inv.options()));
   at::Tensor scale = at::where(representable, absmax / qmax, at::zeros({}, absmax.options()));
   scale = at::where(finite, scale, at::full({}, std::numeric_limits<float>::quiet_NaN(), scale.options()));
-  at::Tensor q = (x * inv.unsqueeze(1)).round().clamp(-qmax, qmax);
+  // Zeros where the block is not representable (an inf times 0 would be NaN).
+  at::Tensor q = at::where(representable.unsqueeze(1), (x * inv.unsqueeze(1)).round().clamp(-qmax, qmax),
+                           at::zeros({}, x.options()));
   if (residual.defined()) {
     at::Tensor r = at::where(finite.unsqueeze(1), x - q * scale.unsqueeze(1), at::zeros({}, x.options()));
     residual.copy_(r.view(-1).narrow(0, 0, n));
@@ -207,12 +209,12 @@ void dequantize_with_ops(const at::Tensor& payload, const at::Tensor& out, const
 } // namespace
 
 void quantize_blocks(const at::Tensor& values, const at::Tensor& payload, const QuantFormat& format,
-                     const at::Tensor& residual) {
+                     const at::Tensor& residual, bool with_ops) {
   check_args(values, payload, format);
   TORCH_CHECK(!residual.defined() || (residual.is_contiguous() && residual.scalar_type() == at::kFloat &&
                                       residual.numel() == values.numel()),
               "zero_ext internal: the residual must be contiguous fp32 like the values");
-  if (!values.is_cpu()) {
+  if (!values.is_cpu() || with_ops) {
     quantize_with_ops(values, payload, format, residual);
     return;
   }
@@ -233,9 +235,9 @@ void quantize_blocks(const at::Tensor& values, const at::Tensor& payload, const 
 }
 
 void dequantize_blocks(const at::Tensor& payload, const at::Tensor& out, const QuantFormat& format,
-                       bool accumulate) {
+                       bool accumulate, bool with_ops) {
   check_args(out, payload, format);
-  if (!out.is_cpu()) {
+  if (!out.is_cpu() || with_ops) {
     dequantize_with_ops(payload, out, format, accumulate);
     return;
   }

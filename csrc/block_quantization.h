@@ -38,12 +38,14 @@ struct QuantFormat {
 // payload_bytes(numel) of them, on the same device). With `residual`
 // defined (fp32, like values), writes values - dequantized there: what the
 // next reduction adds back (error feedback).
+// `with_ops`: the ATen-op path whatever the device (tests compare it with
+// the CPU kernels: it is what CUDA runs).
 void quantize_blocks(const at::Tensor& values, const at::Tensor& payload, const QuantFormat& format,
-                     const at::Tensor& residual);
+                     const at::Tensor& residual, bool with_ops = false);
 
 // Dequantizes `payload` into `out` (1-D, contiguous, fp32): out = values, or
 // out += values with `accumulate`.
 void dequantize_blocks(const at::Tensor& payload, const at::Tensor& out, const QuantFormat& format,
-                       bool accumulate);
+                       bool accumulate, bool with_ops = false);
 
 } // namespace zero_ext

@@ -111,3 +111,21 @@ def test_one_process_trains_exactly_and_sends_nothing(stage):
 def test_traffic_of_a_model_zero_ext_did_not_wrap_is_an_error():
     with pytest.raises(ValueError, match="not wrapped"):
         zero_ext.traffic(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("numel", [7, 2048, 5001])
+def test_the_aten_op_path_cuda_runs_gives_the_cpu_kernels_bytes(bits, numel):
+    """Other devices quantize with ATen ops: the same arithmetic, so the same
+    payload, bit for bit, and the same values back (run here on the CPU)."""
+    g = torch.Generator().manual_seed(numel + bits)
+    x = torch.randn(numel, generator=g) * torch.logspace(-2, 1, numel)
+    x[3] = float("inf") if numel > 2048 else x[3]  # a non-finite block among finite ones
+    residual_kernel, residual_ops = torch.empty(numel), torch.empty(numel)
+    kernel = ops.quantize_blocks(x, bits, 2048, residual_kernel)
+    with_ops = ops.quantize_blocks(x, bits, 2048, residual_ops, with_ops=True)
+    assert torch.equal(kernel, with_ops)
+    torch.testing.assert_close(residual_ops, residual_kernel, rtol=0, atol=1e-6 * x[torch.isfinite(x)].abs().max().item())
+    back_kernel = ops.dequantize_blocks(kernel, numel, bits, 2048)
+    back_ops = ops.dequantize_blocks(kernel, numel, bits, 2048, with_ops=True)
+    torch.testing.assert_close(back_ops, back_kernel, rtol=0, atol=0, equal_nan=True)

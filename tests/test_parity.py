@@ -48,6 +48,10 @@ def mesh_items(mesh: str):
     return items if names is None else [i for i in items if any(i.startswith(n + "/") for n in names)]
 
 
+# Quantized collectives (compression_scenarios.py): every item at world 2, the
+# learning at world 4 too (the rest depends on the world size only through n).
+COMPRESSION = {2: compression_items(), 4: [i for i in compression_items() if "learns_like" in i]}
+
 # Tensor parallelism (tensor_parallel_scenarios.py): its items run in the flat
 # world-4 group, or (the torch-versions subset, without world 4) in a group of their own.
 TENSOR_PARALLEL = tensor_parallel_items()
@@ -62,7 +66,7 @@ def group_results(world: int, mesh: str = ""):
     else:
         # The TP items last: their dp rows pool different numbers of groups
         # (a refused wrap on one row), which a later wrap over every rank refuses.
-        items = all_items() + (compression_items() if world > 1 else []) + (TENSOR_PARALLEL if world == 4 else [])
+        items = all_items() + COMPRESSION.get(world, []) + (TENSOR_PARALLEL if world == 4 else [])
     return run_items_on_ranks(world, "parity_scenarios:run_one", items, item_deadline_s=180)
 
 
@@ -80,19 +84,15 @@ def test_hybrid_parity(item):
     assert_item_matched(4, group_results(4, mesh)[item])
 
 
-@pytest.mark.parametrize("item", compression_items() + (compression_items("2x2") if HYBRID else []))
-@pytest.mark.parametrize("world", [w for w in WORLD_SIZES if w > 1])
+@pytest.mark.parametrize("world,item", [(w, i) for w, items in COMPRESSION.items() if w in WORLD_SIZES
+                                         for i in items]
+                         + [(4, i) for i in (compression_items("2x2") if HYBRID else [])])
 def test_compression(world, item):
     """compress_weights / compress_grads against the same model uncompressed
     (compression_scenarios.py): learning, traffic, error feedback,
-    checkpoints both ways, ranks that disagree; the hybrid items once, in
-    the 2x2 mesh group."""
-    if "/mesh" in item:
-        if world != 4:
-            pytest.skip("the 2x2 mesh runs at world size 4")
-        assert_item_matched(4, group_results(4, "2x2")[item])
-        return
-    assert_item_matched(world, group_results(world)[item])
+    checkpoints both ways, ranks that disagree; the hybrid items in the 2x2
+    mesh group."""
+    assert_item_matched(world, group_results(4, "2x2")[item] if "/mesh" in item else group_results(world)[item])
 
 
 @pytest.mark.parametrize("item", TENSOR_PARALLEL)
