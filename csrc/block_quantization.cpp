@@ -212,8 +212,8 @@ void quantize_blocks(const at::Tensor& values, const at::Tensor& payload, const 
                      const at::Tensor& residual, bool with_ops) {
   check_args(values, payload, format);
   TORCH_CHECK(!residual.defined() || (residual.is_contiguous() && residual.scalar_type() == at::kFloat &&
-                                      residual.numel() == values.numel()),
-              "zero_ext internal: the residual must be contiguous fp32 like the values");
+                                      residual.numel() == values.numel() && residual.device() == values.device()),
+              "zero_ext internal: the residual must be contiguous fp32 like the values, on their device");
   if (!values.is_cpu() || with_ops) {
     quantize_with_ops(values, payload, format, residual);
     return;

@@ -1,10 +1,29 @@
 #include "quantized_collectives.h"
 
+#include <initializer_list>
 #include <vector>
+
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include "continued_work.h"
 
 namespace zero_ext {
+namespace {
+
+// On an accelerator the continuation's kernels run on the stream current in
+// the callback, after it returns: the buffers they read (held by the
+// closure alone) must not go back to the caching allocator before those
+// kernels ran. A no-op on the CPU, where the callback finishes the work.
+void keep_for_current_stream(std::initializer_list<at::Tensor> tensors) {
+  for (const at::Tensor& t : tensors) {
+    if (t.defined() && !t.is_cpu()) {
+      at::Tensor held = t;
+      held.record_stream(c10::impl::VirtualGuardImpl(t.device().type()).getStream(t.device()));
+    }
+  }
+}
+
+} // namespace
 
 c10::intrusive_ptr<c10d::Work> start_quantized_reduce_scatter(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                                                               const at::Tensor& shard_out, const at::Tensor& full_in,
@@ -38,6 +57,7 @@ c10::intrusive_ptr<c10d::Work> start_quantized_reduce_scatter(const c10::intrusi
         if (done.hasError()) {
           std::rethrow_exception(done.exception_ptr());  // then() hands it on to the summed future
         }
+        keep_for_current_stream({received, payload, own});
         at::Tensor sum = shard_out.scalar_type() == at::kFloat ? shard_out : at::empty({n}, own.options());
         for (int64_t r = 0; r < ranks; ++r) {  // in rank order: the same sum on every run
           if (r == rank) {
@@ -72,6 +92,7 @@ c10::intrusive_ptr<c10d::Work> start_quantized_all_gather(const c10::intrusive_p
         if (done.hasError()) {
           std::rethrow_exception(done.exception_ptr());
         }
+        keep_for_current_stream({gathered, payload});
         const bool fp32 = full_out.scalar_type() == at::kFloat;
         at::Tensor values = fp32 ? at::Tensor() : at::empty({n}, full_out.options().dtype(at::kFloat));
         for (int64_t r = 0; r < ranks; ++r) {
@@ -104,6 +125,7 @@ c10::intrusive_ptr<c10d::Work> start_quantized_all_reduce(const c10::intrusive_p
         if (done.hasError()) {
           std::rethrow_exception(done.exception_ptr());
         }
+        keep_for_current_stream({gathered, payload});
         // Every rank sums the same dequantized values in rank order: the replicas stay identical.
         at::Tensor sum = flat.scalar_type() == at::kFloat ? flat : at::empty({n}, flat.options().dtype(at::kFloat));
         for (int64_t r = 0; r < ranks; ++r) {

@@ -61,10 +61,12 @@ void UnitScheduler::start_gather(int64_t u) {
   check_usable_();
   RECORD_USER_SCOPE("zero_ext::all_gather unit " + std::to_string(u));  // a profiler label; free when none runs
   // Quantized for compute only: full_params, state_dict and checkpoints see
-  // exact values, so inspection gathers (even a kept part's unit) from the shards.
-  const bool quantized = weight_format_.enabled() && !gathering_for_inspection_;
-  const bool from_partial = unit.state == UnitState::kPartial && !(weight_format_.enabled() && !quantized);
-  unit.quantized = quantized;
+  // exact values, so inspection gathers (even a kept part's unit) from the
+  // shards. A kept part regathers exact: it holds what forward computed with.
+  const bool from_partial =
+      unit.state == UnitState::kPartial && !(weight_format_.enabled() && gathering_for_inspection_);
+  const bool quantized = weight_format_.enabled() && !gathering_for_inspection_ && !from_partial;
+  unit.quantized = quantized || (from_partial && unit.quantized);
   for (int64_t b : unit.buckets) {
     store_.regrow_flat(b);
     Communicator& comm = from_partial ? regather_comm_ : gather_comm_;

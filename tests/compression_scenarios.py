@@ -171,6 +171,27 @@ def replica_all_reduce_deferred(stage: int, group) -> Optional[str]:
     return None
 
 
+def subgroup_regather_keeps_forward_weights(stage: int, group) -> Optional[str]:
+    """World 4, reshard_after_forward=2: backward regathers each unit within
+    pairs of ranks from the parts they kept, which hold the dequantized values
+    forward used, so it must send them exact. The gradients then equal those of
+    reshard_after_forward=True, whose backward gathers the same shards
+    quantized the same way again (a second rounding of the kept parts, on
+    blocks that straddle two shards, would move them)."""
+    grads = {}
+    for reshard in (True, 2):
+        model, opt = _wrap(stage, group, compress_weights="int8", reshard_after_forward=reshard)
+        rank, ranks = dist.get_rank(), dist.get_world_size()
+        tokens, targets = _batch(0, rank, ranks)
+        F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
+        grads[reshard] = zero_ext.full_grads(model)
+    for name, value in grads[True].items():
+        if not torch.equal(value, grads[2][name]):
+            return (f"{name}: gradient with reshard_after_forward=2 differs from =True by "
+                    f"{(value - grads[2][name]).abs().max().item():.3e}")
+    return None
+
+
 def error_feedback_cancels_rounding(stage: int, group) -> Optional[str]:
     """The same gradient reduced 16 times (lr 0, the same batch): int4 rounds
     each reduction by up to half a step of its scale, but error feedback
@@ -313,10 +334,12 @@ def ranks_disagree_at_wrap(stage: int, group) -> Optional[str]:
 
 SCENARIOS = {f.__name__: f for f in [learns_like_uncompressed, error_feedback_cancels_rounding,
                                      traffic_matches_the_profiler, checkpoints_across_compression,
-                                     ranks_disagree_at_wrap, replica_all_reduce_deferred]}
+                                     ranks_disagree_at_wrap, replica_all_reduce_deferred,
+                                     subgroup_regather_keeps_forward_weights]}
 # Worlds 2 and 4 flat run every scenario; the 2x2 mesh (rows reduce-scatter
 # compressed, the 2 replicas all-reduce quantized) the learning and the checkpoints.
 MESH_ONLY = ("replica_all_reduce_deferred",)
+WORLD_4_ONLY = ("subgroup_regather_keeps_forward_weights",)  # subgroups of 2 within 4 ranks
 ON_MESH = ("learns_like_uncompressed", "checkpoints_across_compression", "replica_all_reduce_deferred")
 
 
@@ -324,11 +347,14 @@ ON_MESH = ("learns_like_uncompressed", "checkpoints_across_compression", "replic
 # the most (stage 3 gathers and reduces; the deferred path is a reduction's).
 STAGES = {"learns_like_uncompressed": (2, 3), "error_feedback_cancels_rounding": (2,),
           "traffic_matches_the_profiler": (3,), "checkpoints_across_compression": (3,),
-          "ranks_disagree_at_wrap": (3,), "replica_all_reduce_deferred": (2,)}
+          "ranks_disagree_at_wrap": (3,), "replica_all_reduce_deferred": (2,),
+          "subgroup_regather_keeps_forward_weights": (3,)}
 
 
-def all_items(mesh: str = "") -> List[str]:
+def all_items(mesh: str = "", world_4: bool = False) -> List[str]:
     names = ON_MESH if mesh else [n for n in SCENARIOS if n not in MESH_ONLY]
+    if not world_4 and not mesh:
+        names = [n for n in names if n not in WORLD_4_ONLY]
     suffix = f"/mesh{mesh}" if mesh else ""
     return [f"compression:{name}/stage{stage}{suffix}" for name in names
             for stage in (STAGES[name] if not mesh or name != "learns_like_uncompressed" else (3,))]

@@ -50,7 +50,8 @@ def mesh_items(mesh: str):
 
 # Quantized collectives (compression_scenarios.py): every item at world 2, the
 # learning at world 4 too (the rest depends on the world size only through n).
-COMPRESSION = {2: compression_items(), 4: [i for i in compression_items() if "learns_like" in i]}
+COMPRESSION = {2: compression_items(),
+               4: [i for i in compression_items(world_4=True) if "learns_like" in i or "subgroup" in i]}
 
 # Tensor parallelism (tensor_parallel_scenarios.py): its items run in the flat
 # world-4 group, or (the torch-versions subset, without world 4) in a group of their own.

@@ -291,7 +291,8 @@ def wrap(
             feedback (what rounding lost is added to the bucket's next
             reduction; ZeRO++'s qgZ). Over a hybrid mesh, within the shard
             group, and across replicas where a quantized all-gather and sum
-            sends fewer bytes (up to 7 replicas for int8, 15 for int4). None: off. See
+            sends fewer bytes (fp32 gradients: up to 7 replicas for int8,
+            15 for int4; bf16: 3 and 7). None: off. See
             ``zero_ext.traffic(model)`` for the bytes sent.
     Returns:
         ``(model, optimizer)``, the same objects (a list stays that list).
