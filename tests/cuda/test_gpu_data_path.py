@@ -4,10 +4,6 @@ and host syncs in backward counted from the profiler. A group of one rank
 runs its collectives as local copies; these tests send them through NCCL all
 the same (ZERO_EXT_ONE_RANK_COLLECTIVES=1), to cover NCCL's path on one GPU,
 and run parity, memory and host syncs once more the local way."""
-import datetime
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,26 +12,10 @@ import torch.nn.functional as F
 
 import zero_ext
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.usefixtures("nccl_world_of_one")]
 
 WIDTH, DEPTH = 1024, 12  # one 4 MiB (fp32) bucket per layer at bucket_mb=4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def nccl_world_of_one():
-    os.environ["ZERO_EXT_ONE_RANK_COLLECTIVES"] = "1"  # NCCL's path, unless a test asks for the local one
-    if dist.is_initialized():
-        yield
-        os.environ.pop("ZERO_EXT_ONE_RANK_COLLECTIVES", None)
-        return
-    torch.cuda.set_device(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("nccl", init_method=f"file://{os.path.join(tmp, 'rendezvous')}", rank=0,
-                                world_size=1, timeout=datetime.timedelta(seconds=120),
-                                device_id=torch.device("cuda", 0))
-        yield
-        dist.destroy_process_group()
-    os.environ.pop("ZERO_EXT_ONE_RANK_COLLECTIVES", None)
 
 
 class Deep(nn.Module):

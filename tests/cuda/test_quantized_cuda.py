@@ -2,36 +2,15 @@
 runs gives the CPU kernels' bytes, and a stage 3 model trains through NCCL's
 all-gather and all-to-all of quantized payloads (a group of one rank sent
 through NCCL all the same, ZERO_EXT_ONE_RANK_COLLECTIVES=1)."""
-import datetime
-import os
-import tempfile
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import zero_ext
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.usefixtures("nccl_world_of_one")]
 ops = torch.ops.zero_ext
-
-
-@pytest.fixture(scope="module", autouse=True)
-def nccl_world_of_one():
-    os.environ["ZERO_EXT_ONE_RANK_COLLECTIVES"] = "1"
-    if dist.is_initialized():
-        yield
-        os.environ.pop("ZERO_EXT_ONE_RANK_COLLECTIVES", None)
-        return
-    torch.cuda.set_device(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("nccl", init_method=f"file://{os.path.join(tmp, 'rendezvous')}", rank=0,
-                                world_size=1, timeout=datetime.timedelta(seconds=120),
-                                device_id=torch.device("cuda", 0))
-        yield
-        dist.destroy_process_group()
-    os.environ.pop("ZERO_EXT_ONE_RANK_COLLECTIVES", None)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
