@@ -15,6 +15,7 @@
 #include "block_quantization.h"
 #include "core_ops.h"
 #include "cpu_adam.h"
+#include "diagnosis_store.h"
 #include "layout.h"
 #include "sharded_model.h"
 #include "step_gate.h"
@@ -267,6 +268,14 @@ TORCH_LIBRARY(zero_ext, m) {
       .def("loss_scale", [](const Gate& self) { return self->gate.scaler().scale(); })
       .def("skipped_steps", [](const Gate& self) { return self->gate.skipped_steps(); })
       .def("step_index", [](const Gate& self) { return self->gate.progress().step_index; });
+  m.class_<QuietStore>("QuietStore")
+      .def(torch::init<std::string>())
+      .def("set", &QuietStore::set)
+      .def("get", &QuietStore::get)
+      .def("check", &QuietStore::check)
+      .def("add", &QuietStore::add)
+      .def("delete_key", &QuietStore::delete_key)
+      .def("lost", &QuietStore::lost);
   m.class_<SwapFile>("SwapFile")
       .def(torch::init<std::string, int64_t, int64_t, int64_t>())
       .def("write", &SwapFile::write)

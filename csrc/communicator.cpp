@@ -19,6 +19,7 @@
 #include "collective_sequence.h"
 #include "exchange_reduce_scatter.h"
 #include "quantized_collectives.h"
+#include "stall_post.h"
 
 namespace zero_ext {
 
@@ -383,6 +384,7 @@ void Communicator::enable_stall_diagnosis(double seconds, const std::string& key
   query_key_ = "zero_ext_stall/" + key_space + "/query";
   whereabouts_keys_ = "zero_ext_stall/" + key_space + "/where";
   report_key_ = "zero_ext_stall/" + key_space + "/report";
+  raised_keys_ = "zero_ext_stall/" + key_space + "/raised";
 }
 
 std::vector<int64_t> Communicator::members_of(int slot, int64_t mesh_rank) const {
@@ -473,57 +475,13 @@ bool Communicator::read_whereabouts(const std::vector<std::string>& posts, int64
   return any;
 }
 
-namespace {
-
-// What a stalled rank posts: the group and position it waits at, how many
-// collectives it issued on each of the model's groups, and what it waits in.
-struct StallPost {
-  bool present = false;
-  int slot = -1;
-  int64_t seq = -1;
-  std::array<int64_t, kGroupSlots> issued{};
-  std::string what;
-};
-
-std::string format_post(int slot, int64_t seq, const int64_t* issued, const std::string& what) {
-  std::ostringstream out;
-  out << slot << ' ' << seq;
-  for (int g = 0; g < kGroupSlots; ++g) out << ' ' << issued[g];
-  out << '|' << what;
-  return out.str();
-}
-
-StallPost parse_post(const std::string& text) {
-  StallPost post;
-  const auto bar = text.find('|');
-  if (text.empty() || bar == std::string::npos) {
-    return post;
-  }
-  std::istringstream in(text.substr(0, bar));
-  in >> post.slot >> post.seq;
-  for (auto& n : post.issued) in >> n;
-  post.present = static_cast<bool>(in);
-  post.what = text.substr(bar + 1);
-  return post;
-}
-
-const char* slot_name(int slot) {
-  static const char* const kNames[] = {"gradient reductions", "parameter gathers", "across replicas",
-                                       "parameter regathers within a subgroup",
-                                       "headers of gradient reductions", "headers of parameter gathers",
-                                       "headers across replicas", "headers of parameter regathers"};
-  return slot >= 0 && slot < kGroupSlots ? kNames[slot] : "?";
-}
-
-} // namespace
-
 void Communicator::diagnose_stall(const c10::intrusive_ptr<c10d::Work>& work, int64_t seq,
                                   const std::string& what) const {
   const int64_t me = mesh_ranks_[rank_];
   const int64_t world = replicas_ * shard_size_;
   int64_t issued[kGroupSlots];
   for (int g = 0; g < kGroupSlots; ++g) issued[g] = (*counts_)[g].load();
-  const std::string mine = format_post(static_cast<int>(slot_), seq, issued, what);
+  const std::string mine = format_stall_post(static_cast<int>(slot_), seq, issued, what);
   store_->set(stall_keys_ + std::to_string(me), std::vector<uint8_t>(mine.begin(), mine.end()));
   const int64_t query = store_->add(query_key_, 1);  // see [Note: whereabouts]
   std::vector<StallPost> posts(world);
@@ -554,7 +512,7 @@ void Communicator::diagnose_stall(const c10::intrusive_ptr<c10d::Work>& work, in
         auto bytes = store_->get(key);
         text.assign(bytes.begin(), bytes.end());
       }
-      posts[m] = parse_post(text);
+      posts[m] = parse_stall_post(text);
     }
     for (int64_t r = 0; r < size_; ++r) {
       group_posts[r] = posts[mesh_ranks_[r]].present ? posts[mesh_ranks_[r]].what : std::string();

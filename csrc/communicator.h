@@ -36,6 +36,14 @@ namespace zero_ext {
 
 class CollectiveSequence;
 class SequenceOrder;
+struct RaisedPost;
+
+// How the ranks stand after a forward raised on this one.
+struct RaisedForwardOutcome {
+  bool in_step = false;   // every rank raised at the same point: nothing is out of step
+  std::string positions;  // each rank's position, one line each (when not in step)
+  std::string report;     // another rank's report, which this rank raises as it is
+};
 
 // The groups of one model, each a slot in the issue counts a stalled rank
 // posts ([Note: stall diagnosis]): the data groups, then their header groups
@@ -214,6 +222,19 @@ class Communicator {
   // This rank's answer to query `query`: blocked in a world collective, where.
   void post_whereabouts(int64_t query, bool blocked, const std::string& where) const;
 
+  // [Note: a forward that raised] in sharded_model.cpp: this rank's forward
+  // raised after its collectives began. Posts where it stopped (`mine`,
+  // re-read each round: its issued counts settle as pending collectives go
+  // out) as the model's raised forward number `occurrence`, and waits at
+  // most `limit` for every rank of the mesh to post where its forward raised,
+  // or for a sign that some rank went past this point (it waits, stalled,
+  // for a collective that a rank which raised never issued), or for another
+  // rank's report. Errors of the store count as out of step.
+  RaisedForwardOutcome agree_where_forward_raised(int64_t occurrence, const std::function<RaisedPost()>& mine,
+                                                  std::chrono::milliseconds limit) const;
+  // What this rank has issued on each of the model's groups.
+  std::array<int64_t, kGroupSlots> issued_counts() const;
+
   // Whether a wait on this group failed, or a sequence check found the
   // ranks apart: its collectives are out of step.
   bool failed() const;
@@ -277,6 +298,7 @@ class Communicator {
   std::string query_key_;
   std::string whereabouts_keys_;
   std::string report_key_;
+  std::string raised_keys_;
   std::vector<int64_t> mesh_ranks_;  // of the members, by group rank
   std::shared_ptr<DiagnosisStore> store_;  // throws StoreUnreachable, quietly, once the store is gone
 

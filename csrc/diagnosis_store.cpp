@@ -3,6 +3,9 @@
 #include <mutex>
 
 #include <c10/util/Logging.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 namespace zero_ext {
 
@@ -65,6 +68,65 @@ void DiagnosisStore::set(const std::string& key, const std::vector<uint8_t>& val
 
 int64_t DiagnosisStore::add(const std::string& key, int64_t value) {
   return quietly([&] { return store_->add(key, value); });
+}
+
+std::vector<uint8_t> DiagnosisStore::set_once(const std::string& key, const std::vector<uint8_t>& desired) {
+  // c10d's compareSet with an empty expected value sets a key that is absent.
+  return quietly([&] { return store_->compareSet(key, std::vector<uint8_t>(), desired); });
+}
+
+bool DiagnosisStore::remove(const std::string& key) {
+  return quietly([&] { return store_->deleteKey(key); });
+}
+
+namespace {
+
+c10::intrusive_ptr<c10d::Store> base_store_of(const std::string& group_name) {
+  auto group = c10d::resolve_process_group(group_name);
+  TORCH_CHECK(group, "zero_ext: process group '", group_name, "' is not registered");
+  c10::intrusive_ptr<c10d::Store> store = group->getStore();
+  if (auto prefixed = c10::dynamic_intrusive_pointer_cast<c10d::PrefixStore>(store)) {
+    store = prefixed->getUnderlyingNonPrefixStore();
+  }
+  return store;
+}
+
+// StoreUnreachable as the RuntimeError Python sees, with c10's message form.
+template <typename Call>
+auto raising(Call&& call) -> decltype(call()) {
+  try {
+    return call();
+  } catch (const StoreUnreachable& e) {
+    TORCH_CHECK(false, e.what());
+    throw;  // not reached
+  }
+}
+
+}  // namespace
+
+QuietStore::QuietStore(const std::string& group_name) : store_(base_store_of(group_name)) {}
+
+void QuietStore::set(const std::string& key, const std::string& value) {
+  raising([&] { store_.set(key, std::vector<uint8_t>(value.begin(), value.end())); });
+}
+
+std::string QuietStore::get(const std::string& key) {
+  return raising([&] {
+    const auto bytes = store_.get(key);
+    return std::string(bytes.begin(), bytes.end());
+  });
+}
+
+bool QuietStore::check(const std::vector<std::string>& keys) {
+  return raising([&] { return store_.check(keys); });
+}
+
+int64_t QuietStore::add(const std::string& key, int64_t value) {
+  return raising([&] { return store_.add(key, value); });
+}
+
+bool QuietStore::delete_key(const std::string& key) {
+  return raising([&] { return store_.remove(key); });
 }
 
 } // namespace zero_ext

@@ -24,6 +24,7 @@
 
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/custom_class.h>
 
 namespace zero_ext {
 
@@ -40,6 +41,10 @@ class DiagnosisStore {
   std::vector<uint8_t> get(const std::string& key);
   void set(const std::string& key, const std::vector<uint8_t>& value);
   int64_t add(const std::string& key, int64_t value);
+  // Sets `key` to `desired` unless it holds a value already; returns the
+  // value it holds after the call (the first caller's, whoever that was).
+  std::vector<uint8_t> set_once(const std::string& key, const std::vector<uint8_t>& desired);
+  bool remove(const std::string& key);
   // Whether a call failed: the store is not called again.
   bool lost() const { return lost_.load(); }
 
@@ -49,6 +54,26 @@ class DiagnosisStore {
 
   c10::intrusive_ptr<c10d::Store> store_;
   std::atomic<bool> lost_{false};
+};
+
+// torch.classes.zero_ext.QuietStore(group_name): the same quiet calls for
+// Python's own exchanges through the job's store (the asynchronous save's
+// writer threads, files/asynchronous.py), on the store of a process group
+// resolved by name, under its prefix-free keys. Values are str (callers
+// encode bytes as text). Every failure raises zero_ext's RuntimeError, once
+// quietly; later calls raise at once.
+class QuietStore : public torch::CustomClassHolder {
+ public:
+  explicit QuietStore(const std::string& group_name);
+  void set(const std::string& key, const std::string& value);
+  std::string get(const std::string& key);
+  bool check(const std::vector<std::string>& keys);
+  int64_t add(const std::string& key, int64_t value);
+  bool delete_key(const std::string& key);
+  bool lost() const { return store_.lost(); }
+
+ private:
+  DiagnosisStore store_;
 };
 
 } // namespace zero_ext

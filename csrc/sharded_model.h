@@ -153,10 +153,13 @@ class ShardedModel : public torch::CustomClassHolder {
   void note_compute_copy_written();
   std::vector<at::Tensor> segment_compute_copies();
   void check_param_shapes();
-  // key_space: the same on every rank of the mesh, new for each wrap();
-  // *_mesh_ranks: the mesh rank of each member of the group, by group rank.
-  void enable_stall_diagnosis(double seconds, std::string key_space, std::vector<int64_t> shard_mesh_ranks,
-                              std::vector<int64_t> replica_mesh_ranks);
+  // seconds: a wait stalled this long compares notes with the other ranks;
+  // timeout_seconds: the model's timeout, the longest the ranks compare where
+  // a forward raised; key_space: the same on every rank of the mesh, new for
+  // each wrap(); *_mesh_ranks: the mesh rank of each member of the group, by
+  // group rank.
+  void enable_stall_diagnosis(double seconds, double timeout_seconds, std::string key_space,
+                              std::vector<int64_t> shard_mesh_ranks, std::vector<int64_t> replica_mesh_ranks);
   // [Note: collectives that prove what they are] (collective_sequence.h):
   // header groups (gloo, "" where none) for the shard, gather and replica
   // groups. Before enable_stall_diagnosis.
@@ -328,6 +331,8 @@ class ShardedModel : public torch::CustomClassHolder {
   // Per forward of the model in progress (nested ones too): the collectives
   // submitted before it began.
   std::vector<int64_t> forward_marks_;
+  int64_t raised_forwards_ = 0;  // forwards that raised after their collectives began, numbered alike on every rank
+  double raised_forward_limit_s_ = 1800.0;  // set with the stall diagnosis
   std::mutex mutex_;
   std::mutex deferred_mutex_;  // guards only deferred_uses_
   std::vector<std::pair<int64_t, int64_t>> deferred_uses_;  // (unit, round)

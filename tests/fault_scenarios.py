@@ -80,6 +80,41 @@ def kill_or_raise(rank: int, world: int, stage: int, point: str, timeout: float,
     return "finished"
 
 
+def forward_raises_where_told(rank: int, world: int, stage: int, blocks: tuple, timeout: float,
+                              steps: int = 5) -> str:
+    """At FAULT_STEP the forward raises inside block `blocks[rank]` (None:
+    not on this rank), and the rank catches it and goes on, as a user
+    retrying a batch would. Ranks that raised at different blocks, or only
+    some ranks, must all end with zero_ext's error; all at the same block
+    would go on (ported_scenarios' fsdp_reset_after_an_exception_on_every_rank)."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = zero_ext.wrap(model, opt, stage=stage, timeout=timeout, units={Block})  # a unit per block
+    current = {"step": 0}
+    mine = blocks[rank]
+
+    def raise_here(module, args):
+        if current["step"] == FAULT_STEP and mine is not None:
+            record_fault()
+            raise RuntimeError(f"injected failure in block {mine} of rank {rank}'s forward")
+
+    if mine is not None:
+        model.blocks[mine].register_forward_pre_hook(raise_here)
+    for step in range(steps):
+        current["step"] = step
+        try:
+            loss = loss_of(model, step, rank)
+        except RuntimeError as e:
+            if not str(e).startswith("injected failure"):
+                raise
+            current["step"] = -1  # retried once, without the fault
+            loss = loss_of(model, step, rank)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return "finished"
+
+
 def raise_inside_zero_ext(rank: int, world: int, stage: int, point: str, timeout: float, linger: bool,
                           steps: int = 6) -> str:
     """zero_ext's own gradient hook or epilogue raises on the victim at

@@ -1045,6 +1045,51 @@ def fsdp_multi_forward_mixed_requires_grad(ctx: Context) -> None:
         _step(ctx, model, opt, f"step {step}", set_to_none=step % 2 == 0)
 
 
+class RaisesWhenAsked(nn.Module):
+    """A block whose forward raises while `fail` is set, after its Linear ran:
+    on every rank alike, as an out-of-memory error on the same batch would."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.lin(x))
+        if self.fail:
+            raise RuntimeError("injected out of memory")
+        return y
+
+
+def fsdp_reset_after_an_exception_on_every_rank(ctx: Context) -> None:
+    """FSDP2 test_reset_iter_state_after_exception, and accelerate's find_executable_batch_size: a forward raises on every rank at the same point (inside the middle unit, after the first gathers and prefetches), twice in a row, is caught, and training goes on exactly."""
+    model = _init(nn.Sequential(nn.Linear(D, D), RaisesWhenAsked(), nn.Linear(D, D), nn.Linear(D, D)), 61)
+    model, opt = _wrap(ctx, model, _adam(model.parameters()), units=_is_linear)
+    raiser = model[1]
+    for step in range(3):
+        if step == 1:
+            raiser.fail = True
+            for attempt in range(2):
+                try:
+                    sum(w * model(_rows(step, r, ctx.world)).sum() for r, w in ctx.participants())
+                    raised = False
+                except RuntimeError as e:
+                    raised = "injected out of memory" in str(e)
+                ctx.record_check(f"step {step}: attempt {attempt} raised the injected error", raised)
+            raiser.fail = False
+        sum(w * model(_rows(step, r, ctx.world)).square().sum() for r, w in ctx.participants()).backward()
+        _step(ctx, model, opt, f"step {step}")
+    with torch.no_grad():  # and an evaluation forward that raises, then one that does not
+        raiser.fail = True
+        try:
+            model(_rows(9, ctx.rank, ctx.world))
+        except RuntimeError:
+            pass
+        raiser.fail = False
+        ctx.record_value("evaluation after a raised one", _mean_over_ranks(
+            ctx, sum(w * model(_rows(9, r, ctx.world)).sum() for r, w in ctx.participants())))
+
+
 # --- zero_ext SPEC behaviours in the tests' style --------------------------------------
 
 def moe_skipped_experts_accumulation_two_forwards(ctx: Context) -> None:
@@ -1123,6 +1168,7 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
         fsdp_biases_only_trainable_checkpointed,
         fsdp_frozen_linears_across_units_with_no_grad_step,
         fsdp_multi_forward_mixed_requires_grad,
+        fsdp_reset_after_an_exception_on_every_rank,
         moe_skipped_experts_accumulation_two_forwards,
         autograd_grad_penalty_then_backward,
     ]

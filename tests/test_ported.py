@@ -25,7 +25,9 @@ their backward calls, bf16 accumulation with fp32 reduction, BitFit (frozen
 weights, trainable biases in one unit), frozen and trainable units
 interleaved with a no_grad forward, frozen and trainable units run several
 times per forward, MoE routing that skips experts inside a block,
-torch.autograd.grad(create_graph=True) then backward.
+torch.autograd.grad(create_graph=True) then backward, a forward that raised
+on every rank at the same point, caught and retried (FSDP2's reset after an
+exception).
 
 Not ported, because zero_ext has no such API (SPEC promises some of them, but
 zero_ext.wrap does not take or offer them in this tree):

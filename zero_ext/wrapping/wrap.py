@@ -161,7 +161,7 @@ def _enable_stall_diagnosis(handles: CoreHandles, ranks: Ranks, topology: Topolo
     key_space = ranks.from_rank0(uuid.uuid4().hex)
     if ranks.tp is not None:  # each data-parallel group of a tensor-parallel model posts apart
         key_space += f"-tp{ranks.tp.rank}"
-    handles.diagnostics.enable_stall_diagnosis(min(max(seconds / 4, 1.0), 5.0), key_space,
+    handles.diagnostics.enable_stall_diagnosis(min(max(seconds / 4, 1.0), 5.0), seconds, key_space,
                                                topology.shard_mesh_ranks(), topology.replica_mesh_ranks())
 
 
