@@ -30,11 +30,31 @@ is how their processes end.
         is left uncaught: rank 0 must exit at once, though its header
         exchange is still in flight ([Note: abandoned collectives] in
         csrc/abandoned_collectives.h), and its exit ends the others' barrier.
+    exit_scenarios.py peer-killed KIND VICTIM ROOT   (RANK, WORLD_SIZE, MASTER_* set)
+        Rank VICTIM kills itself (SIGKILL) during zero_ext's background work
+        of KIND, zero_ext's timeouts left at 30 minutes: async-save and
+        async-save-dcp, victim 1 in its writer thread of save(...,
+        async_save=True) once its files are written, before it posts its
+        report (the test arms ZERO_EXT_TEST_FAULT=async_after_write:1:
+        os._exit), victim 0 (the store's host) as the save returns;
+        nvme, in the middle of a backward with parameters and optimizer
+        state in files under ROOT (the I/O threads in flight). The
+        survivor trains on, raises zero_ext's error, leaves it
+        uncaught and must exit within seconds ([Note: an asynchronous save
+        at exit] in zero_ext/files/asynchronous.py), printing no c10d
+        warning with a C++ stack trace.
+    exit_scenarios.py store-host-killed HOW   (RANK, WORLD_SIZE=2, MASTER_* set)
+        Rank 0, the TCPStore's host, kills itself; rank 1 then adds to a key
+        through the job's store, HOW: "quiet" (zero_ext's QuietStore, what
+        its own exchanges use) or "plain" (torch's store object, as a
+        control: c10d logs the broken connection with a C++ stack trace),
+        prints "raised: <error>" and exits 0.
 """
 from __future__ import annotations
 
 import gc
 import os
+import signal
 import sys
 import threading
 import time
@@ -129,6 +149,65 @@ def evaluation_then_barrier() -> None:
     raise AssertionError("unreachable: rank 0's forward must raise, and its exit end the barrier")
 
 
+def peer_killed(kind: str, victim: int, root: str) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)])  # 0.5M parameters: saves take a while
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    options = {}
+    if kind == "nvme":
+        options = dict(offload_params="nvme", offload_optimizer="nvme", offload_path=os.path.join(root, "offload"))
+    model, opt = zero_ext.wrap(model, opt, stage=3 if kind == "nvme" else 2, **options)
+
+    def die() -> None:
+        print(f"rank {rank}: killed at {time.time()}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def step(n: int) -> None:
+        g = torch.Generator().manual_seed(100 * n + rank)
+        x = torch.randn(8, 256, generator=g)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step(0)
+    if kind == "nvme" and rank == victim:
+        model[4].register_full_backward_hook(lambda *args: die())
+    elif kind.startswith("async-save"):
+        fmt = "dcp" if kind == "async-save-dcp" else "zero_ext"
+        # Victim 1: its writer thread ends its process once its files are
+        # written, before it posts its report (ZERO_EXT_TEST_FAULT, set by
+        # the test): the survivor's writer waits for a report that never
+        # comes. Victim 0 (the store's host) is killed as the save returns:
+        # the survivor's writer finds the store gone.
+        zero_ext.save(os.path.join(root, "ck"), model, opt, format=fmt, async_save=True)
+        if rank == victim == 0:
+            die()
+    for n in range(1, 1000):
+        step(n)
+    raise AssertionError("unreachable: the victim died, so a collective must fail on the survivor")
+
+
+def store_host_killed(how: str) -> None:
+    dist.init_process_group("gloo")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(1.0)
+    if how == "quiet":
+        from zero_ext.tools import core_loader
+        store = core_loader.QuietStore(dist.group.WORLD.group_name)
+    else:
+        store = dist.distributed_c10d._get_default_store()
+    try:
+        store.add("zero_ext_test/after", 1)
+        print("raised: nothing", flush=True)
+    except Exception as e:  # noqa: BLE001 - what the caller sees is the point
+        print(f"raised: {type(e).__name__}: {str(e).splitlines()[0]}", flush=True)
+    os._exit(0)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     if sys.argv[1] == "dead-peer":
@@ -139,5 +218,9 @@ if __name__ == "__main__":
         groups_freed()
     elif sys.argv[1] == "evaluation-then-barrier":
         evaluation_then_barrier()
+    elif sys.argv[1] == "store-host-killed":
+        store_host_killed(sys.argv[2])
+    elif sys.argv[1] == "peer-killed":
+        peer_killed(sys.argv[2], int(sys.argv[3]), sys.argv[4])
     else:
         raise SystemExit(f"unknown scenario {sys.argv[1]!r}")

@@ -24,3 +24,5 @@ except ImportError as error:
 build_check.ensure_checked()
 
 ShardedModel = torch.classes.zero_ext.ShardedModel
+# The job's store, called quietly (csrc/diagnosis_store.h): for Python's own exchanges through it.
+QuietStore = torch.classes.zero_ext.QuietStore
