@@ -808,8 +808,38 @@ def _scalar_per_slice(root: str, rank: int) -> Dict[str, Any]:
     return outcome
 
 
+def _waited(handle) -> None:
+    """An asynchronous save's handle waited for (a save that should have been refused, before issue 54)."""
+    if handle is not None:
+        handle.wait()
+
+
+def _loose_inputs_rank1(root: str, rank: int, world: int) -> Dict[str, Any]:
+    """Rank 1 alone passes an option loosely (a str for a bool, a dcp_layout
+    without format="dcp", a format to load): the call is refused on every
+    rank, at once, naming the option, before anything is written or loaded."""
+    model, opt, path = _fresh_checkpoint(root, "loose-inputs", rank, world)
+    step(model, opt, rank)
+    before = params_of(model)
+    new = os.path.join(root, "loose-inputs", "new")
+    loose = rank == 1
+    out = {
+        "async_save": attempt(lambda: _waited(zero_ext.save(new, model, opt, async_save="yes" if loose else True))),
+        "dcp_layout": attempt(lambda: zero_ext.save(new, model, opt,
+                                                    dcp_layout="torchtitan" if loose else "get_state_dict")),
+        "load_format": attempt(lambda: zero_ext.load(path, model, opt, **({"format": "zero_ext"} if loose else {}))),
+        "load_strict": attempt(lambda: zero_ext.load(path, model, opt, strict="False" if loose else False)),
+    }
+    dist.barrier()
+    out["written"] = sorted(os.listdir(os.path.dirname(new)))
+    out["model_unchanged"] = same(before, params_of(model))
+    return out
+
+
 def world2(rank: int, world: int, item) -> Any:
     case, root = item
+    if case == "loose-inputs-rank1":
+        return _loose_inputs_rank1(root, rank, world)
     if case.startswith("dcp:"):
         import dcp_trust_scenarios
         return dcp_trust_scenarios.world2(root, case[4:], rank, world)

@@ -32,7 +32,8 @@ WORLD2_ITEMS = ["paths-differ", "regular-file", "symlink", "not-a-checkpoint", "
                 "fail-shards-rank1", "fail-fsync-rank1", "fail-metadata-rank0", "fail-rename-rank0",
                 "file-vanishes-rank1", "extra-rule", "ranks-open-different-saves", "zero-size-load-from-w1",
                 "zero-size-save",
-                "zero-size-load-from-w2", "optimizer-class", "scalar-per-slice"] + [f"dcp:{c}" for c in DCP_WORLD2]
+                "zero-size-load-from-w2", "optimizer-class", "scalar-per-slice",
+                "loose-inputs-rank1"] + [f"dcp:{c}" for c in DCP_WORLD2]
 LAST_ITEMS = ["zero-size-load-from-w1", "zero-size-load-from-w2", "zero-size-convert"]
 
 
@@ -171,6 +172,24 @@ def test_save_is_one_collective_decision(world2):
             assert got["seconds"] < FAST, (case, rank, got["seconds"])
             assert got["litter"] == [], (case, rank, got["litter"])
             assert got["previous"]["error"] is None and got["previous"]["value"] == "first", (case, rank, got)
+
+
+def test_an_option_one_rank_passes_loosely_is_refused_on_every_rank(world2):
+    """Issue 54: save and load check their options in their first phase, so
+    rank 1's loose option (bool("yes") would be True; a dcp_layout without
+    format="dcp" would be ignored; load takes no format) stops every rank
+    with zero_ext's error naming it, fast, with nothing written or loaded."""
+    for rank, got in enumerate(ranks(world2, "loose-inputs-rank1")):
+        for call, kind, words in [
+            ("async_save", "TypeError", ["zero_ext.save:", "async_save must be True or False", "'yes'"]),
+            ("dcp_layout", "ValueError", ["zero_ext.save:", 'dcp_layout applies to format="dcp" only']),
+            ("load_format", "TypeError", ["zero_ext.load takes no format", "detects the format itself"]),
+            ("load_strict", "TypeError", ["zero_ext.load:", "strict must be True or False", "'False'"]),
+        ]:
+            refused(got[call], (kind,), *words, "raised on rank 1 of 2")
+            assert got[call]["seconds"] < FAST, (call, rank, got[call])
+        assert got["written"] == ["ckpt"], (rank, got["written"])
+        assert got["model_unchanged"], rank
 
 
 # 5 -------------------------------------------------------------------------

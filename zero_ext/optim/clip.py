@@ -7,7 +7,19 @@ from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
+from ..tools import described
 from .streamed_step import gradient_chunks
+
+
+def _parameters(parameters, who: str) -> List[torch.Tensor]:
+    """torch's reading of `parameters` (a tensor or an iterable of them), with
+    a model or an optimizer in their place refused by name: iterating a
+    Sequential would give its submodules, an optimizer is not iterable."""
+    if isinstance(parameters, (torch.nn.Module, torch.optim.Optimizer)):
+        raise TypeError(f"zero_ext.{who}: got {described(parameters)} where the parameters go; pass "
+                        f"model.parameters() (the wrapped model's): zero_ext.{who}(model.parameters(), ...)"
+                        + (", or call optimizer.clip_grad_norm_(max_norm)" if who == "clip_grad_norm_" else ""))
+    return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
 
 
 def _local_norm(grads: List[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
@@ -188,7 +200,7 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     norm before clipping. Collective when wrapped parameters in stages 1-3 are
     among `parameters`: every rank of their group calls it. `foreach` is
     accepted for compatibility (zero_ext always uses the foreach kernels)."""
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    params = _parameters(parameters, "clip_grad_norm_")
     settle_owners(params)
     parts, plain = _held_gradients(params)
     return clip_sharded(parts, plain, max_norm, norm_type, error_if_nonfinite)
@@ -204,7 +216,7 @@ def clip_grad_value_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], cl
     param.grad stand-ins), once late reductions have settled: collective
     when wrapped parameters are among `parameters`, every rank calls it.
     `foreach` is accepted for compatibility."""
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    params = _parameters(parameters, "clip_grad_value_")
     settle_owners(params)
     parts, plain = _held_gradients(params)
     clip_value = float(clip_value)

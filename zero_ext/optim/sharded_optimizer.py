@@ -23,7 +23,7 @@ from typing import Dict, List
 
 import torch
 
-from ..tools import attach_state, state_of, swap_class
+from ..tools import attach_state, require_bool, state_of, swap_class
 from .clip import check_tensor_parallel_grads, clip_sharded, parts_of
 from .cpu_adam import adam_step_
 from .ownership import is_elementwise
@@ -178,6 +178,7 @@ class ZeroExtOptimizer:
         return getattr(self, "_zero_ext_step_was_skipped", False)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        require_bool(set_to_none, "zero_ext: optimizer.zero_grad", "set_to_none")
         state_of(self).step_round.zero_grad(self, set_to_none)
 
     # In stages 1-3 (and under mixed precision) the optimizer steps zero_ext's

@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from ..tools import owner_state
+from ..tools import described, owner_state, require_module
 
 _DEPTH = "_zero_ext_method_depth"
 
@@ -62,6 +62,11 @@ def register_forward_method(module: torch.nn.Module, name: str) -> None:
     stages 0-2, where parameters are always present, a submodule without
     hooks of its own needs nothing (the method runs as it is). Registering
     twice is harmless."""
+    call = "zero_ext.register_forward_method(model, \"generate\")"
+    require_module(module, "zero_ext.register_forward_method", call, "the wrapped model or one of its submodules")
+    if not isinstance(name, str):
+        raise TypeError(f"zero_ext.register_forward_method: name must be a str, the method's name, got "
+                        f"{described(name)}: {call}")
     state = owner_state(module)
     method = getattr(module, name, None)
     if method is None or not callable(method):

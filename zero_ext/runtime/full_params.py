@@ -7,7 +7,7 @@ from typing import Iterator, List
 
 import torch
 
-from ..tools import owner_state
+from ..tools import owner_state, require_module
 
 
 @contextlib.contextmanager
@@ -26,6 +26,8 @@ def full_params(module: torch.nn.Module, writeback: bool = False) -> Iterator[No
     with writeback=True, or the next step overwrites the change on some
     elements and not others.
     """
+    require_module(module, "zero_ext.full_params", "zero_ext.full_params(model)",
+                   "the wrapped model or one of its submodules")
     if not isinstance(writeback, bool):
         raise TypeError(f"zero_ext.full_params: writeback must be True or False, got {writeback!r}")
     state = owner_state(module)

@@ -7,7 +7,7 @@ from typing import Dict
 import torch
 
 from ..optim import as_one
-from ..tools import state_or_none
+from ..tools import require_bool, require_module, require_optimizer, state_or_none
 
 
 def _optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -32,6 +32,11 @@ def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     (see _per_dimension); off by default, so the values still sum to what
     this rank holds.
     """
+    call = "zero_ext.memory_report(model, optimizer)"
+    require_module(model, "zero_ext.memory_report", call, "the model (wrapped by zero_ext or not)")
+    require_optimizer(optimizer, "zero_ext.memory_report", call, "the model's optimizer, or the list of them")
+    require_bool(by_dimension, "zero_ext.memory_report", "by_dimension",
+                 "pass by_dimension=True to add a tensor-parallel model's bytes before each dimension shards them")
     optimizer = as_one(optimizer)  # a list or tuple of the model's optimizers
     masters = 0
     state = state_or_none(model)

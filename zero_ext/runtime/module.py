@@ -14,7 +14,7 @@ from typing import Any, Dict, Iterator, Optional
 import torch
 
 from ..groups import Ranks
-from ..tools import GradLayout, state_of, swap_class
+from ..tools import GradLayout, require_bool, state_of, swap_class
 
 
 _NO_COPY = (
@@ -60,7 +60,9 @@ class ZeroExtModule:
 
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
-        state_of(self).handles.reduction.set_sync(bool(value))
+        require_bool(value, "zero_ext", "model.require_backward_grad_sync",
+                     "set it False for the micro-steps that accumulate, True for the one that reduces")
+        state_of(self).handles.reduction.set_sync(value)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool) -> None:
         """Hybrid sharding (a 2-D mesh), as FSDP2's: with False, the backward
@@ -77,7 +79,9 @@ class ZeroExtModule:
         one fp32 gradient shard while anything is deferred. Every rank must
         set it alike. No effect on a flat group, nor in stage 0, which
         reduces whole gradients: use no_sync() there."""
-        state_of(self).handles.reduction.set_replica_sync(bool(requires_all_reduce))
+        require_bool(requires_all_reduce, "zero_ext: model.set_requires_all_reduce", "requires_all_reduce",
+                     "False defers the sum across replicas, True carries it with the next backward")
+        state_of(self).handles.reduction.set_replica_sync(requires_all_reduce)
 
     def unshard(self, async_op: bool = False) -> Optional["UnshardHandle"]:
         """Stage 3: gathers every unit now (collective: every rank calls it),
@@ -87,8 +91,10 @@ class ZeroExtModule:
         run in the background and a handle is returned: its wait(), or the
         first forward, waits for them. Stages 0-2 hold whole parameters
         already: nothing to do."""
+        require_bool(async_op, "zero_ext: model.unshard", "async_op",
+                     "pass async_op=True for a handle whose wait() waits for the gathers, or False to gather now")
         handles = state_of(self).handles
-        handles.units.unshard(bool(async_op))
+        handles.units.unshard(async_op)
         return UnshardHandle(handles.units) if async_op else None
 
     def reshard(self) -> None:
@@ -123,6 +129,7 @@ class ZeroExtModule:
         state.handles.reduction.set_gradient_divide_factor(value)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        require_bool(set_to_none, "zero_ext: model.zero_grad", "set_to_none")
         state = state_of(self)
         state.handles.reduction.zero_grad(set_to_none)
         # zero_ext's parameters are done; the rest (frozen ones that got a

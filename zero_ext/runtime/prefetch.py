@@ -10,11 +10,11 @@ again. Every rank must set the same lists: gathers issued in another order
 on one rank end every rank in zero_ext's error (the collective checks)."""
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Iterable, List, Sequence
 
 import torch
 
-from ..tools import owner_state
+from ..tools import owner_state, require_module
 
 
 def _unit_index(state, module: torch.nn.Module, what: str) -> int:
@@ -27,13 +27,16 @@ def _unit_index(state, module: torch.nn.Module, what: str) -> int:
 
 
 def _set(module: torch.nn.Module, modules: Sequence[torch.nn.Module], forward: bool, what: str) -> None:
+    require_module(module, f"zero_ext.{what}", f"zero_ext.{what}(unit, [units])", "a unit of the wrapped model")
+    # Checked at every stage, though stages 0-2 have nothing to prefetch: a wrong call is wrong everywhere.
+    listed = isinstance(modules, (torch.nn.ModuleList, torch.nn.Sequential)) or (
+        isinstance(modules, Iterable) and not isinstance(modules, (torch.nn.Module, str, bytes)))
+    modules = list(modules) if listed else []
+    if not listed or not all(isinstance(m, torch.nn.Module) for m in modules):
+        raise TypeError(f"zero_ext.{what}: pass a list of modules (units of the model)")
     state = owner_state(module)
     if not state.params_sharded:
         return  # stages 0-2: parameters are never released, nothing to gather ahead
-    if isinstance(modules, (torch.nn.ModuleList, torch.nn.Sequential)):
-        modules = list(modules)
-    if isinstance(modules, torch.nn.Module) or not all(isinstance(m, torch.nn.Module) for m in modules):
-        raise TypeError(f"zero_ext.{what}: pass a list of modules (units of the model)")
     u = _unit_index(state, module, what)
     targets: List[int] = [_unit_index(state, m, what) for m in modules]
     state.handles.units.set_prefetch(u, forward, targets)

@@ -6,12 +6,13 @@ from typing import Dict, Mapping, Optional
 import torch
 
 from ..optim import check_tensor_parallel_grads
-from ..tools import state_of
+from ..tools import require_module, state_of
 
 
 @torch.no_grad()
 def full_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """Every entry of ``model.state_dict()``, full shape, on CPU, on every rank."""
+    require_module(model, "zero_ext.full_state_dict", "zero_ext.full_state_dict(model)")
     state = state_of(model)
     full = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     if state.handles.optimizer.has_masters():  # mixed precision: the fp32 masters, not the rounded copies
@@ -40,6 +41,7 @@ def _over_tensor_parallel(state, model: torch.nn.Module, values: Dict[str, Optio
 def load_full_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Loads a full state_dict (e.g. from an unwrapped model) into a wrapped
     model, in place, on every rank. Keys must match exactly."""
+    require_module(model, "zero_ext.load_full_state_dict", "zero_ext.load_full_state_dict(model, state_dict)")
     state = state_of(model)
     if state.tensor_parallel is not None:  # full tensors in: refused alike on every rank before anything changes
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -61,6 +63,7 @@ def full_grads(model: torch.nn.Module) -> Dict[str, Optional[torch.Tensor]]:
     Collective: call it on every rank, after a backward outside no_sync() and
     before optimizer.step().
     """
+    require_module(model, "zero_ext.full_grads", "zero_ext.full_grads(model)")
     state = state_of(model)
     grads = state.handles.reduction.full_grads()
     check_tensor_parallel_grads(state)  # a gradient on some tp ranks only raises, never hangs the gather

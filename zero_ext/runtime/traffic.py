@@ -6,7 +6,7 @@ from typing import Dict
 
 import torch
 
-from ..tools import state_of
+from ..tools import require_module, state_of
 
 # The core's TrafficKind order.
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "sequence_headers")
@@ -26,6 +26,11 @@ def traffic(model: torch.nn.Module) -> Dict[str, int]:
     (n - 1) / n x B, an all-reduce 2 (n - 1) / n x B. Quantized collectives
     (``compress_weights``, ``compress_grads``) count their payloads: integers
     and scales. A single rank sends nothing. Local to this rank: no
-    collective is issued."""
+    collective is issued.
+
+    Takes the model zero_ext.wrap returned: anything but a module (its
+    optimizer, a list, None) raises TypeError, and a module zero_ext did
+    not wrap raises ValueError."""
+    require_module(model, "zero_ext.traffic", "zero_ext.traffic(model)")
     counts = state_of(model).handles.diagnostics.traffic()
     return {kind: int(b) for kind, b in zip(KINDS, counts)}

@@ -3,6 +3,7 @@ every difference between supported torch versions, the environment report,
 and test-only fault injection."""
 from __future__ import annotations
 
+from .arguments import described, require_bool, require_module, require_optimizer
 from .class_swap import swap_class
 from .core_handles import CoreHandles, CoreStats, GradLayout
 from .module_state import attach_state, owner_state, state_of, state_or_none
@@ -22,11 +23,15 @@ __all__ = [
     "attach_state",
     "build_check",
     "core_loader",
+    "described",
     "env_report",
     "faults",
     "offload_file",
     "outside_compile",
     "owner_state",
+    "require_bool",
+    "require_module",
+    "require_optimizer",
     "state_of",
     "state_or_none",
     "swap_class",

@@ -17,3 +17,8 @@ def swap_class(obj: object, mixin: type) -> None:
     if key not in _subclasses:
         _subclasses[key] = type(f"ZeroExt{cls.__name__}", (mixin, cls), {})
     obj.__class__ = _subclasses[key]
+
+
+def original_class(cls: type) -> type:
+    """The user's class behind a subclass swap_class made, else `cls` itself."""
+    return cls.__bases__[-1] if cls in _subclasses.values() else cls

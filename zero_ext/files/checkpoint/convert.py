@@ -64,8 +64,13 @@ def convert(checkpoint: str, out: str, dtype: Optional[torch.dtype] = None, form
     (format="pt"), or safetensors (a file if `out` ends in .safetensors, else
     a directory in Hugging Face's layout). The checkpoint is validated
     first, exactly as zero_ext.load does."""
+    if not isinstance(format, str):
+        raise TypeError(f"zero_ext.convert: format must be a str, 'pt' or 'safetensors', got {format!r}")
     if format not in ("pt", "safetensors"):
         raise ValueError(f"zero_ext.convert: format must be 'pt' or 'safetensors', got {format!r}")
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(f"zero_ext.convert: dtype must be a floating torch.dtype or None (the fp32 masters as "
+                        f"saved), got {dtype!r}; e.g. dtype=torch.bfloat16")
     max_bytes = st.parse_size(max_shard_size, "zero_ext.convert")
     ckpt = Checkpoint(os.path.abspath(checkpoint), "zero_ext.convert")
     try:

@@ -22,7 +22,7 @@ import torch
 
 from .. import plan
 from ...optim import as_one, offload_in_memory, qualified_class_names
-from ...tools import state_of, state_or_none
+from ...tools import require_bool, require_module, require_optimizer, state_of, state_or_none
 from ...groups import Ranks, refuse_different_paths
 from .. import asynchronous
 from ..dcp.reader import is_dcp
@@ -225,9 +225,28 @@ def refresh(state) -> None:
     state.handles.checkpoint.refresh_params_from_shards()
 
 
+CALL = "zero_ext.load(path, model, optimizer)"
+
+
+def check_options(strict: Any, optimizer_class_mismatch: Any, format: Any) -> None:
+    """load's options as they are passed, refused (its first phase, so on
+    every rank) unless each means what it says."""
+    if format is not None:
+        raise TypeError(
+            f"zero_ext.load takes no format (got format={format!r}): it detects the format itself, zero_ext's own "
+            "or a DCP directory (whoever wrote it), and reads either; drop format=... from the call. Nothing was "
+            "loaded")
+    require_bool(strict, "zero_ext.load", "strict",
+                 "pass strict=True (the default: the checkpoint and the model must hold the same names) or "
+                 "strict=False (load the entries both have). Nothing was loaded")
+    if not isinstance(optimizer_class_mismatch, str) or optimizer_class_mismatch not in CLASS_MISMATCH:
+        raise ValueError(f"zero_ext.load: optimizer_class_mismatch must be one of {list(CLASS_MISMATCH)}, not "
+                         f"{optimizer_class_mismatch!r}")
+
+
 @torch.no_grad()
 def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, strict: bool = True,
-         optimizer_class_mismatch: str = "error") -> Any:
+         optimizer_class_mismatch: str = "error", format: None = None) -> Any:
     """Loads a checkpoint written by zero_ext.save at any world size and
     stage into a wrapped model and optimizer; returns this rank's `extra`
     (rank 0's for a rank the writer did not have). Strict like
@@ -238,29 +257,36 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     starts fresh) or "load" (its state and hyperparameters are loaded
     anyway). Every byte is checked against the checksum zero_ext.save wrote
     before any is copied. Reads nothing outside the checkpoint and unpickles
-    only with weights_only=True. Collective."""
+    only with weights_only=True. Collective.
+
+    load takes no `format`: it reads zero_ext's own checkpoints and DCP
+    directories alike, whichever `path` holds (format=... is refused, as
+    strict and optimizer_class_mismatch of another kind are, on every
+    rank before anything is read)."""
+    require_module(model, "zero_ext.load", CALL)
     asynchronous.wait_for_previous(state_of(model))  # a save in flight finishes first (its error raised here)
     # offload_*="nvme": the values, gradients and optimizer state this rank
     # holds in its offload files are in memory for the checkpoint's duration.
     with offload_in_memory([state_or_none(model)], values_changed=True):
-        return _load(path, model, optimizer, strict=strict, optimizer_class_mismatch=optimizer_class_mismatch)
+        return _load(path, model, optimizer, strict=strict, optimizer_class_mismatch=optimizer_class_mismatch,
+                     format=format)
 
 
 def _load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, strict: bool = True,
-         optimizer_class_mismatch: str = "error") -> Any:
+         optimizer_class_mismatch: str = "error", format: None = None) -> Any:
     """load() with the offloaded state in memory."""
     state = state_of(model)
-    optimizer = as_one(optimizer)  # a list or tuple of the model's optimizers: one view
+    original, optimizer = optimizer, as_one(optimizer)  # a list or tuple of the model's optimizers: one view
     ranks = Ranks(state, "zero_ext.load")
     error, target = None, None
     try:
+        check_options(strict, optimizer_class_mismatch, format)
+        require_optimizer(original, "zero_ext.load", CALL)
         target = os.path.abspath(os.fspath(path))
-        if optimizer_class_mismatch not in CLASS_MISMATCH:
-            raise ValueError(f"zero_ext.load: optimizer_class_mismatch must be one of {list(CLASS_MISMATCH)}, not "
-                             f"{optimizer_class_mismatch!r}")
-    except Exception as e:  # noqa: BLE001 - a bad path on one rank raises on every rank
+    except Exception as e:  # noqa: BLE001 - a bad path or option on one rank raises on every rank
         error = e
-    asked = ranks.settle(error, (target, optimizer_class_mismatch))
+    # The options travel only once checked here (a refused one may not even pickle).
+    asked = ranks.settle(error, None if error is not None else (target, optimizer_class_mismatch))
     refuse_different_paths([p for p, _ in asked], "zero_ext.load", "a load reads one checkpoint", "Nothing was loaded")
     if any(m != asked[0][1] for _, m in asked):
         listed = ", ".join(f"rank {r}: {m!r}" for r, (_, m) in enumerate(asked))

@@ -28,7 +28,7 @@ from .. import plan
 from . import publish
 from .. import asynchronous
 from ...optim import as_one, class_name, offload_in_memory, qualified_class_names
-from ...tools import state_of, state_or_none
+from ...tools import require_bool, require_module, require_optimizer, state_of, state_or_none
 from .checksum import digest
 from ...groups import Ranks, group_timeout, refuse_different_paths
 from .metadata import (CHUNK_BYTES, CheckpointMeta, FileMeta, LossScaler, ParamMeta, ParamPiece, Piece, Scalar,
@@ -280,10 +280,29 @@ def _reads_back(document: dict, target: str) -> None:
 
 
 FORMATS = ("zero_ext", "dcp")
+DEFAULT_DCP_LAYOUT = "get_state_dict"
+CALL = "zero_ext.save(path, model, optimizer, extra=None)"
+
+
+def check_options(format: Any, async_save: Any, dcp_layout: Any) -> None:
+    """save's options as they are passed, refused (phase 0, so on every rank)
+    unless each means what it says: a format's name, async_save a bool
+    (bool("False") would be True), a dcp_layout only where it applies."""
+    if not isinstance(format, str):
+        raise TypeError(f"zero_ext.save: format must be a str, one of {list(FORMATS)}, not {format!r}")
+    if format not in FORMATS:
+        raise ValueError(f"zero_ext.save: format must be one of {list(FORMATS)}, not {format!r}")
+    require_bool(async_save, "zero_ext.save", "async_save",
+                 "pass async_save=True to write in the background (save returns a handle at once) or False (the "
+                 "default) to return once the checkpoint is in place. Nothing was written")
+    if format != "dcp" and not (isinstance(dcp_layout, str) and dcp_layout == DEFAULT_DCP_LAYOUT):
+        raise ValueError(f"zero_ext.save: dcp_layout applies to format=\"dcp\" only, and this save's format is "
+                         f"{format!r}: pass format=\"dcp\" with dcp_layout={dcp_layout!r}, or leave dcp_layout out "
+                         f"for format=\"zero_ext\" (zero_ext's own checkpoints have one layout). Nothing was written")
 
 
 def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: Any = None, *,
-         format: str = "zero_ext", async_save: bool = False, dcp_layout: str = "get_state_dict"):
+         format: str = "zero_ext", async_save: bool = False, dcp_layout: str = DEFAULT_DCP_LAYOUT):
     """Writes a sharded checkpoint directory at `path`, atomically: every rank
     writes its own shards; the directory appears (replacing an older
     checkpoint) only once all ranks have finished. Collective: call on every
@@ -299,31 +318,34 @@ def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ex
     async_save=True returns an AsyncSave at once (`wait()`, `done()`): the
     state at the call is copied to host buffers, written and published in
     the background (files/asynchronous.py); otherwise returns None when the
-    checkpoint is in place."""
+    checkpoint is in place. async_save takes True or False only, and
+    dcp_layout applies to format="dcp" only: anything else is refused on
+    every rank before anything is written."""
+    require_module(model, "zero_ext.save", CALL)
     state = state_of(model)
     asynchronous.wait_for_previous(state)  # one save at a time per model: the last one's error surfaces here
     # offload_*="nvme": the values, gradients and optimizer state this rank
     # holds in its offload files are in memory for the checkpoint's duration
     # (an asynchronous save's snapshot is taken inside).
     with offload_in_memory([state_or_none(model)], values_changed=False):
-        return _save(path, model, optimizer, extra, format, bool(async_save), dcp_layout)
+        return _save(path, model, optimizer, extra, format, async_save, dcp_layout)
 
 
 def _save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: Any, format: str,
           async_save: bool, dcp_layout: str):
     """save() with the offloaded state in memory."""
     state = state_of(model)
-    optimizer = as_one(optimizer)  # a list or tuple of the model's optimizers: one view
+    original, optimizer = optimizer, as_one(optimizer)  # a list or tuple of the model's optimizers: one view
     ranks = Ranks(state, "zero_ext.save")
     token = ranks.from_rank0(uuid.uuid4().hex)
 
     # Phase 0: every input checked on every rank; nothing written yet.
     error, target, blobs, layout = None, None, {}, None
     try:
+        check_options(format, async_save, dcp_layout)
+        require_optimizer(original, "zero_ext.save", CALL)
         if state_or_none(optimizer) is not state:
             raise ValueError("zero_ext.save: this optimizer was not wrapped together with this model")
-        if format not in FORMATS:
-            raise ValueError(f"zero_ext.save: format must be one of {list(FORMATS)}, not {format!r}")
         target = os.path.abspath(os.fspath(path))
         if format == "dcp":
             from ..dcp.layout import layout_named
@@ -343,7 +365,9 @@ def _save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, e
                     token, 0, {"class": class_name(optimizer), "param_groups": groups}, "optimizer")
     except Exception as e:  # noqa: BLE001 - raised on every rank by settle
         error = e
-    asked = ranks.settle(error, (target, format, async_save, dcp_layout if format == "dcp" else None))
+    # The options travel only once checked here (a refused one may not even pickle).
+    asked = ranks.settle(error, None if error is not None else
+                         (target, format, async_save, dcp_layout if format == "dcp" else None))
     refuse_different_paths([a[0] for a in asked], "zero_ext.save",
                            "a save writes one checkpoint at rank 0's path", "Nothing was written")
     if any(a[1:] != asked[0][1:] for a in asked):

@@ -29,7 +29,7 @@ from . import safetensors as st
 from ...groups import Ranks
 from ..plan import local_views, persistent_buffers
 from .safetensors import open_regular
-from ...tools import state_of
+from ...tools import require_bool, require_module, state_of
 
 BIN_INDEX = "pytorch_model.bin.index.json"
 _PLAIN_BIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}\.(bin|pt|pth)\Z")
@@ -198,6 +198,7 @@ def load_weights(model: torch.nn.Module, source, strict: bool = True) -> LoadedW
     ranges. Strict like load_state_dict (missing and unexpected keys raise;
     a shape mismatch always does). Collective. Returns the missing and
     unexpected keys and the bytes this rank read."""
+    require_module(model, "zero_ext.load_weights", "zero_ext.load_weights(model, source)")
     state = state_of(model)
     if state.tensor_parallel is not None:  # every rank of a tensor-parallel model raises alike
         raise NotImplementedError(
@@ -209,6 +210,9 @@ def load_weights(model: torch.nn.Module, source, strict: bool = True) -> LoadedW
         # Phase A: open and check names and shapes; nothing changes yet.
         error = None
         try:
+            require_bool(strict, "zero_ext.load_weights", "strict",
+                         "pass strict=True (the default: missing and unexpected keys raise) or strict=False (they "
+                         "are skipped)")
             opened = _open_source(source)
             aliases, buffers = _model_keys(model)
             available = set(opened.keys())

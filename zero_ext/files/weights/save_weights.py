@@ -29,7 +29,7 @@ import torch
 from . import safetensors as st
 from ...groups import Ranks
 from ..plan import persistent_buffers
-from ...tools import state_of
+from ...tools import require_module, state_of
 from ...runtime import full_state_dict
 
 def _entries(model, state, dtype: Optional[torch.dtype]):
@@ -60,6 +60,7 @@ def save_weights(model: torch.nn.Module, path, dtype: Optional[torch.dtype] = No
                  max_shard_size: Union[int, str] = "5GB") -> None:
     """Writes the model's full weights (fp32 masters under mixed precision,
     or cast to `dtype`) as safetensors; see the module's docstring."""
+    require_module(model, "zero_ext.save_weights", "zero_ext.save_weights(model, path)")
     state = state_of(model)
     if state.tensor_parallel is not None:  # every rank of a tensor-parallel model raises alike
         raise NotImplementedError(
