@@ -4,7 +4,6 @@
 
 #include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 namespace zero_ext {
@@ -81,14 +80,13 @@ bool DiagnosisStore::remove(const std::string& key) {
 
 namespace {
 
-c10::intrusive_ptr<c10d::Store> base_store_of(const std::string& group_name) {
+// The group's store as the group sees it, prefixes kept: torchrun's agent
+// store outlives a restart, and torch prefixes each attempt's keys, so keys
+// an earlier attempt left (a wrap's arrival counts) are not read again.
+c10::intrusive_ptr<c10d::Store> store_of(const std::string& group_name) {
   auto group = c10d::resolve_process_group(group_name);
   TORCH_CHECK(group, "zero_ext: process group '", group_name, "' is not registered");
-  c10::intrusive_ptr<c10d::Store> store = group->getStore();
-  if (auto prefixed = c10::dynamic_intrusive_pointer_cast<c10d::PrefixStore>(store)) {
-    store = prefixed->getUnderlyingNonPrefixStore();
-  }
-  return store;
+  return group->getStore();
 }
 
 // StoreUnreachable as the RuntimeError Python sees, with c10's message form.
@@ -104,7 +102,7 @@ auto raising(Call&& call) -> decltype(call()) {
 
 }  // namespace
 
-QuietStore::QuietStore(const std::string& group_name) : store_(base_store_of(group_name)) {}
+QuietStore::QuietStore(const std::string& group_name) : store_(store_of(group_name)) {}
 
 void QuietStore::set(const std::string& key, const std::string& value) {
   raising([&] { store_.set(key, std::vector<uint8_t>(value.begin(), value.end())); });

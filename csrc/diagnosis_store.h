@@ -58,8 +58,9 @@ class DiagnosisStore {
 
 // torch.classes.zero_ext.QuietStore(group_name): the same quiet calls for
 // Python's own exchanges through the job's store (the asynchronous save's
-// writer threads, files/asynchronous.py), on the store of a process group
-// resolved by name, under its prefix-free keys. Values are str (callers
+// writer threads, files/asynchronous.py; wrap()'s arrival,
+// groups/arrival.py), on the store of a process group resolved by name,
+// under that group's prefix (which holds an elastic restart's attempt). Values are str (callers
 // encode bytes as text). Every failure raises zero_ext's RuntimeError, once
 // quietly; later calls raise at once.
 class QuietStore : public torch::CustomClassHolder {

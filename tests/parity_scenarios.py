@@ -1442,6 +1442,23 @@ def straggler_rank_bounds_reductions_in_flight(ctx: Context) -> None:
 straggler_rank_bounds_reductions_in_flight.stages = (1, 2, 3)
 
 
+def ranks_reach_wrap_seconds_apart(ctx: Context) -> None:
+    """Rank 0 reaches wrap() 2.5 s after the others (loading weights alone,
+    say), within its timeout of 10 s: the others wait for it at wrap()
+    ([Note: arrival at wrap]) and train as one process does."""
+    if not ctx.reference and ctx.rank == 0 and ctx.world > 1:
+        time.sleep(2.5)
+    model = Net()
+    model, opt = ctx.wrap(model, sgd(model), timeout=10.0)
+    for step in range(2):
+        mlp_loss(ctx, model, step).backward()
+        step_and_record(ctx, model, opt, step)
+
+
+ranks_reach_wrap_seconds_apart.stages = (2,)  # the wait at wrap() is the same for every stage
+ranks_reach_wrap_seconds_apart.flat_only = True  # and for every mesh
+
+
 def one_rank_group_reduces_locally(ctx: Context) -> None:
     """Alone in its group (world size 1 under torch.distributed), a rank
     sends nothing: its reductions and gathers are local copies, and stages
@@ -2342,6 +2359,7 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
         dataclass_inputs_with_frozen_weights,
         user_collective_in_backward_with_rank_dependent_layer,
         straggler_rank_bounds_reductions_in_flight,
+        ranks_reach_wrap_seconds_apart,
         one_rank_group_reduces_locally,
         issue_order_same_on_every_rank,
         *MIXED_PRECISION_SCENARIOS,

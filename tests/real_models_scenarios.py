@@ -12,6 +12,7 @@ them all (zero_ext never hands a failed model's groups to another model).
 """
 from __future__ import annotations
 
+import os
 import tempfile
 from typing import Callable, Dict, List, Optional
 
@@ -524,6 +525,85 @@ def _wrap_differently(rank: int, world: int, change: Callable[[int], dict]) -> d
     return _outcome(body)
 
 
+def _nvme(rank: int, bad: Optional[Callable[[str], str]] = None) -> dict:
+    """'nvme' offload under a directory of this rank's own; `bad` (rank 1
+    only) turns that directory into the offload_path rank 1 passes."""
+    path = tempfile.mkdtemp()
+    return {"offload_optimizer": "nvme", "offload_params": "nvme",
+            "offload_path": bad(path) if bad is not None and rank == 1 else path}
+
+
+def _a_file_in(path: str) -> str:
+    with open(os.path.join(path, "not-a-directory"), "w") as f:
+        f.write("x")
+    return os.path.join(path, "not-a-directory")
+
+
+def _below_a_file(path: str) -> str:
+    """A directory that cannot be created: its parent is a file."""
+    return os.path.join(_a_file_in(path), "offload")
+
+
+def offload_space_not_reserved_on_one_rank(rank: int, world: int) -> dict:
+    """Rank 1 cannot grow a file past 4 MiB (RLIMIT_FSIZE, as a full disk or
+    a quota would): its offload file (12 MiB and more here) fails its space
+    reservation after the ranks agreed and made their groups. (The limit
+    is far above what the rendezvous FileStore and the captured stderr reach
+    meanwhile: they are files this process writes too.)"""
+    import resource
+    import signal
+
+    def body(outputs, mark):
+        model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(6)))  # 24 MiB of fp32 parameters
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of the signal
+        try:
+            mark()
+            if rank == 1:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, limit[1]))
+            model, opt = zero_ext.wrap(model, opt, stage=3, timeout=CHECK_TIMEOUT, persist_kb=0, **_nvme(rank))
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+            signal.signal(signal.SIGXFSZ, handler)
+        outputs.append(float(model(torch.ones(2, 1024)).sum()))
+    return _outcome(body)
+
+
+def meta_device_missing_on_one_rank(rank: int, world: int) -> dict:
+    """A meta model materialized on 'cpu', on rank 1 on a CUDA device it
+    does not have."""
+    def body(outputs, mark):
+        with zero_ext.empty_init():
+            model = nn.Sequential(nn.Linear(DIM, DIM), nn.Linear(DIM, DIM))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        mark()
+        model, opt = zero_ext.wrap(model, opt, stage=3, timeout=CHECK_TIMEOUT,
+                                   device="cuda:99" if rank == 1 else "cpu")
+        outputs.append(float(model(torch.ones(2, DIM)).sum()))
+    return _outcome(body)
+
+
+LATE_TIMEOUT = 3.0  # wrap's timeout in the scenario below: also the bound on waiting for a rank to arrive
+
+
+def wrap_reached_late_by_one_rank(rank: int, world: int) -> dict:
+    """Rank 1 is still in its set-up (a checkpoint load, say) past the wrap's
+    timeout: the ranks waiting at wrap() name it, and rank 1, arriving after
+    they stopped, raises too instead of waiting in a collective nobody joins."""
+    import time
+
+    def body(outputs, mark):
+        model = MoEModel(seed=31)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        mark()
+        if rank == 1:
+            time.sleep(LATE_TIMEOUT + 3)
+        model, opt = zero_ext.wrap(model, opt, stage=3, timeout=LATE_TIMEOUT, bucket_mb=ONE_UNIT_PER_BLOCK_MB)
+        outputs.append(float(lm_loss(model, tokens_of(world, 0, rank))))
+    return _outcome(body)
+
+
 class WiderHead(MoEModel):
     def __init__(self):
         super().__init__(seed=31)
@@ -562,4 +642,15 @@ DIVERGENCES: Dict[str, Callable[[int, int], dict]] = {
         rank, world, lambda r: {"offload_optimizer": "nvme", "offload_path": tempfile.mkdtemp()} if r == 1 else {}),
     "wrap_different_max_live_mb": lambda rank, world: _wrap_differently(  # prefetch bounded on rank 1 only
         rank, world, lambda r: {"max_live_mb": 0.001} if r == 1 else {}),
+    # What fails on one rank only before the ranks agree (rank 1's file system,
+    # devices or arguments), or after it (rank 1 cannot reserve its file's space).
+    "wrap_offload_path_a_file_on_one_rank": lambda rank, world: _wrap_differently(
+        rank, world, lambda r: _nvme(r, _a_file_in)),
+    "wrap_offload_path_not_creatable_on_one_rank": lambda rank, world: _wrap_differently(
+        rank, world, lambda r: _nvme(r, _below_a_file)),
+    "wrap_offload_space_not_reserved_on_one_rank": offload_space_not_reserved_on_one_rank,
+    "wrap_a_stage_out_of_range_on_one_rank": lambda rank, world: _wrap_differently(
+        rank, world, lambda r: {"stage": 5} if r == 1 else {}),
+    "wrap_meta_device_missing_on_one_rank": meta_device_missing_on_one_rank,
+    "wrap_reached_late_by_one_rank": wrap_reached_late_by_one_rank,
 }

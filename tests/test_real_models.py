@@ -9,7 +9,9 @@ ranks each:
   under no_grad; a rank-0-only evaluation, also one followed by a barrier on
   every rank; evaluation loops of different lengths; a forward that raised
   on rank 0 only, inside a unit, caught there and retried; wrap() with a
-  different shape, stage, units or precision), every
+  different shape, stage, units or precision; an offload_path, a device or
+  an argument that fails on rank 1 only; rank 1 reaching wrap() past the
+  timeout), every
   rank ends in zero_ext's error naming what differs, within seconds, and no
   rank returns a number computed after the ranks parted.
 """
@@ -79,6 +81,20 @@ EXPECTED = {
     "wrap_different_offload_optimizer": (["zero_ext.wrap: the ranks wrapped different models",
                                           "offload_optimizer:"], 0),
     "wrap_different_max_live_mb": (["zero_ext.wrap: the ranks wrapped different models", "max_live_mb:"], 0),
+    # A check that fails on rank 1 only: every rank raises rank 1's error,
+    # naming it, at once (not gloo's "Connection closed by peer", nor a timeout).
+    "wrap_offload_path_a_file_on_one_rank": (["zero_ext.wrap: offload_path '", "is not a directory",
+                                              "[raised on rank 1 of"], 0),
+    "wrap_offload_path_not_creatable_on_one_rank": (["zero_ext.wrap: offload_path '", "cannot be created",
+                                                     "[raised on rank 1 of"], 0),
+    "wrap_offload_space_not_reserved_on_one_rank": (["zero_ext.wrap: offload_path '", "cannot reserve",
+                                                     "File too large", "[raised on rank 1 of"], 0),
+    "wrap_a_stage_out_of_range_on_one_rank": (["stage must be 0, 1, 2 or 3, got 5", "[raised on rank 1 of"], 0),
+    "wrap_meta_device_missing_on_one_rank": (["zero_ext.wrap: device='cuda:99'", "[raised on rank 1 of"], 0),
+    # Rank 1 reaches wrap() 3 s past its timeout: the others name it at the
+    # timeout, rank 1 raises their error when it arrives.
+    "wrap_reached_late_by_one_rank": (["rank 1 has not reached zero_ext.wrap within 3 s",
+                                       "still inside the model's set-up"], 0),
 }
 
 

@@ -1,9 +1,10 @@
 """Process groups: zero_ext's own groups and their pooling, what a
-process_group argument resolves to (flat or a replica x shard mesh), and the
-stall query a waiting rank sends its peers."""
+process_group argument resolves to (flat or a replica x shard mesh), the
+stall query a waiting rank sends its peers, and wrap()'s wait for every rank
+to reach it (arrival)."""
 from __future__ import annotations
 
-from . import stall_query
+from . import arrival, stall_query
 from .mesh import Topology, resolve_topology
 from .process_groups import (acquire_groups, acquire_mesh_groups, acquire_subgroups, group_timeout,
                              handed_to_backend, pooled_groups, retire_if_failed)
@@ -13,6 +14,7 @@ from .tensor_parallel import (TensorParallel, TensorParallelSpec, check_supporte
 
 __all__ = [
     "Ranks",
+    "arrival",
     "TensorParallel",
     "TensorParallelSpec",
     "Topology",

@@ -76,11 +76,13 @@ def _check_regular(grid: torch.Tensor) -> None:
             "mesh_dim_names=('replicate', 'shard')), which lays ranks out in order.")
 
 
-def resolve_topology(process_group, device: torch.device) -> Topology:
+def resolve_topology(process_group, device: Optional[torch.device]) -> Topology:
     """The Topology of wrap()'s process_group: None (the world), a
     ProcessGroup, or a 1-D or 2-D (replicate, shard) DeviceMesh. Raises
     ValueError on every rank alike (every rank sees the whole mesh), before
-    any communication."""
+    any communication. `device` None: the mesh's device type is not checked
+    against the model's (a rank whose checks failed, before it tells the
+    others)."""
     if not _is_device_mesh(process_group):
         return _flat(process_group)
     mesh = process_group
@@ -89,7 +91,7 @@ def resolve_topology(process_group, device: torch.device) -> Topology:
         raise ValueError(
             f"zero_ext.wrap: a DeviceMesh passed as process_group must be 1-D (shard) or 2-D (replicate, shard), "
             f"got {mesh.ndim}-D {names or ''}; pass the data-parallel sub-mesh, e.g. mesh['replicate', 'shard'].")
-    if mesh.device_type != device.type:
+    if device is not None and mesh.device_type != device.type:
         raise ValueError(
             f"zero_ext.wrap: the DeviceMesh is a {mesh.device_type!r} mesh but the model is on {device.type!r}; "
             f"build the mesh for the model's device (init_device_mesh({device.type!r}, ...)).")

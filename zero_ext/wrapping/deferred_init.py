@@ -74,6 +74,24 @@ def _owned_state(module: torch.nn.Module):
     return params, buffers
 
 
+def _check_available(device: torch.device) -> None:
+    """device= names a device this rank has (the ranks may differ: a node
+    with fewer GPUs), checked before the ranks agree rather than failing at
+    the first tensor made there."""
+    if device.type == "cpu":
+        return
+    backend = getattr(torch, device.type, None)
+    available = getattr(backend, "is_available", None)
+    if callable(available) and not available():
+        raise ValueError(f"zero_ext.wrap: device={str(device)!r}: this rank has no {device.type} device "
+                         "(torch sees none); pass the device every rank has, e.g. device=f'cuda:{local_rank}'")
+    count = getattr(backend, "device_count", None)
+    if device.index is not None and callable(count) and device.index >= count():
+        raise ValueError(f"zero_ext.wrap: device={str(device)!r}: this rank sees {count()} {device.type} "
+                         f"device(s) (indices 0-{count() - 1}); pass this rank's own, e.g. "
+                         "device=f'cuda:{local_rank}'")
+
+
 @dataclass
 class DeferredPlan:
     """What wrap() materializes: the device and, per module in the order
@@ -119,8 +137,10 @@ def plan_deferred(model: torch.nn.Module, device, param_init_fn) -> Optional[Def
             "every parameter, or materialize it yourself before wrap()")
     if device is None:
         device = default_device()
-    elif device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        _check_available(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
     if replays_construction(model, param_init_fn):
         names_of = {id(m): n for n, m in model.named_modules()}
         replay = trace(model, device, names_of)

@@ -11,6 +11,12 @@ mesh) shows every rank every rank's row; where rows differ, every rank raises
 the same error naming the fields and the ranks. A difference in the
 parameters takes one more fixed-size exchange (per-parameter hashes, then the
 first differing parameter's description) so the error names the parameter.
+
+Before it, settle_failures: what wrap() checks that can fail on some ranks
+only (an offload_path, a device, an argument one rank passes differently) is
+recorded instead of raised, and one fixed-size exchange tells every rank
+whether any failed; if so, every rank raises the failing ranks' errors, naming
+them ([Note: one-rank failures at wrap]).
 """
 from __future__ import annotations
 
@@ -24,6 +30,10 @@ from ..groups import TensorParallel, Topology, global_description
 from ..tools import all_gather_into_tensor
 
 _DESCRIPTION_BYTES = 200
+_MESSAGE_BYTES = 1024  # of each failing rank's error, in settle_failures
+# The kinds of error settle_failures raises as they are; any other as RuntimeError.
+_KINDS = {kind.__name__: kind for kind in (ValueError, TypeError, NotImplementedError, RuntimeError,
+                                           FileNotFoundError, NotADirectoryError, PermissionError, OSError)}
 
 
 def _hash(value: object) -> int:
@@ -55,6 +65,85 @@ class _Table:
             table = torch.empty(t.mesh_size * row.numel(), dtype=row.dtype, device=self.device)
             all_gather_into_tensor(table, rows, group=t.replicate_group)
         return table.view(t.mesh_size, row.numel()).cpu()
+
+
+# [Note: one-rank failures at wrap]
+# Much of what wrap() checks before its first collective depends on the
+# rank: the offload_path on its file system, the device it materializes a
+# meta model on, the model it built, the arguments it was given. Raised on
+# one rank only, such an error would leave the others in the first
+# collective until a timeout that names nothing (or gloo's "Connection
+# closed by peer" once the failing process exits). So wrap() records any
+# error of its checks instead of raising it, and every rank, failed or not,
+# then takes part in settle_failures: one all-gather of (global rank, failed)
+# over the wrap's ranks (the mesh, then across tp), and where a rank failed,
+# one more of each rank's error text in _MESSAGE_BYTES, so every exchange has
+# the same sizes on every rank. Every rank then raises the first failing
+# rank's kind of error with its message, naming the rank(s). What runs after
+# the groups are made and can fail on one rank (materializing a meta model,
+# building the core, reserving the offload file's space) is settled the same
+# way before the next collective. A rank that cannot take part (no
+# torch.distributed, a process_group it is not in) raises alone, as nobody
+# waits for it there.
+
+
+def exchange_device(group: dist.ProcessGroup) -> torch.device:
+    """Where settle_failures' tensors live: NCCL moves CUDA tensors only, gloo host ones."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _error_text(error: BaseException) -> str:
+    message = str(error)
+    if not message.startswith("zero_ext"):
+        message = f"zero_ext.wrap: {type(error).__name__}: {message}"
+    return f"{type(error).__name__}\n{message}"
+
+
+def settle_failures(topology: Topology, tp_group: Optional[dist.ProcessGroup],
+                    failure: Optional[BaseException]) -> None:
+    """Collective over the wrap's ranks: this rank's mesh, then (a
+    tensor-parallel model) across `tp_group`. Each rank tells whether its
+    checks failed (`failure`); if any did, raises on every rank the first
+    failing rank's kind of error with its message, naming the failing ranks
+    by global rank ([Note: one-rank failures at wrap])."""
+    device = exchange_device(topology.shard_group)
+    table = _Table(topology, device)
+
+    def gather(row: torch.Tensor) -> torch.Tensor:
+        rows = table.gather(row)
+        if tp_group is None:
+            return rows
+        flat = rows.reshape(-1).to(device)
+        across = torch.empty(dist.get_world_size(tp_group) * flat.numel(), dtype=flat.dtype, device=device)
+        all_gather_into_tensor(across, flat, group=tp_group)
+        return across.view(-1, row.numel()).cpu()
+
+    rows = gather(torch.tensor([dist.get_rank(), int(failure is not None)], dtype=torch.int64))
+    if not bool(rows[:, 1].any()):
+        return
+    text = _error_text(failure).encode() if failure is not None else b""
+    if len(text) > _MESSAGE_BYTES:
+        text = text[:_MESSAGE_BYTES - 4] + b" ..."
+    padded = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
+    padded[:len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+    texts = gather(padded)
+    by_message: Dict[Tuple[str, str], List[int]] = {}
+    for k in range(rows.shape[0]):  # a rank appears twice where the groups overlap (a refused tp layout)
+        rank = int(rows[k, 0])
+        if int(rows[k, 1]) and not any(rank in ranks for ranks in by_message.values()):
+            kind, _, message = bytes(texts[k].tolist()).rstrip(b"\0").decode(errors="replace").partition("\n")
+            by_message.setdefault((kind, message), []).append(rank)
+    failed = sorted(r for ranks in by_message.values() for r in ranks)
+    world = len(set(rows[:, 0].tolist()))
+    (kind, message), ranks = next(iter(by_message.items()))
+    if len(by_message) == 1:
+        shown = f"{message} [raised on {_ranks_text(sorted(ranks))} of {world}; every rank stopped]"
+    else:
+        shown = (f"zero_ext.wrap failed on {_ranks_text(failed)} of {world}; every rank stopped:\n  "
+                 + "\n  ".join(f"on {_ranks_text(sorted(r))}: {m}" for (_, m), r in by_message.items()))
+    raise _KINDS.get(kind, RuntimeError)(shown) from failure
 
 
 def _ranks_by_value(column: Sequence[int]) -> Dict[int, List[int]]:
@@ -137,7 +226,8 @@ def _describe_reshard(reshard, unit_names: List[str]) -> str:
 def wrap_fields(options, topology: Topology, ordered: List[torch.nn.Parameter], names: List[str],
                 counts: List[int], unit_names: List[str], unit_of_bucket: List[int],
                 buffers: List[Tuple[str, torch.Tensor]], deferred: bool, pooled_groups: int,
-                version: str, owners: List[int], reshard=None) -> List[Tuple[str, object, str]]:
+                version: str, owners: List[int], reshard=None,
+                device: Optional[torch.device] = None) -> List[Tuple[str, object, str]]:
     """What changes the collectives, field by field: (name, value, shown)."""
     precision = options.precision
     parameters = [_parameter_description(n, p) for n, p in zip(names, ordered)]
@@ -146,6 +236,8 @@ def wrap_fields(options, topology: Topology, ordered: List[torch.nn.Parameter], 
     return [
         ("mesh", (topology.replicas, topology.shard_size), f"{topology.replicas} x {topology.shard_size}"),
         ("stage", options.stage, f"stage={options.stage}"),
+        ("device", device.type if device is not None else None,
+         f"the model on {device.type if device is not None else '?'}"),
         ("parameter count", len(ordered), f"{len(ordered)} parameters"),
         ("parameters", parameters, f"{len(parameters)} parameters, first '{names[0]}'"),
         ("buckets", (counts, options.bucket_bytes), f"{len(counts)} buckets of {options.bucket_bytes} bytes"),

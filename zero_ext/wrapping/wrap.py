@@ -6,6 +6,7 @@ import datetime
 import os
 import uuid
 import weakref
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
@@ -18,6 +19,7 @@ from .deferred_init import has_meta_parameters, materialize, move_to_device, pla
 from ..groups import (Ranks, TensorParallel, Topology, acquire_groups, acquire_mesh_groups, acquire_subgroups, group_timeout,
                      check_supported, find_tensor_parallel, localize, pooled_groups, resolve_topology,
                      retire_if_failed, tensor_parallel_of)
+from ..groups import arrival as arrivals
 from ..groups import stall_query as whereabouts
 from ..optim import WHOLE, optimizer_sharding, plan_owners, shard_optimizer
 from ..runtime import ZeroState, install_forward_hooks, swap_module_class
@@ -26,7 +28,9 @@ from .unit_advice import unit_advice
 from .units import Unit, assign_parameters, resolve_units
 from .reshard import plan_reshard
 from .arguments import QUANTIZATION_BLOCK, Options, check_backend, check_launch, check_wrap_arguments, optimizer_list
-from .fingerprint import check_ranks_agree, check_tensor_parallel_agree, tensor_parallel_fields, wrap_fields
+from .arguments import _timeout as wrap_timeout
+from .fingerprint import (check_ranks_agree, check_tensor_parallel_agree, settle_failures, tensor_parallel_fields,
+                          wrap_fields)
 
 def _plan_units(model: torch.nn.Module, units: List[Unit]):
     """Stage 3: one bucket per unit and dtype, frozen parameters included.
@@ -241,7 +245,9 @@ def wrap(
             collective (default 25; 4 with offload to files, where it sets
             the memory bound). Stage 3 reduces (and gathers) one bucket per
             unit, so the default units policy merges small blocks up to it.
-        timeout: bound in seconds on every collective wait.
+        timeout: bound in seconds on every collective wait, and on wrap()'s
+            wait for every rank to reach it (a rank still in its set-up past
+            it is named; default: the process group's timeout).
         prefetch: stage 3: units whose all-gather runs ahead of use.
         skip_nonfinite: skip (on every rank, with a warning) an optimizer
             step whose gradients hold inf/nan on any rank; off by default,
@@ -297,27 +303,41 @@ def wrap(
     Returns:
         ``(model, optimizer)``, the same objects (a list stays that list).
     Raises:
-        TypeError, ValueError: bad input, before any communication.
+        TypeError, ValueError: bad input, before any collective whose size
+            depends on it; an error of the checks on some ranks only (an
+            offload_path, a device) is raised on every rank, naming them.
+        RuntimeError: a rank did not reach wrap() within the timeout.
     """
     arguments = {name: value for name, value in locals().items() if name != "unfreeze_later"}
-    if not isinstance(unfreeze_later, bool):
-        raise TypeError(f"zero_ext.wrap: unfreeze_later must be True or False, got {unfreeze_later!r}")
-    optimizers = optimizer_list(optimizer)
-    # A tensor-parallel model: its DTensor parameters become local leaves
-    # first ([Note: local leaves] in groups/tensor_parallel.py), put back if wrap() fails.
-    found = find_tensor_parallel(model, process_group) if isinstance(model, torch.nn.Module) else []
-    check_supported(found, has_meta_parameters(model) if found else False, optimizers, stage, _elementwise)
-    specs, restore = localize(found, optimizers)
+    # First: the other ranks hear that this one reached wrap(), so their wait
+    # before the first collective is bounded and names the ranks that never
+    # come ([Note: arrival at wrap] in groups/arrival.py).
+    arrival = arrivals.announce(arrivals.wrap_ranks(model, process_group))
+    # An error of the checks is raised on every rank at once, after the ranks
+    # exchanged it ([Note: one-rank failures at wrap] in wrapping/fingerprint.py).
+    failure: Optional[Exception] = None
+    restore: Callable[[], None] = lambda: None
     later: List[torch.nn.Parameter] = []
     try:
-        arguments["tensor_parallel"] = tensor_parallel_of(found, specs)
-        # Planned as trainable and frozen again right after, the supported way to
-        # unfreeze later (see ZeroState.check_parameters_unchanged).
-        later = [p for p in _optimized_parameters(optimizers)
-                 if not p.requires_grad and p.dtype == torch.float32] if unfreeze_later else []
-        for p in later:
-            p.requires_grad_(True)
-        return _wrap(**arguments)
+        try:
+            if not isinstance(unfreeze_later, bool):
+                raise TypeError(f"zero_ext.wrap: unfreeze_later must be True or False, got {unfreeze_later!r}")
+            optimizers = optimizer_list(optimizer)
+            # A tensor-parallel model: its DTensor parameters become local leaves
+            # first ([Note: local leaves] in groups/tensor_parallel.py), put back if wrap() fails.
+            found = find_tensor_parallel(model, process_group) if isinstance(model, torch.nn.Module) else []
+            check_supported(found, has_meta_parameters(model) if found else False, optimizers, stage, _elementwise)
+            specs, restore = localize(found, optimizers)
+            arguments["tensor_parallel"] = tensor_parallel_of(found, specs)
+            # Planned as trainable and frozen again right after, the supported way to
+            # unfreeze later (see ZeroState.check_parameters_unchanged).
+            later = [p for p in _optimized_parameters(optimizers)
+                     if not p.requires_grad and p.dtype == torch.float32] if unfreeze_later else []
+            for p in later:
+                p.requires_grad_(True)
+        except Exception as error:  # noqa: BLE001 - raised on every rank by _wrap
+            failure = error
+        return _wrap(**arguments, arrival=arrival, failure=failure)
     except BaseException:
         restore()
         raise
@@ -337,11 +357,33 @@ def _optimized_parameters(optimizers: List[torch.optim.Optimizer]) -> List[torch
     return list({id(p): p for opt in optimizers for g in opt.param_groups for p in g["params"]}.values())
 
 
-def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optimizer, offload_params, offload_path,
-          units, bucket_mb, timeout, prefetch, skip_nonfinite, device, param_init_fn,
-          reshard_after_forward, max_live_mb, persist_kb, compress_weights, compress_grads,
-          tensor_parallel: Optional[TensorParallel]) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """wrap(), once the parameters unfreeze_later plans as trainable are marked so."""
+@dataclass
+class _Checked:
+    """What wrap()'s checks and plans found on this rank, before the ranks agree."""
+    options: Options
+    optimizers: List[torch.optim.Optimizer]
+    trainable: List[torch.nn.Parameter]
+    export_dtype: Optional[torch.dtype]
+    deferred: object
+    model_device: torch.device
+    nvme: bool
+    topology: Topology
+    unit_list: List[Unit]
+    ordered: List[torch.nn.Parameter]
+    counts: List[int]
+    unit_of_bucket: List[int]
+    owners: List[int]
+    names: List[str]
+    unit_names: List[str]
+    reshard: object
+    fields: List[Tuple[str, object, str]]
+
+
+def _check(model, optimizer, stage, process_group, mixed_precision, offload_optimizer, offload_params, offload_path,
+           units, bucket_mb, timeout, prefetch, skip_nonfinite, device, param_init_fn, reshard_after_forward,
+           max_live_mb, persist_kb, compress_weights, compress_grads) -> _Checked:
+    """Everything wrap() checks and plans before its first collective; raises
+    on bad input, here or on this rank only (a path, a device)."""
     optimizers = optimizer_list(optimizer)
     trainable, options = check_wrap_arguments(model, optimizers, stage, mixed_precision, offload_optimizer,
                                               units, bucket_mb, timeout, prefetch, skip_nonfinite,
@@ -384,19 +426,117 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
     fields = wrap_fields(
         options, topology, ordered, names, counts, unit_names, unit_of_bucket, list(model.named_buffers()),
         deferred is not None, pooled_groups(), f"zero_ext {__version__}, torch {torch.__version__}",
-        owners or [-1] * len(ordered), reshard)
+        owners or [-1] * len(ordered), reshard, device=model_device)
+    return _Checked(options, optimizers, trainable, export_dtype, deferred, model_device, nvme, topology, unit_list,
+                    ordered, counts, unit_of_bucket, owners, names, unit_names, reshard, fields)
+
+
+@dataclass
+class _Exchange:
+    """The ranks of wrap()'s agreement: the data-parallel mesh and, for a
+    tensor-parallel model, the tp group across it."""
+    topology: Topology
+    tp_group: Optional[dist.ProcessGroup]
+
+
+def _exchange(process_group, model, tensor_parallel: Optional[TensorParallel],
+              checked: Optional[_Checked]) -> Optional[_Exchange]:
+    """Who this rank agrees with; None where nobody waits for it (one
+    process, a group of one) or it cannot take part (torch.distributed not
+    initialized, a process_group it is not in): it then raises alone. A rank
+    whose checks failed finds its groups as the others do, from the same
+    arguments, without the checks that failed."""
+    if checked is not None:
+        topology = checked.topology
+    else:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        try:
+            topology = resolve_topology(process_group, None)
+        except Exception:  # noqa: BLE001 - its own error is raised here alone, as on every rank alike
+            return None
+    if topology.shard_group is None:
+        return None
+    if tensor_parallel is not None:
+        tp_group = tensor_parallel.group
+    else:  # found as find_tensor_parallel finds it, if it failed before
+        mesh = arrivals.first_tensor_parallel_mesh(model) if checked is None else None
+        tp_group = mesh.get_group(0) if mesh is not None else None
+    if topology.mesh_size < 2 and tp_group is None:
+        return None
+    return _Exchange(topology, tp_group)
+
+
+def _arrival_bound(timeout, topology: Topology) -> Tuple[float, str]:
+    """How long wrap() waits for the other ranks to reach it, and whence."""
+    try:
+        limit = wrap_timeout(timeout)
+    except (TypeError, ValueError):  # raised by the checks, on every rank
+        limit = None
+    if limit is not None:
+        return limit.total_seconds(), f"the wrap's timeout={limit.total_seconds():g} s"
+    limit = group_timeout(topology.shard_group)
+    if limit is not None:
+        return limit.total_seconds(), f"the process group's timeout, {limit.total_seconds():g} s"
+    return DEFAULT_ARRIVAL_S, f"{DEFAULT_ARRIVAL_S:g} s, no timeout being known"
+
+
+# Where neither wrap's timeout nor the process group's is known: torch's default.
+DEFAULT_ARRIVAL_S = 1800.0
+
+
+def _enable_swap(handles: CoreHandles, options: Options, topology: Topology) -> None:
+    """This rank's offload file under offload_path, its space reserved."""
+    try:
+        handles.offload.enable_swap(
+            offload_file.file_path(options.offload_path, topology.mesh_rank), options.offload_params == "nvme",
+            options.offload_optimizer == "nvme", offload_file.IO_THREADS, offload_file.CHUNK_BYTES,
+            offload_file.WRITE_BEHIND_BYTES, options.persist_bytes)
+    except RuntimeError as error:
+        reason = str(error).removeprefix("zero_ext: ")
+        raise RuntimeError(f"zero_ext.wrap: offload_path {options.offload_path!r}: {reason}") from error
+
+
+def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optimizer, offload_params, offload_path,
+          units, bucket_mb, timeout, prefetch, skip_nonfinite, device, param_init_fn,
+          reshard_after_forward, max_live_mb, persist_kb, compress_weights, compress_grads,
+          tensor_parallel: Optional[TensorParallel] = None, arrival: Optional[arrivals.Arrival] = None,
+          failure: Optional[Exception] = None) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """wrap(), once the parameters unfreeze_later plans as trainable are marked so
+    (`failure`: what wrap() raised on the way here, to settle with the other ranks)."""
+    checked: Optional[_Checked] = None
+    if failure is None:
+        try:
+            checked = _check(model, optimizer, stage, process_group, mixed_precision, offload_optimizer,
+                             offload_params, offload_path, units, bucket_mb, timeout, prefetch, skip_nonfinite,
+                             device, param_init_fn, reshard_after_forward, max_live_mb, persist_kb,
+                             compress_weights, compress_grads)
+        except Exception as error:  # noqa: BLE001 - raised on every rank below
+            failure = error
+    exchange = _exchange(process_group, model, tensor_parallel, checked)
+    if exchange is None:
+        if failure is not None:
+            raise failure
+    else:
+        if arrival is not None:
+            arrival.wait(*_arrival_bound(timeout, exchange.topology))
+        settle_failures(exchange.topology, exchange.tp_group, failure)
+    assert checked is not None
+    options, optimizers, topology = checked.options, checked.optimizers, checked.topology
+    deferred, model_device, nvme = checked.deferred, checked.model_device, checked.nvme
+    unit_list, ordered, counts, unit_of_bucket = checked.unit_list, checked.ordered, checked.counts, \
+        checked.unit_of_bucket
+    owners, names, unit_names, reshard = checked.owners, checked.names, checked.unit_names, checked.reshard
     if tensor_parallel is None:
-        check_ranks_agree(topology, model_device, fields, list(zip(names, ordered)))
+        check_ranks_agree(topology, model_device, checked.fields, list(zip(names, ordered)))
     else:  # the dp group's check, then one over dp x tp, which also carries the first one's outcome
         dp_error = None
         try:
-            check_ranks_agree(topology, model_device, fields, list(zip(names, ordered)))
+            check_ranks_agree(topology, model_device, checked.fields, list(zip(names, ordered)))
         except ValueError as error:
             dp_error = error
         check_tensor_parallel_agree(tensor_parallel, model_device, tensor_parallel_fields(
             options, topology, tensor_parallel, names, ordered, unit_names), dp_error)
-    if deferred:
-        move_to_device(deferred, ordered, names)
     # Groups of zero_ext's own (see groups/process_groups.py), owned by this model; stage 3
     # gathers parameters on a second one (see csrc/units.h).
     # Even at world size 1 under torch.distributed, the model gets groups of
@@ -407,29 +547,39 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
     base = topology.shard_group
     if topology.replicate_group is not None:
         own_groups, replica_group = acquire_mesh_groups(base, topology.replicate_group, count, options.timeout,
-                                                        ordered[0].device, model)
+                                                        model_device, model)
     elif base is not None:
-        own_groups = acquire_groups(base, count, options.timeout, ordered[0].device, model)
+        own_groups = acquire_groups(base, count, options.timeout, model_device, model)
     # reshard_after_forward=<int>: units gather again within a subgroup (and its headers' group).
     regather_groups = acquire_subgroups(base, reshard.subgroup_size, topology.shard_rank, options.timeout,
-                                        ordered[0].device, model) if reshard.subgroup_size else []
-    core = _build_core(ordered, names, counts, unit_of_bucket, owners, options, [g.group_name for g in own_groups],
-                       replica_group.group_name if replica_group is not None else "",
-                       regather_groups[0].group_name if regather_groups else "", deferred is not None)
-    handles = CoreHandles.of(core)
-    if nvme:  # before the shards are read: materialized, sharded for the optimizer
-        handles.offload.enable_swap(
-            offload_file.file_path(options.offload_path, topology.mesh_rank), options.offload_params == "nvme",
-            options.offload_optimizer == "nvme", offload_file.IO_THREADS, offload_file.CHUNK_BYTES,
-            offload_file.WRITE_BEHIND_BYTES, options.persist_bytes)
-    if options.max_live_bytes:
-        core.set_max_live_bytes(options.max_live_bytes)
-    if unit_names:
-        handles.units.set_unit_names(unit_names)
-        if topology.mesh_size > 1:  # for the errors that find ranks at different units
-            handles.diagnostics.set_unit_advice(unit_advice(model, unit_list, default_policy=options.units is None))
-        handles.units.keep_gathered_after_forward(reshard.kept)
-        handles.units.reshard_to_subgroup(reshard.to_subgroup)
+                                        model_device, model) if reshard.subgroup_size else []
+    # What can fail on this rank alone (memory for the shards, the offload
+    # file's space) is settled before the next collective, as the checks were.
+    failure = None
+    try:
+        if deferred:
+            move_to_device(deferred, ordered, names)
+        core = _build_core(ordered, names, counts, unit_of_bucket, owners, options,
+                           [g.group_name for g in own_groups],
+                           replica_group.group_name if replica_group is not None else "",
+                           regather_groups[0].group_name if regather_groups else "", deferred is not None)
+        handles = CoreHandles.of(core)
+        if nvme:  # before the shards are read: materialized, sharded for the optimizer
+            _enable_swap(handles, options, topology)
+        if options.max_live_bytes:
+            core.set_max_live_bytes(options.max_live_bytes)
+        if unit_names:
+            handles.units.set_unit_names(unit_names)
+            if topology.mesh_size > 1:  # for the errors that find ranks at different units
+                handles.diagnostics.set_unit_advice(unit_advice(model, unit_list, default_policy=options.units is None))
+            handles.units.keep_gathered_after_forward(reshard.kept)
+            handles.units.reshard_to_subgroup(reshard.to_subgroup)
+    except Exception as error:  # noqa: BLE001 - raised on every rank below
+        failure = error
+    if exchange is not None:
+        settle_failures(exchange.topology, exchange.tp_group, failure)
+    elif failure is not None:
+        raise failure
     header_groups: List[dist.ProcessGroup] = []
     # ZERO_EXT_COLLECTIVE_CHECKS=0 is for measuring what the checks cost
     # (benchmarks/step_time.py's -unchecked systems); never for training.
@@ -471,7 +621,7 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
                     params_sharded=state.params_sharded)
     if own_groups:
         _broadcast_buffers(model, handles)
-    _attach(model, optimizers, state, unit_list, export_dtype)
+    _attach(model, optimizers, state, unit_list, checked.export_dtype)
     return model, optimizer
 
 
