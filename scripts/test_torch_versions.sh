@@ -139,7 +139,8 @@ for version in "${VERSIONS[@]}"; do
   log=$env/pytest.log
   # Run from the env, not the checkout: `import zero_ext` must find the wheel
   # installed for this torch, never the checkout's own build.
-  (cd "$env" && ZERO_EXT_PARITY_WORLDS=1,2 "$env/bin/python" -m pytest -q -n 2 \
+  # ZERO_EXT_TIER=all: the subset names its files, the jobs tier's among them.
+  (cd "$env" && ZERO_EXT_PARITY_WORLDS=1,2 ZERO_EXT_TIER=all "$env/bin/python" -m pytest -q -n 2 \
       -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml" \
       "${SUBSET[@]/#/$REPO/}" 2>&1 | tee "$log" | tail -n 40)
   [ "${PIPESTATUS[0]}" -eq 0 ] || STATUS=1

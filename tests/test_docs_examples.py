@@ -706,6 +706,7 @@ class Run:
     expect: tuple = ()  # in its stdout
     check: str = ""  # python, in one process after it; prints `check_expect`
     check_expect: str = ""
+    in_repo: bool = False  # run from the checkout (its paths are the repository's), not a scratch directory
 
 
 @dataclass(frozen=True)
@@ -725,6 +726,9 @@ COMMANDS = {  # each command of the bash snippets not marked `# not run:`, by it
     "torchrun --nproc-per-node 2 examples/train_lm.py --stage 2": Run(
         extra=("--steps", "10"), expect=("zero_ext stage 2 (fp32)", "10/10", "bytes held per rank during a step")),
     "python3 -m pytest -q -n 2 tests": CheckOnly("the whole suite, this file included (15 minutes)"),
+    "ZERO_EXT_TIER=jobs python3 -m pytest -q -n 2 tests": Run(
+        extra=("--collect-only", "-p", "no:cacheprovider"), in_repo=True,  # which tests the tier holds, not run
+        expect=("tests/test_docs_examples.py::", "tests/test_exit.py::", "tests/test_multinode.py::", "deselected")),
     "python -m zero_ext.convert ckpt/step1000 model.pt": Run(
         setup=_CHECKPOINT_TO_CONVERT,
         check='''
@@ -774,6 +778,15 @@ def _check_statically(command: str) -> list:
     tokens = shlex.split(command)
     brackets = [t for t in tokens if t.startswith("[") or t.endswith("]")]
     assert not brackets, f"{command}: {brackets}: optional arguments go in the prose, not in brackets on the line"
+    assigned = []  # leading NAME=value: the environment the command runs in
+    while tokens and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", tokens[0]):
+        assigned.append(tokens.pop(0))
+    for name, value in (a.split("=", 1) for a in assigned):
+        if name == "ZERO_EXT_TIER":
+            from conftest import TIERS
+            assert value in TIERS, f"{command}: ZERO_EXT_TIER={value!r} is none of {TIERS}"
+    if assigned:
+        return ["env", *assigned, *_check_statically(" ".join(shlex.quote(t) for t in tokens))]
     program, args = tokens[0], tokens[1:]
     if program == "bash":
         script = os.path.join(REPO, args[0])
@@ -828,8 +841,8 @@ def test_bash_snippet(tmp_path, same):
             done = subprocess.run([sys.executable, "-c", plan.setup], capture_output=True, text=True, timeout=120,
                                   cwd=tmp_path, env=_env())
             assert done.returncode == 0, f"setup of {command!r}: " + _failed(done)
-        done = subprocess.run([*argv, *plan.extra], capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                              env=_env())
+        done = subprocess.run([*argv, *plan.extra], capture_output=True, text=True, timeout=120,
+                              cwd=REPO if plan.in_repo else tmp_path, env=_env())
         assert done.returncode == 0, f"{command!r}: " + _failed(done)
         for part in plan.expect:
             assert part in done.stdout, f"{command!r}: {part!r} not in\n{done.stdout[-4000:]}"
