@@ -18,7 +18,11 @@ int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
 std::string mib(int64_t bytes) {
   char text[32];
-  std::snprintf(text, sizeof(text), "%.1f MiB", static_cast<double>(bytes) / (1 << 20));
+  if (bytes < (1 << 20) / 10) {  // "0.0 MiB" would hide a small region's size
+    std::snprintf(text, sizeof(text), "%.1f KiB", static_cast<double>(bytes) / (1 << 10));
+  } else {
+    std::snprintf(text, sizeof(text), "%.1f MiB", static_cast<double>(bytes) / (1 << 20));
+  }
   return text;
 }
 
