@@ -30,11 +30,21 @@ _fault_file: Optional[str] = None
 
 
 def record_fault() -> None:
-    """Called by the victim rank at the moment of the fault."""
-    with open(_fault_file, "w") as f:
-        json.dump({"time": time.time()}, f)
+    """Called by the victim rank at the moment of the fault. Where several
+    ranks fault (their forwards raise at once), the first one's time stays:
+    the file is created exclusively, then renamed into place whole."""
+    now = time.time()
+    claim = _fault_file + ".claimed"
+    try:
+        os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    partial = _fault_file + ".partial"
+    with open(partial, "w") as f:
+        json.dump({"time": now}, f)
         f.flush()
         os.fsync(f.fileno())
+    os.replace(partial, _fault_file)
 
 
 def linger_until_the_others_end(world: int, rank: int, at_most_s: float) -> None:
