@@ -27,6 +27,7 @@ from __future__ import annotations
 import ast
 import builtins
 import functools
+import importlib.util
 import os
 import re
 import shlex
@@ -782,9 +783,11 @@ def _check_statically(command: str) -> list:
     while tokens and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", tokens[0]):
         assigned.append(tokens.pop(0))
     for name, value in (a.split("=", 1) for a in assigned):
-        if name == "ZERO_EXT_TIER":
-            from conftest import TIERS
-            assert value in TIERS, f"{command}: ZERO_EXT_TIER={value!r} is none of {TIERS}"
+        if name == "ZERO_EXT_TIER":  # tests/conftest.py's, by path: tests/cuda has a conftest module too
+            spec = importlib.util.spec_from_file_location("tests_conftest", os.path.join(REPO, "tests", "conftest.py"))
+            tiers = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(tiers)
+            assert value in tiers.TIERS, f"{command}: ZERO_EXT_TIER={value!r} is none of {tiers.TIERS}"
     if assigned:
         return ["env", *assigned, *_check_statically(" ".join(shlex.quote(t) for t in tokens))]
     program, args = tokens[0], tokens[1:]
