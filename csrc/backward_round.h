@@ -76,7 +76,7 @@ class BackwardRound {
   // collectives out of step; check_usable() then refuses to go on.
   void mark_broken();
   // This rank cannot go on: its forward raised after some of its
-  // collectives went out ([Note: a forward that raised] in sharded_model.cpp),
+  // collectives went out ([Note: a forward that raised] in forward_raised_agreement.cpp),
   // or its offload file failed ([Note: an offload file that failed]):
   // check_usable() then raises `report`.
   void mark_unusable(const std::string& report);

@@ -222,7 +222,7 @@ class Communicator {
   // This rank's answer to query `query`: blocked in a world collective, where.
   void post_whereabouts(int64_t query, bool blocked, const std::string& where) const;
 
-  // [Note: a forward that raised] in sharded_model.cpp: this rank's forward
+  // [Note: a forward that raised] in forward_raised_agreement.cpp: this rank's forward
   // raised after its collectives began. Posts where it stopped (`mine`,
   // re-read each round: its issued counts settle as pending collectives go
   // out) as the model's raised forward number `occurrence`, and waits at

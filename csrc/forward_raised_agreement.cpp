@@ -1,12 +1,14 @@
-// Communicator::agree_where_forward_raised: the ranks compare where a
-// forward that raised left them ([Note: a forward that raised] in
-// sharded_model.cpp), through the store the stall diagnosis uses.
+// A forward of the model that raised: whether the ranks stand at the same
+// point (ShardedModel::forward_raised, below), compared through the store
+// the stall diagnosis uses (Communicator::agree_where_forward_raised).
+#include <algorithm>
 #include <chrono>
 #include <sstream>
 #include <thread>
 #include <vector>
 
 #include "communicator.h"
+#include "sharded_model.h"
 #include "stall_post.h"
 
 namespace zero_ext {
@@ -144,6 +146,88 @@ RaisedForwardOutcome Communicator::agree_where_forward_raised(int64_t occurrence
   }
   outcome.positions = out.str();
   return outcome;
+}
+
+// [Note: a forward that raised]
+// A forward of the model that raises once its first collectives went out
+// (stage 3 gathers and prefetches) may leave the ranks out of step. Raised
+// on some ranks only (an input of another shape there, data-dependent
+// code), this rank's collectives are a prefix of the others': they go on
+// with the rest of that forward, its backward and step, and if this rank
+// caught the error and went on, its next forward's gathers would pair with
+// whatever the others issue next (when that is the same collective, the
+// header checks pass: training went on with ranks one forward apart).
+// Raised on every rank at the same point (the same bad batch everywhere,
+// FSDP2's reset after an exception, accelerate's find_executable_batch_size
+// retrying smaller after an out-of-memory error), nothing is out of step.
+// Which one it was, the ranks establish through the store the stall
+// diagnosis uses, before the error leaves the forward: each rank whose
+// forward raised posts how many collectives it submitted on each group
+// (Communicator::agree_where_forward_raised) and waits, at most the model's
+// timeout, for
+// - every rank's post: the same counts everywhere and training goes on,
+//   anything else and every rank breaks;
+// - a rank that did not raise: it went on, and once its wait for a
+//   collective that a rank which raised never issues stalls, it posts where
+//   it waits ([Note: stall diagnosis] in communicator.h); a rank that raised
+//   reads that and breaks;
+// - another rank's report, raised as it is.
+// The first rank to conclude writes the decision once (DiagnosisStore::
+// set_once) and every rank abides by it, so a rank that gave up waiting and
+// one that saw every post a moment later never decide apart. Without timed
+// waits (NCCL) a rank that went on posts nothing, so the wait is bounded by
+// the ranks' skew (twice the stall interval, at least 10 s) rather than the
+// timeout: a rank that alone ran out of memory raises within seconds, and
+// torchrun then ends the others.
+// A rank that breaks refuses every later entry point with the report
+// (check_usable()) and posts it where the others' stalled waits read it, so
+// every rank ends with it within the stall interval, not the timeout. A
+// forward that had submitted nothing (a check before its first gather;
+// stages 0-2; one rank) leaves nothing out of step, and the model goes on.
+void ShardedModel::forward_raised(std::string error) {
+  if (forward_marks_.empty()) {
+    return;
+  }
+  const int64_t before = forward_marks_.back();
+  forward_marks_.pop_back();
+  if (collectives_submitted() == before || failed() || round_.state() == RoundState::kBroken) {
+    return;  // nothing issued, or an earlier failure already stops this rank with its own report
+  }
+  const int64_t me = mesh_.rank();
+  const std::string where =
+      (units_ ? units_->forward_position() : std::string("in its forward")) + " (" + error + ")";
+  auto position = [this, &where] {
+    RaisedPost post;
+    post.present = true;
+    const Communicator* data[kDataSlots] = {&comm_, &gather_comm_, &replica_comm_, &regather_comm_};
+    post.settled = true;
+    for (int g = 0; g < kDataSlots; ++g) {
+      post.submitted[g] = data[g]->submitted();
+      post.settled = post.settled && data[g]->issued() == data[g]->submitted();
+    }
+    post.issued = comm_.issued_counts();
+    post.where = where;
+    return post;
+  };
+  const auto limit = std::chrono::milliseconds(static_cast<int64_t>(raised_forward_limit_s_ * 1000));
+  const RaisedForwardOutcome outcome = comm_.agree_where_forward_raised(++raised_forwards_, position, limit);
+  if (outcome.in_step) {
+    return;  // every rank raised at the same point: the next forward starts afresh everywhere
+  }
+  std::string report = outcome.report;
+  if (report.empty()) {
+    report = "zero_ext: rank " + std::to_string(me) + " cannot go on training: the model's forward raised on it " +
+             where + " after zero_ext had issued the first collectives of that forward (stage 3 parameter " +
+             "gathers), and the ranks did not all raise at that point:" + outcome.positions +
+             "\nTheir collectives are out of step, so every rank stops with this error instead of waiting out the "
+             "timeout. Fix what raised on rank " + std::to_string(me) + " (an input of another shape or type on "
+             "some ranks only, data-dependent code) and restart every rank from the last checkpoint: catching "
+             "the error and going on cannot work, as this rank's next collectives would pair with other ones of "
+             "the other ranks. (A forward that raises alike on every rank, at the same point, leaves the ranks "
+             "in step: zero_ext finds that out and training goes on.)";
+  }
+  round_.mark_unusable(report);
+  comm_.post_report(report);  // the model's groups share one report key; the first report stays
 }
 
 }  // namespace zero_ext

@@ -71,7 +71,7 @@ class ShardedModel : public torch::CustomClassHolder {
   void end_forward(std::vector<at::Tensor> outputs);
   // The model's forward raised after begin_forward (`error`: what it
   // raised, for the message): this rank breaks if that forward's collectives
-  // had begun ([Note: a forward that raised] in sharded_model.cpp).
+  // had begun ([Note: a forward that raised] in forward_raised_agreement.cpp).
   void forward_raised(std::string error);
 
   // --- autograd ------------------------------------------------------------

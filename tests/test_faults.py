@@ -63,7 +63,7 @@ def test_a_rank_that_dies_or_raises_ends_every_rank(world, stage, point):
                 assert "failed on rank" in e.error or (point == "raise_forward" and stage == 3 and reported), e.error
 
 
-# [Note: a forward that raised] in csrc/sharded_model.cpp: the ranks caught it
+# [Note: a forward that raised] in csrc/forward_raised_agreement.cpp: the ranks caught it
 # and retried; they raised at different units, or one rank only.
 @pytest.mark.parametrize("world,blocks", [(2, (1, 2)), (2, (None, 2)), (4, (2, 2, 1, 2)), (4, (2, None, 2, 2))])
 def test_a_forward_that_raised_at_different_points_ends_every_rank(world, blocks):

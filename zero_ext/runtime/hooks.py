@@ -290,7 +290,7 @@ class RootHooks:
     def end_forward(self, mod: torch.nn.Module, args: Any, output: Any) -> None:
         # After post_forward, and also when the forward (or a hook around it)
         # raised (always_call): then the core hears of it, as the ranks may
-        # have parted ([Note: a forward that raised] in csrc/sharded_model.cpp),
+        # have parted ([Note: a forward that raised] in csrc/forward_raised_agreement.cpp),
         # and the runs it left open are forgotten (see pre_forward).
         finished, self.finished = self.finished, False
         if not finished:
