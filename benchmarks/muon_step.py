@@ -137,7 +137,7 @@ def balance(args) -> Dict[str, object]:
     buckets (whole regions are padded to the widest)."""
     from zero_ext.optim.ownership import plan_owners
     from zero_ext.wrapping.buckets import plan_buckets
-    from zero_ext.wrapping.wrap import _split_by_optimizer
+    from zero_ext.wrapping.plan import _split_by_optimizer
 
     with torch.device("meta"):
         model = BuiltinGPT2(PRESETS["gpt2-124m"])

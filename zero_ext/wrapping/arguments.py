@@ -24,7 +24,7 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _timeout(timeout: Union[None, float, int, datetime.timedelta]) -> Optional[datetime.timedelta]:
+def parse_timeout(timeout: Union[None, float, int, datetime.timedelta]) -> Optional[datetime.timedelta]:
     if timeout is None:
         return None
     if isinstance(timeout, datetime.timedelta):
@@ -350,7 +350,7 @@ def check_wrap_arguments(model, optimizers, stage, mixed_precision, offload_opti
         persist = int(NVME_PERSIST_KB * 2**10)
     _check_compression(stage, precision, compress_weights, compress_grads)
     options = Options(stage=stage, precision=precision, offload=offload_optimizer == "cpu", units=units,
-                      bucket_bytes=int(bucket_mb * 2**20), timeout=_timeout(timeout), prefetch=int(prefetch),
+                      bucket_bytes=int(bucket_mb * 2**20), timeout=parse_timeout(timeout), prefetch=int(prefetch),
                       skip_nonfinite=skip_nonfinite, reshard_after_forward=reshard_after_forward,
                       offload_params=offload_params, offload_path=offload_dir, offload_optimizer=offload_optimizer,
                       max_live_bytes=max_live, persist_bytes=persist, compress_weights=compress_weights,
