@@ -1,10 +1,14 @@
-"""What zero_ext reads and writes on disk, in two parts over one plan:
-checkpoint/ (zero_ext's own sharded format: save, load, convert, and how
-reading distrusts a file) and weights/ (a model's weights in and out:
-safetensors, load_weights, save_weights). plan.py says which ranges of which
-tensors a rank holds (one planner for every format), bytes_io.py moves
-tensors' bytes to and from files. Inside the room: weights/ never imports
-checkpoint/; checkpoint/'s convert writes safetensors through weights/.
+"""What zero_ext reads and writes on disk. Above: entry.py, zero_ext.save
+and zero_ext.load, the one entry that picks a checkpoint format. The formats
+side by side, never importing each other: checkpoint/ (zero_ext's own sharded
+format: save, load, convert, and how reading distrusts a file), dcp/
+(torch.distributed.checkpoint directories) and weights/ (a model's weights
+in and out: safetensors, load_weights, save_weights; checkpoint/'s convert
+writes safetensors through it, and it never imports checkpoint/). Below
+them all, what they share: plan.py (which ranges of which tensors a rank
+holds), safe_read.py (opening a file a checkpoint names, trusting nothing),
+load_phases.py (the steps both loads take), sealing.py, checksum.py,
+step_counts.py, weights_only.py, bytes_io.py, asynchronous.py.
 README.md beside this follows one checkpoint from save to load."""
 from __future__ import annotations
 
@@ -22,12 +26,12 @@ _OFFERED = {  # name -> the module that defines it
     "describe_pretrained_config": ".weights.save_weights",
     "export_state_dict": ".weights.save_weights",
     "install_pretrained_export": ".weights.save_weights",
-    "load": ".checkpoint.load",
+    "load": ".entry",
     "load_weights": ".weights.load_weights",
     "local_views": ".plan",
-    "save": ".checkpoint.save",
+    "save": ".entry",
     "save_weights": ".weights.save_weights",
-    "weights_only_loadable": ".checkpoint.save",
+    "weights_only_loadable": ".weights_only",
 }
 _RENAMED = {"convert_main": "main"}
 

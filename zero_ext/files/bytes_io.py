@@ -1,19 +1,12 @@
-"""Tensors as raw bytes, and files made durable: what zero_ext's checkpoint
-format and its safetensors reader and writer both need. Host memory only."""
+"""Tensors as raw bytes, and files made durable: what every format's
+writers and readers need. Host memory only. (Opening a file a checkpoint
+names, without trusting it, is safe_read.py.)"""
 from __future__ import annotations
 
 import ctypes
 import os
-from typing import Any
 
 import torch
-
-
-# Opening a file a checkpoint names: never through a link, never inherited, and
-# never blocking (a FIFO planted in a checkpoint would block a plain open
-# forever; the regular-file check after the open refuses it).
-READ_NOFOLLOW = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-                 | getattr(os, "O_NONBLOCK", 0))
 
 
 def bytes_view(t: torch.Tensor):
@@ -25,19 +18,17 @@ def bytes_view(t: torch.Tensor):
     return (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
 
 
+def write_file(path: str, data: bytes) -> None:
+    """`data` at `path`, on disk before this returns."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def close_opened(owner: Any) -> None:
-    """Closes a reader's open files (owner.files) and its directory (owner.dir_fd)."""
-    for f in owner.files.values():
-        f.close()
-    owner.files.clear()
-    if owner.dir_fd is not None:
-        os.close(owner.dir_fd)
-        owner.dir_fd = None

@@ -17,6 +17,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from ..tools import torch_compat
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -41,14 +43,6 @@ class Topology:
 
     def replica_mesh_ranks(self) -> List[int]:
         return [r * self.shard_size + self.shard_rank for r in range(self.replicas)]
-
-
-def _is_device_mesh(value) -> bool:
-    try:
-        from torch.distributed.device_mesh import DeviceMesh
-    except ImportError:  # pragma: no cover - torch without device_mesh
-        return False
-    return isinstance(value, DeviceMesh)
 
 
 def _flat(group: Optional[dist.ProcessGroup]) -> Topology:
@@ -83,7 +77,7 @@ def resolve_topology(process_group, device: Optional[torch.device]) -> Topology:
     any communication. `device` None: the mesh's device type is not checked
     against the model's (a rank whose checks failed, before it tells the
     others)."""
-    if not _is_device_mesh(process_group):
+    if not torch_compat.is_device_mesh(process_group):
         return _flat(process_group)
     mesh = process_group
     names = tuple(mesh.mesh_dim_names or ())

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -73,3 +73,45 @@ def all_gather_into_tensor(output, tensor, group) -> None:
 
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(output, tensor, group=group)
+
+
+def is_device_mesh(value) -> bool:
+    """Whether `value` is a torch DeviceMesh (False where this torch has no
+    torch.distributed.device_mesh, as a build without distributed support)."""
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - torch without device_mesh
+        return False
+    return isinstance(value, DeviceMesh)
+
+
+# torch.distributed.checkpoint's metadata classes a `.metadata` pickle may
+# name; StorageMeta and _MEM_FORMAT_ENCODING came in later torch releases than
+# the rest. Those that take pickled state (BUILD) are all but the enum.
+_DCP_METADATA_CLASSES = ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                         "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+_DCP_STATEFUL = frozenset(_DCP_METADATA_CLASSES) - {"_MEM_FORMAT_ENCODING"}
+
+
+def dcp_metadata_classes(stateful_only: bool = False) -> Dict[str, type]:
+    """{name: class} of torch.distributed.checkpoint.metadata's classes that
+    this torch has (only those whose instances take state, if asked)."""
+    from torch.distributed.checkpoint import metadata as md
+
+    return {name: getattr(md, name) for name in _DCP_METADATA_CLASSES
+            if hasattr(md, name) and (not stateful_only or name in _DCP_STATEFUL)}
+
+
+def stamp_dcp_metadata(meta, checkpoint_id: str, save_id: str) -> None:
+    """What a newer torch's DCP Metadata carries besides the entries, set
+    where this torch has it: storage_meta (with the save's id) and the
+    format version its FileSystemWriter records."""
+    from torch.distributed.checkpoint import metadata as md
+
+    if hasattr(md, "StorageMeta"):
+        meta.storage_meta = md.StorageMeta(checkpoint_id=checkpoint_id, save_id=save_id)
+    try:
+        from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+    except ImportError:  # an older torch: its Metadata has no version
+        return
+    meta.version = CURRENT_DCP_VERSION

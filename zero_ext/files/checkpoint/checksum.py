@@ -1,32 +1,8 @@
-"""The checksum of checkpoint bytes: XXH3 (64-bit) from the xxhash package.
-
-At 20-30 GB/s on one core it costs a few percent of a save or load that
-streams from the page cache (zlib's CRC32 runs at 4-6 GB/s, which would
-add a quarter to a load on a busy host). The metadata names the algorithm,
-so a checkpoint says how to check it."""
+"""The checksum of zero_ext's own format: the one every format uses
+(files/checksum.py), also named by this path, which tools and tests that
+check a checkpoint's files by hand import."""
 from __future__ import annotations
 
-from typing import List
+from ..checksum import ALGORITHM, MAX, digest
 
-ALGORITHM = "xxh3_64"
-MAX = (1 << 64) - 1
-
-try:
-    from xxhash import xxh3_64_intdigest as _xxh3_64
-except ImportError as _error:  # pragma: no cover - a dependency of zero_ext
-    _missing = _error
-
-    def _xxh3_64(data) -> int:
-        raise ImportError("zero_ext checkpoints are checksummed with XXH3 from the xxhash package, which is not "
-                          f"installed here ({_missing}): pip install xxhash") from _missing
-
-
-def digest(data) -> int:
-    """The checksum of a bytes-like object (any buffer: bytes, memoryview, ctypes)."""
-    return _xxh3_64(data)
-
-
-def chunk_digests(data, chunk_bytes: int) -> List[int]:
-    """The checksum of each chunk_bytes chunk of a buffer."""
-    view = memoryview(data).cast("B")
-    return [_xxh3_64(view[at:at + chunk_bytes]) for at in range(0, len(view), chunk_bytes)]
+__all__ = ["ALGORITHM", "MAX", "digest"]

@@ -17,7 +17,6 @@ swapped with another rank's is refused, even where the sizes agree.
 """
 from __future__ import annotations
 
-import io
 import os
 import re
 import struct
@@ -26,8 +25,11 @@ from typing import Any, List, Tuple
 import torch
 
 from ..bytes_io import bytes_view
-from .checksum import digest
-from .metadata import CHUNK_BYTES, DTYPES, HEADER, METADATA
+from ..checksum import digest
+from ..weights_only import serialized
+from .fields import DTYPES
+from .metadata import CHUNK_BYTES, METADATA
+from .pieces import HEADER
 
 _MAGIC = b"zero_ext shard\n\0"
 STAGING_MARKER = ".zero_ext-save"  # in every staging directory: marks it as zero_ext's own
@@ -67,9 +69,7 @@ def parse_shard_header(head: bytes) -> Tuple[str, int, int]:
 
 def packed(token: str, rank: int, value: Any) -> bytes:
     """The bytes of a .pt file: `value` with the save's token and its writer."""
-    buffer = io.BytesIO()
-    torch.save({"token": token, "rank": rank, "value": value}, buffer)
-    return buffer.getvalue()
+    return serialized({"token": token, "rank": rank, "value": value})
 
 
 class ShardWriter:
@@ -106,10 +106,3 @@ class ShardWriter:
     def abort(self) -> None:
         """Closes without syncing: the save failed and its staging goes."""
         self.file.close()
-
-
-def write_file(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())

@@ -1,37 +1,33 @@
-"""zero_ext.load: a checkpoint written at any world size and stage, into a
-wrapped model and optimizer, verified before anything is copied.
+"""zero_ext.load of zero_ext's own format: a checkpoint written at any world
+size and stage, into a wrapped model and optimizer, verified before
+anything is copied. (The entry, files/entry.py, checked the options, had
+the ranks agree on the path and found this format there.)
 
-Phases, each ended on every rank by Ranks.settle: (A) ranks agree on the
-path; each opens and validates the checkpoint (metadata.py, reader.py),
-checks it against the model (strictly by default) and the optimizer (the
-class it was saved from) and reads the small files; ranks agree that they
-opened the same save (its token). (B) every
-range this rank loads is read into host memory, each byte checked against
-its checksum; nothing in the model or optimizer has changed yet, so a
-damaged file anywhere leaves every rank as it was. (C) the verified values
-are copied into the model and optimizer. Then the collective refresh of
-parameters. The cost of (B) is one host copy of this rank's shard of the
-model and optimizer state while the load runs.
+Phases, each ended on every rank by Ranks.settle: (A) each rank opens and
+validates the checkpoint (metadata.py, reader.py), checks it against the
+model (strictly by default) and the optimizer (the class it was saved
+from) and reads the small files; ranks agree that they opened the same save
+(its token). (B) every range this rank loads is read into host memory,
+each byte checked against its checksum; nothing in the model or optimizer
+has changed yet, so a damaged file anywhere leaves every rank as it was.
+(C) the verified values are copied into the model and optimizer. Then the
+collective refresh of parameters (load_phases.py, as for DCP). The cost of
+(B) is one host copy of this rank's shard of the model and optimizer state
+while the load runs.
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Dict, List, Optional, Set
 
 import torch
 
 from .. import plan
-from ...optim import as_one, offload_in_memory, qualified_class_names
-from ...tools import require_bool, require_module, require_optimizer, state_of, state_or_none
-from ...groups import Ranks, refuse_different_paths
-from .. import asynchronous
-from ..dcp.reader import is_dcp
-from .publish import resolve
-
-# What load does when the checkpoint's optimizer class is not the optimizer's.
-CLASS_MISMATCH = ("error", "fresh", "load")
+from ..load_phases import check_same_names, install, refresh
+from ...optim import qualified_class_names
+from ...tools import state_or_none
 from .format import dtype_of
-from .metadata import CheckpointMeta, PieceKind, Scalar
+from .metadata import CheckpointMeta
+from .pieces import PieceKind, Scalar
 from .reader import Checkpoint, PieceReader
 
 
@@ -46,31 +42,6 @@ def _check_same_model(where: str, meta: CheckpointMeta, model: torch.nn.Module, 
     saved = {p.name: tuple(p.shape) for p in meta.params}
     saved.update({n: tuple(b.shape) for n, b in buffers.items()})
     check_same_names(where, saved, model, strict)
-
-
-def check_same_names(where: str, saved: Dict[str, tuple], model: torch.nn.Module, strict: bool) -> None:
-    """Like nn.Module.load_state_dict: names (parameters and persistent
-    buffers) must match unless not strict; shapes always (a saved (1,)
-    never broadcasts into a (4,)). Both formats' loads ask this."""
-    saved = {n: tuple(s) for n, s in saved.items()}
-    state = state_of(model)
-    mine = {n: plan.full_shape(state, p) for n, p in model.named_parameters()}
-    mine.update({n: tuple(b.shape) for n, b in plan.persistent_buffers(model).items()})
-    missing = sorted(set(mine) - set(saved)) if strict else []
-    unexpected = sorted(set(saved) - set(mine)) if strict else []
-    shapes = sorted(n for n in set(mine) & set(saved) if mine[n] != saved[n])
-    if not (missing or unexpected or shapes):
-        return
-    problems = []
-    if missing:
-        problems.append(f"missing from the checkpoint: {missing[:8]}")
-    if unexpected:
-        problems.append(f"unexpected in it: {unexpected[:8]}")
-    if shapes:
-        problems.append("shapes differ: " + ", ".join(f"{n} saved {saved[n]} vs model {mine[n]}" for n in shapes[:8]))
-    fix = ("; pass strict=False to load only the entries both have (shapes must still match)"
-           if missing or unexpected else "; build the model with the shapes it was saved with")
-    raise RuntimeError(f"zero_ext.load: {where} was saved from a different model: {'; '.join(problems)}{fix}")
 
 
 def _loads_optimizer(where: str, meta: CheckpointMeta, optimizer, mismatch: str) -> bool:
@@ -202,171 +173,115 @@ def _restored(value: Any, tensor: torch.Tensor) -> Any:
     return value  # a scalar (0-d tensors stay on the host, as before)
 
 
-def install(model, optimizer, groups: List[Optional[dict]], opt_state: Dict[torch.Tensor, dict],
-            buffers: Dict[str, torch.Tensor], restored) -> None:
-    """Phase C of either format's load: the saved hyperparameters into each
-    param group (None: keep its own), the optimizer state (the old state
-    goes before the new reaches the device; "fresh": none comes), buffers."""
-    for mine, theirs in zip(optimizer.param_groups, groups):
-        if theirs is not None:
-            mine.update({k: v for k, v in theirs.items() if k != "params"})
-    optimizer.state.clear()
-    for tensor, st in opt_state.items():
-        optimizer.state[tensor] = {k: restored(v, tensor) for k, v in st.items()}
-    for n, buf in plan.persistent_buffers(model).items():
-        if n in buffers:
-            buf.copy_(buffers[n])
+class _Opened:
+    """What phase A opened and found; the checkpoint is closed after (C)."""
 
+    def __init__(self):
+        self.checkpoint: Optional[Checkpoint] = None
+        self.reader: Optional[PieceReader] = None
+        self.meta: Optional[CheckpointMeta] = None
+        self.where = ""
+        self.loaded: Set[str] = set()  # the parameters the checkpoint holds
+        self.with_optimizer = False
+        self.buffers: Dict[str, torch.Tensor] = {}
+        self.groups: List[dict] = []
+        self.extra: Any = None
 
-def refresh(state) -> None:
-    """After a load (collective: every rank got here): no stale gradients,
-    the parameters rebuilt from the loaded shards."""
-    state.handles.reduction.zero_grad(True)
-    state.handles.checkpoint.refresh_params_from_shards()
-
-
-CALL = "zero_ext.load(path, model, optimizer)"
-
-
-def check_options(strict: Any, optimizer_class_mismatch: Any, format: Any) -> None:
-    """load's options as they are passed, refused (its first phase, so on
-    every rank) unless each means what it says."""
-    if format is not None:
-        raise TypeError(
-            f"zero_ext.load takes no format (got format={format!r}): it detects the format itself, zero_ext's own "
-            "or a DCP directory (whoever wrote it), and reads either; drop format=... from the call. Nothing was "
-            "loaded")
-    require_bool(strict, "zero_ext.load", "strict",
-                 "pass strict=True (the default: the checkpoint and the model must hold the same names) or "
-                 "strict=False (load the entries both have). Nothing was loaded")
-    if not isinstance(optimizer_class_mismatch, str) or optimizer_class_mismatch not in CLASS_MISMATCH:
-        raise ValueError(f"zero_ext.load: optimizer_class_mismatch must be one of {list(CLASS_MISMATCH)}, not "
-                         f"{optimizer_class_mismatch!r}")
+    def close(self) -> None:
+        if self.checkpoint is not None:
+            self.checkpoint.close()
 
 
 @torch.no_grad()
-def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, strict: bool = True,
-         optimizer_class_mismatch: str = "error", format: None = None) -> Any:
-    """Loads a checkpoint written by zero_ext.save at any world size and
-    stage into a wrapped model and optimizer; returns this rank's `extra`
-    (rank 0's for a rank the writer did not have). Strict like
-    nn.Module.load_state_dict: with strict=False, parameters and buffers
-    missing on either side are skipped (shapes must still match). A
-    checkpoint saved from another optimizer class raises, unless
-    optimizer_class_mismatch is "fresh" (load the model; the optimizer
-    starts fresh) or "load" (its state and hyperparameters are loaded
-    anyway). Every byte is checked against the checksum zero_ext.save wrote
-    before any is copied. Reads nothing outside the checkpoint and unpickles
-    only with weights_only=True. Collective.
-
-    load takes no `format`: it reads zero_ext's own checkpoints and DCP
-    directories alike, whichever `path` holds (format=... is refused, as
-    strict and optimizer_class_mismatch of another kind are, on every
-    rank before anything is read)."""
-    require_module(model, "zero_ext.load", CALL)
-    asynchronous.wait_for_previous(state_of(model))  # a save in flight finishes first (its error raised here)
-    # offload_*="nvme": the values, gradients and optimizer state this rank
-    # holds in its offload files are in memory for the checkpoint's duration.
-    with offload_in_memory([state_or_none(model)], values_changed=True):
-        return _load(path, model, optimizer, strict=strict, optimizer_class_mismatch=optimizer_class_mismatch,
-                     format=format)
-
-
-def _load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, strict: bool = True,
-         optimizer_class_mismatch: str = "error", format: None = None) -> Any:
-    """load() with the offloaded state in memory."""
-    state = state_of(model)
-    original, optimizer = optimizer, as_one(optimizer)  # a list or tuple of the model's optimizers: one view
-    ranks = Ranks(state, "zero_ext.load")
-    error, target = None, None
+def load_checkpoint(target: str, path: str, model: torch.nn.Module, optimizer, state, ranks, strict: bool,
+                    mismatch: str) -> Any:
+    """zero_ext.load's phases over zero_ext's own checkpoint at `target`
+    (`path` as the caller passed it, for errors). Returns this rank's
+    `extra` (rank 0's for a rank the writer did not have)."""
+    opened = _Opened()
     try:
-        check_options(strict, optimizer_class_mismatch, format)
-        require_optimizer(original, "zero_ext.load", CALL)
-        target = os.path.abspath(os.fspath(path))
-    except Exception as e:  # noqa: BLE001 - a bad path or option on one rank raises on every rank
-        error = e
-    # The options travel only once checked here (a refused one may not even pickle).
-    asked = ranks.settle(error, None if error is not None else (target, optimizer_class_mismatch))
-    refuse_different_paths([p for p, _ in asked], "zero_ext.load", "a load reads one checkpoint", "Nothing was loaded")
-    if any(m != asked[0][1] for _, m in asked):
-        listed = ", ".join(f"rank {r}: {m!r}" for r, (_, m) in enumerate(asked))
-        raise ValueError(f"zero_ext.load: ranks passed different optimizer_class_mismatch ({listed}); pass the same "
-                         "on every rank. Nothing was loaded")
-    error, dcp_dir = None, None
-    try:
-        where = resolve(target, "zero_ext.load")
-        dcp_dir = where if is_dcp(where) else None
-    except Exception as e:  # noqa: BLE001 - a missing checkpoint raises on every rank
-        error = e
-    kinds = ranks.settle(error, dcp_dir is not None)
-    if any(k != kinds[0] for k in kinds):
-        raise RuntimeError(f"zero_ext.load: ranks see different checkpoints at {path} (one a DCP directory): it "
-                           "was replaced during this load. Nothing was loaded; load again")
-    if dcp_dir is not None:
-        from ..dcp.load import load_dcp
-        return load_dcp(dcp_dir, model, optimizer, state, ranks, strict, optimizer_class_mismatch,
-                        check_same_names)
-    checkpoint = None
-    try:
-        # Phase A: open and validate; nothing in the model changes yet.
-        error, token = None, None
-        try:
-            if state_or_none(optimizer) is not state:
-                raise ValueError("zero_ext.load: this optimizer was not wrapped together with this model")
-            checkpoint = Checkpoint(target, "zero_ext.load")
-            token, meta, where = checkpoint.token, checkpoint.meta, checkpoint.where
-            reader = PieceReader(checkpoint)
-            loaded = {p.name for p in meta.params}
-            with_optimizer = _loads_optimizer(where, meta, optimizer, optimizer_class_mismatch)
-            # A reader rank the writer did not have gets rank 0's extra; one it had gets its own.
-            extra_file = f"extra-rank{ranks.rank if ranks.rank < meta.world_size else 0}.pt"
-            # Every file this rank reads is opened before any is read: a save
-            # that replaces the path from now on cannot change what is read.
-            for file in ["buffers.pt", "optimizer.pt", extra_file] + sorted(
-                    _wanted_files(reader, state, model, optimizer, loaded, with_optimizer)):
-                checkpoint.open(file)
-            buffers = checkpoint.load_buffers()
-            _check_same_model(where, meta, model, buffers, strict)
-            plan.check_split_readable(state, model, {p.name: p.tensor_parallel for p in meta.params}, where)
-            if with_optimizer:
-                groups = _saved_groups(checkpoint, optimizer)
-            else:  # "fresh": checked like every file, not used
-                checkpoint.load_pt("optimizer.pt")
-            extra = checkpoint.load_pt(extra_file)
-        except Exception as e:  # noqa: BLE001 - raised on every rank by settle
-            error = e
-        tokens = ranks.settle(error, token)
-        if any(t != tokens[0] for t in tokens):
-            raise RuntimeError(f"zero_ext.load: ranks opened different saves at {path}: it was replaced during "
-                               "this load. Nothing was loaded; load again")
-
-        # Phase B: read and verify this rank's ranges; the model is untouched.
-        error, values, opt_state = None, [], {}
-        try:
-            scratch = torch.empty(meta.chunk_bytes, dtype=torch.uint8, device="cpu")  # never the default device
-            values = _read_values(reader, scratch, state, model, loaded)
-            if with_optimizer:
-                opt_state = _read_optimizer(where, reader, scratch, state, optimizer, loaded)
-        except Exception as e:  # noqa: BLE001
-            error = e
-        ranks.settle(error, action=f"zero_ext.load: reading {where}",
-                     note="Nothing was loaded: the model and optimizer are as they were")
-
-        # Phase C: copy in.
-        error = None
-        try:
-            for view, value in values:
-                view.copy_(_value(value))
-            del values
-            install(model, optimizer, groups if with_optimizer else [], opt_state, buffers, _restored)
-        except Exception as e:  # noqa: BLE001
-            error = e
-        ranks.settle(error, action=f"zero_ext.load: copying {where} into the model",
-                     note="The model and optimizer are partly loaded; load a good checkpoint before training")
+        _open(opened, target, path, model, optimizer, state, ranks, strict, mismatch)
+        values, opt_state = _read(opened, state, model, optimizer, ranks)
+        _copy_in(opened, values, opt_state, model, optimizer, ranks)
     finally:
-        if checkpoint is not None:
-            checkpoint.close()
+        opened.close()
     refresh(state)
-    scaler = meta.loss_scaler
+    scaler = opened.meta.loss_scaler
     state.handles.checkpoint.restore_loss_scaler(float(scaler.scale), scaler.clean_steps, scaler.skipped_steps)
-    return extra
+    return opened.extra
+
+
+def _open(opened: _Opened, target: str, path: str, model, optimizer, state, ranks, strict: bool,
+          mismatch: str) -> None:
+    """Phase A: open and validate; nothing in the model changes yet. Every
+    rank must open the same save."""
+    error = None
+    try:
+        if state_or_none(optimizer) is not state:
+            raise ValueError("zero_ext.load: this optimizer was not wrapped together with this model")
+        opened.checkpoint = Checkpoint(target, "zero_ext.load")
+        _check_and_read_small_files(opened, model, optimizer, state, ranks.rank, strict, mismatch)
+    except Exception as e:  # noqa: BLE001 - raised on every rank by settle
+        error = e
+    tokens = ranks.settle(error, opened.checkpoint.token if opened.checkpoint is not None else None)
+    if any(t != tokens[0] for t in tokens):
+        raise RuntimeError(f"zero_ext.load: ranks opened different saves at {path}: it was replaced during "
+                           "this load. Nothing was loaded; load again")
+
+
+def _check_and_read_small_files(opened: _Opened, model, optimizer, state, rank: int, strict: bool,
+                                mismatch: str) -> None:
+    """Phase A's reading: what the checkpoint holds checked against the
+    model and optimizer, every file this rank reads opened, the small ones read."""
+    checkpoint = opened.checkpoint
+    meta = opened.meta = checkpoint.meta
+    where = opened.where = checkpoint.where
+    opened.reader = PieceReader(checkpoint)
+    opened.loaded = {p.name for p in meta.params}
+    opened.with_optimizer = _loads_optimizer(where, meta, optimizer, mismatch)
+    # A reader rank the writer did not have gets rank 0's extra; one it had gets its own.
+    extra_file = f"extra-rank{rank if rank < meta.world_size else 0}.pt"
+    # Every file this rank reads is opened before any is read: a save
+    # that replaces the path from now on cannot change what is read.
+    for file in ["buffers.pt", "optimizer.pt", extra_file] + sorted(
+            _wanted_files(opened.reader, state, model, optimizer, opened.loaded, opened.with_optimizer)):
+        checkpoint.open(file)
+    opened.buffers = checkpoint.load_buffers()
+    _check_same_model(where, meta, model, opened.buffers, strict)
+    plan.check_split_readable(state, model, {p.name: p.tensor_parallel for p in meta.params}, where)
+    if opened.with_optimizer:
+        opened.groups = _saved_groups(checkpoint, optimizer)
+    else:  # "fresh": checked like every file, not used
+        checkpoint.load_pt("optimizer.pt")
+    opened.extra = checkpoint.load_pt(extra_file)
+
+
+def _read(opened: _Opened, state, model, optimizer, ranks) -> tuple:
+    """Phase B: read and verify this rank's ranges; the model is untouched.
+    Returns (parameter values, optimizer state)."""
+    error, values, opt_state = None, [], {}
+    try:
+        scratch = torch.empty(opened.meta.chunk_bytes, dtype=torch.uint8, device="cpu")  # never the default device
+        values = _read_values(opened.reader, scratch, state, model, opened.loaded)
+        if opened.with_optimizer:
+            opt_state = _read_optimizer(opened.where, opened.reader, scratch, state, optimizer, opened.loaded)
+    except Exception as e:  # noqa: BLE001
+        error = e
+    ranks.settle(error, action=f"zero_ext.load: reading {opened.where}",
+                 note="Nothing was loaded: the model and optimizer are as they were")
+    return values, opt_state
+
+
+def _copy_in(opened: _Opened, values: List[tuple], opt_state: Dict[torch.Tensor, dict], model, optimizer,
+             ranks) -> None:
+    """Phase C: the verified values into the model and optimizer."""
+    error = None
+    try:
+        for view, value in values:
+            view.copy_(_value(value))
+        values.clear()
+        install(model, optimizer, opened.groups, opt_state, opened.buffers, _restored)
+    except Exception as e:  # noqa: BLE001
+        error = e
+    ranks.settle(error, action=f"zero_ext.load: copying {opened.where} into the model",
+                 note="The model and optimizer are partly loaded; load a good checkpoint before training")

@@ -2,10 +2,11 @@
 construction, and sealed with a checksum over its own content.
 
 `CheckpointMeta.parse` is the only reader of the JSON: every field is
-checked for type and range as it is built (a bool is never an int, a float
-scalar is finite, a step count a non-negative integer), then the pieces are
-checked against each other and the files (exact tiling of every tensor and
-every shard file). Code past parse reads attributes, never string keys.
+checked for type and range as it is built (fields.py: a bool is never an
+int, a float scalar is finite, a step count a non-negative integer), then
+the pieces (pieces.py) are checked against each other and the files
+(metadata_checks.py: exact tiling of every tensor and every shard file).
+Code past parse reads attributes, never string keys.
 
 Version 4 records the qualified class of each optimizer the state was saved
 from (`optimizer_classes`, so load can refuse another optimizer); version 3
@@ -14,50 +15,42 @@ Version 5 is a version 4 document whose parameters may carry `tensor_parallel`
 (a tensor-parallel model's split: ParamMeta); save writes 5 only then, so
 whatever an older zero_ext reads it reads right, and it refuses the rest.
 
-`seal` adds "checksum": the checksum (checksum.py) of the document's canonical encoding
-(sorted keys, no spaces) without that field. A flipped byte anywhere in the
-metadata (a digit of a step count, an offset) is refused even where the
-result would still be valid.
+The document is sealed (sealing.py): a flipped byte anywhere in the metadata
+(a digit of a step count, an offset) is refused even where the result would
+still be valid.
 """
 from __future__ import annotations
 
-import enum
 import json
-import math
 import re
-from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from .checksum import ALGORITHM, MAX, digest
+from ..checksum import ALGORITHM, MAX
+from ..sealing import is_sealed, seal
+from .fields import DTYPES, Fields, numel
+from .metadata_checks import check_consistent
+from .pieces import (HEADER, KINDS, ParamPiece, Piece, PieceKind, Scalar, ScalarsPiece, StatePiece, StoredPiece,
+                     WholeStatePiece)
+
+# The metadata's vocabulary, named here for every reader of a checkpoint:
+# the document's types and the pieces' (defined in pieces.py and fields.py).
+__all__ = [
+    "CHUNK_BYTES", "CheckpointMeta", "DTYPES", "FORMAT", "FileMeta", "HEADER", "KINDS", "LossScaler", "METADATA",
+    "ParamMeta", "ParamPiece", "Piece", "PieceKind", "READABLE_VERSIONS", "Scalar", "ScalarsPiece", "StatePiece",
+    "StoredPiece", "VERSION", "WholeStatePiece", "file_names", "numel", "rank_of_file", "seal",
+]
 
 FORMAT = "zero_ext-checkpoint"
 VERSION = 5  # what save writes
 READABLE_VERSIONS = (3, 4, 5)  # 3: no optimizer_classes; 5: parameters may be stored split over tensor parallel
 METADATA = "metadata.json"
-HEADER = 64  # bytes before the first piece of a shard file
 CHUNK_BYTES = 8 << 20  # a piece's bytes are checksummed in chunks of this size
 _TOKEN = re.compile(r"[0-9a-f]{32}\Z")
 _MAX_RANKS = 1 << 20
-_MAX = 1 << 62
 _CLASS_NAME = re.compile(r"[\w.<>]{1,512}\Z")  # module.qualname ("<locals>" in a function's class)
-DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64,
-                              torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8, torch.bool,
-                              torch.complex64, torch.complex128)}
-# Optimizer state that counts steps: a non-negative integer (float tensors such as Adam's "step" hold one).
-_COUNTS = re.compile(r"(step|steps|.*_step|.*_steps|n_iter|func_evals)\Z")
-
-
-def count_problem(key: str, value: Any) -> Optional[str]:
-    """Why a scalar of optimizer state cannot be what it is, or None: a step
-    count must be a non-negative integer (other scalars may be any number,
-    as a tensor's elements may)."""
-    if _COUNTS.match(key) and (type(value) is bool or not math.isfinite(value) or value < 0
-                               or value != math.floor(value) or abs(value) >= _MAX):
-        return f"counts steps, so it must be a non-negative integer, not {value!r}"
-    return None
 
 
 def file_names(world_size: int) -> List[str]:
@@ -72,83 +65,6 @@ def rank_of_file(name: str) -> int:
     """The rank that writes a checkpoint file (rank 0 writes the shared ones)."""
     found = re.fullmatch(r"(?:rank|extra-rank)(\d+)\.(?:bin|pt)", name)
     return int(found.group(1)) if found else 0
-
-
-def _canonical(document: Mapping[str, Any]) -> bytes:
-    body = {k: v for k, v in document.items() if k != "checksum"}
-    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-
-
-def seal(document: Dict[str, Any]) -> Dict[str, Any]:
-    """`document` with its "checksum" set to the checksum of the rest."""
-    document["checksum"] = digest(_canonical(document))
-    return document
-
-
-class Fields:
-    """Reads one JSON object's fields, raising ValueError that names the
-    metadata file and the field at fault."""
-
-    def __init__(self, who: str, file: str):
-        self.who, self.file = who, file
-
-    def fail(self, field: str, problem: str) -> None:
-        raise ValueError(
-            f"{self.who}: {self.file}: {field} {problem}. The metadata is damaged or was not written by "
-            "zero_ext.save, so nothing was read from this checkpoint; restore it from a good copy")
-
-    def get(self, obj: Mapping, key: str, field: str) -> Any:
-        if key not in obj:
-            self.fail(f"{field}.{key}" if field else key, "is missing")
-        return obj[key]
-
-    def dict(self, value: Any, field: str) -> dict:
-        if not isinstance(value, dict):
-            self.fail(field, f"must be a JSON object, not {type(value).__name__}")
-        return value
-
-    def list(self, value: Any, field: str) -> list:
-        if not isinstance(value, list):
-            self.fail(field, f"must be a JSON array, not {type(value).__name__}")
-        return value
-
-    def str(self, value: Any, field: str) -> str:
-        if not isinstance(value, str):
-            self.fail(field, f"must be a string, not {value!r}")
-        return value
-
-    def bool(self, value: Any, field: str) -> bool:
-        if not isinstance(value, bool):
-            self.fail(field, f"must be true or false, not {value!r}")
-        return value
-
-    def int(self, value: Any, field: str, low: int = 0, high: int = _MAX) -> int:
-        if type(value) is not int or value < low or value > high:  # bool is an int to Python, not here
-            self.fail(field, f"must be an integer in [{low}, {high}], not {value!r}")
-        return value
-
-    def number(self, value: Any, field: str, positive: bool = False) -> float:
-        if type(value) not in (int, float) or not math.isfinite(value) or (positive and value <= 0):
-            self.fail(field, f"must be a finite{' positive' if positive else ''} number, not {value!r}")
-        return value
-
-    def dtype(self, value: Any, field: str) -> str:
-        if not isinstance(value, str) or value not in DTYPES:
-            self.fail(field, f"{value!r} is not one of the dtypes a checkpoint holds ({', '.join(sorted(DTYPES))})")
-        return value
-
-    def shape(self, value: Any, field: str) -> Tuple[int, ...]:
-        shape = tuple(self.int(s, f"{field}[{j}]") for j, s in enumerate(self.list(value, field)))
-        if numel(shape) >= _MAX:
-            self.fail(field, f"{list(shape)} has too many elements")
-        return shape
-
-
-def numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 @dataclass(frozen=True)
@@ -215,170 +131,6 @@ class ParamMeta:
             out["tensor_parallel"] = {"dim": self.tensor_parallel[0], "sizes": list(self.tensor_parallel[1])}
         return out
 
-
-@dataclass(frozen=True)
-class Scalar:
-    """One scalar of optimizer state: a Python number, or a 0-d tensor's."""
-    value: Any
-    tensor: bool
-    dtype: Optional[str]  # the tensor's
-
-    @classmethod
-    def parse(cls, key: str, obj: Any, f: Fields, field: str) -> "Scalar":
-        f.dict(obj, field)
-        tensor = f.bool(f.get(obj, "tensor", field), f"{field}.tensor")
-        dtype = f.dtype(f.get(obj, "dtype", field), f"{field}.dtype") if tensor else None
-        if dtype is not None and DTYPES[dtype].is_complex:
-            f.fail(f"{field}.dtype", f"{dtype} is not a scalar dtype zero_ext.save writes")
-        value = f.get(obj, "value", field)
-        if type(value) not in (bool, int, float):
-            f.fail(f"{field}.value", f"must be a number or a bool, not {value!r}")
-        problem = count_problem(key, value)
-        if problem:
-            f.fail(f"{field}.value", problem)
-        return cls(value, tensor, dtype)
-
-    def to_json(self) -> dict:
-        out = {"value": self.value, "tensor": self.tensor}
-        if self.tensor:
-            out["dtype"] = self.dtype
-        return out
-
-    def same_as(self, other: "Scalar") -> bool:
-        """The same value of the same kind (NaN equals NaN: a state may hold one)."""
-        a, b = self.value, other.value
-        if (self.tensor, self.dtype, type(a) is bool) != (other.tensor, other.dtype, type(b) is bool):
-            return False
-        return a == b or (type(a) is float and type(b) is float and math.isnan(a) and math.isnan(b))
-
-
-class PieceKind(enum.Enum):
-    """What one piece of a checkpoint holds."""
-
-    PARAM = "param"      # a parameter's values, a range of its flattened elements
-    STATE = "state"      # one key of its elementwise optimizer state, over the same range
-    WHOLE = "whole"      # optimizer state that is not elementwise (Adafactor's factors): all of it, with its shape
-    SCALARS = "scalars"  # the scalar optimizer state (step, ...) of a range: values, no bytes
-
-
-KINDS = tuple(k.value for k in PieceKind)
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A contiguous range [start, start + length) of one flattened tensor of
-    parameter `name`; one subclass per PieceKind, each with the fields its
-    kind has (Piece.parse picks it from the JSON's "kind")."""
-
-    index: int  # in the metadata's list: how errors name it, pieces[index]
-    name: str
-    start: int
-    length: int
-    kind: ClassVar[PieceKind]
-
-    @property
-    def tensor_id(self) -> Tuple[PieceKind, str, str]:
-        """Which tensor the range is of: (kind, parameter, optimizer state key or "")."""
-        return self.kind, self.name, ""
-
-    def describe(self) -> str:
-        kind, name, key = self.tensor_id
-        what = f"{kind.value} {key!r} of {name!r}" if key else f"{kind.value} of {name!r}"
-        return f"pieces[{self.index}] ({what}, elements [{self.start}, {self.start + self.length}))"
-
-    @staticmethod
-    def parse(index: int, obj: Any, f: Fields, chunk_bytes: int) -> "Piece":
-        field = f"pieces[{index}]"
-        f.dict(obj, field)
-        raw = f.get(obj, "kind", field)
-        if raw not in KINDS:
-            f.fail(f"{field}.kind", f"{raw!r} is not one of {list(KINDS)}")
-        kind = PieceKind(raw)
-        name = f.str(f.get(obj, "name", field), f"{field}.name")
-        start = f.int(f.get(obj, "start", field), f"{field}.start")
-        length = f.int(f.get(obj, "length", field), f"{field}.length")
-        if kind is PieceKind.SCALARS:
-            values = f.dict(f.get(obj, "values", field), f"{field}.values")
-            return ScalarsPiece(index, name, start, length, {
-                k: Scalar.parse(k, v, f, f"{field}.values[{k!r}]") for k, v in values.items()})
-        key = f.str(f.get(obj, "key", field), f"{field}.key")
-        if (kind is PieceKind.PARAM) == bool(key):
-            f.fail(f"{field}.key", f"{key!r} is wrong for a {raw} piece (param pieces have none, state pieces one)")
-        stored = (index, name, start, length, f.str(f.get(obj, "file", field), f"{field}.file"),
-                  f.int(f.get(obj, "offset", field), f"{field}.offset", HEADER),
-                  f.dtype(f.get(obj, "dtype", field), f"{field}.dtype"),
-                  tuple(f.int(c, f"{field}.checksums[{j}]", 0, MAX)
-                        for j, c in enumerate(f.list(f.get(obj, "checksums", field), f"{field}.checksums"))))
-        if kind is PieceKind.PARAM:
-            piece: StoredPiece = ParamPiece(*stored)
-        elif kind is PieceKind.STATE:
-            piece = StatePiece(*stored, key)
-        else:
-            piece = WholeStatePiece(*stored, key, f.shape(f.get(obj, "shape", field), f"{field}.shape"))
-        chunks = -(-piece.nbytes // chunk_bytes)
-        if len(piece.checksums) != chunks:
-            f.fail(f"{field}.checksums", f"has {len(piece.checksums)} checksums for {piece.nbytes} bytes in chunks of "
-                   f"{chunk_bytes} ({chunks} expected)")
-        return piece
-
-    def to_json(self) -> dict:
-        return {"kind": self.kind.value, "name": self.name, "start": self.start, "length": self.length}
-
-
-@dataclass(frozen=True)
-class StoredPiece(Piece):
-    """A piece whose elements are bytes in a shard file."""
-
-    file: str
-    offset: int
-    dtype: str
-    checksums: Tuple[int, ...]  # of each chunk_bytes chunk of the piece's bytes
-
-    @property
-    def itemsize(self) -> int:
-        return DTYPES[self.dtype].itemsize
-
-    @property
-    def nbytes(self) -> int:
-        return self.length * self.itemsize
-
-    def to_json(self) -> dict:
-        kind, name, key = self.tensor_id
-        return {"kind": kind.value, "name": name, "key": key, "start": self.start, "length": self.length,
-                "file": self.file, "offset": self.offset, "dtype": self.dtype, "checksums": list(self.checksums)}
-
-
-@dataclass(frozen=True)
-class ParamPiece(StoredPiece):
-    kind: ClassVar[PieceKind] = PieceKind.PARAM
-
-
-@dataclass(frozen=True)
-class StatePiece(StoredPiece):
-    key: str  # the optimizer state's key (exp_avg, ...)
-    kind: ClassVar[PieceKind] = PieceKind.STATE
-
-    @property
-    def tensor_id(self) -> Tuple[PieceKind, str, str]:
-        return self.kind, self.name, self.key
-
-
-@dataclass(frozen=True)
-class WholeStatePiece(StatePiece):
-    shape: Tuple[int, ...]  # the state tensor's own shape (start 0, length its numel)
-    kind: ClassVar[PieceKind] = PieceKind.WHOLE
-
-    def to_json(self) -> dict:
-        return {**super().to_json(), "shape": list(self.shape)}
-
-
-@dataclass(frozen=True)
-class ScalarsPiece(Piece):
-    values: Mapping[str, Scalar]
-    kind: ClassVar[PieceKind] = PieceKind.SCALARS
-
-    def to_json(self) -> dict:
-        return {**super().to_json(), "values": {k: v.to_json() for k, v in self.values.items()}}
 
 
 @dataclass(frozen=True)
@@ -458,11 +210,11 @@ class CheckpointMeta:
         if fmt != FORMAT or type(version) is not int or version not in READABLE_VERSIONS:
             f.fail("format/version", f"are {fmt!r}/{version!r}, not a zero_ext checkpoint of version "
                    f"{READABLE_VERSIONS[0]} to {VERSION} ({FORMAT!r})")
-        checksum = f.get(doc, "checksum", "")
+        f.get(doc, "checksum", "")  # the seal: present, and checked below once the algorithm is known
         algorithm = f.get(doc, "checksum_algorithm", "")
         if algorithm != ALGORITHM:
             f.fail("checksum_algorithm", f"is {algorithm!r}; this zero_ext checks {ALGORITHM!r}")
-        if checksum != digest(_canonical(doc)):
+        if not is_sealed(doc):
             raise ValueError(
                 f"{who}: {file}: its checksum does not match its content: the metadata was damaged (a flipped "
                 "bit, an edit) after zero_ext.save wrote it. Nothing was read from this checkpoint; restore it "
@@ -493,9 +245,7 @@ class CheckpointMeta:
             pieces=tuple(Piece.parse(i, p, f, chunk)
                          for i, p in enumerate(f.list(f.get(doc, "pieces", ""), "pieces"))),
             optimizer_classes=_parse_classes(f.get(doc, "optimizer_classes", ""), f) if version >= 4 else None)
-        _check_names(meta, f)
-        _check_tiling(meta, f)
-        _check_scalars(meta.pieces, f)
+        check_consistent(meta, f)
         return meta
 
 
@@ -531,120 +281,3 @@ def _parse_classes(value: Any, f: Fields) -> Tuple[str, ...]:
             f.fail(f"optimizer_classes[{j}]", f"{name[:80]!r} is not a qualified class name (module.Class)")
     return classes
 
-
-def scalars_disagreement(pieces) -> Optional[Tuple[Piece, Piece, str]]:
-    """(first piece, a piece that differs from it, the key) where two
-    scalars pieces of one parameter hold different scalar optimizer state
-    (a key only one of them has, or another value); None where they agree.
-    A parameter's optimizer has one step count (and one of every scalar),
-    however many ranks wrote its elements."""
-    first: Dict[str, Piece] = {}
-    for piece in pieces:
-        if not isinstance(piece, ScalarsPiece):
-            continue
-        seen = first.setdefault(piece.name, piece)
-        for key in sorted(set(seen.values) | set(piece.values)):
-            a, b = seen.values.get(key), piece.values.get(key)
-            if a is None or b is None or not a.same_as(b):
-                return seen, piece, key
-    return None
-
-
-def _check_scalars(pieces: Tuple[Piece, ...], f: Fields) -> None:
-    found = scalars_disagreement(pieces)
-    if found is not None:
-        seen, piece, key = found
-        f.fail(f"pieces[{piece.index}].values[{key!r}]",
-               f"is {describe_scalar(piece, key)}, but pieces[{seen.index}] holds {describe_scalar(seen, key)}: the "
-               f"scalar optimizer state {key!r} of parameter {piece.name!r} must agree in all its pieces (its "
-               "optimizer keeps one value, whichever ranks wrote its elements)")
-
-
-def describe_scalar(piece: "ScalarsPiece", key: str) -> str:
-    scalar = piece.values.get(key)
-    if scalar is None:
-        return "absent"
-    return f"{scalar.value!r} ({scalar.dtype} tensor)" if scalar.tensor else repr(scalar.value)
-
-
-def _check_names(meta: CheckpointMeta, f: Fields) -> None:
-    names, aliases = set(), set()
-    for i, param in enumerate(meta.params):
-        if param.name in names:
-            f.fail(f"params[{i}].name", f"{param.name!r} appears twice")
-        names.add(param.name)
-        for j, alias in enumerate(param.aliases):
-            if alias in aliases:
-                f.fail(f"params[{i}].aliases[{j}]", f"{alias!r} names two parameters")
-            aliases.add(alias)
-    for piece in meta.pieces:
-        field = f"pieces[{piece.index}]"
-        if piece.name not in names:
-            f.fail(f"{field}.name", f"{piece.name!r} is not a parameter listed in params")
-        if isinstance(piece, StoredPiece) and (piece.file not in meta.files or not piece.file.endswith(".bin")):
-            f.fail(f"{field}.file", f"{piece.file!r} is not one of the checkpoint's shard files (rank<N>.bin)")
-
-
-def _check_tiling(meta: CheckpointMeta, f: Fields) -> None:
-    """The pieces of each tensor tile it, and those of each shard file tile
-    the file after its header: no gap, no overlap (so a dtype that lies about
-    its element size, or two pieces claiming the same elements, are refused)."""
-    tensors: Dict[Tuple[PieceKind, str, str], List[Tuple[int, int, int]]] = defaultdict(list)
-    spans: Dict[str, List[Tuple[int, int, int]]] = defaultdict(list)
-    wholes = set()
-    for piece in meta.pieces:
-        field = f"pieces[{piece.index}]"
-        param = meta.param(piece.name)
-        if isinstance(piece, WholeStatePiece):
-            if piece.start != 0 or piece.length != numel(piece.shape):
-                f.fail(field, f"covers [{piece.start}, {piece.start + piece.length}) of {piece.key!r} of "
-                       f"{piece.name!r}, whose shape {list(piece.shape)} has {numel(piece.shape)} elements: start "
-                       "or length is wrong")
-            if (piece.name, piece.key) in wholes:
-                f.fail(field, f"repeats the whole state {piece.key!r} of {piece.name!r} (overlap)")
-            wholes.add((piece.name, piece.key))
-        elif piece.start + piece.length > param.numel:
-            f.fail(f"{field}.length", f"{piece.length} from start {piece.start} runs past the {param.numel} "
-                   f"elements of {piece.name!r} (shape {list(param.shape)})")
-        if isinstance(piece, ScalarsPiece):
-            tensors[piece.tensor_id].append((piece.start, piece.length, piece.index))
-            continue
-        if isinstance(piece, ParamPiece) and piece.dtype != param.dtype:
-            f.fail(f"{field}.dtype", f"is {piece.dtype} but {piece.name!r} is stored as {param.dtype}")
-        end = piece.offset + piece.nbytes
-        size = meta.files[piece.file].size
-        if end > size:
-            f.fail(f"{field}.offset/length", f"bytes [{piece.offset}, {end}) ({piece.length} x {piece.itemsize}-byte "
-                   f"{piece.dtype}) run past the end of {piece.file} ({size} bytes)")
-        if not isinstance(piece, WholeStatePiece):
-            tensors[piece.tensor_id].append((piece.start, piece.length, piece.index))
-        if piece.length:
-            spans[piece.file].append((piece.offset, end, piece.index))
-
-    for param in meta.params:
-        if param.numel and (PieceKind.PARAM, param.name, "") not in tensors:
-            f.fail("pieces", f"hold nothing of parameter {param.name!r} ({param.numel} elements): a gap")
-    for (kind, name, key), ranges in tensors.items():
-        what = f"{kind.value} {key + ' of ' if key else ''}{name!r}"
-        _tile(f, sorted(ranges), meta.param(name).numel, f"the pieces of {what}", "elements")
-    for file, ranges in spans.items():
-        _tile(f, [(a, b - a, i) for a, b, i in sorted(ranges)], meta.files[file].size - HEADER,
-              f"the pieces in {file}", "bytes", base=HEADER)
-    for file, entry in meta.files.items():
-        if file.endswith(".bin") and file not in spans and entry.size != HEADER:
-            f.fail(f"files[{file!r}]", f"is {entry.size} bytes, but no piece is in it")
-
-
-def _tile(f: Fields, ranges: List[Tuple[int, int, int]], total: int, what: str, unit: str, base: int = 0) -> None:
-    at = 0
-    for start, length, i in ranges:
-        if length == 0:
-            continue
-        start -= base
-        if start < at:
-            f.fail(f"pieces[{i}]", f"overlaps another piece: {what} overlap at {start + base} ({unit})")
-        if start > at:
-            f.fail(f"pieces[{i}]", f"leaves a gap: {what} leave [{at + base}, {start + base}) uncovered ({unit})")
-        at = start + length
-    if at != total:
-        f.fail("pieces", f"leave a gap: {what} leave [{at + base}, {total + base}) uncovered ({unit})")

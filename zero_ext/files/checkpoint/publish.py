@@ -30,8 +30,9 @@ import sys
 from typing import List, Optional, Tuple
 
 from ...tools import faults
-from ..bytes_io import READ_NOFOLLOW, fsync_dir
-from .format import STAGING_MARKER, is_checkpoint_entry, write_file
+from ..bytes_io import fsync_dir, write_file
+from ..safe_read import open_regular, read_to_end
+from .format import STAGING_MARKER, is_checkpoint_entry
 from .metadata import FORMAT, METADATA
 
 INDEX_FILES = (METADATA, ".metadata")  # what a save writes last: zero_ext's format, DCP's
@@ -199,15 +200,9 @@ def publish(target: str, tmp: str, token: str, meta, index_file: str = METADATA)
 
 def _is_zero_ext_metadata(path: str) -> bool:
     try:
-        fd = os.open(path, READ_NOFOLLOW)
-    except OSError:
-        return False
-    try:
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                return False
-            document = json.loads(f.read())
-    except (OSError, ValueError, RecursionError):
+        with open_regular(path, None, path, "zero_ext", "a checkpoint's files are never links") as f:
+            document = json.loads(read_to_end(f, path, "zero_ext"))
+    except (OSError, ValueError, RecursionError):  # missing, a link, not a regular file, not JSON
         return False
     return isinstance(document, dict) and document.get("format") == FORMAT
 

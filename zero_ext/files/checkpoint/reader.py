@@ -15,19 +15,22 @@ from __future__ import annotations
 
 import io
 import os
-import stat
 from collections import defaultdict
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from .checksum import digest
-from ..bytes_io import READ_NOFOLLOW, bytes_view, close_opened
+from ..bytes_io import bytes_view
+from ..checksum import digest
+from ..safe_read import close_opened, open_directory, open_regular, read_to_end, stat_regular
 from .format import dtype_of, parse_shard_header
-from .metadata import HEADER, METADATA, CheckpointMeta, Piece, PieceKind, StoredPiece, rank_of_file
+from .metadata import METADATA, CheckpointMeta, rank_of_file
+from .pieces import HEADER, Piece, PieceKind, StoredPiece
 
-_NOFOLLOW = READ_NOFOLLOW
 _RESTORE = "restore the checkpoint from a good copy"
+_NEVER_LINKS = "a checkpoint's files are never links"
+_LINKED = ("zero_ext.save writes regular files only and a link could make loading read any file. Copy the file it "
+           "points to in its place")
 
 
 class Checkpoint:
@@ -55,7 +58,7 @@ class Checkpoint:
         for _ in range(3):  # a save renaming the path between resolve and open: look again
             where = resolve(path, self.who)
             try:
-                return where, os.open(where, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+                return where, open_directory(where)
             except FileNotFoundError:
                 continue
         raise FileNotFoundError(f"{self.who}: no checkpoint at {path} (it kept being replaced while opening)")
@@ -65,33 +68,22 @@ class Checkpoint:
 
     def _read_metadata(self) -> bytes:
         try:
-            fd = os.open(METADATA, _NOFOLLOW, dir_fd=self.dir_fd)
+            f = open_regular(METADATA, self.dir_fd, self.meta_file, self.who, _NEVER_LINKS)
         except FileNotFoundError:
             raise RuntimeError(
                 f"{self.who}: {self.meta_file} is missing: {self.where} is not a complete zero_ext checkpoint "
                 "(metadata is written last, so a save that died leaves none)") from None
-        except OSError as error:
-            raise ValueError(f"{self.who}: {self.meta_file} cannot be opened as a regular file "
-                             f"({error}); a checkpoint's files are never links") from None
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise ValueError(f"{self.who}: {self.meta_file} is not a regular file")
-            return f.read()
+        with f:
+            return read_to_end(f, self.meta_file, self.who)
 
     def _check_sizes(self) -> None:
         """Every listed file is a regular file here (not a link) of the listed size."""
         for name, entry in self.meta.files.items():
             full = self.path(name)
             try:
-                info = os.stat(name, dir_fd=self.dir_fd, follow_symlinks=False)
+                info = stat_regular(name, self.dir_fd, f"checkpoint file {full}", self.who, _LINKED)
             except FileNotFoundError:
                 raise RuntimeError(f"{self.who}: checkpoint file {full} is missing") from None
-            if stat.S_ISLNK(info.st_mode):
-                raise ValueError(f"{self.who}: checkpoint file {full} is a symbolic link; zero_ext.save writes "
-                                 "regular files only and a link could make loading read any file. Copy the "
-                                 "file it points to in its place")
-            if not stat.S_ISREG(info.st_mode):
-                raise ValueError(f"{self.who}: checkpoint file {full} is not a regular file")
             if info.st_size != entry.size:
                 raise RuntimeError(
                     f"{self.who}: checkpoint file {full} has {info.st_size} bytes, the metadata says {entry.size} "
@@ -100,18 +92,19 @@ class Checkpoint:
     def open(self, name: str):
         """A validated file of this checkpoint; shard files' headers checked."""
         if name not in self.files:
+            changed = RuntimeError(f"{self.who}: {self.path(name)} changed while loading (a save replaced it?); "
+                                   "load again")
             try:
-                fd = os.open(name, _NOFOLLOW, dir_fd=self.dir_fd)
+                f = open_regular(name, self.dir_fd, self.path(name), self.who, _NEVER_LINKS)
             except FileNotFoundError:
                 raise RuntimeError(
                     f"{self.who}: {self.path(name)} vanished while loading: the checkpoint was replaced or "
                     "removed by a save during this load; load again") from None
-            f = os.fdopen(fd, "rb", buffering=0)
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_size != self.meta.files[name].size:
+            except ValueError:  # refused, though a regular file when its size was checked: replaced since
+                raise changed from None
+            if os.fstat(f.fileno()).st_size != self.meta.files[name].size:
                 f.close()
-                raise RuntimeError(f"{self.who}: {self.path(name)} changed while loading (a save replaced it?); "
-                                   "load again")
+                raise changed
             if name.endswith(".bin"):
                 token, rank, world = parse_shard_header(f.read(HEADER))
                 try:
@@ -140,9 +133,14 @@ class Checkpoint:
         with weights_only=True, on CPU."""
         f = self.open(name)
         f.seek(0)
-        raw = f.read()
-        if len(raw) != self.meta.files[name].size:
-            raise RuntimeError(f"{self.who}: {self.path(name)} ended early (truncated while loading?)")
+        size = self.meta.files[name].size
+        try:
+            raw = read_to_end(f, self.path(name), self.who, limit=size)
+        except ValueError:  # grew past its size
+            raw = None
+        if raw is None or len(raw) != size:
+            raise RuntimeError(f"{self.who}: {self.path(name)} is no longer the {size} bytes the metadata says "
+                               "(truncated or overwritten while loading?)")
         crc = digest(raw)
         if crc != self.meta.files[name].checksum:
             for other, entry in self.meta.files.items():

@@ -1,39 +1,37 @@
-"""zero_ext.save: a sharded checkpoint, written atomically, each byte
-checksummed as it is written.
+"""zero_ext.save of zero_ext's own format: a sharded checkpoint, each byte
+checksummed as it is written. (The entry, files/entry.py, checks the
+options, has the ranks agree and publishes; this module says what each rank
+writes and what rank 0 publishes.)
 
 Phases, each ended on every rank by Ranks.settle (a failure anywhere raises
-everywhere at once): (0) inputs: the path is rank 0's and every rank must
-have passed the same; `extra` must be something torch.load(weights_only=True)
-reads back; nothing is written before all ranks agree. (1) every rank writes
-its files into the staging directory (publish.staging_path). (2) rank 0
-checks every rank's files are there with their sizes, writes metadata.json
-(which makes a directory a checkpoint) and publishes the directory in one
-step (publish.py). A failure removes the staging directory; a crash at any
-point leaves either the previous or the new checkpoint complete.
+everywhere at once): (0) inputs: `extra` must be something
+torch.load(weights_only=True) reads back (extra_file, optimizer_file);
+nothing is written before all ranks agree. (1) every rank writes its files
+into the staging directory (save_parts' write). (2) rank 0 checks every
+rank's files are there with their sizes and builds metadata.json (save_parts'
+index), which publishing writes last: it makes a directory a checkpoint. A
+failure removes the staging directory; a crash at any point leaves either
+the previous or the new checkpoint complete.
 """
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import os
-import shutil
-import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from .. import asynchronous, plan
+from ..bytes_io import write_file
+from ..checksum import digest
+from ..step_counts import count_problem
+from ..weights_only import checked
+from ...optim import class_name, qualified_class_names
 from . import format as files
-from .. import plan
-from . import publish
-from .. import asynchronous
-from ...optim import as_one, class_name, offload_in_memory, qualified_class_names
-from ...tools import require_bool, require_module, require_optimizer, state_of, state_or_none
-from .checksum import digest
-from ...groups import Ranks, group_timeout, refuse_different_paths
-from .metadata import (CHUNK_BYTES, CheckpointMeta, FileMeta, LossScaler, ParamMeta, ParamPiece, Piece, Scalar,
-                       ScalarsPiece, StatePiece, WholeStatePiece, count_problem,
-                       describe_scalar, file_names, scalars_disagreement)
+from .metadata import CHUNK_BYTES, CheckpointMeta, FileMeta, LossScaler, ParamMeta, file_names
+from .pieces import (ParamPiece, Piece, Scalar, ScalarsPiece, StatePiece, WholeStatePiece, describe_scalar,
+                     scalars_disagreement)
 
 
 def _scalar(name: str, key: Any, value: Any) -> Optional[Scalar]:
@@ -57,50 +55,7 @@ def _scalar(name: str, key: Any, value: Any) -> Optional[Scalar]:
     return scalar
 
 
-def weights_only_loadable(value: Any) -> bool:
-    try:
-        buffer = io.BytesIO()
-        torch.save(value, buffer)
-        buffer.seek(0)
-        torch.load(buffer, map_location="cpu", weights_only=True)
-        return True
-    except Exception:  # noqa: BLE001 - unpicklable, or refused by weights_only
-        return False
-
-
-def _first_unsafe(value: Any, where: str) -> Tuple[str, Any]:
-    """The innermost entry of `value` that weights_only cannot read back."""
-    if isinstance(value, dict):
-        children = [(f"{where}[{k!r}]", v) for k, v in value.items()]
-    elif isinstance(value, (list, tuple)):
-        children = [(f"{where}[{i}]", v) for i, v in enumerate(value)]
-    else:
-        children = []
-    for at, child in children:
-        if not weights_only_loadable(child):
-            return _first_unsafe(child, at)
-    return where, value  # a leaf, or a container type weights_only refuses
-
-
-def _checked_file(token: str, rank: int, value: Any, label: str) -> bytes:
-    """The bytes of a .pt file holding `value`, once torch.load(weights_only=True)
-    has read them back: load reads nothing else, so this is checked at save."""
-    try:
-        blob = files.packed(token, rank, value)
-        torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-        return blob
-    except Exception:  # noqa: BLE001 - named precisely below
-        pass
-    where, bad = _first_unsafe(value, label)
-    raise TypeError(
-        f"zero_ext.save: {where} is a {type(bad).__module__}.{type(bad).__qualname__}, which "
-        "torch.load(weights_only=True) cannot read back, and zero_ext.load reads checkpoints only that way "
-        "(anything else could run code when loaded). It may hold tensors, numbers, strings, bools, None and "
-        "lists, tuples and dicts of them (e.g. scheduler.state_dict(), torch.get_rng_state()): store the "
-        "object's state_dict() or plain values instead. Nothing was written")
-
-
-def _rank_ops(model, optimizer, state, ranks: Ranks) -> list:
+def _rank_ops(model, optimizer, state, ranks) -> list:
     """What this rank writes, in order: ("put", name, start, tensor, key,
     shape) for a range of a parameter's values (no key), of its elementwise
     state (key) or a whole state that is not elementwise (key, shape), and
@@ -160,7 +115,7 @@ def _rank_ops(model, optimizer, state, ranks: Ranks) -> list:
     return ops
 
 
-def _write_rank_files(tmp: str, ops: list, ranks: Ranks, token: str,
+def _write_rank_files(tmp: str, ops: list, ranks, token: str,
                       blobs: Dict[str, bytes]) -> Tuple[List[Piece], Dict[str, FileMeta]]:
     """This rank's files in `tmp`; returns its pieces (indices assigned
     later) and {file: size and checksum}."""
@@ -184,7 +139,7 @@ def _write_rank_files(tmp: str, ops: list, ranks: Ranks, token: str,
         raise
     written = {name: FileMeta(writer.offset, None)}
     for file, blob in blobs.items():
-        files.write_file(os.path.join(tmp, file), blob)
+        write_file(os.path.join(tmp, file), blob)
         written[file] = FileMeta(len(blob), digest(blob))
     return pieces, written
 
@@ -279,195 +234,43 @@ def _reads_back(document: dict, target: str) -> None:
                            f"(a zero_ext bug; please report it): {error}") from None
 
 
-FORMATS = ("zero_ext", "dcp")
-DEFAULT_DCP_LAYOUT = "get_state_dict"
-CALL = "zero_ext.save(path, model, optimizer, extra=None)"
+def extra_file(token: str, rank: int, extra: Any) -> Dict[str, bytes]:
+    """Phase 0, every rank: its extra-rank<r>.pt, once it reads back."""
+    return {f"extra-rank{rank}.pt": checked(extra, "extra", lambda v: files.packed(token, rank, v))}
 
 
-def check_options(format: Any, async_save: Any, dcp_layout: Any) -> None:
-    """save's options as they are passed, refused (phase 0, so on every rank)
-    unless each means what it says: a format's name, async_save a bool
-    (bool("False") would be True), a dcp_layout only where it applies."""
-    if not isinstance(format, str):
-        raise TypeError(f"zero_ext.save: format must be a str, one of {list(FORMATS)}, not {format!r}")
-    if format not in FORMATS:
-        raise ValueError(f"zero_ext.save: format must be one of {list(FORMATS)}, not {format!r}")
-    require_bool(async_save, "zero_ext.save", "async_save",
-                 "pass async_save=True to write in the background (save returns a handle at once) or False (the "
-                 "default) to return once the checkpoint is in place. Nothing was written")
-    if format != "dcp" and not (isinstance(dcp_layout, str) and dcp_layout == DEFAULT_DCP_LAYOUT):
-        raise ValueError(f"zero_ext.save: dcp_layout applies to format=\"dcp\" only, and this save's format is "
-                         f"{format!r}: pass format=\"dcp\" with dcp_layout={dcp_layout!r}, or leave dcp_layout out "
-                         f"for format=\"zero_ext\" (zero_ext's own checkpoints have one layout). Nothing was written")
+def optimizer_file(token: str, optimizer) -> Dict[str, bytes]:
+    """Phase 0, rank 0: optimizer.pt (the class and the param groups'
+    hyperparameters), once it reads back."""
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    value = {"class": class_name(optimizer), "param_groups": groups}
+    return {"optimizer.pt": checked(value, "optimizer", lambda v: files.packed(token, 0, v))}
 
 
-def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: Any = None, *,
-         format: str = "zero_ext", async_save: bool = False, dcp_layout: str = DEFAULT_DCP_LAYOUT):
-    """Writes a sharded checkpoint directory at `path`, atomically: every rank
-    writes its own shards; the directory appears (replacing an older
-    checkpoint) only once all ranks have finished. Collective: call on every
-    rank with the same path. `extra` (per rank) may hold what
-    torch.load(weights_only=True) reads: tensors, numbers, strings, None,
-    lists, tuples and dicts of them.
-
-    format="dcp" writes a torch.distributed.checkpoint directory instead
-    (files/dcp/): `{"model": ..., "optim": ...}` in get_state_dict's layout,
-    or torchtitan's with dcp_layout="torchtitan" (`extra` then holds its
-    other entries: {"lr_scheduler": ..., "dataloader": ..., "train_state": ...}).
-
-    async_save=True returns an AsyncSave at once (`wait()`, `done()`): the
-    state at the call is copied to host buffers, written and published in
-    the background (files/asynchronous.py); otherwise returns None when the
-    checkpoint is in place. async_save takes True or False only, and
-    dcp_layout applies to format="dcp" only: anything else is refused on
-    every rank before anything is written."""
-    require_module(model, "zero_ext.save", CALL)
-    state = state_of(model)
-    asynchronous.wait_for_previous(state)  # one save at a time per model: the last one's error surfaces here
-    # offload_*="nvme": the values, gradients and optimizer state this rank
-    # holds in its offload files are in memory for the checkpoint's duration
-    # (an asynchronous save's snapshot is taken inside).
-    with offload_in_memory([state_or_none(model)], values_changed=False):
-        return _save(path, model, optimizer, extra, format, async_save, dcp_layout)
-
-
-def _save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: Any, format: str,
-          async_save: bool, dcp_layout: str):
-    """save() with the offloaded state in memory."""
-    state = state_of(model)
-    original, optimizer = optimizer, as_one(optimizer)  # a list or tuple of the model's optimizers: one view
-    ranks = Ranks(state, "zero_ext.save")
-    token = ranks.from_rank0(uuid.uuid4().hex)
-
-    # Phase 0: every input checked on every rank; nothing written yet.
-    error, target, blobs, layout = None, None, {}, None
-    try:
-        check_options(format, async_save, dcp_layout)
-        require_optimizer(original, "zero_ext.save", CALL)
-        if state_or_none(optimizer) is not state:
-            raise ValueError("zero_ext.save: this optimizer was not wrapped together with this model")
-        target = os.path.abspath(os.fspath(path))
-        if format == "dcp":
-            from ..dcp.layout import layout_named
-            layout = layout_named(dcp_layout)
-            if layout.name == "torchtitan" and extra is not None and not isinstance(extra, dict):
-                raise TypeError("zero_ext.save: with dcp_layout=\"torchtitan\", extra holds the checkpoint's other "
-                                "top-level entries, a dict such as {\"lr_scheduler\": ..., \"train_state\": ...}, "
-                                f"not a {type(extra).__name__}. Nothing was written")
-            _checked_file(token, ranks.rank, extra, "extra")  # what the reader's weights_only load accepts
-        else:
-            blobs[f"extra-rank{ranks.rank}.pt"] = _checked_file(token, ranks.rank, extra, "extra")
-        if ranks.rank == 0:
-            publish.check_target(target)
-            if format != "dcp":
-                groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-                blobs["optimizer.pt"] = _checked_file(
-                    token, 0, {"class": class_name(optimizer), "param_groups": groups}, "optimizer")
-    except Exception as e:  # noqa: BLE001 - raised on every rank by settle
-        error = e
-    # The options travel only once checked here (a refused one may not even pickle).
-    asked = ranks.settle(error, None if error is not None else
-                         (target, format, async_save, dcp_layout if format == "dcp" else None))
-    refuse_different_paths([a[0] for a in asked], "zero_ext.save",
-                           "a save writes one checkpoint at rank 0's path", "Nothing was written")
-    if any(a[1:] != asked[0][1:] for a in asked):
-        listed = ", ".join(f"rank {r}: format={a[1]!r}, async_save={a[2]}, dcp_layout={a[3]!r}"
-                           for r, a in enumerate(asked))
-        raise ValueError(f"zero_ext.save: ranks passed different options ({listed}); pass the same on every rank. "
-                         "Nothing was written")
-
-    tmp = publish.staging_path(target, token)
-    if format == "dcp":
-        members = group_members(state, optimizer, ranks)
-    error, job = None, None
-    try:  # what this rank writes (a snapshot of it, asynchronous)
-        if format == "dcp":
-            job = _dcp_job(model, optimizer, state, ranks, token, target, tmp, layout, extra, members, async_save)
-        else:
-            job = _own_job(model, optimizer, state, ranks, token, target, tmp, blobs, async_save)
-    except Exception as e:  # noqa: BLE001 - raised on every rank by settle
-        error = e
-    ranks.settle(error, action=f"zero_ext.save: preparing {target}", note="Nothing was written")
-    if async_save:
-        timeout = group_timeout(state.process_group) if state.process_group is not None else None
-        return asynchronous.AsyncSave(job, asynchronous.Exchange(ranks, token, timeout), state)
-    asynchronous.run_now(job, ranks)
-    return None
-
-
-def _staged(state, tensors: List[torch.Tensor]):
-    """A copy function over a snapshot of `tensors` in the model's reusable host buffers."""
-    return asynchronous.stager_of(state).stage(tensors)
-
-
-def _own_job(model, optimizer, state, ranks: Ranks, token: str, target: str, tmp: str, blobs: Dict[str, bytes],
-             async_save: bool) -> "asynchronous.Job":
+def save_parts(model, optimizer, state, ranks, token: str, target: str, tmp: str, blobs: Dict[str, bytes],
+               async_save: bool):
+    """(write, index) of a save into the staging directory `tmp`: write()
+    writes this rank's files and returns its report; index(every rank's
+    reports), on rank 0, checks them and returns metadata.json's document,
+    which publishing writes last. What is written is taken now (a snapshot
+    in host buffers for an asynchronous save)."""
     ops = _rank_ops(model, optimizer, state, ranks)
     if ranks.rank == 0:  # buffers are tensors: always weights_only-safe
         values = {k: v.detach().cpu().clone() for k, v in plan.persistent_buffers(model).items()}
         blobs["buffers.pt"] = files.packed(token, 0, values)
     if async_save:
-        copy = _staged(state, [op[3] for op in ops if isinstance(op, tuple)])
+        copy = asynchronous.stager_of(state).stage([op[3] for op in ops if isinstance(op, tuple)])
         ops = [op if not isinstance(op, tuple) else op[:3] + (copy(op[3]),) + op[4:] for op in ops]
 
     def write():
-        publish.make_staging(tmp, token, ranks.rank)
         return _write_rank_files(tmp, ops, ranks, token, blobs)
 
-    def publish_all(gathered):
-        try:
-            sizes = _check_written(tmp, ranks.world, gathered)
-            _check_scalars_agree(gathered)
-            meta = _metadata(model, optimizer, state, token, [p for ps, _ in gathered for p in ps], sizes,
-                             ranks.world)
-            document = meta.to_json()
-            _reads_back(document, target)
-        except Exception as e:  # noqa: BLE001 - reported to every rank by the caller
-            shutil.rmtree(tmp, ignore_errors=True)
-            return e, f"Nothing was published: {tmp} was removed and the previous checkpoint, if any, is untouched"
-        return publish.publish(target, tmp, token, document)
+    def index(gathered) -> dict:
+        sizes = _check_written(tmp, ranks.world, gathered)
+        _check_scalars_agree(gathered)
+        meta = _metadata(model, optimizer, state, token, [p for ps, _ in gathered for p in ps], sizes, ranks.world)
+        document = meta.to_json()
+        _reads_back(document, target)
+        return document
 
-    return asynchronous.Job(ranks.rank, write, publish_all, lambda: shutil.rmtree(tmp, ignore_errors=True),
-                            f"zero_ext.save: writing {target}",
-                            f"The unfinished {tmp} was removed and the previous checkpoint, if any, is untouched")
-
-
-def group_members(state, optimizer, ranks: Ranks) -> List[List[int]]:
-    """Each param group's parameters (bucketed indices) over every rank: a
-    rank's optimizer holds its own segments only. Collective; an optimizer
-    not wrapped with this model raises on every rank."""
-    error, mine = None, None
-    try:
-        if state_or_none(optimizer) is not state:
-            raise ValueError("zero_ext: this optimizer was not wrapped together with this model")
-        mine = plan.optimizer_pieces_by_group(state, optimizer)
-    except Exception as e:  # noqa: BLE001 - raised on every rank by settle
-        error = e
-    every = ranks.settle(error, mine)
-    return [sorted(set().union(*(r[g] for r in every))) for g in range(len(mine))]
-
-
-def _dcp_job(model, optimizer, state, ranks: Ranks, token: str, target: str, tmp: str, layout, extra: Any,
-             members: List[List[int]], async_save: bool) -> "asynchronous.Job":
-    from ..dcp import save as dcp_save
-
-    items = dcp_save.contents(model, optimizer, state, ranks.rank, ranks.mesh_size, layout, extra, members)
-    if async_save:
-        items = items.staged(_staged(state, [t.data for t in items.tensors]))
-
-    def write():
-        publish.make_staging(tmp, token, ranks.rank)
-        return dcp_save.write_rank_file(tmp, ranks.rank, items)
-
-    def publish_all(reports):
-        try:
-            meta, sidecar = dcp_save.index_files(reports, token, target)
-            files.write_file(os.path.join(tmp, dcp_save.SIDECAR), sidecar)
-        except Exception as e:  # noqa: BLE001
-            shutil.rmtree(tmp, ignore_errors=True)
-            return e, f"Nothing was published: {tmp} was removed and the previous checkpoint, if any, is untouched"
-        return publish.publish(target, tmp, token, meta, index_file=dcp_save.METADATA)
-
-    return asynchronous.Job(ranks.rank, write, publish_all, lambda: shutil.rmtree(tmp, ignore_errors=True),
-                            f"zero_ext.save: writing {target}",
-                            f"The unfinished {tmp} was removed and the previous checkpoint, if any, is untouched")
+    return write, index

@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from ...tools import torch_compat
 from .boxes import Box, intersect, volume
 
 METADATA = ".metadata"
@@ -65,10 +66,8 @@ def _allowed() -> Dict[Tuple[str, str], Any]:
     from torch.distributed.checkpoint import filesystem as fs
 
     allowed: Dict[Tuple[str, str], Any] = {("torch", "Size"): torch.Size}
-    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"):
-        if hasattr(md, name):
-            allowed[(md.__name__, name)] = getattr(md, name)
+    for name, cls in torch_compat.dcp_metadata_classes().items():
+        allowed[(md.__name__, name)] = cls
     allowed[(fs.__name__, "_StorageInfo")] = fs._StorageInfo
     for name in dir(torch):
         value = getattr(torch, name, None)
@@ -86,11 +85,9 @@ def _allowed() -> Dict[Tuple[str, str], Any]:
 
 
 def _buildable() -> Tuple[type, ...]:
-    from torch.distributed.checkpoint import metadata as md
     from torch.distributed.checkpoint import filesystem as fs
-    return tuple(getattr(md, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
-                                          "ChunkStorageMetadata", "TensorProperties", "StorageMeta", "MetadataIndex")
-                 if hasattr(md, n)) + (fs._StorageInfo,)
+
+    return tuple(torch_compat.dcp_metadata_classes(stateful_only=True).values()) + (fs._StorageInfo,)
 
 
 class _Unpickler(pickle._Unpickler):  # the Python implementation: its opcodes can be guarded one by one
@@ -283,11 +280,5 @@ def metadata_bytes(tensors: Dict[str, Tuple[torch.dtype, Tuple[int, ...], List[T
         described[key] = md.BytesStorageMetadata()
         storage[md.MetadataIndex(key)] = _StorageInfo(at.file, at.offset, at.length)
     meta = md.Metadata(state_dict_metadata=described, planner_data=dict(paths), storage_data=storage)
-    if hasattr(md, "StorageMeta"):
-        meta.storage_meta = md.StorageMeta(checkpoint_id=checkpoint_id, save_id=save_id)
-    try:
-        from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-        meta.version = CURRENT_DCP_VERSION
-    except ImportError:  # an older torch: its Metadata has no version
-        pass
+    torch_compat.stamp_dcp_metadata(meta, checkpoint_id, save_id)
     return pickle.dumps(meta)

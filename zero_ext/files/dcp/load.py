@@ -1,7 +1,8 @@
 """zero_ext.load of a DCP directory, whoever wrote it (FSDP2, DDP,
 torchtitan, zero_ext), at any world size, stage and tensor-parallel layout.
 
-The phases are checkpoint/load.py's, ended on every rank by Ranks.settle:
+The phases are those of zero_ext's own format (checkpoint/load.py; the steps
+both take are load_phases.py), ended on every rank by Ranks.settle:
 (A) open and check: the layout (layout.recognise), the model's names and
 shapes (strictly by default, the same error as zero_ext's own format), the
 param groups; (B) every range this rank holds, of each parameter and of its
@@ -17,10 +18,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .. import plan
-from ..checkpoint.metadata import count_problem
+from ..load_phases import check_same_names, install, refresh
+from ..step_counts import count_problem
 from .boxes import boxes_of_range, flat_index, intersect, narrow, shifted, volume
 from .index import BytesEntry, TensorEntry
 from .layout import Layout, recognise, unflatten
+from .param_groups import group_members
 from .reader import DcpCheckpoint
 
 _TRAINER_ENTRIES = ("optimizer", "optim", "lr_scheduler", "dataloader", "train_state", "extra")
@@ -149,14 +152,14 @@ class Plan:
     """Phase A's findings: what this rank reads, and from where."""
 
     def __init__(self, checkpoint: DcpCheckpoint, state, model, strict: bool, with_optimizer: bool,
-                 rank: int, check_names, group_members: List[List[int]]):
+                 rank: int, group_members: List[List[int]]):
         where = checkpoint.where
         self.checkpoint = checkpoint
         names = [n for n, _ in model.named_parameters()]
         self.layout = recognise(checkpoint.index.entries, names, where)
         self.model_keys = _model_entries(checkpoint, self.layout)
         saved = {n: checkpoint.index.entries[k].shape for n, k in self.model_keys.items()}
-        check_names(where, saved, model, strict)
+        check_same_names(where, saved, model, strict)
         name_set = set(names)
         self.state_keys = _state_entries(checkpoint, self.layout, name_set)
         self.with_optimizer = with_optimizer
@@ -267,19 +270,16 @@ def read_optimizer(p_plan: Plan, state, optimizer) -> Dict[torch.Tensor, Dict[st
 
 
 @torch.no_grad()
-def load_dcp(where: str, model, optimizer, state, ranks, strict: bool, mismatch: str, check_names) -> Any:
-    from ..checkpoint.load import install, refresh
-
+def load_dcp(where: str, model, optimizer, state, ranks, strict: bool, mismatch: str) -> Any:
     """zero_ext.load's phases over a DCP directory (the caller checked the
     ranks agree on it). Returns this rank's extra."""
-    from ..checkpoint.save import group_members
     members = group_members(state, optimizer, ranks)  # collective: a rank's optimizer holds its own segments
     checkpoint = None
     try:
         error, found = None, None
         try:
             checkpoint = DcpCheckpoint(where, "zero_ext.load")
-            found = Plan(checkpoint, state, model, strict, mismatch != "fresh", ranks.rank, check_names, members)
+            found = Plan(checkpoint, state, model, strict, mismatch != "fresh", ranks.rank, members)
         except Exception as e:  # noqa: BLE001 - raised on every rank by settle
             error = e
         saves = ranks.settle(error, checkpoint.index.save_id if checkpoint is not None else None)

@@ -1,7 +1,8 @@
-"""Reading a DCP directory without trusting it: the directory opened once,
-no links followed, `.metadata` through index.py's allowlist, every item's
-bytes inside its file, loaded with torch.load(weights_only=True), a tensor
-chunk checked to be the dtype and shape the metadata says. Where zero_ext
+"""Reading a DCP directory without trusting it: its files opened through
+safe_read.py (the directory once, no links followed, nothing outside it),
+`.metadata` through index.py's allowlist, every item's bytes inside its
+file, loaded with torch.load(weights_only=True), a tensor chunk checked to
+be the dtype and shape the metadata says. Where zero_ext
 wrote the checkpoint, its checksum sidecar (save.py) is checked first and
 each item's bytes against it: a flipped byte is refused, not loaded. A DCP
 written by other tools carries no checksums; what can be checked then is
@@ -11,32 +12,26 @@ from __future__ import annotations
 import io
 import json
 import os
-import stat
 from typing import Any, Dict, Optional
 
 import torch
 
-from ..bytes_io import READ_NOFOLLOW, bytes_view, close_opened
-from ..checkpoint.checksum import digest
-from ..checkpoint.metadata import _canonical
-from .boxes import Box
+from ..bytes_io import bytes_view
+from ..checksum import digest
+from ..safe_read import close_opened, open_directory, open_regular, read_range, read_to_end
+from ..sealing import is_sealed
+from .boxes import Box, intersect, narrow, volume
 from .index import METADATA, SIDECAR, BytesEntry, DcpIndex, Stored, TensorEntry
 
-_NOFOLLOW = READ_NOFOLLOW
 _RESTORE = "restore the checkpoint from a good copy"
-
-
-def is_dcp(directory: str) -> bool:
-    """A DCP directory (its `.metadata`), not a zero_ext checkpoint."""
-    from ..checkpoint.metadata import METADATA as OWN
-    return os.path.isfile(os.path.join(directory, METADATA)) and not os.path.lexists(os.path.join(directory, OWN))
+_NEVER_LINKS = f"a checkpoint's files are never links; {_RESTORE}"
 
 
 class DcpCheckpoint:
     def __init__(self, where: str, who: str):
         self.who, self.where = who, where
         self.files: Dict[str, Any] = {}
-        self.dir_fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        self.dir_fd = open_directory(where)
         try:
             self.meta_file = os.path.join(where, METADATA)
             self.index = DcpIndex.parse(self._read(METADATA), f"{who}: {self.meta_file}")
@@ -49,33 +44,27 @@ class DcpCheckpoint:
         close_opened(self)
 
     def _read(self, name: str) -> bytes:
-        try:
-            fd = os.open(name, _NOFOLLOW, dir_fd=self.dir_fd)
-        except OSError as error:
-            raise ValueError(f"{self.who}: {os.path.join(self.where, name)} cannot be opened as a regular file "
-                             f"({error}); a checkpoint's files are never links") from None
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise ValueError(f"{self.who}: {os.path.join(self.where, name)} is not a regular file")
-            return f.read()
+        """A small file of the directory, whole (FileNotFoundError where missing)."""
+        shown = os.path.join(self.where, name)
+        with open_regular(name, self.dir_fd, shown, self.who, _NEVER_LINKS) as f:
+            return read_to_end(f, shown, self.who)
 
     def _sidecar(self) -> Optional[Dict[str, list]]:
         """zero_ext's checksums of this save's items, or None (another tool's DCP)."""
+        path = os.path.join(self.where, SIDECAR)
         try:
-            os.stat(SIDECAR, dir_fd=self.dir_fd, follow_symlinks=False)
+            raw = self._read(SIDECAR)
         except FileNotFoundError:
             if self.index.save_id is not None and self.index.save_id.startswith("zero_ext-"):
                 raise ValueError(f"{self.who}: {self.where} was written by zero_ext but its {SIDECAR} (the "
                                  f"checksums of its items) is missing; {_RESTORE}") from None
             return None
-        path = os.path.join(self.where, SIDECAR)
         try:
-            document = json.loads(self._read(SIDECAR))
+            document = json.loads(raw)
         except ValueError as error:
             raise ValueError(f"{self.who}: {path} is damaged ({error}); {_RESTORE}") from None
         items = document.get("items") if isinstance(document, dict) else None
-        if not isinstance(items, dict) or document.get("checksum") != digest(
-                _canonical({k: v for k, v in document.items() if k != "checksum"})):
+        if not isinstance(items, dict) or not is_sealed(document):
             raise ValueError(f"{self.who}: {path} is damaged (its seal does not match its content); {_RESTORE}")
         if f"zero_ext-{document.get('token')}" != self.index.save_id:
             raise ValueError(f"{self.who}: {path} belongs to another save than {self.meta_file} (a directory "
@@ -83,18 +72,15 @@ class DcpCheckpoint:
         return items
 
     def _file(self, name: str):
+        """A data file the metadata names, opened once."""
         f = self.files.get(name)
         if f is None:
+            shown = os.path.join(self.where, name)
             try:
-                fd = os.open(name, _NOFOLLOW, dir_fd=self.dir_fd)
-            except OSError as error:
-                raise ValueError(f"{self.who}: {os.path.join(self.where, name)}, named by the metadata, cannot be "
-                                 f"opened as a regular file ({error}): a checkpoint's files are never links; "
-                                 f"{_RESTORE}") from None
-            f = os.fdopen(fd, "rb")
+                f = open_regular(name, self.dir_fd, f"{shown} (named by the metadata)", self.who, _NEVER_LINKS)
+            except FileNotFoundError:
+                raise ValueError(f"{self.who}: {shown} (named by the metadata) is missing; {_RESTORE}") from None
             self.files[name] = f
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise ValueError(f"{self.who}: {os.path.join(self.where, name)} is not a regular file")
         return f
 
     def _expected(self, key: str, sum_key: str, at: Stored) -> Optional[int]:
@@ -113,16 +99,8 @@ class DcpCheckpoint:
                           f"{_RESTORE}. Nothing was loaded")
 
     def _bytes(self, key: str, at: Stored) -> bytes:
-        f = self._file(at.file)
-        size = os.fstat(f.fileno()).st_size
-        if at.offset + at.length > size:
-            raise ValueError(f"{self.who}: '{key}' lies at bytes {at.offset}..{at.offset + at.length} of "
-                             f"{os.path.join(self.where, at.file)}, which has {size}: the file is truncated; {_RESTORE}")
-        f.seek(at.offset)
-        data = f.read(at.length)
-        if len(data) != at.length:
-            raise ValueError(f"{self.who}: '{key}' in {os.path.join(self.where, at.file)} is cut short; {_RESTORE}")
-        return data
+        return read_range(self._file(at.file), at.offset, at.length, f"'{key}'", os.path.join(self.where, at.file),
+                          self.who, _RESTORE)
 
     def value(self, key: str) -> Any:
         """A bytes item, read as torch.load(weights_only=True) reads it."""
@@ -163,7 +141,6 @@ class DcpCheckpoint:
 
     def whole(self, key: str) -> torch.Tensor:
         """A tensor entry in full (buffers, scalars, extra's tensors)."""
-        from .boxes import intersect, narrow, volume
         entry = self.index.entries[key]
         assert isinstance(entry, TensorEntry)
         out = torch.empty(entry.shape, dtype=entry.dtype)
@@ -181,4 +158,4 @@ class DcpCheckpoint:
         return out
 
 
-__all__ = ["DcpCheckpoint", "is_dcp", "BytesEntry", "TensorEntry"]
+__all__ = ["DcpCheckpoint", "BytesEntry", "TensorEntry"]

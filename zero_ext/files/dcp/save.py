@@ -10,7 +10,8 @@ parameter, by the rank holding its first element; param groups, buffers
 and frozen parameters by rank 0; `extra` by every rank (get_state_dict
 layout: `extra.rank<r>`; torchtitan layout: its entries at the top level).
 
-`write_rank_file` writes one data file `__<rank>_0.distcp` as torch's
+`save_parts` gives files/entry.py the two halves of the save it runs and
+publishes: `write_rank_file` writes one data file `__<rank>_0.distcp` as torch's
 FileSystemWriter does (each item torch.save bytes) and returns where each
 item went with its checksum; `index_files` builds, on rank 0, `.metadata`
 (DCP's pickled Metadata, which every DCP reader needs) and
@@ -21,7 +22,6 @@ verifies what it reads against it; other readers ignore the file.
 """
 from __future__ import annotations
 
-import io
 import json
 import os
 from dataclasses import dataclass, field
@@ -29,13 +29,15 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .. import plan
-from ..bytes_io import bytes_view
-from ..checkpoint.checksum import ALGORITHM, digest
-from ..checkpoint.metadata import count_problem, seal
+from .. import asynchronous, plan
+from ..bytes_io import bytes_view, write_file
+from ..checksum import ALGORITHM, digest
+from ..sealing import seal
+from ..step_counts import count_problem
+from ..weights_only import checked, serialized
 from .boxes import Box, boxes_of_range, flat_index, shifted, volume
 from .index import METADATA, SIDECAR, DcpIndex, Stored, metadata_bytes
-from .layout import Layout, Path, flatten
+from .layout import Layout, Path, flatten, layout_named
 
 SIDECAR_FORMAT = "zero_ext-dcp-checksums"
 
@@ -57,7 +59,7 @@ class Contents:
     values: Dict[str, Tuple[Path, bytes]] = field(default_factory=dict)  # serialized at the call: a snapshot
 
     def value(self, key: str, path: Path, value: Any) -> None:
-        self.values[key] = (path, _bytes_of(value))
+        self.values[key] = (path, serialized(value))
 
     def staged(self, copy) -> "Contents":
         """The same contents with each tensor replaced by copy(tensor)."""
@@ -88,19 +90,33 @@ def _chunks(key: str, path: Path, p: torch.Tensor, full: Tuple[int, ...], place,
 
 def contents(model: torch.nn.Module, optimizer, state, rank: int, mesh_size: int, layout: Layout,
              extra: Any, group_members: List[List[int]]) -> Contents:
-    """`group_members`: each param group's parameters (bucketed indices),
-    over every rank (a rank's optimizer holds its own segments only)."""
+    """What this rank writes. `group_members`: each param group's parameters
+    (bucketed indices), over every rank (a rank's optimizer holds its own
+    segments only)."""
     out = Contents()
-    names = state.bucketed_names
-    places = [_tp_place(state, p) for p in state.bucketed]
     owned: Dict[int, List[Tuple[int, int]]] = {}
     for i, start, end in plan.owned_ranges(state, state.shard_rank):
         owned.setdefault(i, []).append(plan.replica_part(state, start, end))
+    places = [_tp_place(state, p) for p in state.bucketed]
+    _add_parameters(out, model, state, rank, mesh_size, layout, owned, places)
+    _add_optimizer_state(out, optimizer, state, rank, layout, owned, places)
+    if rank == 0:
+        _add_param_groups(out, optimizer, state.bucketed_names, layout, group_members)
+    _add_extra(out, rank, layout, extra)
+    return out
 
-    def whole(key: str, path: Path, value: torch.Tensor) -> None:
-        out.tensors.append(TensorItem(key, path, tuple(value.shape), ((0,) * value.dim(), tuple(value.shape)),
-                                      value.detach()))
 
+def _whole(out: Contents, key: str, path: Path, value: torch.Tensor, shared: bool = False) -> None:
+    """A tensor written whole, as one chunk."""
+    out.tensors.append(TensorItem(key, path, tuple(value.shape), ((0,) * value.dim(), tuple(value.shape)),
+                                  value.detach(), shared))
+
+
+def _add_parameters(out: Contents, model, state, rank: int, mesh_size: int, layout: Layout,
+                    owned: Dict[int, List[Tuple[int, int]]], places: list) -> None:
+    """The owned ranges of each bucketed parameter; rank 0's share of the
+    rest (zero-size parameters, buffers); the parameters not bucketed."""
+    names = state.bucketed_names
     for i, start, view in plan.local_views(state):
         p = state.bucketed[i]
         key, path = layout.model_key(names[i])
@@ -114,22 +130,29 @@ def contents(model: torch.nn.Module, optimizer, state, rank: int, mesh_size: int
     if rank == 0:
         for i, p in enumerate(state.bucketed):  # a zero-size parameter: one empty chunk, so the key exists
             if p.numel() == 0:  # (never read: a stage 3 parameter holds no data here)
-                whole(*layout.model_key(names[i]), torch.empty(plan.full_shape(state, p), dtype=p.dtype))
+                _whole(out, *layout.model_key(names[i]), torch.empty(plan.full_shape(state, p), dtype=p.dtype))
     if rank % mesh_size == 0:  # not bucketed (frozen, ...): whole on every rank of the data-parallel group
         bucketed = {id(p) for p in state.bucketed}
         for n, p in model.named_parameters():
             place = _tp_place(state, p)
             if id(p) not in bucketed and place[2]:
-                flat = p.detach().reshape(-1)
                 key, path = layout.model_key(n)
                 if p.numel():
-                    _chunks(key, path, p, plan.full_shape(state, p), place, 0, p.numel(), flat, out.tensors)
+                    _chunks(key, path, p, plan.full_shape(state, p), place, 0, p.numel(), p.detach().reshape(-1),
+                            out.tensors)
                 else:
-                    whole(key, path, p.detach())
+                    _whole(out, key, path, p.detach())
     if rank == 0:
         for n, buf in plan.persistent_buffers(model).items():
-            whole(*layout.model_key(n), buf.detach().cpu())
+            _whole(out, *layout.model_key(n), buf.detach().cpu())
 
+
+def _add_optimizer_state(out: Contents, optimizer, state, rank: int, layout: Layout,
+                         owned: Dict[int, List[Tuple[int, int]]], places: list) -> None:
+    """Each parameter's optimizer state this rank writes: elementwise state
+    over its ranges, state that is not elementwise whole by its owner,
+    scalars once per parameter (by the rank holding its first element)."""
+    names = state.bucketed_names
     for tensor, i, start in plan.optimizer_pieces(state, optimizer):
         st = optimizer.state.get(tensor)
         p = state.bucketed[i]
@@ -143,7 +166,7 @@ def contents(model: torch.nn.Module, optimizer, state, rank: int, mesh_size: int
             key, path = layout.state_key(names[i], str(k))
             if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == length == 0:
                 if rank == 0:  # a zero-size parameter's state: one empty chunk, so the key exists
-                    whole(key, path, torch.empty(plan.full_shape(state, p), dtype=v.dtype))
+                    _whole(out, key, path, torch.empty(plan.full_shape(state, p), dtype=v.dtype))
             elif isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == length:
                 flat = v.detach().reshape(-1)
                 for lo, hi in ranges:
@@ -153,46 +176,53 @@ def contents(model: torch.nn.Module, optimizer, state, rank: int, mesh_size: int
                                 flat[a - start:b - start], out.tensors)
             elif isinstance(v, torch.Tensor) and v.dim() > 0:  # not elementwise: its owner writes it whole
                 if (state.whole_params and state.replica_rank == 0) or rank == 0:  # hybrid: the first row's owner
-                    whole(key, path, v.detach().cpu())
+                    _whole(out, key, path, v.detach().cpu())
             elif writes_first or (length == 0 and rank == 0):  # a scalar: once per parameter
-                plain = v.item() if isinstance(v, torch.Tensor) else v
-                problem = count_problem(str(k), plain) if isinstance(plain, (int, float)) else None
-                if problem:
-                    raise ValueError(f"zero_ext.save: optimizer state {k!r} of '{names[i]}' {problem}: the "
-                                     "optimizer's state is broken, so this save would not load. Nothing was written")
-                if isinstance(v, torch.Tensor):
-                    whole(key, path, v.detach().cpu())
-                else:
-                    out.value(key, path, v)
+                _add_scalar(out, key, path, names[i], k, v)
 
-    if rank == 0:
-        for g, group in enumerate(optimizer.param_groups):
-            params = [names[i] for i in group_members[g]]
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            if layout.name != "torchtitan":
-                hyper["params"] = params
-            for k, v in hyper.items():
-                for key, path in layout.group_keys(g, params, k):
-                    out.value(key, path, v)
-    if layout.name == "torchtitan":
-        flat: Dict[str, Tuple[Path, Any]] = {}
-        flatten(extra if extra is not None else {}, (), flat)
-        for key, (path, value) in flat.items():
-            if isinstance(value, torch.Tensor):
-                item = TensorItem(key, path, tuple(value.shape), ((0,) * value.dim(), tuple(value.shape)),
-                                  value.detach().cpu(), shared=True)
-                out.tensors.append(item)
-            else:
-                out.value(key, path, value)
+
+def _add_scalar(out: Contents, key: str, path: Path, name: str, k: Any, v: Any) -> None:
+    """Scalar optimizer state (a 0-d tensor or a number), refused here (not
+    at load) when a load would refuse it."""
+    plain = v.item() if isinstance(v, torch.Tensor) else v
+    problem = count_problem(str(k), plain) if isinstance(plain, (int, float)) else None
+    if problem:
+        raise ValueError(f"zero_ext.save: optimizer state {k!r} of '{name}' {problem}: the "
+                         "optimizer's state is broken, so this save would not load. Nothing was written")
+    if isinstance(v, torch.Tensor):
+        _whole(out, key, path, v.detach().cpu())
     else:
+        out.value(key, path, v)
+
+
+def _add_param_groups(out: Contents, optimizer, names: List[str], layout: Layout,
+                      group_members: List[List[int]]) -> None:
+    """Rank 0: each param group's hyperparameters (and, outside torchtitan's
+    layout, its parameters' names)."""
+    for g, group in enumerate(optimizer.param_groups):
+        params = [names[i] for i in group_members[g]]
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        if layout.name != "torchtitan":
+            hyper["params"] = params
+        for k, v in hyper.items():
+            for key, path in layout.group_keys(g, params, k):
+                out.value(key, path, v)
+
+
+def _add_extra(out: Contents, rank: int, layout: Layout, extra: Any) -> None:
+    """`extra`: torchtitan's layout puts its entries at the top level (the
+    same on every rank: the lowest rank's is kept), get_state_dict's keeps
+    each rank's under `extra.rank<r>`."""
+    if layout.name != "torchtitan":
         out.value(f"extra.rank{rank}", ("extra", f"rank{rank}"), extra)
-    return out
-
-
-def _bytes_of(value: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return buffer.getvalue()
+        return
+    flat: Dict[str, Tuple[Path, Any]] = {}
+    flatten(extra if extra is not None else {}, (), flat)
+    for key, (path, value) in flat.items():
+        if isinstance(value, torch.Tensor):
+            _whole(out, key, path, value.detach().cpu(), shared=True)
+        else:
+            out.value(key, path, value)
 
 
 @dataclass
@@ -272,4 +302,40 @@ def index_files(reports: List[RankReport], token: str, target: str) -> Tuple[byt
     return meta, sidecar
 
 
-__all__ = ["Contents", "RankReport", "contents", "write_rank_file", "index_files", "SIDECAR", "METADATA"]
+def checked_layout(dcp_layout: str, extra: Any) -> Layout:
+    """Phase 0 of a DCP save, on every rank: the layout named, and an
+    `extra` it takes (torchtitan's: a dict of the checkpoint's other
+    top-level entries) that torch.load(weights_only=True) reads back."""
+    layout = layout_named(dcp_layout)
+    if layout.name == "torchtitan" and extra is not None and not isinstance(extra, dict):
+        raise TypeError("zero_ext.save: with dcp_layout=\"torchtitan\", extra holds the checkpoint's other "
+                        "top-level entries, a dict such as {\"lr_scheduler\": ..., \"train_state\": ...}, "
+                        f"not a {type(extra).__name__}. Nothing was written")
+    checked(extra, "extra")
+    return layout
+
+
+def save_parts(model, optimizer, state, ranks, token: str, target: str, tmp: str, layout: Layout, extra: Any,
+               group_members: List[List[int]], async_save: bool):
+    """(write, index) of a DCP save into the staging directory `tmp`:
+    write() writes this rank's data file and returns its report; index(every
+    rank's reports), on rank 0, writes the checksum sidecar and returns
+    `.metadata`'s bytes, which publishing writes last. What is written is
+    taken now (a snapshot in host buffers for an asynchronous save)."""
+    items = contents(model, optimizer, state, ranks.rank, ranks.mesh_size, layout, extra, group_members)
+    if async_save:
+        items = items.staged(asynchronous.stager_of(state).stage([t.data for t in items.tensors]))
+
+    def write() -> RankReport:
+        return write_rank_file(tmp, ranks.rank, items)  # looked up at the call: tests plant a failing one
+
+    def index(reports: List[RankReport]) -> bytes:
+        meta, sidecar = index_files(reports, token, target)
+        write_file(os.path.join(tmp, SIDECAR), sidecar)
+        return meta
+
+    return write, index
+
+
+__all__ = ["Contents", "RankReport", "checked_layout", "contents", "index_files", "save_parts", "write_rank_file",
+           "SIDECAR", "METADATA"]

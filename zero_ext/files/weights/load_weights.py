@@ -28,7 +28,8 @@ import torch
 from . import safetensors as st
 from ...groups import Ranks
 from ..plan import local_views, persistent_buffers
-from .safetensors import open_regular
+from ..safe_read import open_directory, open_regular, read_to_end
+from .safetensors import NEVER_LINKS
 from ...tools import require_bool, require_module, state_of
 
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -96,7 +97,7 @@ class _SafetensorsSource:
 def _load_torch_file(name: str, dir_fd: Optional[int], shown: str) -> Dict[str, torch.Tensor]:
     """A .pt/.bin file of tensors, memory-mapped, weights_only. Opened once
     without following links; torch maps that same open file (/proc/self/fd)."""
-    with open_regular(name, dir_fd, shown, "zero_ext.load_weights") as f:
+    with open_regular(name, dir_fd, shown, "zero_ext.load_weights", NEVER_LINKS) as f:
         fd_path = f"/proc/self/fd/{f.fileno()}"
         target = fd_path if os.path.exists(fd_path) else shown
         try:
@@ -124,16 +125,16 @@ class _TorchFilesSource(_DictSource):
         if not directory:
             self.tensors = _load_torch_file(path, None, path)
             return
-        dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        dir_fd = open_directory(path)
         try:
             index_path = os.path.join(path, BIN_INDEX)
             try:
-                f = open_regular(BIN_INDEX, dir_fd, index_path, "zero_ext.load_weights")
+                f = open_regular(BIN_INDEX, dir_fd, index_path, "zero_ext.load_weights", NEVER_LINKS)
             except FileNotFoundError:
                 self.tensors = _load_torch_file("pytorch_model.bin", dir_fd, os.path.join(path, "pytorch_model.bin"))
                 return
             with f:
-                raw = f.read(st.MAX_HEADER + 1)
+                raw = read_to_end(f, index_path, "zero_ext.load_weights", limit=st.MAX_HEADER)
             try:
                 index = json.loads(raw.decode("utf-8"))
             except (RecursionError, ValueError) as error:
@@ -191,6 +192,40 @@ def _model_keys(model: torch.nn.Module) -> Tuple[Dict[int, List[str]], Dict[str,
     return aliases, persistent_buffers(model)
 
 
+def _match_names(opened, aliases: Dict[int, List[str]], buffers: Dict[str, torch.Tensor],
+                 params: Dict[int, torch.Tensor], strict: bool) -> Tuple[Dict[int, str], List[str], List[str]]:
+    """Phase A's check: (the source's name read for each parameter, the
+    missing keys, the unexpected ones); a shape mismatch raises, and so do
+    missing or unexpected keys where strict."""
+    available = set(opened.keys())
+    chosen: Dict[int, str] = {}
+    missing: List[str] = []
+    for pid, names in aliases.items():
+        found = [n for n in names if n in available]
+        if found:
+            chosen[pid] = found[0]
+        else:
+            missing.extend(names)
+    missing += [n for n in buffers if n not in available]
+    known = {n for names in aliases.values() for n in names} | set(buffers)
+    unexpected = [n for n in opened.keys() if n not in known]
+    mismatched = [f"'{name}': {list(opened.shape(name))} in the source, {list(params[pid].shape)} in the model"
+                  for pid, name in chosen.items() if tuple(opened.shape(name)) != tuple(params[pid].shape)]
+    mismatched += [f"'{n}': {list(opened.shape(n))} in the source, {list(b.shape)} in the model"
+                   for n, b in buffers.items() if n in available and tuple(opened.shape(n)) != tuple(b.shape)]
+    problems = []
+    if mismatched:
+        problems.append("size mismatch for " + "; ".join(mismatched))
+    if strict and missing:
+        problems.append("missing key(s): " + ", ".join(repr(n) for n in missing))
+    if strict and unexpected:
+        problems.append("unexpected key(s): " + ", ".join(repr(n) for n in unexpected))
+    if problems:
+        raise ValueError("zero_ext.load_weights: " + ". ".join(problems) +
+                         (". With strict=False missing and unexpected keys are skipped" if not mismatched else ""))
+    return chosen, missing, unexpected
+
+
 @torch.no_grad()
 def load_weights(model: torch.nn.Module, source, strict: bool = True) -> LoadedWeights:
     """Loads weights into a wrapped model from a state dict, a .safetensors
@@ -217,31 +252,7 @@ def load_weights(model: torch.nn.Module, source, strict: bool = True) -> LoadedW
             aliases, buffers = _model_keys(model)
             available = set(opened.keys())
             params = {id(p): p for _, p in model.named_parameters(remove_duplicate=False)}
-            chosen: Dict[int, str] = {}
-            missing: List[str] = []
-            for pid, names in aliases.items():
-                found = [n for n in names if n in available]
-                if found:
-                    chosen[pid] = found[0]
-                else:
-                    missing.extend(names)
-            missing += [n for n in buffers if n not in available]
-            known = {n for names in aliases.values() for n in names} | set(buffers)
-            unexpected = [n for n in opened.keys() if n not in known]
-            mismatched = [f"'{name}': {list(opened.shape(name))} in the source, {list(params[pid].shape)} in the model"
-                          for pid, name in chosen.items() if tuple(opened.shape(name)) != tuple(params[pid].shape)]
-            mismatched += [f"'{n}': {list(opened.shape(n))} in the source, {list(b.shape)} in the model"
-                           for n, b in buffers.items() if n in available and tuple(opened.shape(n)) != tuple(b.shape)]
-            problems = []
-            if mismatched:
-                problems.append("size mismatch for " + "; ".join(mismatched))
-            if strict and missing:
-                problems.append("missing key(s): " + ", ".join(repr(n) for n in missing))
-            if strict and unexpected:
-                problems.append("unexpected key(s): " + ", ".join(repr(n) for n in unexpected))
-            if problems:
-                raise ValueError("zero_ext.load_weights: " + ". ".join(problems) +
-                                 (". With strict=False missing and unexpected keys are skipped" if not mismatched else ""))
+            chosen, missing, unexpected = _match_names(opened, aliases, buffers, params, strict)
         except Exception as e:  # noqa: BLE001 - raised on every rank by settle
             error = e
         ranks.settle(error)

@@ -11,8 +11,8 @@ tensors over several files listed in model.safetensors.index.json
 Reading trusts nothing: the whole header is validated (types, dtypes,
 bounds inside the file, sizes matching shapes, no two tensors sharing
 bytes) before any tensor byte is read; files are opened without following
-links, relative to their directory's descriptor; an index may name only
-plain file names in its own directory. A read fetches exactly the bytes of
+links, relative to their directory's descriptor (safe_read.py); an index may
+name only plain file names in its own directory. A read fetches exactly the bytes of
 the elements asked for (`bytes_read` counts them), so a rank can read its
 shard of a tensor and nothing else.
 """
@@ -21,13 +21,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..bytes_io import READ_NOFOLLOW, bytes_view as _bytes_view, close_opened, fsync_dir
+from ..bytes_io import bytes_view as _bytes_view, fsync_dir
+from ..safe_read import close_opened, open_directory, open_regular, read_to_end
 
 DTYPES: Dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -37,7 +37,8 @@ DTYPES: Dict[str, torch.dtype] = {
 NAMES: Dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 MAX_HEADER = 100 * 1024 * 1024  # the safetensors package's own limit
 INDEX = "model.safetensors.index.json"
-_NOFOLLOW = READ_NOFOLLOW
+# Where a weight file cannot be opened (a link): what to do instead.
+NEVER_LINKS = "weight files are never read through links. Copy the file the link points to in its place"
 _PLAIN_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}\Z")
 
 
@@ -53,22 +54,6 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-def open_regular(name: str, dir_fd: Optional[int], shown: str, who: str):
-    """An unbuffered binary file: a regular file, not reached through a link."""
-    try:
-        fd = os.open(name, _NOFOLLOW, dir_fd=dir_fd)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{who}: {shown} does not exist") from None
-    except OSError as error:  # ELOOP: a symbolic link
-        raise ValueError(f"{who}: {shown} cannot be opened as a regular file ({error}); weight files are "
-                         "never read through links. Copy the file the link points to in its place") from None
-    f = os.fdopen(fd, "rb", buffering=0)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        f.close()
-        raise ValueError(f"{who}: {shown} is not a regular file")
-    return f
-
-
 class SafetensorsFile:
     """One .safetensors file, its header validated on open."""
 
@@ -77,7 +62,7 @@ class SafetensorsFile:
         self.who = who
         self.path = shown or path
         self.bytes_read = 0
-        self.file = open_regular(path, dir_fd, self.path, who)
+        self.file = open_regular(path, dir_fd, self.path, who, NEVER_LINKS)
         try:
             self.size = os.fstat(self.file.fileno()).st_size
             self._read_header()
@@ -355,7 +340,7 @@ class SafetensorsDirectory:
     def __init__(self, path: str, who: str = "zero_ext"):
         self.who = who
         self.path = path
-        self.dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        self.dir_fd = open_directory(path)
         self.files: Dict[str, SafetensorsFile] = {}
         try:
             self.weight_map = self._weight_map()
@@ -372,13 +357,13 @@ class SafetensorsDirectory:
     def _weight_map(self) -> Dict[str, str]:
         shown = os.path.join(self.path, INDEX)
         try:
-            f = open_regular(INDEX, self.dir_fd, shown, self.who)
+            f = open_regular(INDEX, self.dir_fd, shown, self.who, NEVER_LINKS)
         except FileNotFoundError:
             only = "model.safetensors"
             with SafetensorsFile(only, self.who, dir_fd=self.dir_fd, shown=os.path.join(self.path, only)) as single:
                 return {name: only for name in single.keys()}
         with f:
-            raw = f.read(MAX_HEADER + 1)
+            raw = read_to_end(f, shown, self.who, limit=MAX_HEADER)
         try:
             index = json.loads(raw.decode("utf-8"))
         except (RecursionError, ValueError) as error:
