@@ -23,9 +23,12 @@ from typing import Optional, Set, Tuple
 
 import torch
 
+from ..tools import attach_member, member_of
 
-class RoundState(enum.Enum):
-    """Where a model's optimizer step stands."""
+
+class StepRoundState(enum.Enum):
+    """Where a model's optimizer step stands (Python only; not the C++
+    BackwardRound's RoundState, csrc/backward_round.h, which tracks a backward)."""
 
     IDLE = enum.auto()      # no round open: the next step decides for the model's optimizers
     STEPPING = enum.auto()  # a round is open and its optimizers step
@@ -35,8 +38,8 @@ class RoundState(enum.Enum):
 class StepRound:
     def __init__(self, handles, tensor_parallel=None) -> None:
         self.handles = handles
-        self.size = 0  # optimizers of the model; each has a token 0..size-1 (_zero_ext_member)
-        self.state = RoundState.IDLE
+        self.size = 0  # optimizers of the model; each has a token 0..size-1 (tools.attach_member)
+        self.state = StepRoundState.IDLE
         self.done: Set[int] = set()  # the open round's optimizers that have stepped
         self.waiting_zero: Optional[bool] = None  # set_to_none of a zero_grad that waits
         # A tensor-parallel model's TensorParallel: the core agrees on non-finite
@@ -45,14 +48,14 @@ class StepRound:
         self.tensor_parallel = tensor_parallel
 
     def join(self, optimizer) -> None:
-        # A token in the optimizer's __dict__, not id(): wrappers that copy
-        # it (Lightning's LightningOptimizer) then count as the optimizer.
-        optimizer._zero_ext_member = self.size
+        # A token on the optimizer, not id(): wrappers that copy its __dict__
+        # (Lightning's LightningOptimizer) then count as the optimizer.
+        attach_member(optimizer, self.size)
         self.size += 1
 
     def decide(self, optimizer) -> Tuple[bool, bool]:
         """(skip this step, decided now)."""
-        if self.state is RoundState.IDLE or optimizer._zero_ext_member in self.done or self.size == 1:
+        if self.state is StepRoundState.IDLE or member_of(optimizer) in self.done or self.size == 1:
             if self.waiting_zero is not None:
                 pending = self.size - len(self.done)
                 self.waiting_zero = None
@@ -64,10 +67,10 @@ class StepRound:
                     f"call zero_grad() after the last one's step.")
             self._agree_nonfinite_over_tp()
             skip = bool(self.handles.optimizer.begin_step())
-            self.state = RoundState.SKIPPING if skip else RoundState.STEPPING
+            self.state = StepRoundState.SKIPPING if skip else StepRoundState.STEPPING
             self.done = set()
             return skip, True
-        return self.state is RoundState.SKIPPING, False
+        return self.state is StepRoundState.SKIPPING, False
 
     def _agree_nonfinite_over_tp(self) -> None:
         """Collective over tp (one flag): if any tp rank's gradients were
@@ -82,11 +85,11 @@ class StepRound:
             self.handles.optimizer.note_nonfinite_elsewhere()
 
     def stepped(self, optimizer) -> None:
-        if self.state is RoundState.IDLE:
+        if self.state is StepRoundState.IDLE:
             return  # a step that failed before its round opened (begin_step raised)
-        self.done.add(optimizer._zero_ext_member)
+        self.done.add(member_of(optimizer))
         if len(self.done) >= self.size:
-            self.state = RoundState.IDLE  # every optimizer stepped: the round closes
+            self.state = StepRoundState.IDLE  # every optimizer stepped: the round closes
             if self.waiting_zero is not None:
                 set_to_none, self.waiting_zero = self.waiting_zero, None
                 self.handles.reduction.zero_grad(set_to_none)
@@ -95,7 +98,7 @@ class StepRound:
         # Waits only after this optimizer's own step, for another one's: a
         # zero_grad inside a step (LBFGS's closure) or with one optimizer
         # runs at once, as in PyTorch.
-        if self.size > 1 and self.state is not RoundState.IDLE and optimizer._zero_ext_member in self.done:
+        if self.size > 1 and self.state is not StepRoundState.IDLE and member_of(optimizer) in self.done:
             self.waiting_zero = set_to_none  # another optimizer still reads these gradients
             return
         self.handles.reduction.zero_grad(set_to_none)

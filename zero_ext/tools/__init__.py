@@ -6,7 +6,7 @@ from __future__ import annotations
 from .arguments import described, require_bool, require_module, require_optimizer
 from .class_swap import swap_class
 from .core_handles import CoreHandles, CoreStats, GradLayout
-from .module_state import attach_state, owner_state, state_of, state_or_none
+from .module_state import attach_member, attach_state, member_of, owner_state, state_of, state_or_none
 from .torch_compat import all_gather_into_tensor, outside_compile
 from .version import __version__
 
@@ -20,12 +20,14 @@ __all__ = [
     "GradLayout",
     "__version__",
     "all_gather_into_tensor",
+    "attach_member",
     "attach_state",
     "build_check",
     "core_loader",
     "described",
     "env_report",
     "faults",
+    "member_of",
     "offload_file",
     "outside_compile",
     "owner_state",

@@ -1,7 +1,8 @@
 """The one accessor of the state zero_ext attaches to what it wraps: a
 model's ZeroState (runtime/state.py), and the same object on each of its
-optimizers. Every room reads and attaches it here, never through the
-attribute, so where it lives can change in one place."""
+optimizers; and an optimizer's member token in its model's step round
+(optim/step_round.py). Every room reads and attaches them here, never
+through the attributes, so where they live can change in one place."""
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -9,6 +10,9 @@ from typing import Any, Optional
 import torch
 
 _ATTRIBUTE = "_zero_ext"
+# In the optimizer's __dict__, not keyed by id(): wrappers that copy the
+# __dict__ (Lightning's LightningOptimizer) then count as the optimizer.
+_MEMBER_ATTRIBUTE = "_zero_ext_member"
 
 
 def attach_state(obj: Any, state: Any) -> None:
@@ -19,6 +23,16 @@ def attach_state(obj: Any, state: Any) -> None:
 def state_or_none(obj: Any) -> Optional[Any]:
     """The zero_ext state of `obj`, or None when zero_ext did not wrap it."""
     return getattr(obj, _ATTRIBUTE, None)
+
+
+def attach_member(optimizer: Any, token: int) -> None:
+    """Gives `optimizer` its token (0..n-1) among its model's optimizers."""
+    setattr(optimizer, _MEMBER_ATTRIBUTE, int(token))
+
+
+def member_of(optimizer: Any) -> int:
+    """The token attach_member gave `optimizer` (AttributeError when none)."""
+    return getattr(optimizer, _MEMBER_ATTRIBUTE)
 
 
 def state_of(model: Any):
