@@ -88,19 +88,39 @@ def _train(model, opt, steps: int, group) -> List[float]:
     return losses
 
 
+# [Note: learning tolerances] The final loss of learns_like_uncompressed
+# (LEARNING_STEPS steps of TinyLM) may differ from the uncompressed run's by
+# at most this fraction. Measured (2 cores, torch 2.13, gloo) at 30 steps,
+# |compressed - uncompressed| / uncompressed over the layouts the scenario runs
+# (world 2 and 4 flat at stages 2 and 3, the 2x2 mesh at stage 3) and model
+# seeds (0-4 on the mesh, 1-3 seeds per flat layout; the test uses seed 0):
+#   int8 (grads, or weights + grads): at most 0.14% (seed 0: 0.02-0.04%);
+#   int4 grads (with or without int8 weights): at most 0.38% (the 2x2 mesh,
+#     seed 3; seed 0: 0.01-0.14%, the 2x2 mesh 0.13%).
+# So the bounds sit just above: 0.2% and 0.5%. This model's loss is
+# dominated by its noisy targets, so compression moves it little: the 2x2
+# mesh's int4 gap is still 0.06% at 200 steps, where the demo LM of
+# benchmarks/compression.py is 6.4% worse (1.0% at 30 steps; docs/compression.md).
+# These bounds catch a reduction that breaks learning, not that slower drift.
+LEARNING_STEPS = 30
+LEARNING_TOLERANCE = {"int8": 0.002, "int4": 0.005}
+
+
 def learns_like_uncompressed(stage: int, group) -> Optional[str]:
-    """30 steps with and without compression: the loss falls alike, the
+    """LEARNING_STEPS steps with and without compression: the loss falls
+    alike (within LEARNING_TOLERANCE, [Note: learning tolerances]), the
     compressed kinds send at most int8's (int4's) share of the bytes, the
     others the same."""
-    steps = 30
+    steps = LEARNING_STEPS
     plain, plain_opt = _wrap(stage, group)
     base = _train(plain, plain_opt, steps, group)
     sent_plain = zero_ext.traffic(plain)
-    configs = [("int8 grads", {"compress_grads": "int8"}, 0.02),
-               ("int4 grads", {"compress_grads": "int4"}, 0.05)]
+    int8, int4 = LEARNING_TOLERANCE["int8"], LEARNING_TOLERANCE["int4"]
+    configs = [("int8 grads", {"compress_grads": "int8"}, int8),
+               ("int4 grads", {"compress_grads": "int4"}, int4)]
     if stage == 3:
-        configs = [("int8 weights + int8 grads", {"compress_weights": "int8", "compress_grads": "int8"}, 0.02),
-                   ("int8 weights + int4 grads", {"compress_weights": "int8", "compress_grads": "int4"}, 0.05)]
+        configs = [("int8 weights + int8 grads", {"compress_weights": "int8", "compress_grads": "int8"}, int8),
+                   ("int8 weights + int4 grads", {"compress_weights": "int8", "compress_grads": "int4"}, int4)]
     if base[-1] > 0.8 * base[0]:
         return f"the uncompressed baseline did not learn: loss {base[0]:.3f} -> {base[-1]:.3f}"
     for label, compress, tolerance in configs:
@@ -108,8 +128,8 @@ def learns_like_uncompressed(stage: int, group) -> Optional[str]:
         losses = _train(model, opt, steps, group)
         gap = abs(losses[-1] - base[-1]) / base[-1]
         if gap > tolerance:
-            return (f"{label}: final loss {losses[-1]:.4f} vs {base[-1]:.4f} uncompressed ({gap:.1%} apart, "
-                    f"tolerance {tolerance:.0%})")
+            return (f"{label}: final loss {losses[-1]:.4f} vs {base[-1]:.4f} uncompressed ({gap:.2%} apart, "
+                    f"tolerance {tolerance:.1%})")
         sent = zero_ext.traffic(model)
         compressed = {"all_gather": compress.get("compress_weights"), "reduce_scatter": compress.get("compress_grads")}
         if group is not None:  # the all-reduce across the 2 replicas too (beside the small exact agreements)
@@ -223,7 +243,7 @@ def error_feedback_cancels_rounding(stage: int, group) -> Optional[str]:
 
 def _profiled_bytes(ops, ranks: int) -> Dict[str, float]:
     """Bytes this rank sent by kind, from the profiler's backend ops: the
-    formulas of benchmarks/compare.py's sent_bytes (headers apart)."""
+    formulas of benchmarks/_accounting.py's sent_bytes (headers apart)."""
     sizes = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4,
              "unsigned char": 1, "signed char": 1}
     out = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0, "sequence_headers": 0.0}
