@@ -62,7 +62,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import multiprocessing
 import os
 import platform
@@ -71,7 +70,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -81,7 +80,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from _models import blocks_of, build_model, describe, transformers_available, PRESETS  # noqa: E402
+from _accounting import (deepspeed_state_bytes, mesh_of, plain_state_bytes, proc_status_kib,  # noqa: E402
+                         reset_peak_rss, sent_bytes, sent_bytes_by_group, stage_of, theory_sent_by_group,
+                         theory_sent_bytes, zero_formula_bytes)
+from _compare_report import plot, print_table  # noqa: E402
+from _models import blocks_of, build_model, transformers_available, PRESETS  # noqa: E402
+from zero_ext.tools import state_or_none  # noqa: E402
 from zero_ext.tools.torch_compat import profiled_ops  # noqa: E402  (torch-version differences live there)
 
 ALL_SYSTEMS = ["ddp", "fsdp2", "fsdp2-keep", "deepspeed-1", "deepspeed-2", "deepspeed-3",
@@ -89,52 +93,7 @@ ALL_SYSTEMS = ["ddp", "fsdp2", "fsdp2-keep", "deepspeed-1", "deepspeed-2", "deep
 # Hybrid sharding over an R x S (replicate, shard) mesh: "zero_ext-STAGE-RxS"
 # (with --world R*S), e.g. zero_ext-2-2x2 at --world 4; not run by default.
 HYBRID_SYSTEMS = [f"zero_ext-{stage}-2x2" for stage in range(4)]
-
-
-def mesh_of(system: str):
-    """(replicas, shard size) of a hybrid system, else None."""
-    parts = system.split("-")
-    return tuple(int(v) for v in parts[2].split("x")) if len(parts) == 3 and "x" in parts[2] else None
 BUCKET_MB = 25.0
-
-
-def stage_of(system: str) -> int:
-    if system == "ddp":
-        return 0
-    if system.startswith("fsdp2"):
-        return 3
-    return int(system.split("-")[1])
-
-
-def zero_formula_bytes(stage: int, numel: int, world: int) -> float:
-    """ZeRO paper's model-state bytes per rank for fp32 params and Adam."""
-    p = 4.0 * numel
-    return {0: 4 * p, 1: 2 * p + 2 * p / world, 2: p + 3 * p / world, 3: 4 * p / world}[stage]
-
-
-def theory_sent_by_group(stage: int, numel: int, replicas: int, shard: int) -> Dict[str, float]:
-    """Hybrid on gloo, fp32: bytes a rank sends per step within its row
-    (the shard group, as a flat run of S ranks sends) and across replicas
-    (an all-reduce of the 1/S shard of the gradient; stage 0: of all of it)."""
-    within = theory_sent_bytes(f"zero_ext-{stage}", numel, shard)
-    reduced = 4.0 * numel / (1 if stage == 0 else shard)
-    return {"within_row": within, "across_replicas": 2 * (replicas - 1) / replicas * reduced}
-
-
-def theory_sent_bytes(system: str, numel: int, world: int) -> float:
-    """Bytes a rank sends per step on gloo for fp32 gradients and params."""
-    mesh = mesh_of(system)
-    if mesh is not None:
-        return sum(theory_sent_by_group(stage_of(system), numel, *mesh).values())
-    s = 4.0 * numel * (world - 1) / world
-    if system == "ddp" or system == "zero_ext-0":
-        return 2 * s  # one all-reduce
-    if system == "fsdp2-keep":
-        return 3 * s  # one all-gather, reduce-scatter as all-reduce
-    stage = stage_of(system)
-    if system.startswith("zero_ext"):  # stages 1-3: an all-to-all and a sum, a reduce-scatter's bytes
-        return {1: 2 * s, 2: 2 * s, 3: 3 * s}[stage]
-    return {1: 3 * s, 2: 3 * s, 3: 4 * s}[stage]  # gloo's reduce-scatter: an all-reduce
 
 
 # --- data --------------------------------------------------------------------
@@ -151,137 +110,6 @@ def make_batch(args, rank: int, world: int, step: int):
     tokens = (start + stride * torch.arange(args.seq + 1)) % alphabet
     mine = tokens[rank * args.batch:(rank + 1) * args.batch]
     return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
-
-
-# --- memory and traffic ---------------------------------------------------------
-
-def proc_status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def reset_peak_rss() -> None:
-    """Writing 5 to clear_refs resets VmHWM to the current RSS (Linux)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def local_bytes(t: torch.Tensor) -> int:
-    t = t.to_local() if hasattr(t, "to_local") else t
-    return t.numel() * t.element_size()
-
-
-def plain_state_bytes(model, opt) -> Dict[str, int]:
-    """DDP and FSDP2: parameters, .grad and optimizer state (local shards)."""
-    params = sum(local_bytes(p) for p in model.parameters())
-    grads = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
-    state = sum(local_bytes(v) for st in opt.state.values() for v in st.values()
-                if isinstance(v, torch.Tensor))
-    return {"params": params, "grads": grads, "optimizer_state": state}
-
-
-def deepspeed_state_bytes(engine) -> Dict[str, int]:
-    """DeepSpeed keeps its flat fp32 partitions, gradient partitions and
-    buckets as attributes of its ZeRO optimizer object: count every distinct
-    storage reachable from there and from the module's parameters (partitions
-    of stage 3 hang off each parameter as ds_tensor)."""
-    seen = set()
-
-    def storage_bytes(t: torch.Tensor) -> int:
-        s = t.untyped_storage()
-        key = s.data_ptr()
-        if key in seen or s.nbytes() == 0:
-            return 0
-        seen.add(key)
-        return s.nbytes()
-
-    params = 0
-    for p in engine.module.parameters():
-        params += storage_bytes(p.data)
-        if hasattr(p, "ds_tensor"):
-            params += storage_bytes(p.ds_tensor)
-    grads = sum(storage_bytes(p.grad) for p in engine.module.parameters() if p.grad is not None)
-    state = 0
-    basic = engine.optimizer
-    inner = getattr(basic, "optimizer", None)
-    if inner is not None:
-        state += sum(storage_bytes(v) for st in inner.state.values() for v in st.values()
-                     if isinstance(v, torch.Tensor))
-    other = 0
-    stack, visited = [basic], set()
-    while stack:
-        obj = stack.pop()
-        if id(obj) in visited:
-            continue
-        visited.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            other += storage_bytes(obj)
-        elif isinstance(obj, dict):
-            stack.extend(obj.values())
-        elif isinstance(obj, (list, tuple, set)):
-            stack.extend(obj)
-        elif type(obj).__module__.startswith("deepspeed") and hasattr(obj, "__dict__"):
-            stack.extend(v for k, v in vars(obj).items() if k not in ("module", "model"))
-    # What is neither a parameter nor optimizer state (fp32 partitions, gradient
-    # partitions, bucket buffers) is counted with the gradients.
-    return {"params": params, "grads": grads + other, "optimizer_state": state}
-
-
-def sent_bytes_by_group(issue_log: List[str], replicas: int, shard: int) -> Dict[str, float]:
-    """zero_ext's own count, from its issue log ("<group> <kind> <numel>",
-    fp32): bytes this rank sent within its row (reduce and gather groups, S
-    ranks) and across replicas (R ranks), under the algorithms above."""
-    out = {"within_row": 0.0, "across_replicas": 0.0}
-    for entry in issue_log:
-        group, kind, numel = entry.split()
-        n = replicas if group == "replicate" else shard
-        size = 4.0 * int(numel)
-        if kind.startswith("all_reduce"):
-            b = 2 * (n - 1) / n * size
-        elif kind == "all_gather":
-            b = (n - 1) / n * size  # the log counts the gathered output
-        else:
-            b = (n - 1) / n * size
-        out["across_replicas" if group == "replicate" else "within_row"] += b
-    return out
-
-
-def sent_bytes(ops, world: int) -> Dict[str, float]:
-    """Bytes sent by this rank for the backend collectives among `ops`
-    ((name, input shapes, input dtypes), from zero_ext's profiled_ops).
-    zero_ext's sequence-check headers (int64 all-gathers on groups of their
-    own, collective_sequence.h) are counted apart, as `header_bytes`: the
-    theory counts the data."""
-    sent, count, by_kind, headers = 0.0, 0, {}, 0.0
-    for name, shapes, dtypes in ops:
-        if not (name.startswith("gloo:") or name.startswith("nccl:")):
-            continue
-        kind = name.split(":", 1)[1]
-        if "barrier" in kind or not shapes:
-            continue
-        numel = sum(math.prod(s) for s in shapes if s)
-        dtype = (dtypes or ["float"])[0]
-        if dtype == "long int" and ("all_gather" in kind or "allgather" in kind):
-            headers += (world - 1) * numel * 8
-            continue
-        size = numel * {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8,
-                        "int": 4, "unsigned char": 1, "signed char": 1}.get(dtype, 4)  # bytes: quantized payloads
-        if "all_reduce" in kind or "allreduce" in kind:
-            b = 2 * (world - 1) / world * size
-        elif "all_gather" in kind or "allgather" in kind:
-            b = (world - 1) * size
-        else:  # reduce_scatter, reduce, broadcast
-            b = (world - 1) / world * size
-        sent += b
-        count += 1
-        by_kind[kind] = by_kind.get(kind, 0) + b
-    return {"sent_bytes": sent, "collectives": count, "sent_by_kind": by_kind, "header_bytes": headers}
 
 
 # --- one system on one rank -------------------------------------------------------
@@ -354,7 +182,8 @@ def build_system(args, system: str, world: int):
         opt.step()
         return loss
 
-    step.core = getattr(getattr(model, "_zero_ext", None), "core", None)  # zero_ext: its issue log
+    state = state_or_none(model)  # zero_ext: its issue log, through the core's diagnostics handle
+    step.diagnostics = state.handles.diagnostics if state is not None else None
     return step, report
 
 
@@ -391,9 +220,9 @@ def run_rank(rank: int, world: int, system: str, args, init_file: str, out_dir: 
         # One more step under the profiler, only to count the collectives.
         x, y = make_batch(args, rank, world, args.warmup + args.steps)
         dist.barrier()
-        core = getattr(step, "core", None)
-        if core is not None:
-            core.log_issues(True)
+        diagnostics = getattr(step, "diagnostics", None)
+        if diagnostics is not None:
+            diagnostics.log_issues(True)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
             loss = step(x, y)
             # gloo ends a collective's profiler event in a callback of its
@@ -405,10 +234,10 @@ def run_rank(rank: int, world: int, system: str, args, init_file: str, out_dir: 
             time.sleep(0.05)
         losses.append(loss.item())
         result.update(sent_bytes(profiled_ops(prof), world))
-        if core is not None:
-            core.log_issues(False)
+        if diagnostics is not None:
+            diagnostics.log_issues(False)
             replicas, shard = mesh_of(system) or (1, world)
-            result["sent_by_group"] = sent_bytes_by_group(core.take_issue_log(), replicas, shard)
+            result["sent_by_group"] = sent_bytes_by_group(diagnostics.take_issue_log(), replicas, shard)
             if mesh_of(system):  # the profiler cannot tell the groups apart; zero_ext's own count can
                 result["sent_bytes"] = sum(result["sent_by_group"].values())
         result.update(report())
@@ -497,90 +326,6 @@ def summarize(args, system: str, ranks: List[Dict]) -> Dict:
         # The global batch's loss: every rank's local loss is over equal slices.
         "losses": [statistics.mean(r["losses"][i] for r in ranks) for i in range(len(ranks[0]["losses"]))],
     }
-
-
-# --- report --------------------------------------------------------------------------
-
-def print_table(args, results: Dict[str, Dict], numel: int) -> None:
-    mib = 2 ** 20
-    malloc = f"glibc mmap threshold {args.mmap_threshold}" if args.mmap_threshold else "default glibc malloc"
-    print(f"{describe(args.model)}: {numel / 1e6:.1f}M parameters; world size {args.world} (gloo, CPU, "
-          f"{args.threads} thread(s) per rank, {malloc}); {args.batch}x{args.seq} tokens per rank; "
-          f"median of {args.steps} steps after {args.warmup}")
-    header = (f"{'system':<12} {'ms/step':>8} {'vs DDP':>7} {'vs FSDP2':>8} {'tok/s':>7} {'peak RSS':>9} "
-              f"{'state MiB':>10} {'ZeRO MiB':>9} {'ratio':>6} {'sent MiB':>9} {'theory':>7} {'loss':>7}")
-    print(header)
-    print("-" * len(header))
-
-    def ms_of(name):
-        r = results.get(name)
-        return r["ms_per_step"] if r and "error" not in r else None
-
-    ddp = ms_of("ddp")
-    for system, r in results.items():
-        if "error" in r:
-            print(f"{system:<12} not run: {r['error']}")
-            continue
-        fsdp = ms_of("fsdp2-keep" if system == "fsdp2-keep" or stage_of(system) < 3 else "fsdp2")
-        vs = lambda base: f"{r['ms_per_step'] / base:.2f}x" if base else "-"  # noqa: E731
-        print(f"{system:<12} {r['ms_per_step']:>8.1f} {vs(ddp):>7} {vs(fsdp):>8} {r['tokens_per_s']:>7.0f} "
-              f"{r['peak_rss_mib']:>8.0f}M {r['state_bytes'] / mib:>10.1f} {r['zero_formula_bytes'] / mib:>9.1f} "
-              f"{r['state_vs_formula']:>6.3f} {r['sent_bytes'] / mib:>9.1f} {r['theory_sent_bytes'] / mib:>7.1f} "
-              f"{r['losses'][-1]:>7.4f}")
-    print("vs FSDP2: against fsdp2-keep for stages 0-2 and fsdp2-keep, against fsdp2 for stage 3.")
-    grouped = {k: r for k, r in results.items() if "error" not in r and r.get("sent_by_group")}
-    if grouped:
-        print("\nzero_ext, MiB sent per rank per step by group (counted from its issue log; theory on gloo):")
-        print(f"{'system':<16} {'within row':>11} {'theory':>7} {'across replicas':>16} {'theory':>7}")
-        for system, r in grouped.items():
-            got, want = r["sent_by_group"]["measured"], r["sent_by_group"]["theory"]
-            print(f"{system:<16} {got['within_row'] / mib:>11.2f} {want['within_row'] / mib:>7.2f} "
-                  f"{got['across_replicas'] / mib:>16.2f} {want['across_replicas'] / mib:>7.2f}")
-
-
-def plot(args, results: Dict[str, Dict], path: str) -> Optional[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    ok = {s: r for s, r in results.items() if "error" not in r}
-    if not ok:
-        return None
-    names = list(ok)
-    colors = ["#4c72b0" if s == "ddp" else "#55a868" if s.startswith("fsdp2") else
-              "#c44e52" if s.startswith("deepspeed") else "#8172b2" for s in names]
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
-    panels = [
-        (axes[0][0], [ok[s]["ms_per_step"] for s in names], "ms per step (lower is better)"),
-        (axes[0][1], [ok[s]["state_bytes"] / 2 ** 20 for s in names], "model-state MiB per rank"),
-        (axes[1][0], [ok[s]["sent_bytes"] / 2 ** 20 for s in names], "MiB sent per rank per step"),
-    ]
-    for ax, values, title in panels:
-        ax.bar(names, values, color=colors)
-        ax.set_title(title)
-        ax.tick_params(axis="x", rotation=45)
-    for ax, key, label in ((axes[0][1], "zero_formula_bytes", "ZeRO formula"),
-                           (axes[1][0], "theory_sent_bytes", "theory (gloo)")):
-        marks = [ok[s][key] / 2 ** 20 for s in names]
-        ax.scatter(names, marks, color="black", marker="_", s=400, label=label, zorder=3)
-        top = max(marks + [p.get_height() for p in ax.patches])
-        ax.set_ylim(0, 1.3 * top)  # room for the legend above the marks
-        ax.legend(loc="upper right")
-    ax = axes[1][1]
-    for s in names:
-        ax.plot(range(1, len(ok[s]["losses"]) + 1), ok[s]["losses"], label=s,
-                linestyle="--" if s.startswith("zero_ext") else "-")
-    ax.set_title("training loss (global batch)")
-    ax.set_xlabel("step")
-    ax.legend(fontsize=8)
-    fig.suptitle(f"{describe(args.model)}, world size {args.world} (gloo, CPU)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def main():

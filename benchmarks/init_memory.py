@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 import traceback
+from contextlib import nullcontext
 from typing import Dict, List
 
 import torch
@@ -48,7 +49,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from compare import proc_status_kib as kib, reset_peak_rss as reset_peak  # noqa: E402
+from _accounting import proc_status_kib as kib, reset_peak_rss as reset_peak  # noqa: E402
 
 ALL_SYSTEMS = ["zero_ext", "zero_ext-whole", "deepspeed-3", "fsdp2"]
 
@@ -88,110 +89,143 @@ def probe_loss(model, args) -> float:
     return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()))
 
 
-def run_system(system: str, args, directory: str, rank: int, world: int) -> Dict:
+class PhaseClock:
+    """Each phase's seconds and the peak RSS it added over the baseline (KiB),
+    read once every rank has finished it; the next phase's clock starts then."""
+
+    def __init__(self, baseline_kib: int) -> None:
+        self.baseline = baseline_kib
+        self.phases: List = []
+        self.start = time.perf_counter()
+
+    def done(self, name: str) -> None:
+        dist.barrier()
+        self.phases.append((name, time.perf_counter() - self.start, kib("VmHWM") - self.baseline))
+        self.start = time.perf_counter()
+
+
+def zero_ext_system(system: str, config, directory: str, rank: int, clock: PhaseClock):
+    """zero_ext: built under empty_init (or, zero_ext-whole, normally), wrapped
+    at stage 3, then load_weights."""
     from transformers import LlamaForCausalLM
 
     import zero_ext
+
+    deferred = system == "zero_ext"
+    with zero_ext.empty_init() if deferred else nullcontext():
+        model = LlamaForCausalLM(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    clock.done("build")
+    model, opt = zero_ext.wrap(model, opt, stage=3, **({"param_init_fn": zero_ext.skip_init} if deferred else {}))
+    clock.done("shard")
+    zero_ext.load_weights(model, directory)
+    clock.done("load")
+    return model, opt
+
+
+def deepspeed_load(model, directory: str, rank: int) -> None:
+    """As transformers loads into ZeRO-3: per module, GatheredParameters with
+    rank 0 copying the tensors it reads from the files."""
+    import deepspeed
+    from safetensors import safe_open
+
+    files = {}
+    index = os.path.join(directory, "model.safetensors.index.json")
+    weight_map = json.load(open(index))["weight_map"] if os.path.exists(index) else None
+    for prefix, module in model.named_modules():
+        params = list(module.named_parameters(recurse=False))
+        if not params:
+            continue
+        with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=0):
+            if rank == 0:
+                for name, p in params:
+                    key = f"{prefix}.{name}" if prefix else name
+                    file = weight_map[key] if weight_map else "model.safetensors"
+                    if file not in files:
+                        files[file] = safe_open(os.path.join(directory, file), "pt")
+                    with torch.no_grad():
+                        p.copy_(files[file].get_tensor(key))
+    files.clear()
+
+
+def deepspeed_system(system: str, config, directory: str, rank: int, clock: PhaseClock):
+    import deepspeed
+    from safetensors import safe_open  # noqa: F401  (deepspeed_load's, imported in the build phase)
+    from transformers import LlamaForCausalLM
+
+    ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+        model = LlamaForCausalLM(config)
+    clock.done("build")
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    clock.done("shard")
+    deepspeed_load(model, directory, rank)
+    clock.done("load")
+    return engine.module, engine
+
+
+def full_state_of_files(directory: str) -> Dict:
+    """Every tensor of the safetensors files, read whole."""
+    from safetensors.torch import load_file
+
+    full = {}
+    index = os.path.join(directory, "model.safetensors.index.json")
+    names = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) \
+        else ["model.safetensors"]
+    for name in names:
+        full.update(load_file(os.path.join(directory, name)))
+    return full
+
+
+def fsdp2_system(system: str, config, directory: str, rank: int, clock: PhaseClock):
+    from safetensors.torch import load_file  # noqa: F401  (full_state_of_files', imported in the build phase)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    clock.done("build")
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    # to_empty leaves the rotary buffers uninitialized; take them from a fresh module.
+    rotary = model.model.rotary_emb
+    fresh = type(rotary)(config)
+    rotary.inv_freq.copy_(fresh.inv_freq)
+    rotary.original_inv_freq.copy_(fresh.original_inv_freq)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    clock.done("shard")
+    full = full_state_of_files(directory) if rank == 0 else {}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del full
+    clock.done("load")
+    return model, opt
+
+
+# Each builds, shards and loads (phases "build", "shard", "load"): (model, its optimizer or engine).
+SYSTEMS = {"zero_ext": zero_ext_system, "zero_ext-whole": zero_ext_system, "deepspeed-3": deepspeed_system,
+           "fsdp2": fsdp2_system}
+
+
+def run_system(system: str, args, directory: str, rank: int, world: int) -> Dict:
+    from transformers import LlamaForCausalLM  # noqa: F401  imported before the baseline, like the others
+
+    import zero_ext  # noqa: F401
     if system.startswith("deepspeed"):
         import deepspeed  # noqa: F401  imported before the baseline, like the others
-    phases: List = []
+    if system not in SYSTEMS:
+        raise ValueError(f"unknown system {system}")
     baseline = kib("VmRSS")
     reset_peak()
-
-    def phase(name: str, start: float) -> None:
-        dist.barrier()
-        phases.append((name, time.perf_counter() - start, kib("VmHWM") - baseline))
-
     config = llama_config(args)
-    t = time.perf_counter()
-    if system == "zero_ext":
-        with zero_ext.empty_init():
-            model = LlamaForCausalLM(config)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        phase("build", t)
-        t = time.perf_counter()
-        model, opt = zero_ext.wrap(model, opt, stage=3, param_init_fn=zero_ext.skip_init)
-        phase("shard", t)
-        t = time.perf_counter()
-        zero_ext.load_weights(model, directory)
-        phase("load", t)
-    elif system == "zero_ext-whole":
-        model = LlamaForCausalLM(config)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        phase("build", t)
-        t = time.perf_counter()
-        model, opt = zero_ext.wrap(model, opt, stage=3)
-        phase("shard", t)
-        t = time.perf_counter()
-        zero_ext.load_weights(model, directory)
-        phase("load", t)
-    elif system == "deepspeed-3":
-        import deepspeed
-        from safetensors import safe_open
-
-        ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
-                     "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
-        with deepspeed.zero.Init(config_dict_or_path=ds_config):
-            model = LlamaForCausalLM(config)
-        phase("build", t)
-        t = time.perf_counter()
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
-        phase("shard", t)
-        t = time.perf_counter()
-        files = {}
-        index = os.path.join(directory, "model.safetensors.index.json")
-        weight_map = json.load(open(index))["weight_map"] if os.path.exists(index) else None
-        for prefix, module in model.named_modules():
-            params = list(module.named_parameters(recurse=False))
-            if not params:
-                continue
-            with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=0):
-                if rank == 0:
-                    for name, p in params:
-                        key = f"{prefix}.{name}" if prefix else name
-                        file = weight_map[key] if weight_map else "model.safetensors"
-                        if file not in files:
-                            files[file] = safe_open(os.path.join(directory, file), "pt")
-                        with torch.no_grad():
-                            p.copy_(files[file].get_tensor(key))
-        files.clear()
-        phase("load", t)
-        model = engine.module
-    elif system == "fsdp2":
-        from safetensors.torch import load_file
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-        from torch.distributed.fsdp import fully_shard
-
-        with torch.device("meta"):
-            model = LlamaForCausalLM(config)
-        phase("build", t)
-        t = time.perf_counter()
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-        model.to_empty(device="cpu")
-        # to_empty leaves the rotary buffers uninitialized; take them from a fresh module.
-        rotary = model.model.rotary_emb
-        fresh = type(rotary)(config)
-        rotary.inv_freq.copy_(fresh.inv_freq)
-        rotary.original_inv_freq.copy_(fresh.original_inv_freq)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        phase("shard", t)
-        t = time.perf_counter()
-        full = {}
-        if rank == 0:
-            index = os.path.join(directory, "model.safetensors.index.json")
-            names = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) \
-                else ["model.safetensors"]
-            for name in names:
-                full.update(load_file(os.path.join(directory, name)))
-        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        del full
-        phase("load", t)
-    else:
-        raise ValueError(f"unknown system {system}")
+    clock = PhaseClock(baseline)
+    # The system's optimizer (DeepSpeed: its engine) lives on to the probe, as the model does.
+    model, _kept = SYSTEMS[system](system, config, directory, rank, clock)
     loss = probe_loss(model, args)
-    return {"phases": phases, "loss": loss, "baseline_mib": baseline / 1024}
+    return {"phases": clock.phases, "loss": loss, "baseline_mib": baseline / 1024}
 
 
 def rank_main(rank: int, world: int, system: str, args, directory: str, init_file: str, out_dir: str) -> None:

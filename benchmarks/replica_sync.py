@@ -15,7 +15,7 @@ Modes, each the same K backward calls per step:
 
 Reported per stage and mode (rank 0; every rank sends the same):
   row MiB / replicas MiB  bytes sent per step within the row and across
-             replicas, from zero_ext's own issue log (benchmarks/compare.py
+             replicas, from zero_ext's own issue log (benchmarks/_accounting.py
              sent_bytes_by_group: gloo's algorithms)
   grad MiB   gradient bytes the rank holds before the step's last backward
              (stats()["grad_bytes"], plus param.grad under no_sync)
@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import zero_ext  # noqa: E402
 from _models import PRESETS, build_model  # noqa: E402
 from _ranks import run_on_ranks  # noqa: E402
-from compare import sent_bytes_by_group  # noqa: E402
+from _accounting import sent_bytes_by_group  # noqa: E402
 
 MODES = ("synced", "deferred", "no_sync")
 MIB = 2.0 ** 20

@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import zero_ext
 from zero_ext.groups.process_groups import handed_to_backend
+from zero_ext.tools import state_of
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -212,7 +213,7 @@ def ddp_bytes(args, vocab, data, rank, world):
     return held
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stage", type=int, default=2, choices=[0, 1, 2, 3])
     parser.add_argument("--steps", type=int, default=150)
@@ -249,8 +250,11 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=0, metavar="N",
                         help="every N steps, rank 0 logs loss, grad norm, tokens/s and bytes held "
                              "(default: a progress bar)")
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def start_ranks(args):
+    """(rank, world): the process group under torchrun; --global-batch split into --batch."""
     torch.set_num_threads(1)
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
@@ -260,76 +264,82 @@ def main() -> None:
         if args.global_batch % world:
             raise SystemExit(f"--global-batch {args.global_batch} does not split over {world} ranks")
         args.batch = args.global_batch // world
+    return rank, world
 
-    text = open(args.corpus, encoding="utf-8").read()
+
+def read_corpus(path: str):
+    """(the corpus's characters, sorted; the corpus as their indices)."""
+    text = open(path, encoding="utf-8").read()
     chars = sorted(set(text))
-    data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
+    return chars, torch.tensor([chars.index(c) for c in text], dtype=torch.long)
 
-    model, opt = build(args, len(chars))
+
+def wrapped(args, vocab: int, world: int):
+    """(model, optimizer, scheduler, mesh, parameter count): the model wrapped by zero_ext."""
+    model, opt = build(args, vocab)
     n_params = sum(p.numel() for p in model.parameters())
     mesh = data_mesh(args.mesh, world)
     model, opt = zero_ext.wrap(model, opt, stage=args.stage, mixed_precision=args.mixed_precision,
                                offload_optimizer="cpu" if args.offload else None, process_group=mesh,
                                compress_weights=args.compress_weights, compress_grads=args.compress_grads)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
-    first_step, save = 1, None
-    if args.resume_dir:
-        checkpoint = os.path.join(args.resume_dir, "checkpoint")
-        # Every rank must see the save (a shared filesystem). checkpoint_exists
-        # says what load would find, also a save a crash left aside while
-        # publishing; it only reads the filesystem, so each rank asks alone.
-        if zero_ext.checkpoint_exists(checkpoint):
-            extra = zero_ext.load(checkpoint, model, opt)
-            sched.load_state_dict(extra["scheduler"])
-            first_step = extra["step"] + 1
-            if rank == 0:
-                print(f"resumed from {checkpoint} after step {extra['step']} at world size {world} "
-                      f"(unix time {time.time():.3f})", flush=True)
+    return model, opt, sched, mesh, n_params
 
-        def save_checkpoint(step: int) -> None:
-            zero_ext.save(checkpoint, model, opt, extra={"step": step, "scheduler": sched.state_dict()})
-        save = save_checkpoint
-    if rank == 0:
-        precision = (args.mixed_precision or "fp32") + (", optimizer offloaded" if args.offload else "")
-        print(f"zero_ext stage {args.stage} ({precision}): {n_params / 1e3:.1f}K-parameter transformer, "
-              f"{world} rank(s) x {args.batch} sequences of {args.context} characters"
-              + (f", hybrid: {mesh.mesh.shape[0]} replicas of a {mesh.mesh.shape[1]}-way sharding" if mesh else ""))
 
-    in_step = {}
-    losses = train(args, model, opt, sched, opt.clip_grad_norm_, data, rank, world, show=rank == 0,
-                   first_step=first_step, save=save, in_step=in_step)
-    if args.save_final:
-        full = zero_ext.full_state_dict(model)  # collective
+def resume(args, model, opt, sched, rank: int, world: int):
+    """(first step, save function or None): --resume-dir's last complete save loaded, if any."""
+    if not args.resume_dir:
+        return 1, None
+    first_step = 1
+    checkpoint = os.path.join(args.resume_dir, "checkpoint")
+    # Every rank must see the save (a shared filesystem). checkpoint_exists
+    # says what load would find, also a save a crash left aside while
+    # publishing; it only reads the filesystem, so each rank asks alone.
+    if zero_ext.checkpoint_exists(checkpoint):
+        extra = zero_ext.load(checkpoint, model, opt)
+        sched.load_state_dict(extra["scheduler"])
+        first_step = extra["step"] + 1
         if rank == 0:
-            torch.save(full, args.save_final)
-    if not losses:
-        losses = [float("nan")]
-    first_loss, value = losses[0], losses[-1]
-    sent = zero_ext.traffic(model)
+            print(f"resumed from {checkpoint} after step {extra['step']} at world size {world} "
+                  f"(unix time {time.time():.3f})", flush=True)
+
+    def save_checkpoint(step: int) -> None:
+        zero_ext.save(checkpoint, model, opt, extra={"step": step, "scheduler": sched.state_dict()})
+    return first_step, save_checkpoint
+
+
+def print_setup(args, n_params: int, world: int, mesh) -> None:
+    precision = (args.mixed_precision or "fp32") + (", optimizer offloaded" if args.offload else "")
+    print(f"zero_ext stage {args.stage} ({precision}): {n_params / 1e3:.1f}K-parameter transformer, "
+          f"{world} rank(s) x {args.batch} sequences of {args.context} characters"
+          + (f", hybrid: {mesh.mesh.shape[0]} replicas of a {mesh.mesh.shape[1]}-way sharding" if mesh else ""))
+
+
+def print_outcome(args, model, opt, losses, vocab: int, world: int, sent: dict) -> None:
+    """Rank 0: the loss's fall, the bytes sent, and (fp16) the loss scale."""
+    print(f"\nloss {losses[0]:.3f} -> {losses[-1]:.3f} (uniform guess: {math.log(vocab):.3f})")
+    if world > 1:
+        print("rank 0 sent (MiB): " + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in sent.items() if v))
+    if args.mixed_precision == "fp16":
+        print(f"fp16 loss scale {state_of(model).handles.optimizer.loss_scale():g}, "
+              f"{opt.skipped_steps} step(s) skipped on overflow")
+
+
+def compare_with_ddp(args, losses, vocab: int, data, rank: int, world: int) -> None:
+    """--plot: the same run under DDP, both curves plotted, the largest gap printed."""
+    reference = ddp_losses(args, vocab, data, rank, world)
     if rank == 0:
-        print(f"\nloss {first_loss:.3f} -> {value:.3f} (uniform guess: {math.log(len(chars)):.3f})")
-        if world > 1:
-            print("rank 0 sent (MiB): " + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in sent.items() if v))
-        if args.mixed_precision == "fp16":
-            stats = model._zero_ext.core.stats()
-            print(f"fp16 loss scale {model._zero_ext.core.loss_scale():g}, "
-                  f"{stats['skipped_steps']} step(s) skipped on overflow")
+        plot_losses(args.plot, args, world, losses, reference)
+        gap = max(abs(a - b) for a, b in zip(losses, reference))
+        print(f"largest loss difference against DDP over {args.steps} steps: {gap:.2e}")
 
-    if args.plot:
-        reference = ddp_losses(args, len(chars), data, rank, world)
-        if rank == 0:
-            plot_losses(args.plot, args, world, losses, reference)
-            gap = max(abs(a - b) for a, b in zip(losses, reference))
-            print(f"largest loss difference against DDP over {args.steps} steps: {gap:.2e}")
 
-    if args.no_report:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        return
+def report_bytes(args, model, opt, in_step: dict, vocab: int, data, rank: int, world: int) -> None:
+    """The closing table: bytes held per rank during a step, zero_ext against DDP."""
     # During the last step (after backward, before optimizer.step()): between
     # steps stage 2 holds no gradient at all, which would hide its shard.
     mine = in_step or zero_ext.memory_report(model, opt)
-    theirs = ddp_bytes(args, len(chars), data, rank, world)
+    theirs = ddp_bytes(args, vocab, data, rank, world)
     rows = [None] * world
     row = (rank, mine, theirs)
     if world > 1:
@@ -343,6 +353,32 @@ def main() -> None:
         for r, z, d in rows:
             cells = [f"{fmt(z[k])} vs {fmt(d[k])}" for k in ("params", "grads", "optimizer_state")]
             print(f"{r:>4} | " + " | ".join(f"{c:>21}" for c in cells))
+
+
+def main() -> None:
+    args = parse_args()
+    rank, world = start_ranks(args)
+    chars, data = read_corpus(args.corpus)
+    model, opt, sched, mesh, n_params = wrapped(args, len(chars), world)
+    first_step, save = resume(args, model, opt, sched, rank, world)
+    if rank == 0:
+        print_setup(args, n_params, world, mesh)
+
+    in_step = {}
+    losses = train(args, model, opt, sched, opt.clip_grad_norm_, data, rank, world, show=rank == 0,
+                   first_step=first_step, save=save, in_step=in_step)
+    if args.save_final:
+        full = zero_ext.full_state_dict(model)  # collective
+        if rank == 0:
+            torch.save(full, args.save_final)
+    losses = losses or [float("nan")]
+    sent = zero_ext.traffic(model)
+    if rank == 0:
+        print_outcome(args, model, opt, losses, len(chars), world, sent)
+    if args.plot:
+        compare_with_ddp(args, losses, len(chars), data, rank, world)
+    if not args.no_report:
+        report_bytes(args, model, opt, in_step, len(chars), data, rank, world)
     if dist.is_initialized():
         dist.destroy_process_group()
 
