@@ -29,7 +29,7 @@ VERSIONS=("$@")
 [ ${#VERSIONS[@]} -eq 0 ] && VERSIONS=("${MATRIX[@]}")
 ENVS=${ZERO_EXT_TORCH_ENVS:-$HOME/.cache/zero_ext/torch-envs}
 BASE_PY=${PYTHON:-python3}
-SUBSET=(tests/test_parity.py tests/test_errors.py tests/test_checkpoint.py tests/test_checkpoint_trust.py
+SUBSET=(tests/test_parity.py tests/test_errors.py tests/test_errors_loose_inputs.py tests/test_checkpoint.py tests/test_checkpoint_trust.py
         tests/test_checkpoint_integrity.py
         tests/test_trust.py tests/test_cpu_adam.py tests/test_mixed_precision.py tests/test_selfcheck.py
         tests/test_default_settings.py tests/test_benchmarks.py tests/test_core_ops.py tests/test_python_calls.py

@@ -238,7 +238,7 @@ ADAMW, SGD, ADAM = "torch.optim.adamw.AdamW", "torch.optim.sgd.SGD", "torch.opti
 
 
 def check_into_sgd(got, where):
-    """An AdamW checkpoint into SGD (checkpoint_trust_scenarios._into_sgd)."""
+    """An AdamW checkpoint into SGD (checkpoint_trust_optimizer_scenarios._into_sgd)."""
     refused(got["refused"], ("RuntimeError",), "zero_ext.load:", ADAMW, SGD, "optimizer_class_mismatch=\"fresh\"",
             "optimizer_class_mismatch=\"load\"")
     assert got["refused"]["seconds"] < FAST, (where, got["refused"])
@@ -312,6 +312,8 @@ DCP_REFUSALS = {
 @pytest.mark.parametrize("case", sorted(DCP_REFUSALS))
 def test_a_crafted_or_damaged_dcp_checkpoint_is_refused_and_runs_no_code(case, first):
     got = ranks(first, f"dcp:{case}")[0]
+    # traversal, absolute, data-symlink: a valid item of SECRET_VALUE waits outside the directory
+    assert not got["secret_in_model"], f"a file outside the checkpoint was read into the model: {got}"
     refused(got, ("ValueError", "RuntimeError"), "zero_ext.load:", *DCP_REFUSALS[case])
     assert not got["marker"], "loading ran code from the checkpoint"
     assert got["model_unchanged"], "nothing may be loaded from a refused checkpoint"
@@ -328,6 +330,9 @@ def test_a_dcp_checkpoint_without_checksums_is_checked_for_structure_only(first)
 
 
 def test_dcp_loading_is_strict_and_a_model_only_checkpoint_needs_fresh(first):
+    from zero_ext.files.dcp.load import load_dcp
+
+    assert isinstance(load_dcp.__doc__, str) and load_dcp.__doc__.strip(), "load_dcp documents its phases"
     got = ranks(first, "dcp:strict")[0]
     refused(got["missing"], ("RuntimeError",), "zero_ext.load:", "more.weight", "strict=False")
     assert got["nonstrict"]["error"] is None and got["nonstrict_loaded"], got

@@ -9,7 +9,7 @@ arithmetic perturbed as another machine would, and must still match.
   in another order, another CPU's kernels).
 - An output cast to bf16 rounding the other way: output_dtype_cast's fp32
   checkpoints must not depend on which neighbour each output rounds to.
-- Mixed precision (every scenario of parity_scenarios._mixed_training):
+- Mixed precision (every scenario of parity_mixed_scenarios._mixed_training):
   its gradients are compared as the exact sum of their low-precision terms
   within the bound any summation order's rounding stays in
   (parity_scenarios.ReducedSum), so what a reduction order changes is only
@@ -36,6 +36,7 @@ import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+import parity_mixed_scenarios
 import parity_scenarios as ps
 import real_models_scenarios as rm
 
@@ -175,7 +176,7 @@ class ReducedInTheComputeDtype(ps.ReferenceReduction):
 @pytest.mark.parametrize("name", list(MIXED))
 def test_mixed_precision_checkpoints_hold_when_reduced_in_the_compute_dtype(name, world, monkeypatch):
     want = mixed_unperturbed(name, world)
-    monkeypatch.setattr(ps, "ReferenceReduction", ReducedInTheComputeDtype)
+    monkeypatch.setattr(parity_mixed_scenarios, "ReferenceReduction", ReducedInTheComputeDtype)
     for order in [tuple(range(world)), *other_orders(world)]:
         with ranks_in_order(order):
             got = reference(MIXED[name], world)

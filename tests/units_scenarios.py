@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import parity_mixed_scenarios as pmx
 import parity_scenarios as ps
 import zero_ext
 from parity_scenarios import BATCH, DIM, SEQ, VOCAB, Block, Blocks
@@ -326,11 +327,11 @@ def _merged_mixed(name: str) -> Callable[[ps.Context], None]:
     base = next(s for s in ps.MIXED_PRECISION_SCENARIOS if s.__name__ == name)
 
     def scenario(ctx: ps.Context) -> None:
-        tiny, ps.BUCKET_MB = ps.BUCKET_MB, 25.0  # read by _mixed_training's wrap() call
+        tiny, pmx.BUCKET_MB = pmx.BUCKET_MB, 25.0  # read by _mixed_training's wrap() call
         try:
             base(ctx)
         finally:
-            ps.BUCKET_MB = tiny
+            pmx.BUCKET_MB = tiny
     scenario.__name__ = f"{name}_merged"
     return scenario
 
