@@ -1,8 +1,10 @@
+// CollectiveSequence (collective_sequence.h): a group's collectives
+// submitted, decided against the agreed plan or a header, and issued once
+// their headers are verified; rounds, plans and predictions. The headers'
+// words and the reports are in sequence_headers.cpp.
 #include "collective_sequence.h"
 
 #include <algorithm>
-#include <cstring>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -12,66 +14,11 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include "sequence_headers.h"
+
 namespace zero_ext {
 
-namespace {
-
-// A header's words. The first kAlignedWords must be equal on every rank for
-// the ranks to be in step; the prediction words (AHEAD) need not be.
-enum Word : int64_t {
-  kType = 0,
-  kSeq,          // the data group's collectives decided before this point
-  kRoundKey,
-  kRoundIndex,
-  kPlanHash,
-  kPlanLength,
-  kPosition,     // collectives decided in the round so far
-  kPurpose,      // SINGLE: the collective
-  kSubject,
-  kOp,
-  kNumel,
-  kDtype,
-  kStep,
-  kAlignedWords,
-  kNextKey = kAlignedWords,  // AHEAD: the next round as this rank predicts it
-  kNextPlanHash,
-  kNextPlanLength,
-  kSyncedInStep,  // for messages only: it may differ between ranks in step
-  kLabel,         // text for error messages (kLabelWords words)
-};
-constexpr int64_t kLabelWords = 12;
-constexpr int64_t kWords = kLabel + kLabelWords;
-
-std::string round_name(int64_t key) {
-  const auto kind = static_cast<RoundKind>(key >> 32);
-  const int64_t detail = key & 0xffffffff;
-  switch (kind) {
-    case RoundKind::kForward: return detail ? "a forward with grad enabled" : "a forward under no_grad";
-    case RoundKind::kBackward: return "a backward";
-    case RoundKind::kStep: return "optimizer.step()";
-    case RoundKind::kZeroGrad: return "zero_grad()";
-    case RoundKind::kInspect: return "a gather of full parameters (state_dict, full_params)";
-    case RoundKind::kSettle: return "a read of the gradients (clip_grad_norm_, full_grads)";
-    case RoundKind::kPython: return "a collective called from Python";
-    case RoundKind::kLoad: return "a load";
-    case RoundKind::kUnknown: break;
-  }
-  return "work outside any forward, backward or step";
-}
-
-std::string label_of(const std::vector<int64_t>& h) {
-  char text[kLabelWords * 8 + 1] = {};
-  std::memcpy(text, h.data() + kLabel, kLabelWords * 8);
-  return std::string(text);
-}
-
-void set_label(std::vector<int64_t>& h, const std::string& label) {
-  char text[kLabelWords * 8] = {};
-  std::memcpy(text, label.data(), std::min<size_t>(label.size(), sizeof(text) - 1));
-  std::memcpy(h.data() + kLabel, text, sizeof(text));
-}
-
-} // namespace
+using namespace header_words;
 
 int64_t round_key(RoundKind kind, int64_t detail) {
   return (static_cast<int64_t>(kind) << 32) | (detail & 0xffffffff);
@@ -79,115 +26,6 @@ int64_t round_key(RoundKind kind, int64_t detail) {
 
 uint64_t plan_hash(const std::vector<uint64_t>& plan) {
   return hash_words(plan.size(), reinterpret_cast<const int64_t*>(plan.data()), plan.size());
-}
-
-// --- SequencedWork -------------------------------------------------------------------
-
-void SequencedWork::set_issued(c10::intrusive_ptr<c10d::Work> work) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  issued_ = std::move(work);
-}
-
-void SequencedWork::set_failed(std::exception_ptr error) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  error_ = std::move(error);
-}
-
-c10::intrusive_ptr<c10d::Work> SequencedWork::issued() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return issued_;
-}
-
-bool SequencedWork::settled() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return issued_ || error_;
-}
-
-bool SequencedWork::isCompleted() {
-  if (!settled()) {
-    if (auto sequence = sequence_.lock()) sequence->advance();
-  }
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (error_) return true;
-  return issued_ && issued_->isCompleted();
-}
-
-bool SequencedWork::isSuccess() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return !error_ && issued_ && issued_->isSuccess();
-}
-
-std::exception_ptr SequencedWork::exception() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (error_) return error_;
-  return issued_ ? issued_->exception() : nullptr;
-}
-
-bool SequencedWork::wait(std::chrono::milliseconds timeout) {
-  auto sequence = sequence_.lock();
-  c10::intrusive_ptr<c10d::Work> self = c10::intrusive_ptr<c10d::Work>::reclaim_copy(this);
-  c10::intrusive_ptr<c10d::Work> work =
-      sequence ? sequence->issued_work(self, [] { return std::string("a collective"); }) : issued();
-  if (exception()) std::rethrow_exception(exception());
-  return work ? work->wait(timeout) : true;
-}
-
-void SequencedWork::synchronize() {
-  wait();
-}
-
-// --- SequenceOrder -------------------------------------------------------------------------
-
-void SequenceOrder::add(CollectiveSequence* sequence) {
-  std::lock_guard<std::recursive_mutex> lock(mutex_);
-  sequences_.push_back(sequence);
-}
-
-void SequenceOrder::remove(CollectiveSequence* sequence) {
-  std::lock_guard<std::recursive_mutex> lock(mutex_);
-  sequences_.erase(std::remove(sequences_.begin(), sequences_.end(), sequence), sequences_.end());
-  order_.erase(std::remove_if(order_.begin(), order_.end(), [&](const auto& t) { return t.first == sequence; }),
-               order_.end());
-}
-
-void SequenceOrder::advance() {
-  std::lock_guard<std::recursive_mutex> lock(mutex_);
-  if (advancing_) {
-    return;  // a completion callback inline in the loop below: the loop sees it
-  }
-  advancing_ = true;
-  try {
-    advance_locked();
-  } catch (...) {
-    advancing_ = false;
-    throw;
-  }
-  advancing_ = false;
-}
-
-void SequenceOrder::advance_locked() {
-  while (true) {
-    bool progress = false;
-    for (CollectiveSequence* sequence : sequences_) {
-      if (sequence->failed()) continue;
-      progress = sequence->verify_completed_locked() || progress;
-      progress = sequence->decide_all_locked() || progress;
-    }
-    // Out in submission order, across the groups in order; a failed
-    // sequence's collectives never go out and hold nothing back.
-    while (!order_.empty()) {
-      auto [sequence, work] = order_.front();
-      if (!sequence->failed() && !sequence->issue_front_locked(work)) break;
-      order_.pop_front();
-      progress = true;
-    }
-    for (CollectiveSequence* sequence : sequences_) {  // the others: in their own order
-      while (!sequence->in_order_ && !sequence->failed() && sequence->issue_next_locked()) {
-        progress = true;
-      }
-    }
-    if (!progress) break;
-  }
 }
 
 // --- CollectiveSequence -------------------------------------------------------------------
@@ -346,21 +184,6 @@ bool CollectiveSequence::decide_all_locked() {
   return any;
 }
 
-CollectiveSequence::Header CollectiveSequence::header(HeaderType type, int64_t seq) const {
-  Header h(kWords, 0);
-  h[kType] = type;
-  h[kSeq] = seq;
-  h[kRoundKey] = key_;
-  h[kRoundIndex] = round_index_;
-  h[kPlanHash] = static_cast<int64_t>(plan_hash_);
-  h[kPlanLength] = static_cast<int64_t>(plan_.size());
-  h[kPosition] = static_cast<int64_t>(position_);
-  const Progress progress = progress_();
-  h[kStep] = progress.step_index;
-  h[kSyncedInStep] = progress.synced_in_step;
-  return h;
-}
-
 CollectiveSequence::Exchange& CollectiveSequence::send_locked(Header mine, bool ahead) {
   Exchange exchange;
   exchange.serial = serial_++;
@@ -392,15 +215,6 @@ void CollectiveSequence::watch(const c10::intrusive_ptr<c10d::Work>& work) {
   } catch (const std::exception&) {
     // No future on this backend: waits and polls drive the sequence.
   }
-}
-
-std::vector<CollectiveSequence::Header> CollectiveSequence::split(const at::Tensor& all) const {
-  const int64_t* words = all.data_ptr<int64_t>();
-  std::vector<Header> out;
-  for (int64_t r = 0; r < data_.size(); ++r) {
-    out.emplace_back(words + r * kWords, words + (r + 1) * kWords);
-  }
-  return out;
 }
 
 bool CollectiveSequence::verify_completed_locked() {
@@ -468,26 +282,31 @@ int64_t CollectiveSequence::predict_next() const {
 }
 
 bool CollectiveSequence::decide_locked(Item& item) {
-  if (!item.round) {
-    const uint64_t h = item.id.hash();
-    if (position_ >= plan_.size() || plan_[position_] != h) {
-      Header mine = header(kSingle, decided_collectives_);
-      mine[kPurpose] = static_cast<int64_t>(item.id.purpose);
-      mine[kSubject] = item.id.subject;
-      mine[kOp] = static_cast<int64_t>(item.id.op);
-      mine[kNumel] = item.id.numel;
-      mine[kDtype] = item.id.dtype;
-      set_label(mine, item.label);
-      last_gating_serial_ = send_locked(std::move(mine), /*ahead=*/false).serial;
-      ++blocking_headers_;
-    }
-    item.gate = last_gating_serial_;
-    recorded_.push_back(h);
-    ++position_;
-    ++decided_collectives_;
-    item.decided = true;
-    return true;
+  return item.round ? decide_round_locked(item) : decide_collective_locked(item);
+}
+
+bool CollectiveSequence::decide_collective_locked(Item& item) {
+  const uint64_t h = item.id.hash();
+  if (position_ >= plan_.size() || plan_[position_] != h) {
+    Header mine = header(kSingle, decided_collectives_);
+    mine[kPurpose] = static_cast<int64_t>(item.id.purpose);
+    mine[kSubject] = item.id.subject;
+    mine[kOp] = static_cast<int64_t>(item.id.op);
+    mine[kNumel] = item.id.numel;
+    mine[kDtype] = item.id.dtype;
+    set_label(mine, item.label);
+    last_gating_serial_ = send_locked(std::move(mine), /*ahead=*/false).serial;
+    ++blocking_headers_;
   }
+  item.gate = last_gating_serial_;
+  recorded_.push_back(h);
+  ++position_;
+  ++decided_collectives_;
+  item.decided = true;
+  return true;
+}
+
+bool CollectiveSequence::decide_round_locked(Item& item) {
   // A round start needs the AHEAD exchange of the last one: whether every
   // rank predicted this round is the same everywhere only once it is in.
   const Exchange* ahead = nullptr;
@@ -579,62 +398,6 @@ bool CollectiveSequence::issue_next_locked() {
   }
   queue_.pop_front();
   return true;
-}
-
-std::string CollectiveSequence::render(const Header& h) const {
-  std::ostringstream out;
-  const std::string round = h[kType] == kSingle ? round_name(h[kRoundKey]) : label_of(h);
-  switch (h[kType]) {
-    case kSingle: {
-      CollectiveId id;
-      id.purpose = static_cast<Purpose>(h[kPurpose]);
-      id.subject = h[kSubject];
-      id.op = static_cast<CollectiveOp>(h[kOp]);
-      id.numel = h[kNumel];
-      id.dtype = h[kDtype];
-      out << "about to issue " << describe_(id, label_of(h)) << " as collective #" << h[kSeq] << ", in " << round;
-      break;
-    }
-    case kRound:
-      out << "starting " << round << " at collective #" << h[kSeq];
-      break;
-    case kAhead:
-      out << "started " << round << " at collective #" << h[kSeq]
-          << " and went on with the collectives every rank had agreed on";
-      break;
-    default:
-      out << "not in step (header type " << h[kType] << ")";
-  }
-  out << " (step " << h[kStep] << ", after " << h[kSyncedInStep] << " synced backward(s) in the step)";
-  return out.str();
-}
-
-void CollectiveSequence::fail_locked(const std::vector<Header>& all) {
-  std::ostringstream out;
-  out << "zero_ext: the ranks are about to issue different collectives on " << group_description_
-      << ", so they took different paths through the model:";
-  for (size_t r = 0; r < all.size(); ++r) {
-    out << "\n  rank " << r << ": " << render(all[r]);
-  }
-  // What differs, in the order that explains it best.
-  auto differs = [&](int64_t word) {
-    return std::any_of(all.begin(), all.end(), [&](const Header& h) { return h[word] != all[0][word]; });
-  };
-  if (differs(kSubject) || differs(kPurpose)) {
-    out << "\nThey are about to exchange different data: each rank ran different modules here.";
-    out << data_.advice(out.str());
-  } else if (differs(kRoundKey) || differs(kType)) {
-    out << "\nThey are in different phases of training (a forward with and without grad, a backward, a step).";
-  } else if (differs(kStep)) {
-    out << "\nThey are at different optimizer steps: a rank ran more forward or backward passes between two "
-           "steps than another.";
-  } else if (differs(kSeq)) {
-    out << "\nOne rank issued more collectives than another before this point.";
-  }
-  out << "\nCollectives pair by their order, so issuing these would hand one unit's data to another (or abort "
-         "the backend); every rank stops here instead. "
-      << divergence_causes();
-  fail_locked(out.str());
 }
 
 void CollectiveSequence::fail_locked(const std::string& report) {

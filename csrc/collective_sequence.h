@@ -1,6 +1,9 @@
 #pragma once
 // CollectiveSequence: the checks that make every rank's next collective on a
-// group the same one before any rank issues it.
+// group the same one before any rank issues it. The order across a model's
+// groups is SequenceOrder's (sequence_order.h), the work that stands for a
+// collective held back SequencedWork's (sequenced_work.h), the words of a
+// header and how they read in errors are in sequence_headers.{h,cpp}.
 //
 // [Note: collectives that prove what they are]
 // Collectives pair by their order on a group, not by their meaning. If rank 0
@@ -80,6 +83,8 @@
 
 #include "collective_id.h"
 #include "communicator.h"
+#include "sequence_order.h"
+#include "sequenced_work.h"
 #include "step_gate.h"
 
 namespace zero_ext {
@@ -97,51 +102,6 @@ enum class RoundKind : int64_t {
   kLoad,      // checkpoint or weights loaded
 };
 int64_t round_key(RoundKind kind, int64_t detail = 0);
-
-class CollectiveSequence;
-
-// The sequences of one model's groups: one lock, and the order in which
-// their collectives go out (submission order, across groups).
-class SequenceOrder {
- public:
-  void add(CollectiveSequence* sequence);
-  void remove(CollectiveSequence* sequence);
-  // Verifies, decides and issues what it can, for every sequence; never waits.
-  void advance();
-
- private:
-  friend class CollectiveSequence;
-  void advance_locked();
-  std::recursive_mutex mutex_;  // a completion callback may run inline, under it
-  bool advancing_ = false;      // a callback inline in advance() leaves it to the loop
-  std::vector<CollectiveSequence*> sequences_;
-  std::deque<std::pair<CollectiveSequence*, const c10d::Work*>> order_;  // collectives not issued yet
-};
-
-// A collective submitted while its headers are not verified yet: it goes out
-// once they are (from whichever thread finds them so), and this work stands
-// for it until then. Waiting on it waits for the headers, then for it.
-class SequencedWork : public c10d::Work {
- public:
-  explicit SequencedWork(std::weak_ptr<CollectiveSequence> sequence) : sequence_(std::move(sequence)) {}
-  bool isCompleted() override;
-  bool isSuccess() const override;
-  std::exception_ptr exception() const override;
-  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
-  void synchronize() override;
-
-  // Set once, by the thread that issues it (or the failure that prevents it).
-  void set_issued(c10::intrusive_ptr<c10d::Work> work);
-  void set_failed(std::exception_ptr error);
-  c10::intrusive_ptr<c10d::Work> issued() const;
-  bool settled() const;  // issued or failed
-
- private:
-  std::weak_ptr<CollectiveSequence> sequence_;
-  mutable std::mutex mutex_;
-  c10::intrusive_ptr<c10d::Work> issued_;
-  std::exception_ptr error_;
-};
 
 class CollectiveSequence : public std::enable_shared_from_this<CollectiveSequence> {
  public:
@@ -215,7 +175,12 @@ class CollectiveSequence : public std::enable_shared_from_this<CollectiveSequenc
   };
 
   bool verify_completed_locked();
+  // Decides `item`: a collective by the plan or a SINGLE header, a round
+  // start by the last AHEAD or a ROUND header (then sends the next AHEAD).
+  // False: it cannot be decided yet.
   bool decide_locked(Item& item);
+  bool decide_collective_locked(Item& item);
+  bool decide_round_locked(Item& item);
   // Decides what it can (sends headers); whether anything was decided.
   bool decide_all_locked();
   // Drops the round starts at the front; whether `work` (a SequencedWork)
@@ -223,14 +188,16 @@ class CollectiveSequence : public std::enable_shared_from_this<CollectiveSequenc
   bool issue_front_locked(const c10d::Work* work);
   // Issues its next collective if decided and its headers are verified.
   bool issue_next_locked();
-  Header header(HeaderType type, int64_t seq) const;
   Exchange& send_locked(Header mine, bool ahead);
-  std::vector<Header> split(const at::Tensor& all) const;
-  // The report of the ranks' headers; marks the sequence failed, posts it,
-  // fails every waiting collective.
-  void fail_locked(const std::vector<Header>& all);
+  // Marks the sequence failed, posts `report`, fails every waiting collective.
   void fail_locked(const std::string& report);
+  // Headers (sequence_headers.cpp): this rank's from the decided state, the
+  // exchange's split per rank, one in words, and the report of the ranks'
+  // headers (then fail_locked).
+  Header header(HeaderType type, int64_t seq) const;
+  std::vector<Header> split(const at::Tensor& all) const;
   std::string render(const Header& h) const;
+  void fail_locked(const std::vector<Header>& all);
   int64_t predict_next() const;
   std::vector<uint64_t> plan_of(int64_t key) const;
   void watch(const c10::intrusive_ptr<c10d::Work>& work);

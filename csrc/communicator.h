@@ -9,6 +9,8 @@
 // collectives degrade to local copies. So do those of a group of one rank
 // (world size 1 under torch.distributed): the backend would only copy, at a
 // cost measured at 9% of a small model's step on CPU (docs/benchmarks.md).
+// The collectives and waits are defined in communicator.cpp, the stall
+// diagnosis of a wait ([Note: stall diagnosis]) in stall_diagnosis.cpp.
 
 #include <array>
 #include <atomic>
@@ -37,6 +39,7 @@ namespace zero_ext {
 class CollectiveSequence;
 class SequenceOrder;
 struct RaisedPost;
+struct StallPost;
 
 // How the ranks stand after a forward raised on this one.
 struct RaisedForwardOutcome {
@@ -184,7 +187,7 @@ class Communicator {
   // waits for the members of its group that have not issued its collective
   // yet; when every rank it waits for is stalled waiting in turn for ranks
   // that have not issued theirs (the stuck set, a fixpoint in
-  // communicator.cpp), none can go on and every rank raises at once with
+  // stall_diagnosis.cpp), none can go on and every rank raises at once with
   // each rank's position instead of sitting out the timeout. A rank that is
   // merely slow (its collective was issued by everyone) is never taken for
   // a divergence. A report another rank's sequence check posted is raised
@@ -293,6 +296,12 @@ class Communicator {
   void forget_seq(const c10::intrusive_ptr<c10d::Work>& work) const;
   // The mesh ranks of the group a rank waiting on `slot` waits with.
   std::vector<int64_t> members_of(int slot, int64_t mesh_rank) const;
+  // agree_where_forward_raised's steps (forward_raised_agreement.cpp).
+  bool read_raised_posts(const std::string& prefix, int64_t me, const RaisedPost& now,
+                         std::vector<RaisedPost>& raised) const;
+  bool read_stalls_past_raised(const std::vector<RaisedPost>& raised, std::vector<StallPost>& stalls) const;
+  std::string describe_raised_positions(const std::vector<RaisedPost>& raised, const std::vector<StallPost>& stalls,
+                                        bool timed_out, std::chrono::milliseconds limit) const;
   std::chrono::milliseconds stall_interval_{0};
   std::string stall_keys_;
   std::string query_key_;
@@ -304,10 +313,24 @@ class Communicator {
 
   mutable bool failed_ = false;
 
+  // The stall diagnosis (stall_diagnosis.cpp). A wait that stalled: posts,
+  // reads and raises as diagnose_stall does, again after 2x, 4x, ... the
+  // interval, until `work` completes (or the store is gone).
+  void wait_out_stall(const c10::intrusive_ptr<c10d::Work>& work, const std::function<std::string()>& what) const;
   // Posts `what` (with this rank's position in every group) and reads the
   // other ranks' posts until `work` completes or another interval passes;
   // raises if the stalled ranks wait for each other.
   void diagnose_stall(const c10::intrusive_ptr<c10d::Work>& work, int64_t seq, const std::string& what) const;
+  // Posts this rank's stall (position `seq`, waiting in `what`); returns the post.
+  std::string post_stall(int64_t seq, const std::string& what) const;
+  // Every mesh rank's stall post (this rank's is `mine`); absent where none.
+  void read_stall_posts(const std::string& mine, std::vector<StallPost>& posts) const;
+  // Raises: the ranks that posted no stall (`group_posts` empty) are blocked
+  // in a world collective (`whereabouts`), so `what` can never complete.
+  void raise_stranded(const std::string& what, const std::vector<std::string>& group_posts,
+                      const std::vector<std::string>& whereabouts) const;
+  // The wait that stalled completed: this rank's post is emptied.
+  void clear_stall_post() const;
   // A sequence check's report another rank posted, if any.
   std::string posted_report() const;
   // True when every rank that posted no stall answered `query` (or later)

@@ -49,6 +49,47 @@ std::string describe_raised(const RaisedPost& post) {
 
 }  // namespace
 
+// Every rank's post of this occurrence (this rank's own: `now`); whether all posted.
+bool Communicator::read_raised_posts(const std::string& prefix, int64_t me, const RaisedPost& now,
+                                     std::vector<RaisedPost>& raised) const {
+  bool all = true;
+  for (int64_t m = 0; m < static_cast<int64_t>(raised.size()); ++m) {
+    raised[m] = RaisedPost();
+    const std::string key = prefix + "rank" + std::to_string(m);
+    if (m == me) {
+      raised[m] = now;
+    } else if (store_->check({key})) {
+      const auto bytes = store_->get(key);
+      raised[m] = parse_raised_post(std::string(bytes.begin(), bytes.end()));
+    }
+    all = all && raised[m].present;
+  }
+  return all;
+}
+
+// The stalls of the ranks that did not raise; whether one of them waits
+// beyond where a rank that raised stopped (it went on: the ranks are apart).
+bool Communicator::read_stalls_past_raised(const std::vector<RaisedPost>& raised,
+                                           std::vector<StallPost>& stalls) const {
+  bool passed = false;
+  for (int64_t m = 0; m < static_cast<int64_t>(stalls.size()); ++m) {
+    stalls[m] = StallPost();
+    const std::string key = stall_keys_ + std::to_string(m);
+    if (raised[m].present || !store_->check({key})) {
+      continue;
+    }
+    const auto bytes = store_->get(key);
+    stalls[m] = parse_stall_post(std::string(bytes.begin(), bytes.end()));
+    if (!stalls[m].present) {
+      continue;
+    }
+    for (int64_t q : members_of(stalls[m].slot, m)) {
+      passed = passed || (q != m && raised[q].present && waits_for_a_stopped_rank(stalls[m], raised[q]));
+    }
+  }
+  return passed;
+}
+
 RaisedForwardOutcome Communicator::agree_where_forward_raised(int64_t occurrence,
                                                               const std::function<RaisedPost()>& mine,
                                                               std::chrono::milliseconds limit) const {
@@ -84,34 +125,8 @@ RaisedForwardOutcome Communicator::agree_where_forward_raised(int64_t occurrence
         decided = store_->get(decision_key);
         break;
       }
-      bool all = true;
-      for (int64_t m = 0; m < world; ++m) {
-        raised[m] = RaisedPost();
-        const std::string key = prefix + "rank" + std::to_string(m);
-        if (m == me) {
-          raised[m] = now;
-        } else if (store_->check({key})) {
-          const auto bytes = store_->get(key);
-          raised[m] = parse_raised_post(std::string(bytes.begin(), bytes.end()));
-        }
-        all = all && raised[m].present;
-      }
-      bool passed = false;  // a rank waits beyond where a rank that raised stopped
-      for (int64_t m = 0; m < world; ++m) {
-        stalls[m] = StallPost();
-        const std::string key = stall_keys_ + std::to_string(m);
-        if (raised[m].present || !store_->check({key})) {
-          continue;
-        }
-        const auto bytes = store_->get(key);
-        stalls[m] = parse_stall_post(std::string(bytes.begin(), bytes.end()));
-        if (!stalls[m].present) {
-          continue;
-        }
-        for (int64_t q : members_of(stalls[m].slot, m)) {
-          passed = passed || (q != m && raised[q].present && waits_for_a_stopped_rank(stalls[m], raised[q]));
-        }
-      }
+      const bool all = read_raised_posts(prefix, me, now, raised);
+      const bool passed = read_stalls_past_raised(raised, stalls);
       timed_out = !all && !passed && std::chrono::steady_clock::now() >= until;
       if (all || passed || timed_out) {
         bool same = all;
@@ -128,11 +143,17 @@ RaisedForwardOutcome Communicator::agree_where_forward_raised(int64_t occurrence
     return outcome;
   }
   outcome.in_step = decided == kInStep;
-  if (outcome.in_step) {
-    return outcome;
+  if (!outcome.in_step) {
+    outcome.positions = describe_raised_positions(raised, stalls, timed_out, limit);
   }
+  return outcome;
+}
+
+std::string Communicator::describe_raised_positions(const std::vector<RaisedPost>& raised,
+                                                    const std::vector<StallPost>& stalls, bool timed_out,
+                                                    std::chrono::milliseconds limit) const {
   std::ostringstream out;
-  for (int64_t m = 0; m < world; ++m) {
+  for (int64_t m = 0; m < static_cast<int64_t>(raised.size()); ++m) {
     out << "\n  rank " << m << ": ";
     if (raised[m].present) {
       out << describe_raised(raised[m]);
@@ -144,8 +165,7 @@ RaisedForwardOutcome Communicator::agree_where_forward_raised(int64_t occurrence
           << " (its forward did not raise there, or it is busy elsewhere, or gone)";
     }
   }
-  outcome.positions = out.str();
-  return outcome;
+  return out.str();
 }
 
 // [Note: a forward that raised]

@@ -1,6 +1,7 @@
-// GradReducer, the way in: gradient arrival, bucket launch, retire, abandon.
-// What a reduction becomes (accumulators, offload landing, .grad) is in
-// grad_accumulators.cpp.
+// GradReducer, the way in: gradient arrival, the order buckets launch in,
+// reductions in flight and their retirement. A bucket's launch, per gradient
+// layout, is in grad_reducer_launch.cpp; what a reduction becomes
+// (accumulators, offload landing, .grad) in grad_accumulators.cpp.
 #include "grad_reducer.h"
 
 #include <algorithm>
@@ -37,6 +38,19 @@ GradReducer::GradReducer(const Layout& layout, ParamStore& store, Communicator& 
                         "gradients are reduced in float32, bfloat16 or float16");
   at::NoGradGuard no_grad;
   const int64_t n_params = layout_.num_params();
+  allocate_buffers();
+  make_stand_ins();
+  size_in_flight_bound();
+  host_waits_ = comm_.waits_on_host(store_.device().type());
+  launch_on_arrival_ = !layout_.params_sharded();
+  arrived_.assign(n_params, 0);
+  detached_.assign(n_params, 0);
+  local_has_grad_.assign(n_params, 0);
+  global_has_grad_.assign(n_params, 0);
+  start_round();
+}
+
+void GradReducer::allocate_buffers() {
   buckets_.resize(layout_.num_buckets());
   for (int64_t b = 0; b < layout_.num_buckets(); ++b) {
     const BucketShape& shape = layout_.bucket(b);
@@ -53,7 +67,7 @@ GradReducer::GradReducer(const Layout& layout, ParamStore& store, Communicator& 
     }
   }
   if (layout_.ddp_in_place()) {
-    for (int64_t i = 0; i < n_params; ++i) {
+    for (int64_t i = 0; i < layout_.num_params(); ++i) {
       grad_views_.push_back(staging_region(layout_.bucket_of(i), i));
     }
   }
@@ -69,6 +83,10 @@ GradReducer::GradReducer(const Layout& layout, ParamStore& store, Communicator& 
   for (auto& bucket : buckets_) {
     if (bucket.accum.defined() && !store_.offload()) release_storage(bucket.accum);
   }
+}
+
+void GradReducer::make_stand_ins() {
+  const int64_t n_params = layout_.num_params();
   stand_ins_.resize(n_params);
   for (int64_t i = 0; i < n_params; ++i) {
     if (layout_.trainable(i) && !layout_.ddp_in_place()) {
@@ -82,6 +100,9 @@ GradReducer::GradReducer(const Layout& layout, ParamStore& store, Communicator& 
               "zero_ext.full_grads(model).");
     }
   }
+}
+
+void GradReducer::size_in_flight_bound() {
   // Stage 1 too: its staging stays, but an all-reduce in place sends twice
   // the bytes of the exchange, whose receive buffer and output live only
   // while in flight (bounded below, as stages 2-3's staging is).
@@ -104,13 +125,6 @@ GradReducer::GradReducer(const Layout& layout, ParamStore& store, Communicator& 
     }
     peak_staging_bytes_ = persistent_staging_bytes_;
   }
-  host_waits_ = comm_.waits_on_host(store_.device().type());
-  launch_on_arrival_ = !layout_.params_sharded();
-  arrived_.assign(n_params, 0);
-  detached_.assign(n_params, 0);
-  local_has_grad_.assign(n_params, 0);
-  global_has_grad_.assign(n_params, 0);
-  start_round();
 }
 
 at::Tensor GradReducer::staging_region(int64_t b, int64_t i) {
@@ -288,147 +302,6 @@ void GradReducer::flush() {
 void GradReducer::rerun_all() {
   start_round();  // every parameter counts as not arrived: pending grads are flushed
   flush();
-}
-
-void GradReducer::launch(int64_t b) {
-  RECORD_USER_SCOPE(std::string(layout_.replicated() || layout_.ddp_in_place() ? "zero_ext::all_reduce bucket "
-                                                                              : "zero_ext::reduce_scatter bucket ") +
-                    std::to_string(b));  // a profiler label; free when none runs
-  const BucketShape& shape = layout_.bucket(b);
-  BucketGrads& bucket = buckets_[b];
-  at::NoGradGuard no_grad;
-  if (shape.trainable == 0) {
-    bucket.phase = BucketPhase::kRetired;  // frozen parameters only: nothing to reduce
-    return;
-  }
-  if (frozen_skip_allowed_ && frozen_now(b)) {
-    if (bucket.staging_stale) {
-      bucket.staging.zero_();  // param.grad may view it until settled: zeros, as before the skip
-      bucket.staging_stale = false;
-    }
-    bucket.phase = BucketPhase::kRetired;  // [Note: buckets frozen since wrap]
-    ++frozen_skips_;
-    return;
-  }
-  if (layout_.ddp_in_place()) {
-    for (int64_t i = shape.first; i < shape.first + shape.count; ++i) {
-      at::Tensor& grad = store_.param(i).mutable_grad();
-      const at::Tensor& view = grad_views_[i];
-      if (same_memory(grad, view)) {
-        // already in place
-      } else if (grad.defined()) {
-        // After a detach only the new part is in param.grad; before it, all.
-        if (detached_[i]) {
-          view.add_(grad);
-        } else {
-          view.copy_(grad);
-        }
-      } else if (!detached_[i]) {
-        view.zero_();  // param.grad was cleared: contribute no stale value
-      }
-      // Detach while the reduction runs, so a late AccumulateGrad cannot
-      // write into memory the collective is reading.
-      grad = at::Tensor();
-      detached_[i] = 1;
-    }
-    bucket.staging_stale = false;  // every slot written above
-  } else {
-    ensure_staging(b);
-    for (int64_t i = shape.first; i < shape.first + shape.count; ++i) {
-      if (arrived_[i]) {
-        continue;
-      }
-      at::Tensor& grad = store_.param(i).mutable_grad();
-      at::Tensor region = staging_region(b, i);
-      if (grad.defined() && !holds_stand_in(i)) {
-        region.copy_(grad);  // accumulated under no_sync(), or late
-        grad = at::Tensor();
-      } else {
-        region.zero_();  // unused here (a stand-in stays): zeros keep the collective in step
-      }
-    }
-    for (const auto& [start, length] : layout_.gaps(b)) {
-      bucket.staging.narrow(0, start, length).zero_();  // padding: reduced, never read
-    }
-  }
-  bucket.defers = defers_replica_sync();
-  bucket.result_unscaled = false;
-  if (!layout_.ddp_in_place() && !bucket.defers) {
-    ensure_accum_memory(bucket);  // on the compute stream, which frees it at zero_grad
-  }
-  // From here on the reduction stream ([Note: the reduction stream]).
-  std::optional<c10::StreamGuard> on_reduction_stream;
-  if (streams_.enabled()) {
-    streams_.reduction_waits_for_compute();
-    on_reduction_stream.emplace(streams_.reduction());
-  }
-  // Pre-divide (gloo has no AVG/PREMUL_SUM everywhere), and remove the loss
-  // scale in the same pass unless the reduction runs in fp16, whose range
-  // the scale is there to use.
-  const LossScaler& scaler = gate_.scaler();
-  double divisor = divide_factor_ > 0.0 ? divide_factor_ : static_cast<double>(comm_.size() * replica_comm_.size());
-  if (scaler.enabled() && reduce_dtype_ != at::kHalf) {
-    divisor *= scaler.scale();
-  }
-  if (divisor != 1.0) {
-    bucket.staging.div_(divisor);
-  }
-  const bool quantized = grad_format_.enabled() && !comm_.local() && !layout_.ddp_in_place() && !layout_.replicated();
-  // The exchange's receive buffer; quantized: the fp32 values sent and the payloads both ways.
-  const int64_t scratch_bytes =
-      quantized ? 4 * bucket.staging.numel() + 2 * comm_.size() * grad_format_.payload_bytes(shape.shard)
-                : (by_exchange_ ? bucket.staging.nbytes() : 0);
-  if (layout_.ddp_in_place()) {
-    bucket.work = comm_.all_reduce_sum(bucket.staging, Purpose::kGradReduce, b);
-  } else if (layout_.replicated()) {
-    bucket.reduce_out = bucket.staging;
-    bucket.work = comm_.all_reduce_sum(bucket.staging, Purpose::kGradReduce, b);
-  } else if (quantized) {
-    // [Note: quantized collectives]: written from the backend's thread,
-    // never straight into the accumulator (as the exchange below).
-    if (!bucket.residual.defined()) {
-      bucket.residual = at::zeros({bucket.staging.numel()}, bucket.staging.options().dtype(at::kFloat));
-    }
-    bucket.reduce_out = at::empty({shape.shard}, bucket.staging.options());
-    bucket.work = comm_.quantized_reduce_scatter_sum(bucket.reduce_out, bucket.staging, grad_format_, bucket.residual,
-                                                     Purpose::kGradReduce, b);
-  } else if (!comm_.local() && bucket.staging.is_cpu() && !by_exchange_) {
-    // Any other CPU reduction: an all-reduce in place (gloo's reduce-scatter
-    // is one, plus a copy inside wait() that no bounded wait can see), read
-    // at this rank's shard.
-    bucket.reduce_out = bucket.staging.narrow(0, layout_.shard_start(b), shape.shard);
-    bucket.work = comm_.all_reduce_sum(bucket.staging, Purpose::kGradReduce, b);
-  } else {
-    // Never straight into the accumulator from a gloo thread: a reduction a
-    // failed backward abandons may still write it after zero_grad() freed it.
-    const bool direct = !by_exchange_ && !bucket.defers && !bucket.accum_has_value && bucket.swap_slot < 0 &&
-                        bucket.accum.dtype() == bucket.staging.dtype() &&
-                        bucket.accum.device() == bucket.staging.device();
-    bucket.reduce_out = direct ? bucket.accum : at::empty({shape.shard}, bucket.staging.options());
-    bucket.work = comm_.reduce_scatter_sum(bucket.reduce_out, bucket.staging, Purpose::kGradReduce, b);
-  }
-  bucket.phase = BucketPhase::kInFlight;
-  in_flight_.push_back(b);
-  if (hybrid_ && !bucket.defers) {
-    bucket.replica_pending = true;
-    if (!host_waits_) {
-      issue_replica_reduction(b);  // ordered after the shard's reduction on the streams: no host wait
-    }
-  }
-  if (staging_is_transient() && !bucket.staging.is_same(bucket.accum)) {
-    // The staging moves from filling to in flight, with the output it needs.
-    const bool own_output = !bucket.reduce_out.is_alias_of(bucket.staging) && !bucket.reduce_out.is_same(bucket.accum);
-    filling_staging_bytes_ -= bucket.staging.nbytes();
-    bucket.in_flight_bytes = bucket.staging.nbytes() + (own_output ? bucket.reduce_out.nbytes() : 0) + scratch_bytes;
-    in_flight_bytes_ += bucket.in_flight_bytes;
-    note_staging_peak();
-  } else if ((by_exchange_ || quantized) && !staging_is_transient()) {
-    // Stage 1: the staging stays; the exchange's buffers are what is in flight.
-    bucket.in_flight_bytes = bucket.reduce_out.nbytes() + scratch_bytes;
-    in_flight_bytes_ += bucket.in_flight_bytes;
-    peak_staging_bytes_ = std::max(peak_staging_bytes_, persistent_staging_bytes_ + in_flight_bytes_);
-  }
-  bound_in_flight();
 }
 
 double GradReducer::result_unscale() const {

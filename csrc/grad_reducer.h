@@ -11,8 +11,10 @@
 // gradients count as zeros) and waits. A retired reduction
 // is folded into the fp32 shard accumulator (offload: landed in host memory
 // and added there, never copied over it, so every backward of a step counts).
-// grad_reducer.cpp holds the way in (arrival, launch, retire), and
-// grad_accumulators.cpp the way out (accumulators, offload landing, .grad).
+// grad_reducer.cpp holds the way in (arrival, the launch order, retire),
+// grad_reducer_launch.cpp a bucket's launch per gradient layout,
+// grad_accumulators.cpp the way out (accumulators, offload landing, .grad),
+// and grad_accumulators_swap.cpp the accumulators kept in an offload file.
 
 #include <algorithm>
 #include <chrono>
@@ -27,6 +29,7 @@
 #include <c10/core/Event.h>
 #include <c10/core/ScalarType.h>
 #include <c10/core/Stream.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -232,6 +235,12 @@ class GradReducer {
     at::Tensor replica_residual;  // compress_grads, hybrid: the same for the reduction across replicas (the shard's size)
   };
 
+  // The constructor's steps: staging (where it persists), accumulators,
+  // the views of them; the stand-ins of [Note: gradient stand-ins]; the
+  // bound on reductions in flight ([Note: reductions in flight]).
+  void allocate_buffers();
+  void make_stand_ins();
+  void size_in_flight_bound();
   at::Tensor staging_region(int64_t b, int64_t i);
   void ensure_staging(int64_t b);
   // [Note: one rank's staging is its accumulator]
@@ -240,7 +249,31 @@ class GradReducer {
   // Staging allocated per reduction and freed once reduced (stages 2-3; stage 1 alone in its group).
   bool staging_is_transient() const;
   void launch_ready_buckets();
+  // Launches bucket b's reduction, by its gradient layout ([Note: gradient
+  // layouts] in layout.h), unless it is retired unreduced (frozen).
   void launch(int64_t b);
+  bool retires_unreduced(int64_t b);
+  void launch_ddp_in_place(int64_t b);
+  void launch_replicated(int64_t b);
+  void launch_sharded_persistent(int64_t b);
+  void launch_sharded_transient(int64_t b);
+  // The launch's steps. Gradients not arrived into the staging (zeros where
+  // none; the padding zeroed), on the compute stream.
+  void stage_missing_as_zeros(int64_t b);
+  // The accumulator ready, the reduction stream entered (`on_reduction_stream`
+  // holds it until the caller returns), the staging pre-divided.
+  void begin_reduction(int64_t b, std::optional<c10::StreamGuard>& on_reduction_stream);
+  // Whether reductions within the shard group send quantized payloads (compress_grads).
+  bool reduces_quantized() const;
+  // Issues a sharded layout's reduction (quantized, an all-reduce in place on
+  // the CPU, or a reduce-scatter); returns the scratch bytes it holds in flight.
+  int64_t issue_reduce_scatter(int64_t b);
+  // Marks it in flight; hybrid: its replica all-reduce pending (issued now on streams).
+  void go_in_flight(int64_t b);
+  // Counts what the reduction holds in flight: the staging and its output
+  // (transient staging), or the exchange's buffers only (persistent staging).
+  void count_staging_in_flight(int64_t b, int64_t scratch_bytes);
+  void count_exchange_in_flight(int64_t b, int64_t scratch_bytes);
   void retire(int64_t b);  // waits one reduction and folds it in
   // Hybrid: all-reduces bucket b's shard result across the replicas, once
   // its reduction within the shard group is done (a stream wait under NCCL,

@@ -39,69 +39,19 @@ Layout::Layout(std::vector<std::vector<int64_t>> shapes, std::vector<std::string
     : stage_(stage), grad_layout_(grad_layout), rank_(rank), world_(world),
       shapes_(std::move(shapes)), names_(std::move(names)),
       trainable_(trainable.begin(), trainable.end()), owner_(owner_of_param) {
-  TORCH_CHECK(stage_ >= 0 && stage_ <= 3, "zero_ext: stage must be 0, 1, 2 or 3");
-  TORCH_CHECK(world_ >= 1 && rank_ >= 0 && rank_ < world_, "zero_ext internal: bad rank or world size");
-  const int64_t n = static_cast<int64_t>(shapes_.size());
-  TORCH_CHECK(static_cast<int64_t>(names_.size()) == n && static_cast<int64_t>(trainable_.size()) == n,
-              "zero_ext internal: one name and trainable flag per parameter");
-  TORCH_CHECK(stage_ == 3 || unit_of_bucket.empty() || unit_of_bucket.size() == params_per_bucket.size(),
-              "zero_ext internal: one unit per bucket");
-  TORCH_CHECK(owner_.empty() || static_cast<int64_t>(owner_.size()) == n,
-              "zero_ext internal: one owner per parameter");
-  for (int64_t owner : owner_) {
-    TORCH_CHECK(owner >= -1 && owner < world_, "zero_ext internal: a parameter's owner is out of range");
-    any_whole_ = any_whole_ || owner >= 0;
-  }
-  TORCH_CHECK(!any_whole_ || (stage_ >= 1 && !replicated() && !ddp_in_place()),
-              "zero_ext internal: whole-parameter layouts are for stages 1-3");
+  check_plan(params_per_bucket, unit_of_bucket);
   for (const auto& shape : shapes_) {
     int64_t numel = 1;
     for (int64_t d : shape) numel *= d;
     numel_.push_back(numel);
   }
+  const int64_t n = static_cast<int64_t>(shapes_.size());
   bucket_of_.assign(n, -1);
   offset_.assign(n, 0);
   int64_t next = 0;
   for (int64_t count : params_per_bucket) {
     TORCH_CHECK(count > 0 && next + count <= n, "zero_ext internal: bad bucket plan");
-    BucketShape bucket;
-    bucket.first = next;
-    bucket.count = count;
-    bucket.unit = stage_ == 3 ? unit_of_bucket.at(buckets_.size()) : -1;
-    const bool whole = owner(next) >= 0;  // [Note: whole-parameter layout]
-    std::vector<int64_t> region(whole ? world_ : 0, 0);  // elements each owner has in it so far
-    for (int64_t i = next; i < next + count; ++i) {
-      bucket_of_[i] = static_cast<int64_t>(buckets_.size());
-      TORCH_CHECK((owner(i) >= 0) == whole,
-                  "zero_ext internal: a bucket mixes whole parameters with ones cut in equal shards");
-      if (whole) {
-        TORCH_CHECK(i == next || owner_[i] >= owner_[i - 1],
-                    "zero_ext internal: a bucket's parameters must come grouped by owner");
-        offset_[i] = region[owner_[i]];  // within the owner's region; shifted below
-        region[owner_[i]] += numel_[i];
-      } else {
-        offset_[i] = bucket.numel;
-      }
-      bucket.numel += numel_[i];
-      bucket.trainable += trainable_[i] ? 1 : 0;
-    }
-    // Stages 0-2 bucket frozen parameters only to compute them in the
-    // compute dtype, apart from the trainable ones: a bucket without
-    // trainable parameters is never reduced, stepped or gathered after a step.
-    TORCH_CHECK(stage_ == 3 || bucket.trainable == 0 || bucket.trainable == count,
-                "zero_ext internal: outside stage 3 frozen parameters are bucketed apart from trainable ones");
-    if (whole) {
-      const int64_t widest = std::max<int64_t>(*std::max_element(region.begin(), region.end()), 1);
-      for (int64_t i = next; i < next + count; ++i) {
-        offset_[i] += owner_[i] * widest;
-      }
-      bucket.padded = widest * world_;
-      bucket.shard = widest;
-    } else {
-      const int64_t at_least_one = std::max<int64_t>(bucket.numel, 1);
-      bucket.padded = (at_least_one + world_ - 1) / world_ * world_;
-      bucket.shard = replicated() ? bucket.padded : bucket.padded / world_;
-    }
+    const BucketShape bucket = place_bucket(next, count, stage_ == 3 ? unit_of_bucket.at(buckets_.size()) : -1);
     if (bucket.unit >= 0) {
       if (static_cast<int64_t>(unit_buckets_.size()) <= bucket.unit) {
         unit_buckets_.resize(bucket.unit + 1);
@@ -117,6 +67,67 @@ Layout::Layout(std::vector<std::vector<int64_t>> shapes, std::vector<std::string
       segments_.push_back(piece);
     }
   }
+}
+
+void Layout::check_plan(const std::vector<int64_t>& params_per_bucket,
+                        const std::vector<int64_t>& unit_of_bucket) {
+  TORCH_CHECK(stage_ >= 0 && stage_ <= 3, "zero_ext: stage must be 0, 1, 2 or 3");
+  TORCH_CHECK(world_ >= 1 && rank_ >= 0 && rank_ < world_, "zero_ext internal: bad rank or world size");
+  const int64_t n = static_cast<int64_t>(shapes_.size());
+  TORCH_CHECK(static_cast<int64_t>(names_.size()) == n && static_cast<int64_t>(trainable_.size()) == n,
+              "zero_ext internal: one name and trainable flag per parameter");
+  TORCH_CHECK(stage_ == 3 || unit_of_bucket.empty() || unit_of_bucket.size() == params_per_bucket.size(),
+              "zero_ext internal: one unit per bucket");
+  TORCH_CHECK(owner_.empty() || static_cast<int64_t>(owner_.size()) == n,
+              "zero_ext internal: one owner per parameter");
+  for (int64_t owner : owner_) {
+    TORCH_CHECK(owner >= -1 && owner < world_, "zero_ext internal: a parameter's owner is out of range");
+    any_whole_ = any_whole_ || owner >= 0;
+  }
+  TORCH_CHECK(!any_whole_ || (stage_ >= 1 && !replicated() && !ddp_in_place()),
+              "zero_ext internal: whole-parameter layouts are for stages 1-3");
+}
+
+BucketShape Layout::place_bucket(int64_t first, int64_t count, int64_t unit) {
+  BucketShape bucket;
+  bucket.first = first;
+  bucket.count = count;
+  bucket.unit = unit;
+  const bool whole = owner(first) >= 0;  // [Note: whole-parameter layout]
+  std::vector<int64_t> region(whole ? world_ : 0, 0);  // elements each owner has in it so far
+  for (int64_t i = first; i < first + count; ++i) {
+    bucket_of_[i] = static_cast<int64_t>(buckets_.size());
+    TORCH_CHECK((owner(i) >= 0) == whole,
+                "zero_ext internal: a bucket mixes whole parameters with ones cut in equal shards");
+    if (whole) {
+      TORCH_CHECK(i == first || owner_[i] >= owner_[i - 1],
+                  "zero_ext internal: a bucket's parameters must come grouped by owner");
+      offset_[i] = region[owner_[i]];  // within the owner's region; shifted below
+      region[owner_[i]] += numel_[i];
+    } else {
+      offset_[i] = bucket.numel;
+    }
+    bucket.numel += numel_[i];
+    bucket.trainable += trainable_[i] ? 1 : 0;
+  }
+  // Stages 0-2 bucket frozen parameters only to compute them in the
+  // compute dtype, apart from the trainable ones: a bucket without
+  // trainable parameters is never reduced, stepped or gathered after a step.
+  TORCH_CHECK(stage_ == 3 || bucket.trainable == 0 || bucket.trainable == count,
+              "zero_ext internal: outside stage 3 frozen parameters are bucketed apart from trainable ones");
+  if (whole) {
+    const int64_t widest = std::max<int64_t>(*std::max_element(region.begin(), region.end()), 1);
+    for (int64_t i = first; i < first + count; ++i) {
+      offset_[i] += owner_[i] * widest;
+    }
+    bucket.padded = widest * world_;
+    bucket.shard = widest;
+  } else {
+    const int64_t at_least_one = std::max<int64_t>(bucket.numel, 1);
+    bucket.padded = (at_least_one + world_ - 1) / world_ * world_;
+    bucket.shard = replicated() ? bucket.padded : bucket.padded / world_;
+  }
+  return bucket;
 }
 
 int64_t Layout::shard_start_of(int64_t b, int64_t rank) const {

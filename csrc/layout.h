@@ -140,6 +140,10 @@ class Layout {
 
  private:
   std::vector<ShardPiece> pieces_of(int64_t rank, int64_t shard_elements_per_rank, bool trainable_only) const;
+  // The constructor's steps: the arguments checked (and any_whole_ set); the
+  // bucket of parameters [first, first + count), their offsets placed in it.
+  void check_plan(const std::vector<int64_t>& params_per_bucket, const std::vector<int64_t>& unit_of_bucket);
+  BucketShape place_bucket(int64_t first, int64_t count, int64_t unit);
 
   int64_t stage_;
   GradLayout grad_layout_;

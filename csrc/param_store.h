@@ -9,6 +9,9 @@
 //           precision or the optimizer is offloaded (host memory then)
 // Parameters compute in the "compute copy" (flat/shard), refreshed from the
 // masters after each step. Every rank starts from rank 0's values.
+// Defined by concern: the buffers in param_store.cpp, the masters (refresh,
+// gathers, loads) in param_store_masters.cpp, deferred initialization in
+// param_store_materialize.cpp, offload to a file in param_store_swap.cpp.
 
 #include <cstdint>
 #include <functional>
@@ -177,6 +180,14 @@ class ParamStore {
   std::optional<c10::Event> host_sources_sent_;
   bool compute_copy_written_ = false;
   bool deferred_ = false;  // laid out without values (wrap() materializes them)
+  // The constructor's steps, per bucket: the flat buffer the parameters
+  // view (holding their values unless deferred); then what the stage keeps:
+  // the fp32 master and the compute copy in compute_dtype (keep_master),
+  // and (stage 3) the shard `mine` apart, the flat buffer released (keep_shard).
+  void lay_out_flat(int64_t b);
+  void keep_what_the_stage_keeps(int64_t b, std::optional<c10::ScalarType> compute_dtype);
+  void keep_master(int64_t b, std::optional<c10::ScalarType> compute_dtype);
+  void keep_shard(int64_t b, const at::Tensor& mine);
   void build_segments();
   SwapSpace* swap_ = nullptr;
   std::vector<int64_t> value_slot_;            // by bucket: its value's swap slot (-1: in memory)

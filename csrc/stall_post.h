@@ -2,9 +2,9 @@
 // What a rank posts to the model's store when it stops where the others
 // can read it: a wait that stalled ([Note: stall diagnosis] in
 // communicator.h) or a forward that raised ([Note: a forward that raised]
-// in sharded_model.cpp). Both say how many collectives the rank issued on
-// each of the model's groups, so a reader can tell whether the ranks stand
-// at the same point of one sequence of collectives.
+// in forward_raised_agreement.cpp). Both say how many collectives the rank
+// issued on each of the model's groups, so a reader can tell whether the
+// ranks stand at the same point of one sequence of collectives.
 
 #include <array>
 #include <cstdint>

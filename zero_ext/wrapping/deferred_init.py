@@ -1,7 +1,8 @@
 """Deferred initialization: a model built with its parameters on the meta
 device (``zero_ext.empty_init()`` or ``torch.device("meta")``) is
 materialized by wrap() module by module, each rank keeping only what its
-stage keeps ([Note: deferred initialization], csrc/param_store.cpp).
+stage keeps ([Note: deferred initialization],
+csrc/param_store_materialize.cpp).
 
 The order is ``model.named_modules()``: each module with meta state is
 initialized by ``param_init_fn(module)`` or its own ``reset_parameters()``,
