@@ -95,7 +95,7 @@ def _unit_count(model: nn.Module, stage: Optional[int]) -> int:
     if stage != 3:
         return 0
     try:
-        return int(model._zero_ext.core.stats()["units"])
+        return int(model._zero_ext.handles.diagnostics.stats()["units"])
     except Exception:  # noqa: BLE001 - an internal that may move; the count is informative only
         return -1
 

@@ -58,7 +58,7 @@ def tokens(args, rank: int, world: int, step: int, micro: int):
 def held_grad_bytes(model) -> int:
     """zero_ext's gradient buffers plus what param.grad holds on its own
     (no_sync's whole local gradients)."""
-    own = model._zero_ext.core.stats()["grad_bytes"]
+    own = model._zero_ext.handles.diagnostics.stats()["grad_bytes"]
     extra = 0
     for p in model.parameters():
         g = p.grad
@@ -73,13 +73,13 @@ def run_mode(args, mesh, replicas: int, shard: int, stage: int, mode: str, rank:
     model = build_model(args.model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = zero_ext.wrap(model, opt, stage=stage, process_group=mesh)
-    core = model._zero_ext.core
+    core = model._zero_ext.handles
     times: List[float] = []
     result: Dict = {}
     for step in range(args.warmup + args.steps + 1):
         measured = step == args.warmup + args.steps  # the last step: traffic only
         if measured:
-            core.log_issues(True)
+            core.diagnostics.log_issues(True)
         dist.barrier()
         start = time.perf_counter()
         for micro in range(args.micro):
@@ -95,8 +95,8 @@ def run_mode(args, mesh, replicas: int, shard: int, stage: int, mode: str, rank:
         opt.zero_grad()
         elapsed = time.perf_counter() - start
         if measured:
-            core.log_issues(False)
-            result.update(sent_bytes_by_group(core.take_issue_log(), replicas, shard))
+            core.diagnostics.log_issues(False)
+            result.update(sent_bytes_by_group(core.diagnostics.take_issue_log(), replicas, shard))
         elif step >= args.warmup:
             times.append(elapsed)
     result["ms_per_step"] = 1e3 * statistics.median(times)

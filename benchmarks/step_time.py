@@ -112,7 +112,7 @@ def run_systems(args, rank, world):
     def compute_loss(system, trained, x, y):
         loss = F.cross_entropy(trained(x).float().flatten(0, 1), y.flatten())
         if system.startswith("zero_ext"):  # one stats() read, outside zero_ext's work
-            held = trained._zero_ext.core.stats()["param_bytes"]
+            held = trained._zero_ext.handles.diagnostics.stats()["param_bytes"]
             held_after_forward[system] = max(held_after_forward[system], held)
         return loss
 
@@ -121,10 +121,10 @@ def run_systems(args, rank, world):
         for system, (model, trained, opt) in built.items():
             if world > 1:
                 dist.barrier()
-            before = trained._zero_ext.core.stats()["param_gathers"] if system.startswith("zero_ext") else 0
+            before = trained._zero_ext.handles.diagnostics.stats()["param_gathers"] if system.startswith("zero_ext") else 0
             elapsed, losses[system] = timed_step(lambda: compute_loss(system, trained, x, y), opt)
             if system.startswith("zero_ext"):
-                gathers[system] = trained._zero_ext.core.stats()["param_gathers"] - before
+                gathers[system] = trained._zero_ext.handles.diagnostics.stats()["param_gathers"] - before
             if step >= args.warmup:
                 times[system].append(elapsed)
     results = {}

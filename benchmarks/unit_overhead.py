@@ -77,7 +77,7 @@ def build(system: str, args, world: int):
     model, opt = zero_ext.wrap(model, opt, stage=stage)
     if stage == 3:
         try:
-            units = int(model._zero_ext.core.stats()["units"])
+            units = int(model._zero_ext.handles.diagnostics.stats()["units"])
         except Exception:  # noqa: BLE001 - internal; informative only
             units = "?"
     return model, opt, units

@@ -13,7 +13,9 @@
 
 #include "autograd_boundaries.h"
 #include "block_quantization.h"
+#include "core_config.h"
 #include "core_ops.h"
+#include "core_views.h"
 #include "cpu_adam.h"
 #include "diagnosis_store.h"
 #include "layout.h"
@@ -122,132 +124,18 @@ TORCH_LIBRARY(zero_ext, m) {
         &quantize_blocks_op);
   m.def("dequantize_blocks(Tensor payload, int numel, int bits, int block, bool with_ops=False) -> Tensor",
         &dequantize_blocks_op);
+  define_core_config(m);
+  // The model itself offers no methods: Python reaches it by concern
+  // (core_views.h); the registered ops take it (core_ops.h).
   m.class_<ShardedModel>("ShardedModel")
-      .def(torch::init<std::vector<at::Tensor>, std::vector<std::string>, std::vector<int64_t>,
-                       std::vector<int64_t>, std::vector<int64_t>, int64_t, std::string, std::string,
-                       std::string, std::string, int64_t, std::optional<c10::ScalarType>, std::optional<c10::ScalarType>, bool,
-                       bool, std::vector<int64_t>>())
-      .def("enable_loss_scaling", &ShardedModel::enable_loss_scaling)
-      .def("disable_loss_scaling", &ShardedModel::disable_loss_scaling)
-      .def("loss_scale", &ShardedModel::loss_scale)
-      .def("loss_scaling", &ShardedModel::loss_scaling)
-      .def("on_output_grad", &ShardedModel::on_output_grad)
-      .def("found_nonfinite", &ShardedModel::found_nonfinite)
-      .def("note_nonfinite_elsewhere", &ShardedModel::note_nonfinite_elsewhere)
-      .def("begin_step", &ShardedModel::begin_step)
-      .def("set_skip_nonfinite", &ShardedModel::set_skip_nonfinite)
-      .def("enable_stall_diagnosis", &ShardedModel::enable_stall_diagnosis)
-      .def("enable_collective_checks", &ShardedModel::enable_collective_checks)
-      .def("set_unit_names", &ShardedModel::set_unit_names)
-      .def("set_unit_advice", &ShardedModel::set_unit_advice)
-      .def("stall_queries", &ShardedModel::stall_queries)
-      .def("post_whereabouts", &ShardedModel::post_whereabouts)
-      .def("note_compute_copy_written", &ShardedModel::note_compute_copy_written)
-      .def("segment_compute_copies", &ShardedModel::segment_compute_copies)
-      .def("replicated", &ShardedModel::replicated)
-      .def("params_sharded", &ShardedModel::params_sharded)
-      .def("whole_params", &ShardedModel::whole_params)
-      .def("failed", &ShardedModel::failed)
-      .def("grad_layout", &ShardedModel::grad_layout)
-      .def("local_pieces", &ShardedModel::local_pieces)
-      .def("owned_ranges", &ShardedModel::owned_ranges)
-      .def("local_value_shards", &ShardedModel::local_value_shards)
-      .def("segment_param_starts", &ShardedModel::segment_param_starts)
-      .def("loss_scaler_state", &ShardedModel::loss_scaler_state)
-      .def("restore_loss_scaler", &ShardedModel::restore_loss_scaler)
-      .def("refresh_params_from_shards", &ShardedModel::refresh_params_from_shards)
-      .def("has_masters", &ShardedModel::has_masters)
-      .def("full_masters", &ShardedModel::full_masters)
-      .def("full_masters_of", &ShardedModel::full_masters_of)
-      .def("load_masters", &ShardedModel::load_masters)
-      // The unit actions go through their registered ops (core_ops.h).
-      .def("begin_forward", &ShardedModel::begin_forward)
-      .def("end_forward", &ShardedModel::end_forward)
-      .def("forward_raised", &ShardedModel::forward_raised)
-      .def("pre_forward",
-           [](const c10::intrusive_ptr<ShardedModel>& self, int64_t unit) {
-             dispatch::gather_unit(self, unit, /*backward=*/false);
-           })
-      // A stage 3 unit's forward begins: gather it, and pass its inputs that
-      // require grad through a boundary node that reports the end of this use.
-      .def("enter_unit",
-           [](const c10::intrusive_ptr<ShardedModel>& self, int64_t unit, std::vector<at::Tensor> inputs) {
-             dispatch::gather_unit(self, unit, /*backward=*/false);
-             return track_unit_inputs(self, unit, inputs);
-           })
-      // The same without the gather (a later member of a merged unit).
-      .def("track_unit_inputs",
-           [](const c10::intrusive_ptr<ShardedModel>& self, int64_t unit, std::vector<at::Tensor> inputs) {
-             return track_unit_inputs(self, unit, inputs);
-           })
-      .def("hook_regather", &ShardedModel::hook_regather)
-      .def("scale_outputs", [](const c10::intrusive_ptr<ShardedModel>& self, std::vector<at::Tensor> outputs) {
-        return scale_at_outputs(self, outputs);
-      })
-      .def("post_forward",
-           [](const c10::intrusive_ptr<ShardedModel>& self, int64_t unit, std::vector<at::Tensor> outputs) {
-             dispatch::release_unit(self, unit, outputs);
-           })
-      .def("add_pending_use", &ShardedModel::add_pending_use)
-      .def("post_backward_use", &ShardedModel::post_backward_use)
-      .def("note_untracked_use", &ShardedModel::note_untracked_use)
-      .def("gather_all", &ShardedModel::gather_all)
-      .def("gather_units_of", &ShardedModel::gather_units_of)
-      .def("unpin_units_of", &ShardedModel::unpin_units_of)
-      .def("release_all", &ShardedModel::release_all)
-      .def("keep_gathered_after_forward", &ShardedModel::keep_gathered_after_forward)
-      .def("reshard_to_subgroup", &ShardedModel::reshard_to_subgroup)
-      .def("set_prefetch", &ShardedModel::set_prefetch)
-      .def("unshard", &ShardedModel::unshard)
-      .def("wait_unshard", &ShardedModel::wait_unshard)
-      .def("write_back_shards", &ShardedModel::write_back_shards)
-      .def("begin_materialize", &ShardedModel::begin_materialize)
-      .def("end_materialize", &ShardedModel::end_materialize)
-      .def("set_sync", &ShardedModel::set_sync)
-      .def("sync", &ShardedModel::sync)
-      .def("set_replica_sync", &ShardedModel::set_replica_sync)
-      .def("set_gradient_divide_factor", &ShardedModel::set_gradient_divide_factor)
-      .def("enable_compression", &ShardedModel::enable_compression)
-      .def("traffic", &ShardedModel::traffic)
-      .def("residual_bytes", &ShardedModel::residual_bytes)
-      .def("replica_sync", &ShardedModel::replica_sync)
-      .def("zero_grad", &ShardedModel::zero_grad)
-      .def("after_step", &ShardedModel::after_step)
-      .def("check_before_step", &ShardedModel::check_before_step)
-      .def("segments", &ShardedModel::segments)
-      .def("segment_param_indices", &ShardedModel::segment_param_indices)
-      .def("full_grads", &ShardedModel::full_grads)
-      .def("settle", &ShardedModel::settle)
-      .def("has_grad", &ShardedModel::has_grad)
-      .def("bucket_layout", &ShardedModel::bucket_layout)
-      .def("stats", &ShardedModel::stats)
-      .def("group_all_reduce", &ShardedModel::group_all_reduce)
-      .def("group_broadcast_from_rank0", &ShardedModel::group_broadcast_from_rank0)
-      .def("group_all_gather", &ShardedModel::group_all_gather)
-      .def("mesh_all_reduce", &ShardedModel::mesh_all_reduce)
-      .def("mesh_broadcast_from_rank0", &ShardedModel::mesh_broadcast_from_rank0)
-      .def("mesh_all_gather", &ShardedModel::mesh_all_gather)
-      .def("set_max_in_flight_bytes", &ShardedModel::set_max_in_flight_bytes)
-      .def("enable_swap", &ShardedModel::enable_swap)
-      .def("swapped", &ShardedModel::swapped)
-      .def("set_max_live_bytes", &ShardedModel::set_max_live_bytes)
-      .def("swap_in", &ShardedModel::swap_in)
-      .def("swap_prefetch", &ShardedModel::swap_prefetch)
-      .def("swap_out", &ShardedModel::swap_out)
-      .def("swap_in_grads", &ShardedModel::swap_in_grads)
-      .def("swap_out_grads", &ShardedModel::swap_out_grads)
-      .def("swap_stats", &ShardedModel::swap_stats)
-      .def("swap_drain", &ShardedModel::swap_drain)
-      .def("swap_reset_peak", &ShardedModel::swap_reset_peak)
-      .def("swap_fail_writes_after", &ShardedModel::swap_fail_writes_after)
-      .def("set_test_fault", &ShardedModel::set_test_fault)
-      .def("log_issues", &ShardedModel::log_issues)
-      .def("take_issue_log", &ShardedModel::take_issue_log)
+      .def(torch::init<std::vector<at::Tensor>, std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>,
+                       std::vector<int64_t>, std::vector<int64_t>, c10::intrusive_ptr<CoreConfig>>())
       // Identity: torch's fake-tensor dispatch cache compares the arguments
       // of an op (the core ops take this object) with ==.
       .def("__eq__", [](const c10::intrusive_ptr<ShardedModel>& self, const c10::intrusive_ptr<ShardedModel>& other) {
         return self.get() == other.get();
       });
+  define_core_views(m);
   m.class_<UnitUse>("UnitUse");
   define_core_ops(m);
   m.class_<LayoutProbe>("Layout")

@@ -37,27 +37,26 @@ Layout make_layout(const std::vector<at::Tensor>& params, std::vector<std::strin
 
 ShardedModel::ShardedModel(std::vector<at::Tensor> params, std::vector<std::string> names,
                            std::vector<int64_t> trainable, std::vector<int64_t> params_per_bucket,
-                           std::vector<int64_t> unit_of_bucket, int64_t stage, std::string group_name,
-                           std::string gather_group_name, std::string replica_group_name,
-                           std::string regather_group_name, int64_t prefetch,
-                           std::optional<c10::ScalarType> compute_dtype,
-                           std::optional<c10::ScalarType> reduce_dtype, bool offload, bool deferred,
-                           std::vector<int64_t> owner_of_param)
+                           std::vector<int64_t> unit_of_bucket, std::vector<int64_t> owner_of_param,
+                           c10::intrusive_ptr<CoreConfig> config)
     : issue_counts_(std::make_shared<IssueCounts>()),
       traffic_(std::make_shared<Traffic>()),
-      comm_(group_name, GroupSlot::kShard, issue_counts_),
-      gather_comm_(stage == 3 ? (gather_group_name.empty() ? group_name : gather_group_name) : std::string(),
+      comm_(config->shard_group, GroupSlot::kShard, issue_counts_),
+      gather_comm_(config->stage == 3 ? (config->gather_group.empty() ? config->shard_group : config->gather_group)
+                                      : std::string(),
                    GroupSlot::kGather, issue_counts_),
-      replica_comm_(replica_group_name, GroupSlot::kReplica, issue_counts_),
-      regather_comm_(stage == 3 ? regather_group_name : std::string(), GroupSlot::kRegather, issue_counts_),
+      replica_comm_(config->replica_group, GroupSlot::kReplica, issue_counts_),
+      regather_comm_(config->stage == 3 ? config->regather_group : std::string(), GroupSlot::kRegather, issue_counts_),
       mesh_(comm_, replica_comm_),
       layout_(make_layout(params, std::move(names), std::move(trainable), params_per_bucket, unit_of_bucket,
-                          stage, compute_dtype, reduce_dtype, offload, comm_, owner_of_param)),
-      store_(std::move(params), layout_, mesh_, gate_.progress(), compute_dtype, offload, deferred),
-      reducer_(layout_, store_, comm_, replica_comm_, gate_, reduce_dtype),
+                          config->stage, parse_config_dtype(config->compute_dtype),
+                          parse_config_dtype(config->reduce_dtype), config->offload, comm_, owner_of_param)),
+      store_(std::move(params), layout_, mesh_, gate_.progress(), parse_config_dtype(config->compute_dtype),
+             config->offload, config->deferred),
+      reducer_(layout_, store_, comm_, replica_comm_, gate_, parse_config_dtype(config->reduce_dtype)),
       units_(layout_.params_sharded()
                  ? std::make_unique<UnitScheduler>(layout_, store_, gather_comm_, regather_comm_, reducer_, gate_,
-                                                   prefetch,
+                                                   config->prefetch,
                                                    [this] { round_.check_usable(); })
                  : nullptr),
       agreement_(layout_, mesh_, gate_),
@@ -75,6 +74,7 @@ ShardedModel::ShardedModel(std::vector<at::Tensor> params, std::vector<std::stri
   for (Communicator* comm : {&comm_, &gather_comm_, &replica_comm_, &regather_comm_}) {
     comm->count_traffic_to(traffic_);
   }
+  apply_config(*config);
 }
 
 // --- autograd ----------------------------------------------------------------
@@ -348,18 +348,6 @@ void ShardedModel::gather_all() {
   units_->gather_all();
 }
 
-void ShardedModel::keep_gathered_after_forward(std::vector<int64_t> units) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!units_) return;  // stages 0-2: parameters are never released
-  units_->keep_gathered_after_forward(units);
-}
-
-void ShardedModel::reshard_to_subgroup(std::vector<int64_t> units) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!units_) return;  // stages 0-2: parameters are never released
-  units_->reshard_to_subgroup(units);
-}
-
 void ShardedModel::set_prefetch(int64_t unit, bool forward, std::vector<int64_t> units) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!units_) return;  // stages 0-2: parameters are never released
@@ -408,25 +396,6 @@ void ShardedModel::write_back_shards() {
 
 // --- loss scaling, non-finite gradients, the step -----------------------------------
 
-void ShardedModel::enable_loss_scaling(double initial_scale, double growth_factor, double backoff_factor,
-                                       int64_t growth_interval, double min_scale, int64_t hysteresis,
-                                       bool dynamic) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_INTERNAL_ASSERT(!layout_.ddp_in_place(), "loss scaling needs fp32 masters");
-  // Option values are validated in Python, where the user passes them.
-  TORCH_INTERNAL_ASSERT(initial_scale > 0 && growth_factor >= 1 && backoff_factor > 0 && backoff_factor < 1 &&
-                        growth_interval > 0 && min_scale > 0 && hysteresis > 0);
-  LossScalerOptions options;
-  options.initial_scale = initial_scale;
-  options.growth_factor = growth_factor;
-  options.backoff_factor = backoff_factor;
-  options.growth_interval = growth_interval;
-  options.min_scale = min_scale;
-  options.hysteresis = hysteresis;
-  options.dynamic = dynamic;
-  gate_.scaler().enable(options);
-}
-
 void ShardedModel::disable_loss_scaling() {
   std::lock_guard<std::mutex> lock(mutex_);
   gate_.scaler().disable();
@@ -444,11 +413,6 @@ bool ShardedModel::found_nonfinite() {
 void ShardedModel::note_nonfinite_elsewhere() {
   std::lock_guard<std::mutex> lock(mutex_);
   gate_.note_nonfinite_elsewhere();
-}
-
-void ShardedModel::set_skip_nonfinite(bool skip) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  gate_.set_skip_nonfinite(skip);
 }
 
 int64_t ShardedModel::begin_step() {
@@ -540,66 +504,6 @@ void ShardedModel::note_compute_copy_written() {
 std::vector<at::Tensor> ShardedModel::segment_compute_copies() { return store_.segment_compute_copies(); }
 void ShardedModel::check_param_shapes() { store_.check_shapes(); }
 
-void ShardedModel::enable_stall_diagnosis(double seconds, double timeout_seconds, std::string key_space,
-                                          std::vector<int64_t> shard_mesh_ranks,
-                                          std::vector<int64_t> replica_mesh_ranks) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(timeout_seconds > 0, "zero_ext internal: a timeout of ", timeout_seconds, " s");
-  // NCCL: the watchdog bounds waits, and a timed wait would block the host;
-  // the stores still carry reports, and header waits are host waits.
-  const bool timed = comm_.waits_on_host(store_.device().type());
-  // How long a rank whose forward raised waits for the others to say where
-  // they stopped ([Note: a forward that raised]): with timed waits (gloo) a
-  // rank that went on posts its stall, so up to the timeout only matters for a
-  // slow rank; without (NCCL) nothing but the others' own raised forwards
-  // can answer, and those come within the ranks' skew.
-  raised_forward_limit_s_ = timed ? timeout_seconds : std::min(timeout_seconds, std::max(2 * seconds, 10.0));
-  const int64_t replicas = replica_comm_.size();
-  const int64_t shard_size = comm_.size();
-  const int64_t sub = regather_comm_.distributed() ? regather_comm_.size() : 0;
-  comm_.enable_stall_diagnosis(seconds, key_space, shard_mesh_ranks, replicas, shard_size, timed, sub);
-  gather_comm_.enable_stall_diagnosis(seconds, key_space, shard_mesh_ranks, replicas, shard_size, timed, sub);
-  replica_comm_.enable_stall_diagnosis(seconds, key_space, replica_mesh_ranks, replicas, shard_size, timed, sub);
-  if (sub > 0) {  // the subgroup: consecutive members of the shard group
-    const auto first = shard_mesh_ranks.begin() + comm_.rank() / sub * sub;
-    regather_comm_.enable_stall_diagnosis(seconds, key_space, std::vector<int64_t>(first, first + sub), replicas,
-                                          shard_size, timed, sub);
-  }
-}
-
-void ShardedModel::enable_collective_checks(std::string shard_headers, std::string gather_headers,
-                                            std::string replica_headers, std::string regather_headers) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  auto describe = [this](const CollectiveId& id, const std::string& label) {
-    return describe_collective(id, label);
-  };
-  auto progress = [this] { return gate_.progress(); };
-  auto order = std::make_shared<SequenceOrder>();
-  // Across replicas on gloo, a bucket's all-reduce is submitted when a host
-  // poll sees its reduction done, a moment that differs between ranks: it
-  // keeps its own group's order only (collective_sequence.h).
-  const bool replicas_in_order = !comm_.waits_on_host(store_.device().type());
-  comm_.enable_sequence_checks(shard_headers, order, true, describe, progress);
-  gather_comm_.enable_sequence_checks(gather_headers, order, true, describe, progress);
-  regather_comm_.enable_sequence_checks(regather_headers, order, true, describe, progress);
-  replica_comm_.enable_sequence_checks(replica_headers, order, replicas_in_order, describe, progress);
-}
-
-void ShardedModel::set_unit_names(std::vector<std::string> names) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  layout_.set_unit_names(std::move(names));
-}
-
-void ShardedModel::set_unit_advice(std::vector<std::string> advice) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  layout_.set_unit_advice(std::move(advice));
-  // Read only by a failing wait or sequence check, after wrap() set it.
-  auto advise = [this](const std::string& report) { return layout_.advice_for(report); };
-  for (Communicator* comm : {&comm_, &gather_comm_, &regather_comm_, &replica_comm_}) {
-    comm->set_advice(advise);
-  }
-}
-
 std::string ShardedModel::describe_collective(const CollectiveId& id, const std::string& label) const {
   const std::string op = op_name(id.op);
   const bool bucket = id.subject >= 0 && id.subject < layout_.num_buckets();
@@ -661,23 +565,6 @@ void ShardedModel::set_gradient_divide_factor(double factor) {
   reducer_.set_divide_factor(factor);
 }
 
-void ShardedModel::enable_compression(int64_t weight_bits, int64_t grad_bits, int64_t block) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(weight_bits == 0 || weight_bits == 8, "zero_ext: compress_weights quantizes to 8 bits, got ",
-              weight_bits);
-  TORCH_CHECK(grad_bits == 0 || grad_bits == 8 || grad_bits == 4, "zero_ext: compress_grads quantizes to 8 or 4 bits, got ",
-              grad_bits);
-  TORCH_CHECK(block >= 2 && block % 2 == 0, "zero_ext: the quantization block must be an even number of elements, got ",
-              block);
-  TORCH_CHECK(weight_bits == 0 || units_, "zero_ext: compress_weights needs stage 3 (stages 0-2 gather no parameters)");
-  TORCH_CHECK(grad_bits == 0 || (!layout_.replicated() && !layout_.ddp_in_place()),
-              "zero_ext: compress_grads needs stage 2 or 3 (their reductions are reduce-scatters)");
-  if (units_) {
-    units_->set_compression(QuantFormat{weight_bits, block});
-  }
-  reducer_.set_compression(QuantFormat{grad_bits, block});
-}
-
 std::vector<int64_t> ShardedModel::traffic() const {
   std::vector<int64_t> out;
   for (const auto& bytes : traffic_->bytes) {
@@ -704,135 +591,6 @@ void ShardedModel::zero_grad(bool set_to_none) {
 bool ShardedModel::reset_if_stale() {
   std::lock_guard<std::mutex> lock(mutex_);
   return round_.reset_if_stale();
-}
-
-} // namespace zero_ext
-
-namespace zero_ext {
-
-void ShardedModel::enable_swap(std::string path, bool params, bool optimizer, int64_t threads, int64_t chunk_bytes,
-                               int64_t max_writing_bytes, int64_t persist_bytes) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(!swap_, "zero_ext internal: enable_swap runs once, at wrap()");
-  TORCH_CHECK(store_.device().is_cpu(), "zero_ext: offload_*='nvme' for a model on ", store_.device(),
-              " is not available in this version; it runs on CPU models (use offload_optimizer='cpu' on an "
-              "accelerator)");
-  swap_ = std::make_unique<SwapSpace>(std::move(path), threads, chunk_bytes, max_writing_bytes);
-  // [Note: an offload file that failed] A read or write of this rank's file
-  // failed (a full disk, a failing drive) somewhere inside a forward,
-  // backward or step: what this rank holds is no longer what the other ranks
-  // expect (a step half done, a gradient not kept), so, as for a forward that
-  // raised, it refuses every later entry point and posts the report, which
-  // the other ranks' stalled waits raise within the stall interval.
-  swap_->on_failure([this](const std::string& error) {
-    const std::string first_line = error.substr(0, error.find('\n'));
-    const std::string report =
-        "zero_ext: rank " + std::to_string(mesh_.rank()) + " cannot go on training: its offload file failed (" +
-        first_line + "). Its shards, gradients or optimizer state no longer match the other ranks' step, so every "
-        "rank stops with this error instead of waiting out the timeout. Free space on offload_path's file system "
-        "(or point offload_path at a healthy drive) and restart every rank from the last checkpoint; checkpoints "
-        "saved before are untouched.";
-    round_.mark_unusable(report);
-    if (mesh_.size() > 1) comm_.post_report(report);
-  });
-  store_.enable_swap(*swap_, params && layout_.params_sharded(), optimizer, persist_bytes);
-  if (optimizer && !layout_.ddp_in_place() && !layout_.replicated()) reducer_.enable_swap(*swap_, persist_bytes);
-  swap_->open();
-}
-
-bool ShardedModel::swapped() { return swap_ != nullptr; }
-
-void ShardedModel::set_max_live_bytes(int64_t bytes) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(bytes >= 0, "zero_ext internal: a live budget is a number of bytes");
-  if (units_) units_->set_max_live_bytes(bytes);
-}
-
-void ShardedModel::check_buckets(const std::vector<int64_t>& buckets) const {
-  for (int64_t b : buckets) {
-    TORCH_CHECK(b >= 0 && b < layout_.num_buckets(), "zero_ext internal: no bucket ", b);
-  }
-}
-
-void ShardedModel::swap_in(std::vector<int64_t> buckets) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!swap_) return;
-  check_buckets(buckets);
-  at::NoGradGuard no_grad;
-  for (int64_t b : buckets) {
-    store_.prefetch_value(b);  // every read of the batch in flight before the first wait
-    reducer_.prefetch_grads(b);
-  }
-  for (int64_t b : buckets) {
-    store_.hold_value(b);
-    reducer_.ensure_grads(b);
-  }
-}
-
-void ShardedModel::swap_prefetch(std::vector<int64_t> buckets) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!swap_) return;
-  check_buckets(buckets);
-  for (int64_t b : buckets) {
-    store_.prefetch_value(b);
-    reducer_.prefetch_grads(b);
-  }
-}
-
-void ShardedModel::swap_out(std::vector<int64_t> buckets, bool stepped, bool grads_dirty) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!swap_) return;
-  check_buckets(buckets);
-  for (int64_t b : buckets) {
-    store_.unhold_value(b, stepped);
-    reducer_.park_grads(b, grads_dirty);
-  }
-}
-
-void ShardedModel::swap_drain() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (swap_) swap_->drain();
-}
-
-void ShardedModel::swap_in_grads(std::vector<int64_t> buckets) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!swap_) return;
-  check_buckets(buckets);
-  at::NoGradGuard no_grad;
-  for (int64_t b : buckets) reducer_.prefetch_grads(b);
-  for (int64_t b : buckets) reducer_.ensure_grads(b);
-}
-
-void ShardedModel::swap_out_grads(std::vector<int64_t> buckets, bool dirty) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!swap_) return;
-  check_buckets(buckets);
-  for (int64_t b : buckets) reducer_.park_grads(b, dirty);
-}
-
-c10::Dict<std::string, int64_t> ShardedModel::swap_stats() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  c10::Dict<std::string, int64_t> out;
-  if (!swap_) return out;
-  out.insert("file_bytes", swap_->file_bytes());
-  out.insert("bytes_written", swap_->bytes_written());
-  out.insert("bytes_read", swap_->bytes_read());
-  out.insert("resident_bytes", swap_->resident_bytes());
-  out.insert("peak_resident_bytes", swap_->peak_resident_bytes());
-  out.insert("io_buffer_bytes", swap_->io_buffer_bytes());
-  out.insert("slots", swap_->num_slots());
-  return out;
-}
-
-void ShardedModel::swap_reset_peak() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (swap_) swap_->reset_peak();
-}
-
-void ShardedModel::swap_fail_writes_after(int64_t bytes) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(swap_, "zero_ext internal: no offload file");
-  swap_->fail_writes_after(bytes);
 }
 
 } // namespace zero_ext

@@ -1,9 +1,11 @@
 #pragma once
 // ShardedModel: the C++ core of one wrapped model, registered as
-// torch.classes.zero_ext.ShardedModel. A thin facade: it owns the components
-// below, takes the lock, and routes each entry point (autograd hooks, module
-// hooks, the optimizer wrapper, checkpoints) to the component that does the
-// work. See csrc/README.md for the path of one gradient and of one unit.
+// torch.classes.zero_ext.ShardedModel, built whole from its CoreConfig. A
+// thin facade: it owns the components below, takes the lock, and routes each
+// entry point (autograd hooks, module hooks, the optimizer wrapper,
+// checkpoints) to the component that does the work. Python calls it only
+// through its views by concern (core_views.h), which bind these member
+// functions. See csrc/README.md for the path of one gradient and of one unit.
 //
 //   Layout         immutable geometry: buckets, shards, segments   layout.h
 //   ParamStore     flat, shard, master and compute-copy buffers     param_store.h
@@ -32,6 +34,7 @@
 #include "backward_round.h"
 #include "collective_sequence.h"
 #include "communicator.h"
+#include "core_config.h"
 #include "fault_injection.h"
 #include "grad_reducer.h"
 #include "layout.h"
@@ -48,20 +51,13 @@ class ShardedModel : public torch::CustomClassHolder {
  public:
   // params: in bucket order; trainable: which get gradients (stage 3 also
   // shards frozen ones); unit_of_bucket: stage 3 unit of each bucket (root: 0);
-  // gather_group_name: the group stage 3 gathers on ("" = group_name);
-  // replica_group_name: hybrid sharding, the group across the copies of this
-  // rank's shard ("" = flat; [Note: hybrid sharding] in mesh.h);
-  // compute_dtype: mixed precision (fp32 parameters compute in it, the
-  // optimizer steps fp32 masters); reduce_dtype: gradients are reduced in it
-  // (none: fp32); offload: masters and accumulators in host memory;
-  // deferred: the parameters hold no values yet, wrap() materializes them
-  // bucket by bucket ([Note: deferred initialization], param_store.cpp).
+  // owner_of_param: the rank stepping each parameter whole ([Note:
+  // whole-parameter layout]; empty: elementwise). Everything else is in
+  // `config` (core_config.h), applied here once: nothing configures the
+  // model after it is built.
   ShardedModel(std::vector<at::Tensor> params, std::vector<std::string> names, std::vector<int64_t> trainable,
-               std::vector<int64_t> params_per_bucket, std::vector<int64_t> unit_of_bucket, int64_t stage,
-               std::string group_name, std::string gather_group_name, std::string replica_group_name,
-               std::string regather_group_name, int64_t prefetch,
-               std::optional<c10::ScalarType> compute_dtype, std::optional<c10::ScalarType> reduce_dtype,
-               bool offload, bool deferred, std::vector<int64_t> owner_of_param);
+               std::vector<int64_t> params_per_bucket, std::vector<int64_t> unit_of_bucket,
+               std::vector<int64_t> owner_of_param, c10::intrusive_ptr<CoreConfig> config);
 
   // --- the model's forward (one call each from its pre and post hooks) -------
   // Drops a stale backward round, checks parameter shapes, gathers the root unit.
@@ -107,10 +103,6 @@ class ShardedModel : public torch::CustomClassHolder {
   // so it is queued and handled at the next entry point.
   void defer_use_done(int64_t unit, int64_t round);
   void gather_all();
-  // reshard_after_forward=False units (see UnitScheduler).
-  void keep_gathered_after_forward(std::vector<int64_t> units);
-  // reshard_after_forward=<the regather group's size> for these units.
-  void reshard_to_subgroup(std::vector<int64_t> units);
   // set_modules_to_forward/backward_prefetch (see UnitScheduler::set_prefetch).
   void set_prefetch(int64_t unit, bool forward, std::vector<int64_t> units);
   // model.unshard(async_op) / the handle's wait(): every unit gathered
@@ -128,8 +120,6 @@ class ShardedModel : public torch::CustomClassHolder {
   void end_materialize(std::vector<int64_t> buckets);
 
   // --- loss scaling, non-finite gradients, the step ---------------------------
-  void enable_loss_scaling(double initial_scale, double growth_factor, double backoff_factor,
-                           int64_t growth_interval, double min_scale, int64_t hysteresis, bool dynamic);
   void disable_loss_scaling();
   double loss_scale();
   bool loss_scaling();
@@ -139,7 +129,6 @@ class ShardedModel : public torch::CustomClassHolder {
   // Before begin_step: another group of ranks (a tensor-parallel model's
   // other tp ranks) found a non-finite gradient; this step decides as they do.
   void note_nonfinite_elsewhere();
-  void set_skip_nonfinite(bool skip);
   // Once per optimizer.step(): whether to skip it (StepDecision, as an int).
   int64_t begin_step();
   // Before a step: raises if a gradient bypassed zero_ext's hook, or a
@@ -153,22 +142,6 @@ class ShardedModel : public torch::CustomClassHolder {
   void note_compute_copy_written();
   std::vector<at::Tensor> segment_compute_copies();
   void check_param_shapes();
-  // seconds: a wait stalled this long compares notes with the other ranks;
-  // timeout_seconds: the model's timeout, the longest the ranks compare where
-  // a forward raised; key_space: the same on every rank of the mesh, new for
-  // each wrap(); *_mesh_ranks: the mesh rank of each member of the group, by
-  // group rank.
-  void enable_stall_diagnosis(double seconds, double timeout_seconds, std::string key_space,
-                              std::vector<int64_t> shard_mesh_ranks, std::vector<int64_t> replica_mesh_ranks);
-  // [Note: collectives that prove what they are] (collective_sequence.h):
-  // header groups (gloo, "" where none) for the shard, gather and replica
-  // groups. Before enable_stall_diagnosis.
-  void enable_collective_checks(std::string shard_headers, std::string gather_headers,
-                                std::string replica_headers, std::string regather_headers);
-  // Stage 3: each unit's module path, for messages.
-  void set_unit_names(std::vector<std::string> names);
-  // Per unit, what to do if it runs on some ranks only (see Layout::advice_for).
-  void set_unit_advice(std::vector<std::string> advice);
   // [Note: whereabouts] in communicator.h: called from the answering thread,
   // touch only the store (never the model's state), so they need no lock.
   int64_t stall_queries() const;
@@ -182,10 +155,6 @@ class ShardedModel : public torch::CustomClassHolder {
   void set_replica_sync(bool sync);
   // Gradients reduce to the sum over ranks divided by `factor` (0: the mean).
   void set_gradient_divide_factor(double factor);
-  // wrap(compress_weights=, compress_grads=): bits of stage 3 gathers and of
-  // gradient reductions within the shard group (0: off), `block` elements
-  // per scale ([Note: quantized collectives]). Before the first forward.
-  void enable_compression(int64_t weight_bits, int64_t grad_bits, int64_t block);
   // [Note: traffic] Bytes this rank sent since wrap, by TrafficKind.
   std::vector<int64_t> traffic() const;
   // Bytes of the error-feedback residuals compress_grads holds.
@@ -245,14 +214,6 @@ class ShardedModel : public torch::CustomClassHolder {
   void mesh_all_gather(at::Tensor out, at::Tensor in, std::string what);
 
   // --- offload_*="nvme" ([Note: swapped buffers] in swap_space.h) ---------
-  // At wrap(), before the optimizer is sharded: `params` (stage 3 shards),
-  // `optimizer` (fp32 masters and gradient accumulators) live in this
-  // rank's offload file at `path` (made here, unlinked at once). `threads`
-  // I/O threads with `chunk_bytes` aligned buffers each; at most
-  // `max_writing_bytes` written behind at once.
-  // Buckets under `persist_bytes` stay in memory ([Note: persistent small buckets]).
-  void enable_swap(std::string path, bool params, bool optimizer, int64_t threads, int64_t chunk_bytes,
-                   int64_t max_writing_bytes, int64_t persist_bytes);
   bool swapped();
   // The optimizer's step, bucket by bucket (zero_ext/optim/streamed_step.py):
   // values and gradients in memory, the segments and their .grad viewing
@@ -272,9 +233,6 @@ class ShardedModel : public torch::CustomClassHolder {
   // Test-only (zero_ext/tools/faults.py): writes past `bytes` more fail (ENOSPC).
   void swap_fail_writes_after(int64_t bytes);
 
-  // Stage 3: the most bytes of full parameters gathered at once that
-  // prefetch may reach (0: no bound beyond the prefetch count).
-  void set_max_live_bytes(int64_t bytes);
   // Bytes of gradient reductions in flight before backward waits for the
   // oldest (stages 2-3; see [Note: reductions in flight] in grad_reducer.h).
   void set_max_in_flight_bytes(int64_t bytes);
@@ -286,6 +244,13 @@ class ShardedModel : public torch::CustomClassHolder {
   std::vector<std::string> take_issue_log();
 
  private:
+  // The constructor's setting (sharded_model_config.cpp), each once.
+  void apply_config(const CoreConfig& config);
+  void enable_compression(int64_t weight_bits, int64_t grad_bits, int64_t block);
+  void enable_swap(const CoreConfig& config);  // this rank's offload file, its space reserved
+  void set_unit_advice(const std::vector<std::string>& advice);  // per unit (see Layout::advice_for)
+  void enable_collective_checks(const CoreConfig& config);  // collective_sequence.h
+  void enable_stall_diagnosis(const CoreConfig& config);    // communicator.h
   void arm_epilogue();
   // The next collective on each group starts a round of this kind.
   void begin_round(RoundKind kind, int64_t detail = 0, const std::string& label = {});

@@ -91,7 +91,7 @@ def check_values_and_bytes(rank: int, world: int) -> Dict[str, Optional[str]]:
                     problems.append("forward differs from the normally built model's")
                 if stage == 3:
                     problems += _stage3_bytes(model, recorder)
-                if model._zero_ext.core.stats()["materializing_bytes"]:
+                if model._zero_ext.handles.diagnostics.stats()["materializing_bytes"]:
                     problems.append("temporary full buffers outlive wrap()")
             except Exception as error:  # noqa: BLE001 - reported per label
                 problems.append(f"{type(error).__name__}: {error}")
@@ -104,7 +104,7 @@ def _stage3_bytes(model, recorder: BytesAtEachInit) -> List[str]:
     and one other unit (in fp32, the parameters' own dtype while they are
     initialized) besides its shards; and it does hold them."""
     state = model._zero_ext
-    layout = state.core.bucket_layout()  # (first, count, padded) per bucket
+    layout = state.handles.reduction.bucket_layout()  # (first, count, padded) per bucket
     unit_bytes: Dict[int, int] = {}
     for b in range(len(layout) // 3):
         first, padded = layout[3 * b], layout[3 * b + 2]
@@ -181,10 +181,10 @@ def skip_init_then_load(rank: int, world: int, path: str) -> Dict[str, Optional[
                                            offload_optimizer="cpu" if offload else None, timeout=20,
                                            units={InitBlock} if stage == 3 else None,
                                            param_init_fn=zero_ext.skip_init if init == "skip" else lambda m: None)
-                collectives[init] = model._zero_ext.core.stats()["collectives"]
+                collectives[init] = model._zero_ext.handles.diagnostics.stats()["collectives"]
                 if init == "noop":
                     continue
-                buckets = model._zero_ext.core.stats()["buckets"]
+                buckets = model._zero_ext.handles.diagnostics.stats()["buckets"]
                 full = zero_ext.full_state_dict(model)
                 not_nan = [n for n in want if n != "scale" and not torch.isnan(full[n]).all()]
                 if not_nan:
@@ -251,7 +251,7 @@ def _llama_unit(name: str) -> int:
 def _stage3_llama_bytes(model, recorder: WholeBytesAtInit) -> List[str]:
     """At every _init_weights call at most the root unit and one layer are whole."""
     state = model._zero_ext
-    layout = state.core.bucket_layout()  # (first, count, padded) per bucket
+    layout = state.handles.reduction.bucket_layout()  # (first, count, padded) per bucket
     unit_bytes: Dict[int, int] = {}
     for b in range(len(layout) // 3):
         unit = _llama_unit(state.bucketed_names[layout[3 * b]])

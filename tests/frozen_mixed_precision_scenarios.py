@@ -150,8 +150,8 @@ def frozen_buckets_idle(ctx: Context, model: nn.Module, opt, gathers_in_step: in
     accumulators), the step all-gathered trainable buckets only (stages
     1-2), and memory_report counts each parameter once."""
     state = model._zero_ext
-    stats = state.core.stats()
-    layout = state.core.bucket_layout()  # (first, count, padded) per bucket
+    stats = state.handles.diagnostics.stats()
+    layout = state.handles.reduction.bucket_layout()  # (first, count, padded) per bucket
     buckets = [(layout[k], layout[k + 1], layout[k + 2]) for k in range(0, len(layout), 3)]
     trainable = [padded for first, count, padded in buckets
                  if any(p.requires_grad for p in state.bucketed[first:first + count])]
@@ -207,7 +207,7 @@ def _frozen_training(ctx: Context, build, loss_of, dtype: torch.dtype, steps: in
             ctx.checkpoints.append((f"{label}step {step}: grads", grads))
         else:
             ctx.record_grads(f"{label}step {step}", model)
-        gathers = 0 if ctx.reference else model._zero_ext.core.stats()["all_gathers"]
+        gathers = 0 if ctx.reference else model._zero_ext.handles.diagnostics.stats()["all_gathers"]
         opt.step()
         opt.zero_grad()
         labels = [f"step {step}: {c}" for c in [f"frozen weights computed in {dtype}",
@@ -218,7 +218,7 @@ def _frozen_training(ctx: Context, build, loss_of, dtype: torch.dtype, steps: in
             ctx.checkpoints.append((f"{label}step {step}: masters", masters))
             ctx.record_checks(labels)
             continue
-        gathers = model._zero_ext.core.stats()["all_gathers"] - gathers
+        gathers = model._zero_ext.handles.diagnostics.stats()["all_gathers"] - gathers
         full = zero_ext.full_state_dict(model)
         ctx.checkpoints.append((f"{label}step {step}: masters", {n: full[n] for n in names}))
         compute = model.state_dict()  # stage 3 gathers it

@@ -240,7 +240,7 @@ def _fit(strategy, out_dir: str, name: str, clip=CLIP, callbacks=(), ckpt_path=N
         result["weights"] = zero_ext.full_state_dict(module)
         # Backward passes whose gradients were reduced: one per optimizer step
         # when the accumulating ones ran under no_sync().
-        result["synced_backwards"] = module._zero_ext.core.stats()["synced_epilogues"]
+        result["synced_backwards"] = module._zero_ext.handles.diagnostics.stats()["synced_epilogues"]
     else:
         result["weights"] = {k: v.detach().clone() for k, v in module.state_dict().items()}
     return trainer, module, result

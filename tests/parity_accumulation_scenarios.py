@@ -54,10 +54,10 @@ def ddp_require_backward_grad_sync(ctx: Context) -> None:
         for micro in range(4):
             if not ctx.reference:
                 model.require_backward_grad_sync = micro == 3
-                before = model._zero_ext.core.stats()["collectives"]
+                before = model._zero_ext.handles.diagnostics.stats()["collectives"]
             mlp_loss(ctx, model, step, salt=micro).backward()
             if not ctx.reference and micro < 3:
-                quiet.append(model._zero_ext.core.stats()["collectives"] == before)
+                quiet.append(model._zero_ext.handles.diagnostics.stats()["collectives"] == before)
         step_and_record(ctx, model, opt, step)
     ctx.record_check("no collective in the micro-steps with require_backward_grad_sync False",
                      ctx.reference or all(quiet))
@@ -73,10 +73,10 @@ def _replica_traffic_and_bytes(ctx: Context, model: nn.Module, collectives_befor
     all, nothing is kept back any more."""
     if ctx.reference:
         return [True, True]
-    stats = model._zero_ext.core.stats()
+    stats = model._zero_ext.handles.diagnostics.stats()
     defers = deferring and ctx.replicas > 1 and ctx.stage > 0
     sent = stats["replica_collectives"] - collectives_before
-    padded = sum(model._zero_ext.core.bucket_layout()[2::3])  # (first, count, padded) per bucket
+    padded = sum(model._zero_ext.handles.reduction.bucket_layout()[2::3])  # (first, count, padded) per bucket
     shard = padded if ctx.stage == 0 else padded // ctx.shard_size
     offload = "offload_optimizer" in options
     staging = 4 * padded if ctx.stage == 0 or stage1_keeps_full_staging(ctx, offload) else 0
@@ -92,7 +92,7 @@ def replica_all_reduce_deferred_in_accumulation(ctx: Context, **options) -> None
     model, opt = ctx.wrap(model, adamw(model), **options)
     for step in range(3):
         ctx.set_requires_all_reduce(model, False)
-        before = 0 if ctx.reference else model._zero_ext.core.stats()["replica_collectives"]
+        before = 0 if ctx.reference else model._zero_ext.handles.diagnostics.stats()["replica_collectives"]
         for micro in range(3):
             mlp_loss(ctx, model, step, salt=micro).backward()
         ctx.record_checks([f"step {step}: deferred backwards send only their agreement across replicas",

@@ -88,16 +88,16 @@ def _retain_graph(ctx: Context, zero_between: bool) -> None:
         total = l1 + out_sq
         l1.backward(retain_graph=True)
         ctx.record_check(f"step {step}: keep_graph seen from C++",
-                         ctx.reference or model._zero_ext.core.stats()["last_keep_graph"] == 1)
+                         ctx.reference or model._zero_ext.handles.diagnostics.stats()["last_keep_graph"] == 1)
         ctx.record_grads(f"step {step} after first backward", model)
         if zero_between:
             opt.zero_grad()
-        gathers = None if ctx.reference else model._zero_ext.core.stats()["param_gathers"]
+        gathers = None if ctx.reference else model._zero_ext.handles.diagnostics.stats()["param_gathers"]
         total.backward()  # goes through l1's retained graph a second time
         ctx.record_check(f"step {step}: no parameter all-gather in the second backward",
-                         ctx.reference or model._zero_ext.core.stats()["param_gathers"] == gathers)
+                         ctx.reference or model._zero_ext.handles.diagnostics.stats()["param_gathers"] == gathers)
         ctx.record_check(f"step {step}: second backward did not keep graph",
-                         ctx.reference or model._zero_ext.core.stats()["last_keep_graph"] == 0)
+                         ctx.reference or model._zero_ext.handles.diagnostics.stats()["last_keep_graph"] == 0)
         ctx.record_grads(f"step {step} after second backward", model)
         opt.step()
         opt.zero_grad()
@@ -127,10 +127,10 @@ def nonscalar_backward_retained_twice(ctx: Context) -> None:
         out, grad = torch.cat(outs), torch.cat(grads)
         out.backward(grad, retain_graph=True)
         ctx.record_grads(f"step {step} first", model)
-        gathers = None if ctx.reference else model._zero_ext.core.stats()["param_gathers"]
+        gathers = None if ctx.reference else model._zero_ext.handles.diagnostics.stats()["param_gathers"]
         out.backward(grad, retain_graph=True)
         ctx.record_check(f"step {step}: no parameter all-gather in the second backward",
-                         ctx.reference or model._zero_ext.core.stats()["param_gathers"] == gathers)
+                         ctx.reference or model._zero_ext.handles.diagnostics.stats()["param_gathers"] == gathers)
         step_and_record(ctx, model, opt, step)
 
 
@@ -185,11 +185,11 @@ def autograd_grad_is_side_effect_free(ctx: Context) -> None:
         mlp_loss(ctx, model, step).backward()
         ctx.record_grads(f"step {step} before autograd.grad", model)
         # Only returns gradients: .grad, optimizer gradients and comm state stay.
-        reductions = None if ctx.reference else model._zero_ext.core.stats()["synced_epilogues"]
+        reductions = None if ctx.reference else model._zero_ext.handles.diagnostics.stats()["synced_epilogues"]
         g = torch.autograd.grad(mlp_loss(ctx, model, step, salt=5), [model.inp.weight])[0]
         ctx.record_check(f"step {step} autograd.grad returned a gradient", g.abs().sum() > 0)
         ctx.record_check(f"step {step} autograd.grad reduced no gradient",
-                         ctx.reference or model._zero_ext.core.stats()["synced_epilogues"] == reductions)
+                         ctx.reference or model._zero_ext.handles.diagnostics.stats()["synced_epilogues"] == reductions)
         ctx.record_grads(f"step {step} after autograd.grad", model)
         opt.step()
         opt.zero_grad()
@@ -227,7 +227,7 @@ def late_gradients_accumulate_over_backwards(ctx: Context) -> None:
     model = Net()
     model, opt = ctx.wrap(model, adamw(model))
     for step in range(2):
-        reads = None if ctx.reference else model._zero_ext.core.stats()["agreement_reads"]
+        reads = None if ctx.reference else model._zero_ext.handles.diagnostics.stats()["agreement_reads"]
         for micro in range(2):
             loss = 0.0
             for r, w in ctx.participants():
@@ -238,10 +238,10 @@ def late_gradients_accumulate_over_backwards(ctx: Context) -> None:
                 loss = loss + w * F.mse_loss(model.out(h), y)
             loss.backward()
         ctx.record_check(f"step {step}: no host read of the agreement in backward",
-                         ctx.reference or model._zero_ext.core.stats()["agreement_reads"] == reads)
+                         ctx.reference or model._zero_ext.handles.diagnostics.stats()["agreement_reads"] == reads)
         step_and_record(ctx, model, opt, step)
         ctx.record_check(f"step {step}: one host read for the step",
-                         ctx.reference or model._zero_ext.core.stats()["agreement_reads"] == reads + 1)
+                         ctx.reference or model._zero_ext.handles.diagnostics.stats()["agreement_reads"] == reads + 1)
 
 
 def checkpoint_reentrant_param_used_twice(ctx: Context) -> None:

@@ -99,14 +99,14 @@ def straggler_rank_bounds_reductions_in_flight(ctx: Context) -> None:
     if ctx.reference:
         ctx.record_checks(labels)
         return
-    core = model._zero_ext.core
-    stats = core.stats()
-    largest = max(core.bucket_layout()[2::3]) * 4
+    core = model._zero_ext.handles
+    stats = core.diagnostics.stats()
+    largest = max(core.reduction.bucket_layout()[2::3]) * 4
     # The bound is enforced after each launch, so the bucket being launched
     # (in flight with its output and, over gloo, the exchange's receive
     # buffer: half the bound, which is two of the largest in flight) and one
     # filling (stage 3: the next unit's) come on top of it.
-    persistent = sum(core.bucket_layout()[2::3]) * 4 if ctx.stage == 1 else 0  # stage 1: every bucket, padded
+    persistent = sum(core.reduction.bucket_layout()[2::3]) * 4 if ctx.stage == 1 else 0  # stage 1: every bucket, padded
     ctx.record_checks(labels, [stats["peak_staging_bytes"] - persistent
                                <= 1.5 * stats["max_in_flight_bytes"] + (largest if ctx.stage > 1 else 0),
                                stats["bound_lifts"] == 0])
@@ -145,12 +145,12 @@ def one_rank_group_reduces_locally(ctx: Context) -> None:
     model, opt = ctx.wrap(model, adamw(model))
     peak_staging, in_forward = 0, []
     if not ctx.reference:
-        core = model._zero_ext.core
-        model.layers[2].register_forward_hook(lambda *_: in_forward.append(core.stats()["param_bytes"]))
+        core = model._zero_ext.handles
+        model.layers[2].register_forward_hook(lambda *_: in_forward.append(core.diagnostics.stats()["param_bytes"]))
     for step in range(4):
         mlp_loss(ctx, model, step).backward()
         if step == 1 and not ctx.reference:
-            peak_staging = model._zero_ext.core.stats()["peak_staging_bytes"]
+            peak_staging = model._zero_ext.handles.diagnostics.stats()["peak_staging_bytes"]
         if step >= 2:
             mlp_loss(ctx, model, step, salt=1).backward()
         step_and_record(ctx, model, opt, step)
@@ -159,10 +159,10 @@ def one_rank_group_reduces_locally(ctx: Context) -> None:
     if ctx.reference:
         ctx.record_checks(labels)
         return
-    stats = model._zero_ext.core.stats()
+    stats = model._zero_ext.handles.diagnostics.stats()
     alone = ctx.world == 1
     sharded = ctx.stage >= 1
-    whole_bytes = sum(model._zero_ext.core.bucket_layout()[2::3]) * 4  # every bucket, padded, fp32
+    whole_bytes = sum(model._zero_ext.handles.reduction.bucket_layout()[2::3]) * 4  # every bucket, padded, fp32
     ctx.record_checks(labels, [(stats["collectives"] + stats["all_gathers"] == 0) == alone,
                                not sharded or (peak_staging == 0) == alone,
                                not alone or set(in_forward) == {whole_bytes}])
@@ -208,7 +208,7 @@ def issue_order_same_on_every_rank(ctx: Context) -> None:
     model = GatedNet()
     model, opt = ctx.wrap(model, adamw(model))
     if not ctx.reference:
-        model._zero_ext.core.log_issues(True)
+        model._zero_ext.handles.diagnostics.log_issues(True)
     for step in range(2):
         loss = 0.0
         for r, w in ctx.participants():
@@ -220,7 +220,7 @@ def issue_order_same_on_every_rank(ctx: Context) -> None:
     if ctx.reference:
         ctx.record_checks(labels)
         return
-    log = model._zero_ext.core.take_issue_log()
+    log = model._zero_ext.handles.diagnostics.take_issue_log()
     if ctx.mesh is not None:
         # Hybrid on gloo: a replica all-reduce is issued once its reduction
         # within the row is seen done, a moment that differs between ranks;
@@ -233,4 +233,4 @@ def issue_order_same_on_every_rank(ctx: Context) -> None:
     else:
         logs = [log]
     ctx.record_checks(labels, [all(other == logs[0] for other in logs) and (len(log) > 0 or ctx.world == 1),
-                               model._zero_ext.core.stats()["late_rounds"] == 0])
+                               model._zero_ext.handles.diagnostics.stats()["late_rounds"] == 0])

@@ -102,7 +102,7 @@ def frozen_buckets_skip_their_reduction(ctx: Context) -> None:
     model, opt = ctx.wrap(model, sgd(model))
 
     def skipped() -> int:
-        return 0 if ctx.reference else model._zero_ext.core.stats()["frozen_skips"]
+        return 0 if ctx.reference else model._zero_ext.handles.diagnostics.stats()["frozen_skips"]
 
     def freeze(frozen: bool) -> None:
         model.mid.requires_grad_(not frozen)

@@ -16,7 +16,7 @@ def state_bytes_match_the_stage(ctx: Context) -> None:
     model = Net(branch=True)
     n_elems = sum(p.numel() for p in model.parameters())
     model, opt = ctx.wrap(model, adamw(model))
-    before_backward = None if ctx.reference else model._zero_ext.core.stats()["grad_bytes"]
+    before_backward = None if ctx.reference else model._zero_ext.handles.diagnostics.stats()["grad_bytes"]
     mlp_loss(ctx, model, 0, branch_on_rank0=True).backward()
     opt.step()
     ctx.record_params("after step", model)
@@ -29,8 +29,8 @@ def state_bytes_match_the_stage(ctx: Context) -> None:
     if ctx.reference:
         ctx.record_checks(labels)
         return
-    stats = model._zero_ext.core.stats()
-    padded = sum(model._zero_ext.core.bucket_layout()[2::3])
+    stats = model._zero_ext.handles.diagnostics.stats()
+    padded = sum(model._zero_ext.handles.reduction.bucket_layout()[2::3])
     shard = padded // ctx.shard_size
     full_staging = padded if ctx.stage == 0 or stage1_keeps_full_staging(ctx) else 0
     expected_grad = (full_staging + (shard if ctx.stage > 0 else 0)) * 4
@@ -43,9 +43,9 @@ def state_bytes_match_the_stage(ctx: Context) -> None:
     # set_to_none=True frees gradients as in plain PyTorch; stages 0-1 keep
     # their full buckets, as DDP keeps its.
     opt.zero_grad()
-    after_zero_grad = model._zero_ext.core.stats()["grad_bytes"]
+    after_zero_grad = model._zero_ext.handles.diagnostics.stats()["grad_bytes"]
     opt.zero_grad(set_to_none=False)
-    after_zeroing = model._zero_ext.core.stats()["grad_bytes"]
+    after_zeroing = model._zero_ext.handles.diagnostics.stats()["grad_bytes"]
     checks = [
         before_backward == full_staging * 4,
         n_elems <= padded < n_elems + ctx.shard_size * stats["buckets"],
@@ -67,7 +67,7 @@ def _units_gathered(ctx: Context, build, checkpointing=None) -> None:
     model, opt = ctx.wrap(model, adamw(model))
     grad_bytes = []
     if not ctx.reference:
-        stats = model._zero_ext.core.stats
+        stats = model._zero_ext.handles.diagnostics.stats
         for block in model.blocks:  # sees the state as the block's backward starts
             block.register_full_backward_pre_hook(lambda mod, grad: grad_bytes.append(stats()["grad_bytes"]))
     for step in range(2):
@@ -84,7 +84,7 @@ def _units_gathered(ctx: Context, build, checkpointing=None) -> None:
     # Reductions are retired during backward only once complete (never waited
     # for in a hook), so the bound is exact only with no communication.
     if not ctx.reference and ctx.stage >= 2 and ctx.world == 1:
-        layout = model._zero_ext.core.bucket_layout()
+        layout = model._zero_ext.handles.reduction.bucket_layout()
         biggest = max(layout[2::3]) * 4
         accum = sum(layout[2::3]) // ctx.world * 4
         ctx.record_check("backward: full gradients of at most 3 buckets alive",

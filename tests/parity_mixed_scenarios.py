@@ -84,7 +84,7 @@ def _mixed_training(ctx: Context, model: nn.Module, make_optimizer, loss_of_step
             ok_precision = any(not torch.equal(full[n], full[n].to(dtype).float()) for n in names)
             ok_copy = all(compute[n].dtype == dtype and torch.equal(compute[n].cpu(), full[n].to(dtype))
                           for n in names)
-            ok_scale = model._zero_ext.core.loss_scale() == scale  # no step was skipped
+            ok_scale = model._zero_ext.handles.optimizer.loss_scale() == scale  # no step was skipped
         ctx.record_check(f"step {step}: masters hold fp32 values", ok_precision)
         ctx.record_check(f"step {step}: parameters are the masters rounded to the compute dtype", ok_copy)
         ctx.record_check(f"step {step}: loss scale unchanged", ok_scale)
@@ -100,9 +100,9 @@ def _mixed_bytes_after_zero_grad(ctx: Context, model: nn.Module, precision, offl
     master; offload keeps the compute-dtype shard on the device). Frozen
     buckets (mixed precision bucket frozen weights apart) stage nothing."""
     state = model._zero_ext
-    core = state.core
-    stats = core.stats()
-    layout = core.bucket_layout()  # (first, count, padded) per bucket
+    core = state.handles
+    stats = core.diagnostics.stats()
+    layout = core.reduction.bucket_layout()  # (first, count, padded) per bucket
     padded = sum(layout[2::3])
     trainable = sum(size for first, size in zip(layout[0::3], layout[2::3]) if state.bucketed[first].requires_grad)
     shard = padded if ctx.stage == 0 else padded // ctx.shard_size
@@ -275,7 +275,7 @@ def fp16_overflow_skips_the_step_on_every_rank(ctx: Context) -> None:
     model, opt = zero_ext.wrap(model, conditioned_adamw(model.parameters()), stage=ctx.stage, bucket_mb=BUCKET_MB,
                                mixed_precision=zero_ext.MixedPrecision(torch.float16, loss_scale=policy),
                                **ctx.group_kwargs())
-    core = model._zero_ext.core
+    core = model._zero_ext.handles
     armed = {"on": False}
     _inf_on_rank0(ctx, model.out.bias, armed)
     loss = _mlp_mixed_loss(ctx, torch.float16)
@@ -285,17 +285,17 @@ def fp16_overflow_skips_the_step_on_every_rank(ctx: Context) -> None:
         loss(model, step, 0).backward()
         before = zero_ext.full_state_dict(model)
         if step == 1:
-            results["found"] = core.found_nonfinite()
+            results["found"] = core.optimizer.found_nonfinite()
             results["local"] = any(not torch.isfinite(p.grad).all()
                                    for g in opt.param_groups for p in g["params"] if p.grad is not None)
         opt.step()
         opt.zero_grad()
         after = zero_ext.full_state_dict(model)
         same = all(torch.equal(before[k], after[k]) for k in before)
-        results[step] = (same, core.loss_scale())
+        results[step] = (same, core.optimizer.loss_scale())
     checks = [results[1][0], results[1][1] == 2.0 ** 9, results["found"], results["local"],
               not results[2][0] and not results[3][0], results[2][1] == 2.0 ** 9 and results[3][1] == 2.0 ** 10,
-              core.stats()["skipped_steps"] == 1]
+              core.diagnostics.stats()["skipped_steps"] == 1]
     ctx.record_checks(labels, checks)
 
 
@@ -342,7 +342,7 @@ def fp16_hands_scaling_to_a_grad_scaler(ctx: Context) -> None:
             scaler.update()
             opt.zero_grad()
     full = zero_ext.full_state_dict(model)
-    checks = [model._zero_ext.core.loss_scale() == 1.0,
+    checks = [model._zero_ext.handles.optimizer.loss_scale() == 1.0,
               any("GradScaler drives this optimizer" in str(w.message) for w in caught),
               all(torch.isfinite(full[n]).all() and not torch.equal(full[n], initial[n]) for n in initial)]
     ctx.record_checks(labels, checks)

@@ -147,8 +147,8 @@ def offload_state_bytes(ctx: Context) -> None:
     if ctx.reference:
         ctx.record_checks(labels)
         return
-    stats = model._zero_ext.core.stats()
-    padded = sum(model._zero_ext.core.bucket_layout()[2::3])
+    stats = model._zero_ext.handles.diagnostics.stats()
+    padded = sum(model._zero_ext.handles.reduction.bucket_layout()[2::3])
     shard = padded if ctx.stage == 0 else padded // ctx.shard_size  # stage 0: replicated
     state_elems = sum(t.numel() for st in opt.state.values() for k, t in st.items() if k != "step")
     opt_elems = sum(p.numel() for g in opt.param_groups for p in g["params"])

@@ -67,7 +67,7 @@ def tied_weights_in_a_group_unit(ctx: Context) -> None:
     if not ctx.reference:
         model, opt = zero_ext.wrap(model, opt, stage=ctx.stage, bucket_mb=BUCKET_MB,
                                    units=[[model.embed, model.head], *model.blocks], **ctx.group_kwargs())
-        ctx.record_check("four units and the root", model._zero_ext.core.stats()["units"] == 5)
+        ctx.record_check("four units and the root", model._zero_ext.handles.diagnostics.stats()["units"] == 5)
     else:
         ctx.record_check("four units and the root", True)
     for step in range(3):
@@ -132,7 +132,7 @@ def _parallel_lists(ctx: Context, listed: bool) -> None:
     options = {"units": model.listed_units()} if listed else {}
     model, opt = ctx.wrap(model, opt, **options)
     ctx.record_check("stage 3: the small lists merged into units",
-                     ctx.reference or ctx.stage != 3 or model._zero_ext.core.stats()["units"] == ParallelLists.units())
+                     ctx.reference or ctx.stage != 3 or model._zero_ext.handles.diagnostics.stats()["units"] == ParallelLists.units())
     for step in range(3):
         mlp_loss(ctx, model, step).backward()
         step_and_record(ctx, model, opt, step)

@@ -191,9 +191,9 @@ def _chunked_head_backward(ctx: Context, model: nn.Module, step: int, salt: int,
     if quiet is None:
         torch.autograd.backward(outs, grads)
     else:
-        before = None if ctx.reference else model._zero_ext.core.stats()["collectives"]
+        before = None if ctx.reference else model._zero_ext.handles.diagnostics.stats()["collectives"]
         torch.autograd.backward(outs, grads)
-        issued = 0 if ctx.reference else model._zero_ext.core.stats()["collectives"] - before
+        issued = 0 if ctx.reference else model._zero_ext.handles.diagnostics.stats()["collectives"] - before
         ctx.record_check(f"step {step} micro-batch {salt} h.backward: "
                          f"{'no' if quiet else 'some'} gradient collective",
                          ctx.reference or (issued == 0 if quiet else issued > 0 or ctx.world == 1))

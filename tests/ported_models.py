@@ -80,7 +80,7 @@ def _step(ctx: Context, model: nn.Module, opt, label: str, set_to_none: bool = T
 def _released(ctx: Context, model: nn.Module, label: str) -> None:
     """Stage 3: no unit is left gathered after a backward, frozen ones included
     (DeepSpeed's assert_all_partitioned)."""
-    ok = ctx.reference or ctx.stage != 3 or model._zero_ext.core.stats()["gathered_units"] == 0
+    ok = ctx.reference or ctx.stage != 3 or model._zero_ext.handles.diagnostics.stats()["gathered_units"] == 0
     ctx.record_check(f"{label}: every unit released after backward", ok)
 
 
@@ -97,12 +97,12 @@ def _backward_counting(ctx: Context, model: nn.Module, loss: torch.Tensor, label
     """loss.backward(); records whether it issued no gradient collective
     (expected under no_sync() / require_backward_grad_sync False) or some
     (outside it, world size above 1), like FSDP2's reduce-scatter counts."""
-    before = None if ctx.reference else model._zero_ext.core.stats()["collectives"]
+    before = None if ctx.reference else model._zero_ext.handles.diagnostics.stats()["collectives"]
     loss.backward()
     if ctx.reference:
         ok = True
     else:
-        issued = model._zero_ext.core.stats()["collectives"] - before
+        issued = model._zero_ext.handles.diagnostics.stats()["collectives"] - before
         ok = issued == 0 if expect_quiet else (issued > 0 or ctx.world == 1)
     ctx.record_check(f"{label}: {'no' if expect_quiet else 'some'} gradient collective in this backward", ok)
 
@@ -445,11 +445,11 @@ def _bf16_training(ctx: Context, model: nn.Module, loss_of, steps: int, micros: 
                             sums[n] = p.grad.float() if sums[n] is None else sums[n] + p.grad.float()
                             p.grad = None
                 continue
-            before = model._zero_ext.core.stats()["collectives"]
+            before = model._zero_ext.handles.diagnostics.stats()["collectives"]
             with ctx.no_sync(model) if micro < synced_from else contextlib.nullcontext():
                 loss_of(model, step, micro, ctx.rank).backward()
             if micro < synced_from:
-                quiet.append(model._zero_ext.core.stats()["collectives"] == before)
+                quiet.append(model._zero_ext.handles.diagnostics.stats()["collectives"] == before)
         if after_backward is not None:
             after_backward(step)
         if ctx.reference:

@@ -25,8 +25,8 @@ def expected(stage: int, buckets: int, units: int) -> List[str]:
 
 
 def _missing(model: nn.Module, stage: int, names: set) -> Optional[str]:
-    buckets = len(model._zero_ext.core.bucket_layout()) // 3
-    units = model._zero_ext.core.stats()["units"]
+    buckets = len(model._zero_ext.handles.reduction.bucket_layout()) // 3
+    units = model._zero_ext.handles.diagnostics.stats()["units"]
     missing = [label for label in expected(stage, buckets, units) if label not in names]
     if missing:
         return f"labels missing from the trace: {missing}; zero_ext's there: {sorted(n for n in names if 'zero_ext' in n)}"

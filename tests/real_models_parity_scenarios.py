@@ -34,7 +34,7 @@ def _train_then_evaluate(ctx: ps.Context, model: nn.Module, wrap_options: dict, 
     ctx.record_check("the ranks ran different experts", differed)
     blocks = len(getattr(model, "blocks", []))
     ctx.record_check(f"stage 3: one unit per block ({blocks}) and the root, no expert a unit",
-                     ctx.reference or ctx.stage != 3 or model._zero_ext.core.stats()["units"] == 1 + blocks)
+                     ctx.reference or ctx.stage != 3 or model._zero_ext.handles.diagnostics.stats()["units"] == 1 + blocks)
 
 
 def moe_in_blocks(ctx: ps.Context) -> None:
@@ -82,7 +82,7 @@ def module_dict_blocks(ctx: ps.Context) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     model, opt = ctx.wrap(model, opt)  # the parity Context's ~500-byte buckets: one unit per block
     ctx.record_check("stage 3: one unit per ModuleDict block and the root",
-                     ctx.reference or ctx.stage != 3 or model._zero_ext.core.stats()["units"] == 4)
+                     ctx.reference or ctx.stage != 3 or model._zero_ext.handles.diagnostics.stats()["units"] == 4)
     for step in range(3):
         global_loss(ctx, model, step).backward()
         ps.step_and_record(ctx, model, opt, step)

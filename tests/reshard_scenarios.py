@@ -37,7 +37,7 @@ class KeptContext(ps.Context):
 
 
 def _stats(ctx: ps.Context, model: nn.Module) -> Dict[str, int]:
-    return {} if ctx.reference else model._zero_ext.core.stats()
+    return {} if ctx.reference else model._zero_ext.handles.diagnostics.stats()
 
 
 def _same_on_every_rank(model: nn.Module, seed: int) -> torch.Tensor:

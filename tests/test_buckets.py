@@ -35,6 +35,6 @@ def test_wrapped_model_has_the_small_first_bucket():
     model = layers(12)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = zero_ext.wrap(model, opt, stage=2, bucket_mb=25)
-    layout = model._zero_ext.core.bucket_layout()  # (first, count, padded) per bucket
+    layout = model._zero_ext.handles.reduction.bucket_layout()  # (first, count, padded) per bucket
     padded = layout[2::3]
     assert len(padded) == 2 and padded[0] * 4 < 2 * MiB <= padded[1] * 4, padded

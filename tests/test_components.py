@@ -231,10 +231,10 @@ def test_unit_input_boundary_passes_gradients_and_reports_the_use():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     reference = copy.deepcopy(model)
     zero_ext.wrap(model, torch.optim.SGD(model.parameters(), lr=0.0), stage=3, units={nn.Linear})
-    core = model._zero_ext.core
+    core = model._zero_ext.handles
     x = torch.randn(3, 4, requires_grad=True)
     frozen = torch.randn(3, 4)
-    passed = core.track_unit_inputs(1, [x, frozen])
+    passed = core.units.track_unit_inputs(1, [x, frozen])
     assert passed[0] is not x and passed[0].grad_fn is not None and passed[0].requires_grad
     assert passed[0].data_ptr() == x.data_ptr()  # an alias, no copy
     assert passed[1] is frozen
@@ -248,4 +248,4 @@ def test_unit_input_boundary_passes_gradients_and_reports_the_use():
     model(y).square().sum().backward()
     reference(y_ref).square().sum().backward()
     assert torch.equal(y.grad, y_ref.grad)
-    assert core.stats()["gathered_units"] == 0
+    assert core.diagnostics.stats()["gathered_units"] == 0

@@ -28,7 +28,7 @@ def tiny(stage: int, **options):
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
     plain = copy.deepcopy(model)
     model, opt = zero_ext.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=stage, **options)
-    return model, plain, model._zero_ext.core
+    return model, plain, model._zero_ext.handles.units.model()  # the ShardedModel the ops take
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
@@ -100,7 +100,7 @@ def test_opcheck_unit_ops():
         opcheck(torch.ops.zero_ext.release_unit.default, (core, unit, [torch.randn(2, 3)]))
         opcheck(torch.ops.zero_ext.release_unit.default, (core, unit, []))
     opcheck(torch.ops.zero_ext.run_epilogue.default, (core,))
-    assert core.stats()["gathered_units"] == 0
+    assert model._zero_ext.handles.diagnostics.stats()["gathered_units"] == 0
 
 
 def test_gather_and_release_unit_act():
@@ -117,12 +117,12 @@ def test_gather_and_release_unit_act():
             weight.sum()
         return True
 
-    assert released() and core.stats()["gathered_units"] == 0
+    assert released() and model._zero_ext.handles.diagnostics.stats()["gathered_units"] == 0
     torch.ops.zero_ext.gather_unit(core, 1)
-    assert not released() and core.stats()["gathered_units"] == 1
+    assert not released() and model._zero_ext.handles.diagnostics.stats()["gathered_units"] == 1
     with torch.no_grad():
         torch.ops.zero_ext.release_unit(core, 1, [])
-    assert released() and core.stats()["gathered_units"] == 0
+    assert released() and model._zero_ext.handles.diagnostics.stats()["gathered_units"] == 0
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -52,7 +52,7 @@ def test_frozen_buckets_never_mix_with_trainable_ones(stage):
     own outside stage 3 (stage 3 buckets by unit), so no reduction carries them."""
     model, _ = _lora(stage, "bf16")
     state = model._zero_ext
-    layout = state.core.bucket_layout()
+    layout = state.handles.reduction.bucket_layout()
     kinds = [{state.bucketed[i].requires_grad for i in range(first, first + count)}
              for first, count in zip(layout[0::3], layout[1::3])]
     assert len(state.bucketed) == len(list(model.parameters()))

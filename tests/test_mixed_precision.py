@@ -34,16 +34,16 @@ def test_fp16_reduction_unscales_in_fp32(stage):
 def test_stage0_reduces_in_the_requested_dtype():
     model, opt = _model()
     zero_ext.wrap(model, opt, stage=0, mixed_precision=zero_ext.MixedPrecision(torch.float32, torch.bfloat16))
-    core = model._zero_ext.core
-    assert core.replicated()
+    core = model._zero_ext.handles
+    assert core.reduction.replicated()
     n = sum(p.numel() for p in model.parameters())
-    layout = core.bucket_layout()
+    layout = core.reduction.bucket_layout()
     padded = sum(layout[2::3])
     assert n <= padded
     # bf16 staging; the fp32 accumulator has memory from the first backward on.
-    assert core.stats()["grad_bytes"] == padded * 2
+    assert core.diagnostics.stats()["grad_bytes"] == padded * 2
     model(torch.randn(4, 16)).sum().backward()
-    assert core.stats()["grad_bytes"] == padded * (2 + 4)
+    assert core.diagnostics.stats()["grad_bytes"] == padded * (2 + 4)
 
 
 def test_loss_scaler_state_survives_a_checkpoint(tmp_path):
@@ -60,12 +60,12 @@ def test_loss_scaler_state_survives_a_checkpoint(tmp_path):
     opt.step()  # skipped: the scale halves
     opt.zero_grad()
     zero_ext.save(str(tmp_path / "ckpt"), model, opt)
-    state = model._zero_ext.core.loss_scaler_state()
+    state = model._zero_ext.handles.checkpoint.loss_scaler_state()
     assert state == [2.0 ** 7, 0.0, 1.0]
     other, other_opt = _model(1)
     zero_ext.wrap(other, other_opt, stage=3, mixed_precision="fp16")
     zero_ext.load(str(tmp_path / "ckpt"), other, other_opt)
-    assert other._zero_ext.core.loss_scaler_state() == state
+    assert other._zero_ext.handles.checkpoint.loss_scaler_state() == state
 
 
 class _SeesInputs(nn.Module):

@@ -128,7 +128,7 @@ def test_ints_one_and_the_group_size_mean_false_and_true():
         model = _blocks()
         model, _ = zero_ext.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3, units={nn.Linear},
                                  reshard_after_forward=value)
-        assert model._zero_ext.core.stats()["units_kept_after_forward"] == kept, value
+        assert model._zero_ext.handles.diagnostics.stats()["units_kept_after_forward"] == kept, value
 
 
 def test_unshard_and_reshard_do_nothing_below_stage_3():

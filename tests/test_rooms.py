@@ -2,7 +2,9 @@
 import between rooms points down the declared order, so the room graph has
 no cycle; a room offers what its `__init__` lists in `__all__` and other
 rooms import only that, from the room itself; the state zero_ext attaches to
-a model or optimizer is read through one accessor (tools/module_state.py).
+a model or optimizer is read through one accessor (tools/module_state.py);
+the C++ core is named only where it is built and bound into handles
+(CORE_HOLDERS), so nothing else holds it, aliased or not.
 Each rule has a positive control: a small source that breaks it is caught."""
 import ast
 import os
@@ -16,9 +18,13 @@ PACKAGE = os.path.join(REPO, "zero_ext")
 ORDER = ["tools", "groups", "optim", "runtime", "files", "wrapping", "integrations"]
 ROOT, CORE = "<root>", "<core>"
 STATE_ACCESSOR = "tools/module_state.py"
-# Where the C++ core object itself may be called: its handles, and the
-# builder that makes and configures it before the handles exist.
-CORE_HOLDERS = {"tools/core_handles.py", "wrapping/wrap.py"}
+# What the accessor attaches: a model's or optimizer's state, and an
+# optimizer's member token in its model's step round.
+STATE_ATTRIBUTES = {"_zero_ext", "_zero_ext_member"}
+# Where the C++ core's bound views may be named and called: its handles.
+# (wrapping/core_build.py builds the model from its CoreConfig and hands it
+# straight to CoreHandles.of; the model itself offers no methods.)
+CORE_HOLDERS = {"tools/core_handles.py"}
 
 
 def room_of(module: str) -> str:
@@ -160,33 +166,70 @@ def imports_past_the_door(files: Dict[str, str]) -> List[str]:
 
 
 def state_read_directly(files: Dict[str, str]) -> List[str]:
-    """Reads or writes of the `_zero_ext` attribute outside the accessor."""
+    """Reads or writes of the STATE_ATTRIBUTES outside the accessor."""
     found = []
     for rel, source in files.items():
         if rel == STATE_ACCESSOR:
             continue
         for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.Attribute) and node.attr == "_zero_ext":
+            if isinstance(node, ast.Attribute) and node.attr in STATE_ATTRIBUTES:
                 found.append(f"{rel}:{node.lineno}")
-            elif isinstance(node, ast.Constant) and node.value == "_zero_ext":
+            elif isinstance(node, ast.Constant) and node.value in STATE_ATTRIBUTES:
                 found.append(f"{rel}:{node.lineno}")
     return found
 
 
+# The attribute names under which the core is held (ZeroState.core; `_core`
+# for a private copy): outside CORE_HOLDERS nothing reads them at all, so no
+# alias of the core (`c = state.core`, an argument, a tuple, getattr) can
+# exist there to be called. The state's `handles` is the way in.
+CORE_ATTRIBUTES = {"core", "_core"}
+# Calls that name an attribute by a string: getattr(x, "core") and the like.
+BY_NAME = {"getattr", "hasattr", "setattr", "delattr", "attrgetter", "__getattribute__"}
+# Expressions outside CORE_HOLDERS that read an attribute named `core` of
+# something that is not zero_ext's core, with why.
+NOT_THE_CORE = {
+    ("integrations/_lightning_strategy.py", "pl.core"),  # Lightning's package lightning.pytorch.core
+}
+
+
+def _names_the_core(node: ast.AST) -> bool:
+    """`X.core`, getattr(X, "core") (hasattr, setattr, attrgetter...),
+    vars(X)["core"] / X.__dict__["core"], or `case C(core=...)`."""
+    if isinstance(node, ast.Attribute):
+        return node.attr in CORE_ATTRIBUTES
+    if isinstance(node, ast.Call):
+        func = node.func
+        name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+        return name in BY_NAME and any(
+            isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.split(".")[0] in CORE_ATTRIBUTES
+            for a in node.args)
+    if isinstance(node, ast.Subscript):
+        key = node.slice
+        holder = node.value
+        by_dict = (isinstance(holder, ast.Call) and isinstance(holder.func, ast.Name) and holder.func.id == "vars") \
+            or (isinstance(holder, ast.Attribute) and holder.attr == "__dict__")
+        return by_dict and isinstance(key, ast.Constant) and key.value in CORE_ATTRIBUTES
+    if isinstance(node, ast.MatchClass):
+        return bool(set(node.kwd_attrs) & CORE_ATTRIBUTES)
+    return False
+
+
 def core_called_directly(files: Dict[str, str]) -> List[str]:
-    """Calls of the core's methods not through a handle: `core.X(...)` or
-    `<anything>.core.X(...)` outside CORE_HOLDERS."""
+    """Outside CORE_HOLDERS: any expression that names the core held by an
+    object (`X.core`, `X._core`, getattr(X, "core"), ...: read, written or
+    aliased), and calls on a name `core` (`core.X(...)`)."""
     found = []
     for rel, source in files.items():
         if rel in CORE_HOLDERS:
             continue
         for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-                receiver = node.func.value
-                if (isinstance(receiver, ast.Name) and receiver.id == "core") or \
-                        (isinstance(receiver, ast.Attribute) and receiver.attr == "core"):
-                    found.append(f"{rel}:{node.lineno}")
-    return found
+            if _names_the_core(node) and (rel, ast.unparse(node)) not in NOT_THE_CORE:
+                found.append(f"{rel}:{node.lineno}")
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    isinstance(node.func.value, ast.Name) and node.func.value.id == "core":
+                found.append(f"{rel}:{node.lineno}")
+    return sorted(set(found), key=lambda where: (where.rsplit(":", 1)[0], int(where.rsplit(":", 1)[1])))
 
 
 # --- the package -----------------------------------------------------------
@@ -260,11 +303,44 @@ def test_the_check_catches_an_import_past_a_rooms_door():
 
 def test_the_check_catches_module_state_read_directly():
     files = {"files/save.py": 'state = model._zero_ext\nother = getattr(opt, "_zero_ext", None)\n',
-             STATE_ACCESSOR: 'x = getattr(obj, "_zero_ext", None)\n'}
-    assert state_read_directly(files) == ["files/save.py:1", "files/save.py:2"]
+             "optim/step_round.py": 'opt._zero_ext_member = 0\nx = opt._zero_ext_member\nopt._zero_ext_owner\n',
+             STATE_ACCESSOR: 'x = getattr(obj, "_zero_ext", None)\nsetattr(obj, "_zero_ext_member", 0)\n'}
+    assert state_read_directly(files) == ["files/save.py:1", "files/save.py:2",
+                                          "optim/step_round.py:1", "optim/step_round.py:2"]
 
 
 def test_the_check_catches_the_core_called_directly():
     files = {"runtime/module.py": "state.core.release_all()\ncore.sync()\nstate.handles.units.release_all()\n",
-             "wrapping/wrap.py": "core.set_skip_nonfinite(True)\n"}
-    assert core_called_directly(files) == ["runtime/module.py:1", "runtime/module.py:2"]
+             "wrapping/wrap.py": "core.set_skip_nonfinite(True)\n",
+             "tools/core_handles.py": "f = core.zero_grad\n"}
+    assert core_called_directly(files) == ["runtime/module.py:1", "runtime/module.py:2", "wrapping/wrap.py:1"]
+
+
+def test_the_check_catches_the_core_through_an_alias():
+    aliases = [  # (source, the line caught)
+        ("c = state.core\nc.zero_grad()\n", 1),                  # an alias, called on the next line
+        ("core = self.state.core\n", 1),                          # an alias of a deeper holder
+        ("c = getattr(state, 'core')\n", 1),                      # by name
+        ("c = getattr(state, 'core', None)\n", 1),
+        ("f = operator.attrgetter('core.zero_grad')\n", 1),
+        ("handles, c = state.handles, state.core\n", 1),          # tuple unpacking
+        ("run(state.core)\n", 1),                                 # an argument
+        ("run(x=state._core)\n", 1),                              # the private name too
+        ("c = vars(state)['core']\n", 1),
+        ("c = state.__dict__['core']\n", 1),
+        ("c = [s.core for s in states]\n", 1),
+        ("match state:\n    case ZeroState(core=c):\n        pass\n", 2),
+        ("state.core = other\n", 1),                              # written
+        ("if state.core is None:\n    pass\n", 1),                # even only tested
+    ]
+    for source, line in aliases:
+        assert core_called_directly({"runtime/module.py": source}) == [f"runtime/module.py:{line}"], source
+    allowed = {"runtime/module.py": "state.handles.reduction.zero_grad(True)\ncores = 4\nscore = x.score\n"
+                                    "getattr(state, 'handles')\n",
+               "integrations/_lightning_strategy.py": "x = pl.core.optimizer.LightningOptimizer\n",
+               "tools/core_handles.py": "f = core.zero_grad\nc = self._core\nstate = ZeroState(core=core)\n"}
+    assert core_called_directly(allowed) == []
+    # Only the named expression is exempt in the named file.
+    assert core_called_directly({"integrations/_lightning_strategy.py": "c = state.core\n",
+                                 "runtime/module.py": "x = pl.core.optimizer\n"}) == \
+        ["integrations/_lightning_strategy.py:1", "runtime/module.py:1"]

@@ -94,7 +94,7 @@ def test_explicit_units_are_never_merged():
         assert units[1:] == [(model.embed,)] + [(b,) for b in model.blocks]
     wrapped = Stack(20, 8)
     zero_ext.wrap(wrapped, torch.optim.SGD(wrapped.parameters(), lr=0.1), stage=3, units={nn.Linear})
-    assert wrapped._zero_ext.core.stats()["units"] == 22
+    assert wrapped._zero_ext.handles.diagnostics.stats()["units"] == 22
 
 
 # --- only modules that run a forward of their own on every rank every step ---------
@@ -283,7 +283,7 @@ def test_merged_units_train_like_the_plain_model_in_one_process():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     zero_ext.wrap(model, opt, stage=3)
-    stats = model._zero_ext.core.stats
+    stats = model._zero_ext.handles.diagnostics.stats
     assert stats()["units"] == 2
     for step in range(3):
         x = torch.randn(4, 32)

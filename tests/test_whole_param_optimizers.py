@@ -193,12 +193,12 @@ def test_fp16_loss_scale_moves_once_per_step_of_a_models_optimizers(stage):
     model = WithBiases()
     precision = zero_ext.MixedPrecision(torch.float16, loss_scale=zero_ext.DynamicLossScale(initial_scale=2.0 ** 8))
     model, opts = zero_ext.wrap(model, muon_and_adamw(model.parameters()), stage=stage, mixed_precision=precision)
-    scale = model._zero_ext.core.loss_scale()
+    scale = model._zero_ext.handles.optimizer.loss_scale()
     (model(torch.randn(4, 6, dtype=torch.float16)).float().sum() * 1e30).backward()  # overflows in fp16
     for opt in opts:
         opt.step()
         opt.zero_grad()
-    assert model._zero_ext.core.loss_scale() == scale / 2
+    assert model._zero_ext.handles.optimizer.loss_scale() == scale / 2
     assert [opt.skipped_steps for opt in opts] == [1, 1]
     before = zero_ext.full_state_dict(model)
     model(torch.randn(4, 6, dtype=torch.float16)).float().square().mean().backward()

@@ -43,7 +43,7 @@ class MergedContext(ps.Context):
             self.record_check("blocks merged into fewer units", True)
             return model, opt
         model, opt = zero_ext.wrap(model, opt, stage=3, **options)
-        units = model._zero_ext.core.stats()["units"]
+        units = model._zero_ext.handles.diagnostics.stats()["units"]
         self.record_check("blocks merged into fewer units", blocks < 2 or units < blocks + 1)
         return model, opt
 
@@ -76,14 +76,14 @@ def gathers_per_step(ctx: ps.Context) -> None:
     model, opt = ctx.wrap(model, ps.adamw(model))
     counts = []
     for step in range(3):
-        before = None if ctx.reference else model._zero_ext.core.stats()["param_gathers"]
+        before = None if ctx.reference else model._zero_ext.handles.diagnostics.stats()["param_gathers"]
         ps.token_loss(ctx, model, step).backward()
         if not ctx.reference:
-            counts.append(model._zero_ext.core.stats()["param_gathers"] - before)
+            counts.append(model._zero_ext.handles.diagnostics.stats()["param_gathers"] - before)
         ps.step_and_record(ctx, model, opt, step)
     ctx.record_check("3 all-gathers per step (root 1, merged blocks 2)", ctx.reference or counts == [3, 3, 3])
     ctx.record_check("nothing gathered after the step",
-                     ctx.reference or model._zero_ext.core.stats()["gathered_units"] == 0)
+                     ctx.reference or model._zero_ext.handles.diagnostics.stats()["gathered_units"] == 0)
 
 
 class HiddenBlocks(Blocks):
@@ -195,7 +195,7 @@ def no_grad_forwards_release_their_units(ctx: ps.Context) -> None:
             for plan in ([0, 1, 2], [0, 1], [1]):
                 ps.token_loss(ctx, model, 20 + step, plan=plan)
                 ctx.record_check(f"step {step} plan {plan}: nothing gathered after a no-grad forward",
-                                 ctx.reference or model._zero_ext.core.stats()["gathered_units"] == 0)
+                                 ctx.reference or model._zero_ext.handles.diagnostics.stats()["gathered_units"] == 0)
             loss = ps.token_loss(ctx, model, 30 + step)
             if not ctx.reference and ctx.world > 1:  # this rank's loss: average it as the reference does
                 torch.distributed.all_reduce(loss)
@@ -265,7 +265,7 @@ class TinyMoeModel(Blocks):
 
 def _units_per_block(ctx: ps.Context, model: nn.Module) -> None:
     ctx.record_check("one unit per block", ctx.reference or
-                     model._zero_ext.core.stats()["units"] == 1 + len(model.blocks))
+                     model._zero_ext.handles.diagnostics.stats()["units"] == 1 + len(model.blocks))
 
 
 class DictBlocks(Blocks):
@@ -315,7 +315,7 @@ def sequential_with_activations(ctx: ps.Context) -> None:
     model = SequentialMLP()
     model, opt = ctx.wrap(model, ps.sgd(model))
     ctx.record_check("one unit besides the (empty) root",
-                     ctx.reference or model._zero_ext.core.stats()["units"] == 2)
+                     ctx.reference or model._zero_ext.handles.diagnostics.stats()["units"] == 2)
     for step in range(3):
         ps.mlp_loss(ctx, model, step).backward()
         ps.step_and_record(ctx, model, opt, step)
@@ -437,7 +437,7 @@ def unrecognized_experts_skipped(rank: int, world: int) -> dict:
     model = BlocksAndSparseLayer()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     model, opt = zero_ext.wrap(model, opt, stage=3, bucket_mb=ONE_UNIT_PER_BLOCK_MB, timeout=20.0)
-    units = model._zero_ext.core.stats()["units"]
+    units = model._zero_ext.handles.diagnostics.stats()["units"]
     started = time.monotonic()
     try:
         train(model, opt, parting_step=1)

@@ -71,7 +71,7 @@ def test_parity_with_plain_pytorch_over_nccl(stage, precision, offload, collecti
                                units={nn.Linear} if stage == 3 else None)
     assert model._zero_ext.process_group is not None, "world size 1 still runs zero_ext's own group"
     train(model, opt, data)
-    sent = model._zero_ext.core.stats()["collectives"]
+    sent = model._zero_ext.handles.diagnostics.stats()["collectives"]
     assert (sent > 0) == (collectives == "nccl"), sent
     got = zero_ext.full_state_dict(model)
     # bf16: autocast keeps fp32 weights and rounds per op; zero_ext computes in
@@ -98,11 +98,11 @@ def test_gradient_memory_in_backward_is_bounded_by_the_buckets(stage, collective
     train(model, opt, [(x, y)])  # optimizer state exists from here on
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    shard_before = model._zero_ext.core.stats()["grad_bytes"]
+    shard_before = model._zero_ext.handles.diagnostics.stats()["grad_bytes"]
     torch.cuda.reset_peak_memory_stats()
     F.mse_loss(model(x), y).backward()
     torch.cuda.synchronize()
-    stats = model._zero_ext.core.stats()
+    stats = model._zero_ext.handles.diagnostics.stats()
     bucket = WIDTH * (WIDTH + 1) * 4
     model_grad = DEPTH * bucket
     shard = stats["grad_bytes"] - shard_before
@@ -222,9 +222,9 @@ def test_offload_counts_its_pinned_compute_shard(stage):
     model, opt = zero_ext.wrap(model, opt, stage=stage, bucket_mb=4, mixed_precision="bf16",
                                offload_optimizer="cpu", units={nn.Linear} if stage == 3 else None)
     train(model, opt, batches(1))
-    core = model._zero_ext.core
-    stats = core.stats()
-    padded = sum(core.bucket_layout()[2::3])  # (first, count, padded) per bucket
+    core = model._zero_ext.handles
+    stats = core.diagnostics.stats()
+    padded = sum(core.reduction.bucket_layout()[2::3])  # (first, count, padded) per bucket
     shard = padded // dist.get_world_size()
     device_params = shard * 2 if stage == 3 else padded * 2
     pinned_compute = shard * 2

@@ -21,7 +21,7 @@ class ZeroState:
 
     model_ref: "weakref.ref[torch.nn.Module]"  # weak: the model holds this state
     stage: int
-    core: object  # torch.classes.zero_ext.ShardedModel: the C++ core, reached through `handles`
+    handles: CoreHandles  # the C++ core by concern (tools/core_handles.py), the only way to it
     process_group: Optional[dist.ProcessGroup]  # zero_ext's own reduction group (the shard group)
     world_size: int  # of the shard group
     replicate_group: Optional[dist.ProcessGroup]  # hybrid sharding: across the copies of the shard (None: flat)
@@ -54,7 +54,6 @@ class ZeroState:
     save_stager: Optional[object] = None
 
     def __post_init__(self) -> None:
-        self.handles = CoreHandles.of(self.core)  # the core by concern (tools/core_handles.py)
         self.step_round = StepRound(self.handles, self.tensor_parallel)
 
     # The modes, as the core's layout decided them at wrap() (csrc/layout.h):

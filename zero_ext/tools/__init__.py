@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from .arguments import described, require_bool, require_module, require_optimizer
 from .class_swap import swap_class
+from .core_config import CoreConfig, dtype_name
 from .core_handles import CoreHandles, CoreStats, GradLayout
 from .module_state import attach_member, attach_state, member_of, owner_state, state_of, state_or_none
 from .torch_compat import all_gather_into_tensor, outside_compile
@@ -15,6 +16,7 @@ from .version import __version__
 # core_loader (ShardedModel), faults, env_report, build_check, torch_compat,
 # offload_file (the "nvme" offload files).
 __all__ = [
+    "CoreConfig",
     "CoreHandles",
     "CoreStats",
     "GradLayout",
@@ -25,6 +27,7 @@ __all__ = [
     "build_check",
     "core_loader",
     "described",
+    "dtype_name",
     "env_report",
     "faults",
     "member_of",

@@ -1,10 +1,12 @@
 """The C++ core seen from Python by concern.
 
-One wrapped model is one `torch.classes.zero_ext.ShardedModel` (csrc/README.md):
-a facade over the components that do the work. Python reaches it only through
-the handles here, one per concern, so a room names what it needs (a unit's
-gather, a bucket's reduction, the optimizer's shards, a checkpoint's ranges,
-diagnostics, the model's group collectives) and nothing else:
+One wrapped model is one `torch.classes.zero_ext.ShardedModel` (csrc/README.md),
+built whole from a `CoreConfig` (tools/core_config.py) and offering no methods
+of its own: each concern is a bound class of its own over it
+(csrc/core_views.h), and Python holds the handles here, one per view, so a
+room names what it needs (a unit's gather, a bucket's reduction, the
+optimizer's shards, a checkpoint's ranges, diagnostics, the model's group
+collectives) and nothing else:
 
 | handle             | for                                                        |
 |--------------------|------------------------------------------------------------|
@@ -16,7 +18,7 @@ diagnostics, the model's group collectives) and nothing else:
 | `GroupCollectives` | the collectives of a user's call, on the model's own groups |
 | `OffloadFiles`     | offload_*="nvme": the rank's offload file, buckets brought in and parked |
 
-A handle binds the core's methods as attributes (no Python call in between:
+A handle binds its view's methods as attributes (no Python call in between:
 hooks call them per unit per step); the few that return a layout or the
 counters convert them into `GradLayout` and `CoreStats`.
 """
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Callable, ClassVar, Dict, List, Tuple
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 
@@ -104,16 +106,27 @@ class CoreStats:
             return self.extra[name]
         return getattr(self, name)
 
+    def get(self, name: str, default: Optional[int] = None) -> Optional[int]:
+        """stats.get("units", 0), as on the dict it replaces."""
+        try:
+            return self[name]
+        except AttributeError:
+            return default
+
 
 class _Handle:
-    """Binds the core's methods named in BOUND as attributes of the handle."""
+    """Binds the methods named in BOUND of the core's view VIEW
+    (torch.classes.zero_ext.<VIEW>) as attributes of the handle."""
 
+    VIEW: ClassVar[str] = ""
     BOUND: ClassVar[Tuple[str, ...]] = ()
 
-    def __init__(self, core: Any) -> None:
-        self._core = core
+    def __init__(self, model: Any) -> None:
+        from . import core_loader  # the compiled core, loaded on first use
+
+        self._view = core_loader.CORE_VIEWS[self.VIEW](model)
         for name in self.BOUND:
-            setattr(self, name, getattr(core, name))
+            setattr(self, name, getattr(self._view, name))
 
 
 class Units(_Handle):
@@ -139,18 +152,19 @@ class Units(_Handle):
     keep_gathered_after_forward: Callable[[List[int]], None]
     reshard_to_subgroup: Callable[[List[int]], None]
     set_prefetch: Callable[[int, bool, List[int]], None]  # unit, forward, the units to prefetch
-    set_unit_names: Callable[[List[str]], None]
     unshard: Callable[[bool], None]
     wait_unshard: Callable[[], None]
     write_back_shards: Callable[[], None]
     params_sharded: Callable[[], bool]
     forward_raised: Callable[[str], None]  # the model's forward raised (its message): the rank may have parted
 
-    BOUND = ("begin_forward", "end_forward", "forward_raised", "pre_forward", "enter_unit", "track_unit_inputs", "post_forward",
-             "hook_regather", "scale_outputs", "add_pending_use", "post_backward_use", "note_untracked_use",
-             "gather_all", "gather_units_of", "unpin_units_of", "release_all", "keep_gathered_after_forward",
-             "reshard_to_subgroup", "set_prefetch", "set_unit_names", "unshard", "wait_unshard",
-             "write_back_shards", "params_sharded")
+    model: Callable[[], Any]  # the ShardedModel, for the registered ops (torch.ops.zero_ext.*) that take it
+
+    VIEW = "Units"
+    BOUND = ("begin_forward", "end_forward", "forward_raised", "pre_forward", "enter_unit", "track_unit_inputs",
+             "post_forward", "hook_regather", "scale_outputs", "add_pending_use", "post_backward_use",
+             "note_untracked_use", "gather_all", "gather_units_of", "unpin_units_of", "release_all", "set_prefetch",
+             "unshard", "wait_unshard", "write_back_shards", "params_sharded", "model")
 
 
 class Reduction(_Handle):
@@ -170,11 +184,12 @@ class Reduction(_Handle):
     replicated: Callable[[], bool]
     set_max_in_flight_bytes: Callable[[int], None]
 
+    VIEW = "Reduction"
     BOUND = ("set_sync", "sync", "set_replica_sync", "replica_sync", "set_gradient_divide_factor", "zero_grad",
              "full_grads", "has_grad", "bucket_layout", "replicated", "set_max_in_flight_bytes")
 
     def grad_layout(self) -> GradLayout:
-        return GradLayout(self._core.grad_layout())
+        return GradLayout(self._view.grad_layout())
 
 
 class OptimizerShards(_Handle):
@@ -192,21 +207,19 @@ class OptimizerShards(_Handle):
     check_before_step: Callable[[], None]
     after_step: Callable[[List[int]], None]  # the parameters stepped
     settle: Callable[[], None]
-    enable_loss_scaling: Callable[[float, float, float, int, float, int, bool], None]
     disable_loss_scaling: Callable[[], None]
     loss_scale: Callable[[], float]
     loss_scaling: Callable[[], bool]
-    set_skip_nonfinite: Callable[[bool], None]
     whole_params: Callable[[], bool]
     has_masters: Callable[[], bool]
     full_masters: Callable[[], List[Tensor]]
     load_masters: Callable[[List[Tensor]], None]
 
+    VIEW = "OptimizerShards"
     BOUND = ("segments", "segment_param_indices", "segment_compute_copies", "note_compute_copy_written",
              "begin_step", "found_nonfinite", "note_nonfinite_elsewhere", "check_before_step", "after_step",
-             "settle", "enable_loss_scaling",
-             "disable_loss_scaling", "loss_scale", "loss_scaling", "set_skip_nonfinite", "whole_params",
-             "has_masters", "full_masters", "load_masters")
+             "settle", "disable_loss_scaling", "loss_scale", "loss_scaling", "whole_params", "has_masters",
+             "full_masters", "load_masters")
 
 
 class CheckpointRanges(_Handle):
@@ -225,6 +238,7 @@ class CheckpointRanges(_Handle):
     begin_materialize: Callable[[List[int]], None]  # buckets
     end_materialize: Callable[[List[int]], None]
 
+    VIEW = "CheckpointRanges"
     BOUND = ("local_pieces", "owned_ranges", "local_value_shards", "segment_param_starts", "full_masters_of",
              "refresh_params_from_shards", "loss_scaler_state", "restore_loss_scaler", "begin_materialize",
              "end_materialize")
@@ -236,22 +250,20 @@ class Diagnostics(_Handle):
     test-only faults it can inject."""
 
     failed: Callable[[], bool]
-    enable_stall_diagnosis: Callable[..., None]
     stall_queries: Callable[[], int]
     post_whereabouts: Callable[[int, bool, str], None]  # query, blocked, where
-    enable_collective_checks: Callable[..., None]
     set_test_fault: Callable[[str, int], None]  # point, step
     log_issues: Callable[[bool], None]
     take_issue_log: Callable[[], List[str]]
-    set_unit_advice: Callable[[List[str]], None]  # per unit: what an error that names it advises
     traffic: Callable[[], List[int]]  # bytes sent by kind ([Note: traffic]; runtime/traffic.py)
     residual_bytes: Callable[[], int]  # compress_grads' error-feedback residuals
 
-    BOUND = ("failed", "enable_stall_diagnosis", "stall_queries", "post_whereabouts", "enable_collective_checks",
-             "set_test_fault", "log_issues", "take_issue_log", "set_unit_advice", "traffic", "residual_bytes")
+    VIEW = "Diagnostics"
+    BOUND = ("failed", "stall_queries", "post_whereabouts", "set_test_fault", "log_issues", "take_issue_log",
+             "traffic", "residual_bytes")
 
     def stats(self) -> CoreStats:
-        return CoreStats.from_core(dict(self._core.stats()))
+        return CoreStats.from_core(dict(self._view.stats()))
 
 
 class GroupCollectives(_Handle):
@@ -267,6 +279,7 @@ class GroupCollectives(_Handle):
     mesh_broadcast_from_rank0: Callable[[Tensor, str], None]
     mesh_all_gather: Callable[[Tensor, Tensor, str], None]
 
+    VIEW = "GroupCollectives"
     BOUND = ("group_all_reduce", "group_broadcast_from_rank0", "group_all_gather", "mesh_all_reduce",
              "mesh_broadcast_from_rank0", "mesh_all_gather")
 
@@ -276,7 +289,6 @@ class OffloadFiles(_Handle):
     rank's offload file, and bringing buckets' values and gradients into
     memory for the optimizer's step and parking them again."""
 
-    enable_swap: Callable[[str, bool, bool, int, int, int], None]  # path, params, optimizer, threads, chunk, bound
     swapped: Callable[[], bool]
     swap_in: Callable[[List[int]], None]  # buckets
     swap_prefetch: Callable[[List[int]], None]
@@ -287,13 +299,14 @@ class OffloadFiles(_Handle):
     swap_drain: Callable[[], None]  # every write in flight done
     swap_fail_writes_after: Callable[[int], None]  # test-only
 
-    BOUND = ("enable_swap", "swapped", "swap_in", "swap_prefetch", "swap_out", "swap_in_grads", "swap_out_grads",
+    VIEW = "OffloadFiles"
+    BOUND = ("swapped", "swap_in", "swap_prefetch", "swap_out", "swap_in_grads", "swap_out_grads",
              "swap_reset_peak", "swap_drain", "swap_fail_writes_after")
 
     def stats(self) -> Dict[str, int]:
         """file_bytes, bytes_written, bytes_read, resident_bytes,
         peak_resident_bytes, io_buffer_bytes, slots ({} without a file)."""
-        return dict(self._core.swap_stats())
+        return dict(self._view.swap_stats())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,6 +322,7 @@ class CoreHandles:
     offload: OffloadFiles
 
     @classmethod
-    def of(cls, core: Any) -> "CoreHandles":
-        return cls(Units(core), Reduction(core), OptimizerShards(core), CheckpointRanges(core), Diagnostics(core),
-                   GroupCollectives(core), OffloadFiles(core))
+    def of(cls, model: Any) -> "CoreHandles":
+        """The handles of one torch.classes.zero_ext.ShardedModel; they keep it alive."""
+        return cls(Units(model), Reduction(model), OptimizerShards(model), CheckpointRanges(model),
+                   Diagnostics(model), GroupCollectives(model), OffloadFiles(model))

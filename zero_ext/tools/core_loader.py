@@ -24,5 +24,9 @@ except ImportError as error:
 build_check.ensure_checked()
 
 ShardedModel = torch.classes.zero_ext.ShardedModel
+CoreConfig = torch.classes.zero_ext.CoreConfig  # built whole before the model (tools/core_config.py)
+# The model's bound views, one per concern (csrc/core_views.h; tools/core_handles.py).
+CORE_VIEWS = {name: getattr(torch.classes.zero_ext, name) for name in (
+    "Units", "Reduction", "OptimizerShards", "CheckpointRanges", "Diagnostics", "GroupCollectives", "OffloadFiles")}
 # The job's store, called quietly (csrc/diagnosis_store.h): for Python's own exchanges through it.
 QuietStore = torch.classes.zero_ext.QuietStore

@@ -4,78 +4,27 @@ from __future__ import annotations
 
 import datetime
 import os
-import uuid
 import weakref
 from typing import Callable, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from .config import DynamicLossScale, MixedPrecision
+from .config import MixedPrecision
 from ..files import install_pretrained_export, local_views
-from .deferred_init import has_meta_parameters, materialize, move_to_device
-from ..groups import (Ranks, TensorParallel, Topology, acquire_groups, acquire_mesh_groups, acquire_subgroups,
-                      group_timeout, check_supported, find_tensor_parallel, localize, retire_if_failed,
+from .deferred_init import has_meta_parameters, materialize
+from ..groups import (Ranks, TensorParallel, check_supported, find_tensor_parallel, localize, retire_if_failed,
                       tensor_parallel_of)
 from ..groups import arrival as arrivals
 from ..groups import stall_query as whereabouts
 from ..optim import WHOLE, optimizer_sharding, shard_optimizer
 from ..runtime import ZeroState, install_forward_hooks, swap_module_class
-from ..tools import CoreHandles, attach_state, core_loader, faults, offload_file
-from .unit_advice import unit_advice
+from ..tools import CoreHandles, attach_state, faults
 from .units import Unit, assign_parameters
-from .arguments import QUANTIZATION_BLOCK, Options, optimizer_list
+from .arguments import optimizer_list
 from .plan import Checked, agreement_ranks, arrival_bound, check_and_plan
+from .core_build import OwnGroups, acquire_own_groups, build_core, core_config, mesh_token
 from .fingerprint import check_ranks_agree, check_tensor_parallel_agree, settle_failures, tensor_parallel_fields
-
-
-def _build_core(ordered: List[torch.nn.Parameter], names: List[str], counts: List[int],
-                unit_of_bucket: List[int], owners: List[int], options: Options, group_names: List[str],
-                replica_name: str, regather_name: str, deferred: bool):
-    """The C++ core (torch.classes.zero_ext.ShardedModel) with its loss
-    scaling and non-finite policy set."""
-    precision = options.precision
-    core = core_loader.ShardedModel(ordered, names, [int(p.requires_grad) for p in ordered], counts, unit_of_bucket,
-                        options.stage, group_names[0] if group_names else "",
-                        group_names[1] if len(group_names) > 1 else "", replica_name, regather_name, options.prefetch,
-                        precision.compute_dtype, precision.reduce_dtype, options.offload, deferred, owners)
-    scale = precision.loss_scale
-    if isinstance(scale, DynamicLossScale):
-        core.enable_loss_scaling(float(scale.initial_scale), float(scale.growth_factor),
-                                 float(scale.backoff_factor), int(scale.growth_interval),
-                                 float(scale.min_scale), int(scale.hysteresis), True)
-    elif scale is not None:
-        core.enable_loss_scaling(float(scale), 2.0, 0.5, 1, 1.0, 1, False)
-    core.set_skip_nonfinite(options.skip_nonfinite)
-    weight_bits, grad_bits = options.compression_bits()
-    if weight_bits or grad_bits:
-        core.enable_compression(weight_bits, grad_bits, QUANTIZATION_BLOCK)
-    return core
-
-
-def _acquire_header_groups(topology: Topology, count: int, timeout, device: torch.device, owner: object):
-    """Gloo groups over the same ranks for the sequence checks' headers
-    ([Note: collectives that prove what they are] in csrc/collective_sequence.h):
-    one per shard-level group, and one across replicas."""
-    base = topology.shard_group
-    if topology.replicate_group is not None:
-        return acquire_mesh_groups(base, topology.replicate_group, count, timeout, device, owner, backend="gloo")
-    return acquire_groups(base, count, timeout, device, owner, backend="gloo"), None
-
-
-def _enable_stall_diagnosis(handles: CoreHandles, ranks: Ranks, topology: Topology,
-                            limit: Optional[datetime.timedelta]) -> None:
-    """A wait stalled a quarter of the timeout (between 1 s and 5 s)
-    compares notes with the other ranks (see communicator.h)."""
-    seconds = limit.total_seconds() if limit is not None else 1800.0
-    # New for every wrap() and the same on every rank of the mesh: a later
-    # model (or a restarted job whose store outlived the last one, as
-    # torchrun's agent store does) never reads an earlier one's posts.
-    key_space = ranks.from_rank0(uuid.uuid4().hex)
-    if ranks.tp is not None:  # each data-parallel group of a tensor-parallel model posts apart
-        key_space += f"-tp{ranks.tp.rank}"
-    handles.diagnostics.enable_stall_diagnosis(min(max(seconds / 4, 1.0), 5.0), seconds, key_space,
-                                               topology.shard_mesh_ranks(), topology.replica_mesh_ranks())
 
 
 def _broadcast_buffers(model: torch.nn.Module, handles: CoreHandles) -> None:
@@ -266,32 +215,51 @@ def _optimized_parameters(optimizers: List[torch.optim.Optimizer]) -> List[torch
     return list({id(p): p for opt in optimizers for g in opt.param_groups for p in g["params"]}.values())
 
 
-def _enable_swap(handles: CoreHandles, options: Options, topology: Topology) -> None:
-    """This rank's offload file under offload_path, its space reserved."""
-    try:
-        handles.offload.enable_swap(
-            offload_file.file_path(options.offload_path, topology.mesh_rank), options.offload_params == "nvme",
-            options.offload_optimizer == "nvme", offload_file.IO_THREADS, offload_file.CHUNK_BYTES,
-            offload_file.WRITE_BEHIND_BYTES, options.persist_bytes)
-    except RuntimeError as error:
-        reason = str(error).removeprefix("zero_ext: ")
-        raise RuntimeError(f"zero_ext.wrap: offload_path {options.offload_path!r}: {reason}") from error
-
-
 def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optimizer, offload_params, offload_path,
           units, bucket_mb, timeout, prefetch, skip_nonfinite, device, param_init_fn,
           reshard_after_forward, max_live_mb, persist_kb, compress_weights, compress_grads,
           tensor_parallel: Optional[TensorParallel] = None, arrival: Optional[arrivals.Arrival] = None,
           failure: Optional[Exception] = None) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
     """wrap(), once the parameters unfreeze_later plans as trainable are marked so
-    (`failure`: what wrap() raised on the way here, to settle with the other ranks)."""
+    (`failure`: what wrap() raised on the way here, to settle with the other ranks):
+    the plan the ranks agree on, the model's groups, the core, and the attachment."""
+    checked, exchange = _agreed_plan(model, optimizer, stage, process_group, mixed_precision, offload_optimizer,
+                                     offload_params, offload_path, units, bucket_mb, timeout, prefetch,
+                                     skip_nonfinite, device, param_init_fn, reshard_after_forward, max_live_mb,
+                                     persist_kb, compress_weights, compress_grads, tensor_parallel, arrival, failure)
+    groups = acquire_own_groups(checked, model)
+    key_space = mesh_token(checked) if groups.shard else ""
+    handles: Optional[CoreHandles] = None
+    failure = None
+    try:  # what fails on this rank alone is settled before the next collective, as the checks were
+        handles = build_core(checked, core_config(checked, groups, model, key_space, tensor_parallel))
+    except Exception as error:  # noqa: BLE001 - raised on every rank below
+        failure = error
+    if exchange is not None:
+        settle_failures(exchange.topology, exchange.tp_group, failure)
+    elif failure is not None:
+        raise failure
+    assert handles is not None
+    state = _state(model, checked, groups, handles, tensor_parallel)
+    _start(model, checked, state, handles, bool(groups.shard))
+    _attach(model, checked.optimizers, state, checked.unit_list, checked.export_dtype)
+    return model, optimizer
+
+
+def _agreed_plan(model, optimizer, stage, process_group, mixed_precision, offload_optimizer, offload_params,
+                 offload_path, units, bucket_mb, timeout, prefetch, skip_nonfinite, device, param_init_fn,
+                 reshard_after_forward, max_live_mb, persist_kb, compress_weights, compress_grads,
+                 tensor_parallel: Optional[TensorParallel], arrival: Optional[arrivals.Arrival],
+                 failure: Optional[Exception]) -> Tuple[Checked, object]:
+    """This rank's checks and plan, raised on every rank if any rank's failed,
+    then checked to be the same on every rank."""
     checked: Optional[Checked] = None
     if failure is None:
         try:
             checked = check_and_plan(model, optimizer, stage, process_group, mixed_precision, offload_optimizer,
-                             offload_params, offload_path, units, bucket_mb, timeout, prefetch, skip_nonfinite,
-                             device, param_init_fn, reshard_after_forward, max_live_mb, persist_kb,
-                             compress_weights, compress_grads)
+                                     offload_params, offload_path, units, bucket_mb, timeout, prefetch,
+                                     skip_nonfinite, device, param_init_fn, reshard_after_forward, max_live_mb,
+                                     persist_kb, compress_weights, compress_grads)
         except Exception as error:  # noqa: BLE001 - raised on every rank below
             failure = error
     exchange = agreement_ranks(process_group, model, tensor_parallel, checked)
@@ -303,80 +271,35 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
             arrival.wait(*arrival_bound(timeout, exchange.topology))
         settle_failures(exchange.topology, exchange.tp_group, failure)
     assert checked is not None
-    options, optimizers, topology = checked.options, checked.optimizers, checked.topology
-    deferred, model_device, nvme = checked.deferred, checked.model_device, checked.nvme
-    unit_list, ordered, counts, unit_of_bucket = checked.unit_list, checked.ordered, checked.counts, \
-        checked.unit_of_bucket
-    owners, names, unit_names, reshard = checked.owners, checked.names, checked.unit_names, checked.reshard
+    _check_ranks_agree(checked, tensor_parallel)
+    return checked, exchange
+
+
+def _check_ranks_agree(checked: Checked, tensor_parallel: Optional[TensorParallel]) -> None:
+    described = list(zip(checked.names, checked.ordered))
     if tensor_parallel is None:
-        check_ranks_agree(topology, model_device, checked.fields, list(zip(names, ordered)))
-    else:  # the dp group's check, then one over dp x tp, which also carries the first one's outcome
-        dp_error = None
-        try:
-            check_ranks_agree(topology, model_device, checked.fields, list(zip(names, ordered)))
-        except ValueError as error:
-            dp_error = error
-        check_tensor_parallel_agree(tensor_parallel, model_device, tensor_parallel_fields(
-            options, topology, tensor_parallel, names, ordered, unit_names), dp_error)
-    # Groups of zero_ext's own (see groups/process_groups.py), owned by this model; stage 3
-    # gathers parameters on a second one (see csrc/units.h).
-    # Even at world size 1 under torch.distributed, the model gets groups of
-    # its own; their collectives over one rank are local copies there
-    # (csrc/communicator.h), as without torch.distributed.
-    own_groups, replica_group = [], None
-    count = 2 if options.stage == 3 else 1
-    base = topology.shard_group
-    if topology.replicate_group is not None:
-        own_groups, replica_group = acquire_mesh_groups(base, topology.replicate_group, count, options.timeout,
-                                                        model_device, model)
-    elif base is not None:
-        own_groups = acquire_groups(base, count, options.timeout, model_device, model)
-    # reshard_after_forward=<int>: units gather again within a subgroup (and its headers' group).
-    regather_groups = acquire_subgroups(base, reshard.subgroup_size, topology.shard_rank, options.timeout,
-                                        model_device, model) if reshard.subgroup_size else []
-    # What can fail on this rank alone (memory for the shards, the offload
-    # file's space) is settled before the next collective, as the checks were.
-    failure = None
+        check_ranks_agree(checked.topology, checked.model_device, checked.fields, described)
+        return
+    # The dp group's check, then one over dp x tp, which also carries the first one's outcome.
+    dp_error = None
     try:
-        if deferred:
-            move_to_device(deferred, ordered, names)
-        core = _build_core(ordered, names, counts, unit_of_bucket, owners, options,
-                           [g.group_name for g in own_groups],
-                           replica_group.group_name if replica_group is not None else "",
-                           regather_groups[0].group_name if regather_groups else "", deferred is not None)
-        handles = CoreHandles.of(core)
-        if nvme:  # before the shards are read: materialized, sharded for the optimizer
-            _enable_swap(handles, options, topology)
-        if options.max_live_bytes:
-            core.set_max_live_bytes(options.max_live_bytes)
-        if unit_names:
-            handles.units.set_unit_names(unit_names)
-            if topology.mesh_size > 1:  # for the errors that find ranks at different units
-                handles.diagnostics.set_unit_advice(unit_advice(model, unit_list, default_policy=options.units is None))
-            handles.units.keep_gathered_after_forward(reshard.kept)
-            handles.units.reshard_to_subgroup(reshard.to_subgroup)
-    except Exception as error:  # noqa: BLE001 - raised on every rank below
-        failure = error
-    if exchange is not None:
-        settle_failures(exchange.topology, exchange.tp_group, failure)
-    elif failure is not None:
-        raise failure
-    header_groups: List[dist.ProcessGroup] = []
-    # ZERO_EXT_COLLECTIVE_CHECKS=0 is for measuring what the checks cost
-    # (benchmarks/step_time.py's -unchecked systems); never for training.
-    if own_groups and topology.mesh_size > 1 and os.environ.get("ZERO_EXT_COLLECTIVE_CHECKS", "1") != "0":
-        headers, replica_headers = _acquire_header_groups(topology, count, options.timeout, ordered[0].device,
-                                                          model)
-        header_groups = headers + ([replica_headers] if replica_headers is not None else [])
-        handles.diagnostics.enable_collective_checks(
-            headers[0].group_name, headers[1].group_name if len(headers) > 1 else "",
-            replica_headers.group_name if replica_headers is not None else "",
-            regather_groups[1].group_name if regather_groups else "")
+        check_ranks_agree(checked.topology, checked.model_device, checked.fields, described)
+    except ValueError as error:
+        dp_error = error
+    check_tensor_parallel_agree(tensor_parallel, checked.model_device, tensor_parallel_fields(
+        checked.options, checked.topology, tensor_parallel, checked.names, checked.ordered, checked.unit_names),
+        dp_error)
+
+
+def _state(model: torch.nn.Module, checked: Checked, groups: OwnGroups, handles: CoreHandles,
+           tensor_parallel: Optional[TensorParallel]) -> ZeroState:
+    """What zero_ext keeps for the model; its groups retire with it if they failed."""
+    options, topology, ordered, names = checked.options, checked.topology, checked.ordered, checked.names
     faults.arm_core(handles, topology.mesh_rank if topology.mesh_size > 1 else 0)
     state = ZeroState(
-        model_ref=weakref.ref(model), stage=options.stage, core=core,
-        process_group=own_groups[0] if own_groups else None, world_size=topology.shard_size,
-        replicate_group=replica_group, replicas=topology.replicas, shard_rank=topology.shard_rank,
+        model_ref=weakref.ref(model), stage=options.stage, handles=handles,
+        process_group=groups.shard[0] if groups.shard else None, world_size=topology.shard_size,
+        replicate_group=groups.replica, replicas=topology.replicas, shard_rank=topology.shard_rank,
         replica_rank=topology.replica_rank,
         device=ordered[0].device, params=[p for p in ordered if p.requires_grad],
         names=[n for n, p in zip(names, ordered) if p.requires_grad],
@@ -389,21 +312,22 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
         output_dtype=options.precision.output_dtype,
         tensor_parallel=tensor_parallel,
     )
-    weakref.finalize(state, retire_if_failed, handles,
-                     own_groups + ([replica_group] if replica_group is not None else []) + header_groups
-                     + regather_groups)
-    if own_groups:
-        _enable_stall_diagnosis(handles, Ranks(state), topology, options.timeout or group_timeout(base))
-        if state.device.type == "cpu":  # host waits only, as the stall diagnosis (communicator.h)
-            whereabouts.start(model, handles)
-    if deferred:
-        groups_of_bucket = unit_of_bucket if state.params_sharded else list(range(len(counts)))
-        materialize(deferred, handles, Ranks(state), ordered, counts, groups_of_bucket, lambda: local_views(state),
-                    params_sharded=state.params_sharded)
-    if own_groups:
+    weakref.finalize(state, retire_if_failed, handles, groups.all())
+    return state
+
+
+def _start(model: torch.nn.Module, checked: Checked, state: ZeroState, handles: CoreHandles,
+           distributed: bool) -> None:
+    """The model's first collectives: a meta model's values, rank 0's buffers."""
+    if distributed and state.device.type == "cpu":  # host waits only, as the stall diagnosis (communicator.h)
+        whereabouts.start(model, handles)
+    if checked.deferred:
+        counts = checked.counts
+        groups_of_bucket = checked.unit_of_bucket if state.params_sharded else list(range(len(counts)))
+        materialize(checked.deferred, handles, Ranks(state), checked.ordered, counts, groups_of_bucket,
+                    lambda: local_views(state), params_sharded=state.params_sharded)
+    if distributed:
         _broadcast_buffers(model, handles)
-    _attach(model, optimizers, state, unit_list, checked.export_dtype)
-    return model, optimizer
 
 
 def _attach(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], state: ZeroState,
