@@ -16,6 +16,15 @@
 
 namespace zero_ext {
 
+// [Note: retiring from a launch] A launch over the in-flight bound retires
+// the oldest reduction (bound_in_flight -> retire). retire frees a transient
+// staging once the stream it was allocated on (the compute stream: the
+// stream current when retire is entered) waits for the reduction stream.
+// Entered with the launch's guard still on the reduction stream, it made the
+// reduction stream wait for itself, and the compute stream could reuse the
+// staging while the collective still read it: each launch leaves the
+// reduction stream before bound_in_flight.
+
 // One step per gradient layout ([Note: gradient layouts] in layout.h), each
 // staging the bucket on the compute stream, then issuing its reduction from
 // the reduction stream ([Note: the reduction stream]), which stays current
@@ -82,6 +91,7 @@ void GradReducer::launch_ddp_in_place(int64_t b) {
   begin_reduction(b, on_reduction_stream);
   bucket.work = comm_.all_reduce_sum(bucket.staging, Purpose::kGradReduce, b);
   go_in_flight(b);
+  on_reduction_stream.reset();  // before retiring: see [Note: retiring from a launch]
   bound_in_flight();
 }
 
@@ -93,6 +103,7 @@ void GradReducer::launch_replicated(int64_t b) {
   bucket.reduce_out = bucket.staging;
   bucket.work = comm_.all_reduce_sum(bucket.staging, Purpose::kGradReduce, b);
   go_in_flight(b);
+  on_reduction_stream.reset();  // before retiring: see [Note: retiring from a launch]
   bound_in_flight();
 }
 
@@ -109,6 +120,7 @@ void GradReducer::launch_sharded_persistent(int64_t b) {
   } else if (by_exchange_ || reduces_quantized()) {
     count_exchange_in_flight(b, scratch_bytes);
   }
+  on_reduction_stream.reset();  // before retiring: see [Note: retiring from a launch]
   bound_in_flight();
 }
 
@@ -121,6 +133,7 @@ void GradReducer::launch_sharded_transient(int64_t b) {
   if (!buckets_[b].staging.is_same(buckets_[b].accum)) {
     count_staging_in_flight(b, scratch_bytes);
   }
+  on_reduction_stream.reset();  // before retiring: see [Note: retiring from a launch]
   bound_in_flight();
 }
 
