@@ -32,7 +32,21 @@ JOBS_TIER_FILES = frozenset({
     "test_docs_examples.py", "test_exit.py", "test_benchmarks.py", "test_multinode.py",
     "test_checkpoint_publish.py", "test_demo.py", "test_gpu_benchmark.py",
 })
-TIERS = ("readme", "jobs", "all")
+# [Note: the slow tier] What must stay long and says little about one
+# change: the tolerance study (test_tolerances.py reruns every scenario's
+# reference with its arithmetic perturbed: ~115 worker-seconds) and the
+# 1000-step soak (~30). They guard the suite's own margins and slow leaks,
+# not one behaviour, so they run after the README suite and the jobs tier:
+#   ZERO_EXT_TIER=slow python3 -m pytest -q -n 2 tests   # the slow tier only
+SLOW_TIER_FILES = frozenset({"test_tolerances.py"})
+SLOW_TIER_TESTS = frozenset({("test_faults.py", "test_soak_1000_steps_stage3_nothing_accumulates")})
+TIERS = ("readme", "jobs", "slow", "all")
+HOW_TO_RUN = {
+    "jobs": "the jobs tier ([Note: the jobs tier] in tests/conftest.py): "
+            "ZERO_EXT_TIER=jobs python3 -m pytest -q -n 2 tests; .ci/run runs it",
+    "slow": "the slow tier ([Note: the slow tier] in tests/conftest.py): "
+            "ZERO_EXT_TIER=slow python3 -m pytest -q -n 2 tests; .ci/run runs it",
+}
 
 
 def _tier() -> str:
@@ -42,6 +56,16 @@ def _tier() -> str:
     return tier
 
 
+def tier_of(item) -> str:
+    """The tier a collected test belongs to."""
+    name = os.path.basename(str(item.fspath))
+    if name in JOBS_TIER_FILES:
+        return "jobs"
+    if name in SLOW_TIER_FILES or (name, getattr(item, "originalname", item.name)) in SLOW_TIER_TESTS:
+        return "slow"
+    return "readme"
+
+
 def pytest_collection_modifyitems(session, config, items):
     def weight(item):
         return -SLOWEST_FILES_S.get(os.path.basename(str(item.fspath)), 0)
@@ -49,18 +73,15 @@ def pytest_collection_modifyitems(session, config, items):
     tier = _tier()
     if tier == "all":
         return
-    in_jobs = [os.path.basename(str(item.fspath)) in JOBS_TIER_FILES for item in items]
-    if tier == "jobs":
-        kept = [item for item, jobs in zip(items, in_jobs) if jobs]
-        config.hook.pytest_deselected(items=[item for item, jobs in zip(items, in_jobs) if not jobs])
-        items[:] = kept
+    tiers = [tier_of(item) for item in items]
+    if tier != "readme":
+        config.hook.pytest_deselected(items=[item for item, t in zip(items, tiers) if t != tier])
+        items[:] = [item for item, t in zip(items, tiers) if t == tier]
         return
     import pytest
-    skip = pytest.mark.skip(reason="the jobs tier ([Note: the jobs tier] in tests/conftest.py): "
-                                   "ZERO_EXT_TIER=jobs python3 -m pytest -q -n 2 tests; .ci/run runs it")
-    for item, jobs in zip(items, in_jobs):
-        if jobs:
-            item.add_marker(skip)
+    for item, t in zip(items, tiers):
+        if t != "readme":
+            item.add_marker(pytest.mark.skip(reason=HOW_TO_RUN[t]))
 
 
 def pytest_cmdline_main(config):

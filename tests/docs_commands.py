@@ -48,6 +48,9 @@ COMMANDS = {  # each command of the bash snippets not marked `# not run:`, by it
     "ZERO_EXT_TIER=jobs python3 -m pytest -q -n 2 tests": Run(
         extra=("--collect-only", "-p", "no:cacheprovider"), in_repo=True,  # which tests the tier holds, not run
         expect=("tests/test_docs_examples.py::", "tests/test_exit.py::", "tests/test_multinode.py::", "deselected")),
+    "ZERO_EXT_TIER=slow python3 -m pytest -q -n 2 tests": Run(
+        extra=("--collect-only", "-p", "no:cacheprovider"), in_repo=True,  # which tests the tier holds, not run
+        expect=("tests/test_tolerances.py::", "test_soak_1000_steps_stage3_nothing_accumulates", "deselected")),
     "python -m zero_ext.convert ckpt/step1000 model.pt": Run(
         setup=_CHECKPOINT_TO_CONVERT,
         check='''
