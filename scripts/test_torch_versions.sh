@@ -32,7 +32,7 @@ BASE_PY=${PYTHON:-python3}
 SUBSET=(tests/test_parity.py tests/test_errors.py tests/test_errors_loose_inputs.py tests/test_checkpoint.py tests/test_checkpoint_trust.py
         tests/test_checkpoint_integrity.py
         tests/test_trust.py tests/test_cpu_adam.py tests/test_mixed_precision.py tests/test_selfcheck.py
-        tests/test_default_settings.py tests/test_benchmarks.py tests/test_core_ops.py tests/test_python_calls.py
+        tests/test_default_settings.py tests/test_benchmarks.py tests/test_core_ops.py tests/test_core_views.py tests/test_python_calls.py
         tests/test_components.py tests/test_safetensors.py tests/test_weights.py tests/test_deferred_init.py
         tests/test_hf_flow.py tests/test_compile.py tests/test_env.py tests/test_profiler.py
         tests/test_whole_param_optimizers.py tests/test_package_layout.py tests/test_nvme_offload.py)
