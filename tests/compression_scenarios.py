@@ -97,13 +97,17 @@ def _train(model, opt, steps: int, group) -> List[float]:
 #   int8 (grads, or weights + grads): at most 0.14% (seed 0: 0.02-0.04%);
 #   int4 grads (with or without int8 weights): at most 0.38% (the 2x2 mesh,
 #     seed 3; seed 0: 0.01-0.14%, the 2x2 mesh 0.13%).
-# So the bounds sit just above: 0.2% and 0.5%. This model's loss is
+# The bounds are twice the worst over every seed and layout: 0.3% and 0.8%.
+# Another seed moves the trajectory far more than another CPU's rounding or
+# BLAS kernels do (both perturb only the last bits of each step), so the
+# spread over seeds, doubled, covers another machine while staying an order
+# below a reduction that stops learning. This model's loss is
 # dominated by its noisy targets, so compression moves it little: the 2x2
 # mesh's int4 gap is still 0.06% at 200 steps, where the demo LM of
 # benchmarks/compression.py is 6.4% worse (1.0% at 30 steps; docs/compression.md).
 # These bounds catch a reduction that breaks learning, not that slower drift.
 LEARNING_STEPS = 30
-LEARNING_TOLERANCE = {"int8": 0.002, "int4": 0.005}
+LEARNING_TOLERANCE = {"int8": 0.003, "int4": 0.008}
 
 
 def learns_like_uncompressed(stage: int, group) -> Optional[str]:
