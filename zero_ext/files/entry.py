@@ -218,7 +218,7 @@ def check_load_options(strict: Any, optimizer_class_mismatch: Any, format: Any) 
                          f"{optimizer_class_mismatch!r}")
 
 
-def _load(path: str, model: torch.nn.Module, optimizer, strict: bool, mismatch: str, format: None) -> Any:
+def _load(path: str, model: torch.nn.Module, optimizer, strict: bool, mismatch: str, format: Any) -> Any:
     """load() with the offloaded state in memory."""
     state = state_of(model)
     original, optimizer = optimizer, as_one(optimizer)  # a list or tuple of the model's optimizers: one view

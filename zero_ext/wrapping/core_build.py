@@ -109,7 +109,7 @@ def _unit_fields(checked: Checked, model: torch.nn.Module) -> dict:
     advice = []
     if checked.topology.mesh_size > 1:  # for the errors that find ranks at different units
         advice = unit_advice(model, checked.unit_list, default_policy=checked.options.units is None)
-    return dict(max_live_bytes=checked.options.max_live_bytes, unit_names=checked.unit_names, unit_advice=advice,
+    return dict(unit_names=checked.unit_names, unit_advice=advice,
                 kept_after_forward=list(checked.reshard.kept),
                 resharded_to_subgroup=list(checked.reshard.to_subgroup))
 
@@ -160,6 +160,7 @@ def core_config(checked: Checked, groups: OwnGroups, model: torch.nn.Module, key
         replica_group=groups.replica.group_name if groups.replica is not None else "",
         regather_group=groups.regather[0].group_name if groups.regather else "",
         prefetch=options.prefetch, offload=options.offload, deferred=checked.deferred is not None,
+        max_live_bytes=options.max_live_bytes,
         weight_bits=weight_bits, grad_bits=grad_bits, quant_block=QUANTIZATION_BLOCK,
         **_precision_fields(checked), **_unit_fields(checked, model), **_swap_fields(checked),
         **_diagnosis_fields(checked, groups, key_space, tensor_parallel))
