@@ -25,6 +25,13 @@ group of processes; the systems take their steps in turn (round-robin), each
 timed over --steps steps after --warmup steps, and the median is reported. Prints a table (ms per step, ratio
 against DDP, bytes of model state per rank, final loss) and optionally writes
 it as JSON. Timings are not asserted anywhere.
+
+    python benchmarks/step_time.py --fresh 6 --systems ddp zero_ext-0 zero_ext-1 zero_ext-2 zero_ext-3
+
+--fresh N times the systems as a user's runs meet them instead: each run a
+fresh group of ranks, N per system, interleaved run by run, every step
+between barriers; per system the min / median / max over runs of each run's
+median step and of its first step (benchmarks/_fresh.py).
 """
 from __future__ import annotations
 
@@ -42,6 +49,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from train_lm import TinyGPT  # noqa: E402
 
+from _fresh import add_fresh_argument, fresh_runs, report_fresh  # noqa: E402
 from _ranks import add_tiny_gpt_arguments, run_on_ranks, timed_step  # noqa: E402
 
 import zero_ext  # noqa: E402
@@ -81,6 +89,12 @@ def build_system(args, system, world):
                                      reshard_after_forward=_reshard_policy(parts))
         os.environ.pop("ZERO_EXT_COLLECTIVE_CHECKS")
     return model, trained, opt
+
+
+def build_for_loop(args, system, world):
+    """(the module to call, the optimizer) for --fresh."""
+    _, trained, opt = build_system(args, system, world)
+    return trained, opt
 
 
 def _reshard_policy(parts):
@@ -153,13 +167,17 @@ def main():
                         help="ddp, fsdp2 (reshard after forward), fsdp2-keep (no reshard), fsdp2-reshardK, "
                              "zero_ext-N[-keep|-reshardK]...")
     parser.add_argument("--json", help="also write the results here")
+    add_fresh_argument(parser)
     args = parser.parse_args()
 
-    per_rank = run_on_ranks(args.world, run_systems, args, threads=args.threads)
-
     n_params = sum(p.numel() for p in TinyGPT(args.vocab, args.dim, args.layers, args.heads, args.context).parameters())
-    print(f"{n_params / 1e6:.2f}M parameters, world size {args.world} (gloo, CPU), "
-          f"{args.batch}x{args.context} tokens per rank, median of {args.steps} steps")
+    title = (f"{n_params / 1e6:.2f}M parameters, world size {args.world} (gloo, CPU), "
+             f"{args.batch}x{args.context} tokens per rank")
+    if args.fresh:
+        report_fresh(args, fresh_runs(args, build_for_loop, make_batch, args.steps), title)
+        return
+    per_rank = run_on_ranks(args.world, run_systems, args, threads=args.threads)
+    print(f"{title}, median of {args.steps} steps")
     base = statistics.mean(r["ddp"]["median_ms"] for r in per_rank) if "ddp" in args.systems else None
     header = (f"{'system':<20} {'ms/step':>9} {'vs DDP':>7} {'params MiB':>11} {'grads MiB':>10} {'optim MiB':>10} "
               f"{'loss':>7} {'params after fwd MiB':>21} {'gathers/step':>13}")

@@ -24,34 +24,23 @@ max over all timed steps (rank 0's clock) and the median's ratio to the
 first system: a slow spell shows in the upper quartile and the max.
 Nothing is asserted. phases.py splits the same steps into phases; the two
 should agree within their spread (docs/benchmarks.md).
+
+    python benchmarks/user_loop.py --fresh 6 --systems ddp zero_ext-3
+
+--fresh N: each run on a fresh group of ranks instead, N per system,
+interleaved run by run, --warmup + --rounds x --steps steps a run; per system
+the min / median / max over runs of each run's median step and of its first
+step (benchmarks/_fresh.py). --json writes every number.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
-import time
 
-import torch.distributed as dist
-import torch.nn.functional as F
-
+from _fresh import add_fresh_argument, fresh_runs, report_fresh, step_seconds
 from _ranks import run_on_ranks
 from _systems import add_model_arguments, batch, build, default_systems, describe_model
-
-
-def barrier(world: int) -> None:
-    if world > 1:
-        dist.barrier()
-
-
-def step_seconds(model, opt, x, y, world: int) -> float:
-    barrier(world)
-    start = time.perf_counter()
-    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    barrier(world)
-    return time.perf_counter() - start
 
 
 def run(args, rank, world):
@@ -90,13 +79,21 @@ def main():
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per system first")
     parser.add_argument("--steps", type=int, default=2, help="steps per system per round")
     parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--json", help="also write every step's time here")
+    add_fresh_argument(parser)
     args = parser.parse_args()
     args.systems = args.systems or default_systems(args.world)
+    title = (f"{describe_model(args)}, world {args.world} (gloo, CPU, {args.threads} thread(s) per rank), "
+             f"{args.batch}x{args.context} tokens per rank")
+    if args.fresh:
+        report_fresh(args, fresh_runs(args, build, batch, args.rounds * args.steps), title)
+        return
     rounds = run_on_ranks(args.world, run, args, threads=args.threads)[0]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "mode": "warmed", "rounds_ms": rounds}, f, indent=2)
     base = statistics.median(t for r in rounds[args.systems[0]] for t in r)
-    print(f"{describe_model(args)}, world {args.world} (gloo, CPU, {args.threads} thread(s) per rank), "
-          f"{args.batch}x{args.context} tokens per rank; ms per step between barriers, "
-          f"{args.rounds} interleaved rounds x {args.steps} steps")
+    print(f"{title}; ms per step between barriers, {args.rounds} interleaved rounds x {args.steps} steps")
     header = (f"{'system':<20} {'median':>8} {'vs ' + args.systems[0]:>10} {'p25':>8} {'p75':>8} "
               f"{'min':>8} {'max':>8}")
     print(header)

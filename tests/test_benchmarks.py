@@ -6,6 +6,7 @@ and sends what its collectives should on gloo.
 """
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -156,6 +157,35 @@ def test_table_scripts_print_a_row_per_system(script, systems, extra):
     if script == "step_time.py":  # the same model and batches: the same loss everywhere
         losses = {line.split()[6] for line in done.stdout.splitlines() if line.split()[:1] and line.split()[0] in systems}
         assert len(losses) == 1, done.stdout
+
+
+@pytest.mark.parametrize("script, extra", [("step_time.py", []),
+                                           ("user_loop.py", ["--model", "tinygpt", "--vocab", "256", "--rounds", "2"])])
+def test_fresh_mode_runs_every_system_on_new_ranks_interleaved(script, extra, tmp_path):
+    """--fresh 2 (benchmarks/_fresh.py): each run is a new group of
+    processes, the systems take their runs in turn, every run times
+    --warmup + its timed steps, and the table and the JSON agree."""
+    systems = ["ddp", "zero_ext-3"]
+    out = tmp_path / "fresh.json"
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", script), "--world", "2", "--systems", *systems,
+           "--layers", "1", "--dim", "32", "--steps", "1", "--warmup", "1", "--fresh", "2", "--json", str(out), *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    order = [line.split()[1:3] for line in done.stderr.splitlines() if line.startswith("run ")]
+    assert order == [["1/2", "ddp:"], ["1/2", "zero_ext-3:"], ["2/2", "ddp:"], ["2/2", "zero_ext-3:"]], done.stderr
+    table = json.loads(out.read_text())
+    runs = table["runs"]
+    pids = [pid for system in systems for run in runs[system] for pid in run["pids"]]
+    assert len(pids) == len(set(pids)) == 2 * 2 * 2, pids
+    timed = 1 if script == "step_time.py" else 2
+    rows = {cells[0]: cells for cells in map(str.split, done.stdout.splitlines()) if cells and cells[0] in systems}
+    for system in systems:
+        assert [len(run["steps_ms"]) for run in runs[system]] == [1 + timed] * 2
+        assert [run["first_ms"] for run in runs[system]] == [run["steps_ms"][0] for run in runs[system]]
+        medians = sorted(run["median_ms"] for run in runs[system])
+        assert table["summary"][system]["median_ms"] == [medians[0], statistics.median(medians), medians[-1]]
+        assert float(rows[system][1]) == pytest.approx(statistics.median(medians), abs=0.05)
+        assert all(run["peak_rss"] > 0 for run in runs[system])
 
 
 def test_the_offload_step_benchmark_moves_what_the_step_must(tmp_path):

@@ -5,7 +5,12 @@ same state, so without a check either passes for the other). Each gets an
 error whose message names the problem and the fix, as the bad inputs of
 test_errors.py do. Rank-disagreeing cases: checkpoint_trust_collective_scenarios.py
 ("loose-inputs-rank1") and weights_scenarios.py (error_on_one_rank).
+Beside memory_report's options: what process=True reports (issue 56; its
+CUDA keys in tests/cuda/test_gpu_data_path.py).
 """
+import os
+import sys
+
 import pytest
 import torch
 import torch.nn as nn
@@ -122,12 +127,70 @@ def test_a_model_and_an_optimizer_are_not_taken_for_each_other(stage, tmp_path):
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "w.safetensors").exists()
 
 
-def test_memory_report_takes_by_dimension_as_a_bool_only():
+@pytest.mark.parametrize("option", ["by_dimension", "process"])
+def test_memory_report_takes_its_options_as_bools_only(option):
     model, opt = _trained()
-    with pytest.raises(TypeError, match="zero_ext.memory_report: by_dimension must be True or False, got 'no'"):
-        zero_ext.memory_report(model, opt, by_dimension="no")
+    with pytest.raises(TypeError, match=f"zero_ext.memory_report: {option} must be True or False, got 'no'"):
+        zero_ext.memory_report(model, opt, **{option: "no"})
     plain, plain_opt = make()  # a model zero_ext did not wrap is reported as before
     assert set(zero_ext.memory_report(plain, plain_opt)) == {"params", "grads", "optimizer_state"}
+
+
+# memory_report(process=True) (issue 56): the process's resident bytes beside
+# the tensors', off by default so the report's values still sum to the tensors.
+REPORT_MODULE = sys.modules["zero_ext.runtime.memory_report"]  # zero_ext.runtime.memory_report is the function
+
+
+def _status_kib(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+@pytest.mark.parametrize("wrap", [True, False])
+def test_memory_report_process_gives_vmrss_and_vmhwm_in_bytes(wrap, tmp_path, monkeypatch):
+    """The values are /proc/self/status's VmRSS and VmHWM, kB as KiB, beside
+    the tensors' bytes, which stay what they are without process=True; a CPU
+    model has no cuda_* keys."""
+    model, opt = _trained() if wrap else make()
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nVmPeak:\t  999999 kB\nVmHWM:\t   204800 kB\nVmRSS:\t   102400 kB\n"
+                      "RssAnon:\t   5 kB\n")
+    monkeypatch.setattr(REPORT_MODULE, "_PROC_STATUS", str(status))
+    report = zero_ext.memory_report(model, opt, process=True)
+    assert report == {**zero_ext.memory_report(model, opt), "process_rss": 102400 * 1024,
+                      "process_peak_rss": 204800 * 1024}
+    assert list(report)[3:] == ["process_rss", "process_peak_rss"]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="Linux's /proc")
+def test_memory_report_process_is_what_this_process_holds():
+    """Read live: the peak is VmHWM between a read before and one after the
+    call (it only grows), VmRSS within a MiB of those reads, and the process
+    holds at least the report's own tensors."""
+    model, opt = _trained(3)
+    hwm, rss = _status_kib("VmHWM"), _status_kib("VmRSS")
+    report = zero_ext.memory_report(model, opt, process=True)
+    hwm_after, rss_after = _status_kib("VmHWM"), _status_kib("VmRSS")
+    assert hwm * 1024 <= report["process_peak_rss"] <= hwm_after * 1024
+    assert (min(rss, rss_after) - 1024) * 1024 <= report["process_rss"] <= (max(rss, rss_after) + 1024) * 1024
+    assert report["process_peak_rss"] >= report["process_rss"] > report["params"] + report["grads"] \
+        + report["optimizer_state"] > 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss in KiB (Linux)")
+def test_memory_report_process_without_proc_status_says_what_is_missing(tmp_path, monkeypatch):
+    """Without /proc/self/status (another OS) the peak is getrusage's
+    ru_maxrss and the current RSS is left out, with a warning naming it."""
+    import resource
+    model, opt = _trained()
+    monkeypatch.setattr(REPORT_MODULE, "_PROC_STATUS", str(tmp_path / "missing"))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.warns(RuntimeWarning, match=r"zero_ext.memory_report: process_rss left out: .*missing does not "
+                                            r"give it on this platform \(linux\); process_peak_rss is getrusage"):
+        report = zero_ext.memory_report(model, opt, process=True)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert set(report) == {"params", "grads", "optimizer_state", "process_peak_rss"}
+    assert before * 1024 <= report["process_peak_rss"] <= after * 1024
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -3,7 +3,8 @@ stages 0-3 x fp32/bf16 x offload, the bound on gradient memory in backward,
 and host syncs in backward counted from the profiler. A group of one rank
 runs its collectives as local copies; these tests send them through NCCL all
 the same (ZERO_EXT_ONE_RANK_COLLECTIVES=1), to cover NCCL's path on one GPU,
-and run parity, memory and host syncs once more the local way."""
+and run parity, memory and host syncs once more the local way; and
+memory_report(process=True)'s device memory."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -230,6 +231,25 @@ def test_offload_counts_its_pinned_compute_shard(stage):
     pinned_compute = shard * 2
     assert stats["param_bytes"] == device_params + pinned_compute, stats
     assert stats["host_bytes"] >= 4 * shard + pinned_compute, stats
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_memory_report_process_gives_the_devices_allocator_counts(stage):
+    """memory_report(process=True) on a GPU model: cuda_allocated and
+    cuda_reserved are torch.cuda.memory_allocated / memory_reserved of the
+    model's device, read in the call (nothing allocates between), and the
+    device holds at least the report's tensors (no offload: all on it)."""
+    model = Deep(depth=4).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = zero_ext.wrap(model, opt, stage=stage, bucket_mb=4, units={nn.Linear} if stage == 3 else None)
+    train(model, opt, batches(1))
+    report = zero_ext.memory_report(model, opt, process=True)
+    device = next(model.parameters()).device
+    assert report["cuda_allocated"] == torch.cuda.memory_allocated(device), report
+    assert report["cuda_reserved"] == torch.cuda.memory_reserved(device), report
+    assert report["cuda_reserved"] >= report["cuda_allocated"] >= (
+        report["params"] + report["grads"] + report["optimizer_state"]), report
+    assert report["process_peak_rss"] >= report["process_rss"] > 0, report
 
 
 @pytest.mark.parametrize("stage,offload", [(2, False), (3, False), (3, True)])

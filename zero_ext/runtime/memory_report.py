@@ -1,7 +1,11 @@
-"""Bytes of model state a rank holds, for logs, demos and benchmarks."""
+"""Bytes of model state a rank holds, for logs, demos and benchmarks, and
+(process=True) the memory its process holds."""
 from __future__ import annotations
 
+import itertools
 import math
+import sys
+import warnings
 from typing import Dict
 
 import torch
@@ -20,7 +24,7 @@ def _optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                  by_dimension: bool = False) -> Dict[str, int]:
+                  by_dimension: bool = False, process: bool = False) -> Dict[str, int]:
     """This rank's bytes of parameters, gradients and optimizer state.
 
     For a wrapped model, gradients are zero_ext's buffers (full staging and/or
@@ -31,12 +35,19 @@ def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     before each dimension shards them, "params_full" and "params_tp_local"
     (see _per_dimension); off by default, so the values still sum to what
     this rank holds.
+    process: adds what the process holds, all of it, these tensors included
+    (so not to be added to them): "process_rss" and "process_peak_rss"
+    (see _process_bytes) and, for a model on a GPU, "cuda_allocated" and
+    "cuda_reserved" (torch.cuda.memory_allocated / memory_reserved of its
+    device); off by default for the same reason.
     """
     call = "zero_ext.memory_report(model, optimizer)"
     require_module(model, "zero_ext.memory_report", call, "the model (wrapped by zero_ext or not)")
     require_optimizer(optimizer, "zero_ext.memory_report", call, "the model's optimizer, or the list of them")
     require_bool(by_dimension, "zero_ext.memory_report", "by_dimension",
                  "pass by_dimension=True to add a tensor-parallel model's bytes before each dimension shards them")
+    require_bool(process, "zero_ext.memory_report", "process",
+                 "pass process=True to add the process's resident bytes (and a GPU model's device memory)")
     optimizer = as_one(optimizer)  # a list or tuple of the model's optimizers
     masters = 0
     state = state_or_none(model)
@@ -54,7 +65,49 @@ def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     report = {"params": params, "grads": grads, "optimizer_state": _optimizer_state_bytes(optimizer) + masters}
     if by_dimension and state is not None and state.tensor_parallel is not None:
         report.update(_per_dimension(model, state.tensor_parallel))
+    if process:
+        report.update(_process_bytes())
+        device = next((t.device for t in itertools.chain(model.parameters(), model.buffers()) if t.is_cuda), None)
+        if device is not None:
+            report.update(cuda_allocated=torch.cuda.memory_allocated(device),
+                          cuda_reserved=torch.cuda.memory_reserved(device))
     return report
+
+
+_PROC_STATUS = "/proc/self/status"
+
+
+def _process_bytes() -> Dict[str, int]:
+    """The process's resident bytes now ("process_rss": VmRSS) and at most
+    so far ("process_peak_rss": VmHWM), from /proc/self/status (Linux; its
+    "kB" are KiB). Without that file the peak is getrusage's ru_maxrss (KiB;
+    bytes on macOS) and the current RSS is left out, with a warning naming
+    what is: the standard library has no portable way to read it."""
+    fields = {"VmRSS": "process_rss", "VmHWM": "process_peak_rss"}
+    found = {}
+    try:
+        with open(_PROC_STATUS) as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name in fields:
+                    found[fields[name]] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    if "process_peak_rss" not in found:
+        try:
+            import resource
+        except ImportError:  # Windows
+            pass
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            found["process_peak_rss"] = peak if sys.platform == "darwin" else peak * 1024
+    missing = [key for key in fields.values() if key not in found]
+    if missing:
+        warnings.warn(f"zero_ext.memory_report: {' and '.join(missing)} left out: {_PROC_STATUS} does not give "
+                      f"{'it' if len(missing) == 1 else 'them'} on this platform ({sys.platform})"
+                      + ("" if "process_peak_rss" in missing else "; process_peak_rss is getrusage's ru_maxrss"),
+                      RuntimeWarning, stacklevel=3)
+    return {key: found[key] for key in fields.values() if key in found}
 
 
 def _per_dimension(model: torch.nn.Module, tp) -> Dict[str, int]:
