@@ -4,19 +4,28 @@ FSDP2 with torch.distributed.checkpoint's save and async_save, each on the
 same model, world size and data, interleaved round by round.
 
     python benchmarks/checkpoint_stall.py                          # gpt2-50m, world 2
+    python benchmarks/checkpoint_stall.py --model gpt2-75m --stage 2 --rounds 5
     python benchmarks/checkpoint_stall.py --model llama-200m --rounds 2
 
 A round, per system: barrier; the save call (timed: the part that blocks
 the loop); then --steps training steps timed one by one (a background
 write slows them: the excess over that system's median step without a save
-is stall too); then whatever is left of the background write (waited for,
-as the next save would). The stall is the sum; the slowest rank's counts.
-zero_ext runs at --stage (default 3) with AdamW, FSDP2 with fully_shard per
-block and AdamW; DCP's async_save gets a gloo group of its own, as its
-documentation asks. Checkpoints go to --dir (default: a temporary directory
-on this machine's disk, page cache and all: a cold disk or a network
-filesystem makes every save slower, and asynchrony worth more). Nothing is
+is stall too, and so is a step's wait for an asynchronous save's snapshot,
+reported apart for zero_ext); then whatever is left of the background write
+(waited for, as the next save would). The stall is the sum; the slowest
+rank's counts. Round 1 is each system's first save: its call is reported
+apart (a first asynchronous save allocates its host buffers), and every
+call as a share of its format's synchronous save (the median of that
+system's stall). zero_ext runs at --stage (default 3) with AdamW, FSDP2
+with fully_shard per block and AdamW; DCP's async_save gets a gloo group
+of its own, as its documentation asks. Checkpoints go to --dir (default: a
+temporary directory on this machine's disk, page cache and all: a cold
+disk or a network filesystem makes every save slower, and asynchrony worth
+more). --systems picks some of the systems (comma-separated). Nothing is
 asserted.
+
+gpt2-75m is this script's own preset (75.3M parameters: GPT-2 shape, dim
+640, 11 layers, 10 heads, vocabulary 32000), beside benchmarks/_models.py's.
 """
 from __future__ import annotations
 
@@ -33,10 +42,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _models import blocks_of, build_model, describe  # noqa: E402
+import _models  # noqa: E402
+from _models import Preset, blocks_of, build_model, describe  # noqa: E402
 from _ranks import run_on_ranks  # noqa: E402
 
 import zero_ext  # noqa: E402
+
+# This script's own preset, registered where build_model looks (in every
+# spawned rank too, which imports this module): issue 56's ~75M model.
+_models.PRESETS.setdefault("gpt2-75m", Preset("gpt2", 640, 11, 10, 32000, 1024))
 
 SYSTEMS = ["zero_ext", "zero_ext async", "zero_ext dcp", "zero_ext dcp async", "FSDP2 dcp.save",
            "FSDP2 dcp.async_save"]
@@ -66,14 +80,15 @@ def body(args, rank, world):
     vocab = ours.lm_head.out_features if hasattr(ours, "lm_head") else 32000
     ours_opt = torch.optim.AdamW(ours.parameters(), lr=1e-4)
     ours, ours_opt = zero_ext.wrap(ours, ours_opt, stage=args.stage)
-    fsdp = build_model(args.model, builtin=True)
-    mesh = init_device_mesh("cpu", (world,))
-    for block in blocks_of(fsdp):
-        fully_shard(block, mesh=mesh)
-    fully_shard(fsdp, mesh=mesh)
-    fsdp_opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-4)
+    pair = {"zero_ext": (ours, ours_opt)}
+    if any(s.startswith("FSDP2") for s in args.systems):
+        fsdp = build_model(args.model, builtin=True)
+        mesh = init_device_mesh("cpu", (world,))
+        for block in blocks_of(fsdp):
+            fully_shard(block, mesh=mesh)
+        fully_shard(fsdp, mesh=mesh)
+        pair["FSDP2"] = (fsdp, torch.optim.AdamW(fsdp.parameters(), lr=1e-4))
     side = dist.new_group(backend="gloo")  # DCP's async_save: its collectives off the training group
-    pair = {"zero_ext": (ours, ours_opt), "FSDP2": (fsdp, fsdp_opt)}
 
     step = [0]
     def train(system: str) -> float:
@@ -82,15 +97,15 @@ def body(args, rank, world):
         return _step(model, opt, _batch(args, rank, step[0], vocab))
 
     base = {}
-    for name in ("zero_ext", "FSDP2"):  # warm up, then each system's step without a save
+    for name in pair:  # warm up, then each system's step without a save
         for _ in range(2):
             train(name)
         base[name] = statistics.median(train(name) for _ in range(args.steps))
 
-    rows = {s: [] for s in SYSTEMS}
+    rows = {s: [] for s in args.systems}
     pending = {}
     for r in range(args.rounds):
-        for system in SYSTEMS:
+        for system in args.systems:
             path = os.path.join(args.dir, system.replace(" ", "_").replace(".", "_"))
             model, opt = pair[system.split()[0]]
             dist.barrier()
@@ -113,7 +128,10 @@ def body(args, rank, world):
             if handle is not None:
                 handle.wait() if hasattr(handle, "wait") else handle.result()
             left = time.perf_counter() - start
-            rows[system].append((call, excess, left))
+            # zero_ext: how long steps waited for the snapshot (part of `excess`), and the copy itself
+            gate = getattr(handle, "snapshot_wait_s", 0.0)
+            copy = getattr(handle, "snapshot_s", 0.0)
+            rows[system].append((call, excess, left, gate, copy))
             pending[system] = path
         dist.barrier()
         if rank == 0:
@@ -122,6 +140,11 @@ def body(args, rank, world):
                     shutil.rmtree(os.path.join(args.dir, name), ignore_errors=True)
         dist.barrier()
     return {"rows": rows, "base": base}
+
+
+def _ms(values) -> str:
+    values = sorted(values)
+    return f"{values[0] * 1e3:.0f} / {statistics.median(values) * 1e3:.0f} / {values[-1] * 1e3:.0f}"
 
 
 def main() -> None:
@@ -135,7 +158,13 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dir", default=None)
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help=f"comma-separated, of: {', '.join(SYSTEMS)}")
     args = parser.parse_args()
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in args.systems if s not in SYSTEMS]
+    if unknown:
+        parser.error(f"unknown systems {unknown}; choose among {SYSTEMS}")
     own = args.dir is None
     args.dir = args.dir or tempfile.mkdtemp(prefix="zero_ext-stall-")
     try:
@@ -146,25 +175,40 @@ def main() -> None:
     params = sum(p.numel() for p in build_model(args.model, builtin=True).parameters())
     print(f"{describe(args.model)}: {params / 1e6:.1f}M parameters, world {args.world}, zero_ext stage {args.stage}, "
           f"AdamW; {args.rounds} rounds, {args.steps} steps after each save; step without a save (median, slowest "
-          f"rank): zero_ext {max(r['base']['zero_ext'] for r in results) * 1e3:.0f} ms, FSDP2 "
-          f"{max(r['base']['FSDP2'] for r in results) * 1e3:.0f} ms")
+          "rank): " + ", ".join(f"{name} {max(r['base'][name] for r in results) * 1e3:.0f} ms"
+                                for name in results[0]["base"]))
     print()
-    print("| system | save call blocks (ms) min / median / max | slower steps after it (ms) | left to wait (ms) "
-          "| stall (ms) median | stall / its own format's synchronous save |")
-    print("|---|---|---|---|---|---|")
-    medians = {}
-    for system in SYSTEMS:
-        per_round = [[max(r["rows"][system][k][i] for r in results) for i in range(3)]
+    print("ms, slowest rank; min / median / max over rounds where three figures. call: what the save call blocks "
+          "(first: round 1's; later: rounds 2 on); % sync: that call over its format's synchronous save (median "
+          "stall); snapshot wait: steps waiting for an asynchronous save's snapshot (part of the slower steps); "
+          "copy: the snapshot's copy in the writer thread")
+    print()
+    print("| system | first call | later calls | call % sync (first / later median) | slower steps "
+          "| snapshot wait / copy | left to wait | stall | stall / sync |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    stalls = {}
+    per_system = {}
+    for system in args.systems:
+        per_round = [[max(r["rows"][system][k][i] for r in results) for i in range(5)]
                      for k in range(args.rounds)]
-        stall = [sum(x) for x in per_round]
-        medians[system] = statistics.median(stall)
-        calls = sorted(x[0] for x in per_round)
+        per_system[system] = per_round
+        stalls[system] = [x[0] + x[1] + x[2] for x in per_round]
+    for system in args.systems:
+        per_round = per_system[system]
+        stall = stalls[system]
         sync = {"zero_ext async": "zero_ext", "zero_ext dcp async": "zero_ext dcp",
                 "FSDP2 dcp.async_save": "FSDP2 dcp.save"}.get(system)
-        ratio = f"{medians[system] / medians[sync]:.2f}" if sync else "1"
-        print(f"| {system} | {calls[0] * 1e3:.0f} / {statistics.median(calls) * 1e3:.0f} / {calls[-1] * 1e3:.0f} "
-              f"| {statistics.median(x[1] for x in per_round) * 1e3:.0f} "
-              f"| {statistics.median(x[2] for x in per_round) * 1e3:.0f} | {medians[system] * 1e3:.0f} | {ratio} |")
+        reference = statistics.median(stalls[sync]) if sync in stalls else None
+        calls = [x[0] for x in per_round]
+        later = calls[1:] or calls
+        share = (f"{100 * calls[0] / reference:.0f}% / {100 * statistics.median(later) / reference:.0f}%"
+                 if reference else "-")
+        ratio = f"{statistics.median(stall) / reference:.2f}" if reference else ("1" if sync is None else "-")
+        gate = (f"{statistics.median(x[3] for x in per_round) * 1e3:.0f} / "
+                f"{statistics.median(x[4] for x in per_round) * 1e3:.0f}" if system.startswith("zero_ext") and sync
+                else "-")
+        print(f"| {system} | {calls[0] * 1e3:.0f} | {_ms(later)} | {share} | {_ms(x[1] for x in per_round)} "
+              f"| {gate} | {_ms(x[2] for x in per_round)} | {_ms(stall)} | {ratio} |")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ The cases live by concern in checkpoint_trust_crafted_scenarios.py,
 checkpoint_trust_strict_scenarios.py, checkpoint_trust_mixing_scenarios.py,
 checkpoint_trust_optimizer_scenarios.py,
 checkpoint_trust_zero_size_scenarios.py,
-checkpoint_trust_collective_scenarios.py (on checkpoint_trust_common.py)
-and dcp_trust_scenarios.py; this module holds each group's entry point,
+checkpoint_trust_collective_scenarios.py (on checkpoint_trust_common.py),
+dcp_trust_scenarios.py and async_snapshot_scenarios.py; this module holds each group's entry point,
 which hands a case to them.
 """
 from __future__ import annotations
@@ -68,6 +68,9 @@ def world2(rank: int, world: int, item) -> Any:
     if case.startswith("dcp:"):
         import dcp_trust_scenarios
         return dcp_trust_scenarios.world2(root, case[4:], rank, world)
+    if case.startswith("snapshot:"):
+        import async_snapshot_scenarios
+        return async_snapshot_scenarios.run(root, case[9:], rank, world)
     if case.startswith("fail-") or case.startswith("file-vanishes"):
         return _save_fails(root, case, rank, world)
     if case == "extra-rule":

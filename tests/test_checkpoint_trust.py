@@ -15,6 +15,7 @@ import os
 
 import pytest
 
+from async_snapshot_scenarios import CASES as SNAPSHOT_CASES
 from checkpoint_trust_scenarios import META_CASES
 from dcp_trust_scenarios import WORLD1_CASES as DCP_WORLD1, WORLD2_CASES as DCP_WORLD2
 from dist_harness import run_items_on_ranks
@@ -33,7 +34,7 @@ WORLD2_ITEMS = ["paths-differ", "regular-file", "symlink", "not-a-checkpoint", "
                 "file-vanishes-rank1", "extra-rule", "ranks-open-different-saves", "zero-size-load-from-w1",
                 "zero-size-save",
                 "zero-size-load-from-w2", "optimizer-class", "scalar-per-slice",
-                "loose-inputs-rank1"] + [f"dcp:{c}" for c in DCP_WORLD2]
+                "loose-inputs-rank1"] + [f"dcp:{c}" for c in DCP_WORLD2] + [f"snapshot:{c}" for c in SNAPSHOT_CASES]
 LAST_ITEMS = ["zero-size-load-from-w1", "zero-size-load-from-w2", "zero-size-convert"]
 
 
@@ -366,3 +367,46 @@ def test_zero_size_and_0d_parameters_round_trip_through_dcp(world2):
     for rank, got in enumerate(ranks(world2, "dcp:zero-size-and-scalar")):
         for stage, outcome in got.items():
             assert outcome["error"] is None and outcome["same"], (rank, stage, outcome)
+
+
+# Asynchronous saves: the snapshot taken after the call ([Note: the snapshot
+# of an asynchronous save]). Each case slows the writer thread's copy by
+# faults.PAUSE_S (1 s), so what follows the call runs before the copy would.
+
+def test_an_asynchronous_save_holds_the_state_at_its_call_while_steps_follow_at_once(world2):
+    """Three steps and a buffer changed right after the call, the copy not
+    yet taken: the checkpoint is the call's state (parameters, optimizer
+    state, buffer), at every stage, in both formats, with masters in host
+    memory and with state in offload files. The call does not wait for the
+    copy; the first step does (offload to files: copied at the call)."""
+    for rank, got in enumerate(ranks(world2, "snapshot:steps-right-after")):
+        for name, outcome in got.items():
+            assert outcome["error"] is None, (rank, name, outcome)
+            assert outcome["params"] and outcome["state"] and outcome["buffer"], (rank, name, outcome)
+            if "nvme" in name:
+                assert outcome["taken_at_call"] and outcome["waited"] == 0, (rank, name, outcome)
+            else:
+                assert not outcome["taken_at_call"] and outcome["call"] < 0.5, (rank, name, outcome)
+                assert outcome["waited"] > 0.5, (rank, name, outcome)  # the first step waited for the copy
+
+
+def test_an_in_place_change_before_the_snapshot_fails_the_save_on_every_rank(world2):
+    """Rank 1 changes a parameter or its optimizer state in place (under
+    no_grad) after the call and before the copy: every rank's wait() raises
+    zero_ext's error naming it; nothing is published, the previous
+    checkpoint loads, and saving the same model goes on."""
+    for rank, got in enumerate(ranks(world2, "snapshot:edited")):
+        for name, outcome in got.items():
+            refused(outcome, ("RuntimeError",), "zero_ext.save:", "failed on rank 1", "changed in place",
+                    "before its snapshot was taken", "previous checkpoint, if any, is untouched")
+            assert outcome["litter"] == [], (rank, name, outcome)
+            assert outcome["previous"] == "first", (rank, name, outcome)
+            assert outcome["next"] == (["RuntimeError", None], "third"), (rank, name, outcome)
+
+
+def test_full_params_writeback_and_load_full_state_dict_wait_for_the_snapshot(world2):
+    for rank, got in enumerate(ranks(world2, "snapshot:gates")):
+        for name, outcome in got.items():
+            assert outcome["error"] is None, (rank, name, outcome)
+            assert outcome["saved_at_call"] and outcome["changed_after"], (rank, name, outcome)
+            assert outcome["waited"] > 0.5, (rank, name, outcome)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
@@ -54,10 +54,13 @@ def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ex
     or torchtitan's with dcp_layout="torchtitan" (`extra` then holds its
     other entries: {"lr_scheduler": ..., "dataloader": ..., "train_state": ...}).
 
-    async_save=True returns an AsyncSave at once (`wait()`, `done()`): the
-    state at the call is copied to host buffers, written and published in
-    the background (files/asynchronous.py); otherwise returns None when the
-    checkpoint is in place. async_save takes True or False only, and
+    async_save=True returns an AsyncSave at once (`wait()`, `done()`,
+    `wait_for_snapshot()`): the state at the call is written and published
+    in the background (files/asynchronous.py), its large tensors copied to
+    host buffers by the writer thread first, which whatever zero_ext call
+    changes them waits for ([Note: the snapshot of an asynchronous save] in
+    tools/snapshot_gate.py); otherwise returns None when the checkpoint is
+    in place. async_save takes True or False only, and
     dcp_layout applies to format="dcp" only: anything else is refused on
     every rank before anything is written."""
     require_module(model, "zero_ext.save", SAVE_CALL)
@@ -65,7 +68,7 @@ def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ex
     asynchronous.wait_for_previous(state)  # one save at a time per model: the last one's error surfaces here
     # offload_*="nvme": the values, gradients and optimizer state this rank
     # holds in its offload files are in memory for the checkpoint's duration
-    # (an asynchronous save's snapshot is taken inside).
+    # (an asynchronous save's whole snapshot is taken inside: asynchronous.may_defer).
     with offload_in_memory([state_or_none(model)], values_changed=False):
         return _save(path, model, optimizer, extra, format, async_save, dcp_layout)
 
@@ -152,10 +155,11 @@ def _agree_to_save(ranks: Ranks, token: str, path, model, original, optimizer, e
 
 
 def _job(ranks: Ranks, token: str, target: str, tmp: str, write: Callable[[], Any], index: Callable[[list], Any],
-         index_file: str) -> asynchronous.Job:
-    """Either format's save as one job: every rank writes its part into the
-    staging directory `tmp`; rank 0 builds the index from every rank's
-    report and publishes `tmp` at `target` with it, written last."""
+         take: Optional[Callable[[], None]], index_file: str) -> asynchronous.Job:
+    """Either format's save as one job: (asynchronous) this rank's snapshot
+    taken, then every rank writes its part into the staging directory
+    `tmp`; rank 0 builds the index from every rank's report and publishes
+    `tmp` at `target` with it, written last."""
     def write_staged():
         publish.make_staging(tmp, token, ranks.rank)
         return write()
@@ -170,7 +174,8 @@ def _job(ranks: Ranks, token: str, target: str, tmp: str, write: Callable[[], An
 
     return asynchronous.Job(ranks.rank, write_staged, publish_all, lambda: shutil.rmtree(tmp, ignore_errors=True),
                             f"zero_ext.save: writing {target}",
-                            f"The unfinished {tmp} was removed and the previous checkpoint, if any, is untouched")
+                            f"The unfinished {tmp} was removed and the previous checkpoint, if any, is untouched",
+                            take=take)
 
 
 # --- load --------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import Dict, List
 
 import torch
 
-from ..tools import attach_state, require_bool, state_of, swap_class
+from ..tools import attach_state, require_bool, state_of, swap_class, wait_for_snapshot
 from .clip import check_tensor_parallel_grads, clip_sharded, parts_of
 from .cpu_adam import adam_step_
 from .ownership import is_elementwise
@@ -109,6 +109,10 @@ class ZeroExtOptimizer:
             return loss
 
     def _zero_ext_step(self, closure=None):
+        # The step writes what an asynchronous save in flight may not have
+        # copied yet ([Note: the snapshot of an asynchronous save]); a
+        # closure's forward and backward, run before this, overlap the copy.
+        wait_for_snapshot(state_of(self))
         try:
             return self._zero_ext_decided_step(closure)
         finally:  # stepped or skipped: this optimizer's part of the step is done (after its refresh)
@@ -203,6 +207,7 @@ class ZeroExtOptimizer:
 
     def load_state_dict(self, state_dict) -> None:  # type: ignore[override]
         self._refuse_sharded_state("load_state_dict")
+        wait_for_snapshot(state_of(self))  # [Note: the snapshot of an asynchronous save]
         super().load_state_dict(state_dict)
 
     @torch.no_grad()

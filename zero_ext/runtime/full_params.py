@@ -7,7 +7,7 @@ from typing import Iterator, List
 
 import torch
 
-from ..tools import owner_state, require_module
+from ..tools import owner_state, require_module, wait_for_snapshot
 
 
 @contextlib.contextmanager
@@ -31,6 +31,8 @@ def full_params(module: torch.nn.Module, writeback: bool = False) -> Iterator[No
     if not isinstance(writeback, bool):
         raise TypeError(f"zero_ext.full_params: writeback must be True or False, got {writeback!r}")
     state = owner_state(module)
+    if writeback:  # changes made inside may write what a save in flight has not copied yet
+        wait_for_snapshot(state)  # [Note: the snapshot of an asynchronous save]
     position = {id(p): i for i, p in enumerate(state.bucketed)}
     mine: List[int] = sorted({position[id(p)] for p in module.parameters() if id(p) in position})
     handles = state.handles

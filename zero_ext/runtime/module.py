@@ -14,7 +14,7 @@ from typing import Any, Dict, Iterator, Optional
 import torch
 
 from ..groups import Ranks
-from ..tools import GradLayout, require_bool, state_of, swap_class
+from ..tools import GradLayout, require_bool, state_of, swap_class, wait_for_snapshot
 
 
 _NO_COPY = (
@@ -182,6 +182,7 @@ class ZeroExtModule:
             handles.units.release_all()
 
     def load_state_dict(self, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        wait_for_snapshot(state_of(self))  # [Note: the snapshot of an asynchronous save]
         if not state_of(self).params_sharded:
             result = super().load_state_dict(state_dict, *args, **kwargs)  # type: ignore[misc]
             self._load_masters(state_dict)

@@ -1,6 +1,7 @@
 """Around the core: loading it after the torch-version and build checks,
 every difference between supported torch versions, the environment report,
-and test-only fault injection."""
+test-only fault injection, and the gate every room's writes of the state
+pass before an asynchronous save has its snapshot (snapshot_gate)."""
 from __future__ import annotations
 
 from .arguments import described, require_bool, require_module, require_optimizer
@@ -8,6 +9,7 @@ from .class_swap import swap_class
 from .core_config import CoreConfig, dtype_name
 from .core_handles import CoreHandles, CoreStats, GradLayout
 from .module_state import attach_member, attach_state, member_of, owner_state, state_of, state_or_none
+from .snapshot_gate import wait_for_snapshot
 from .torch_compat import all_gather_into_tensor, outside_compile
 from .version import __version__
 
@@ -41,4 +43,5 @@ __all__ = [
     "state_or_none",
     "swap_class",
     "torch_compat",
+    "wait_for_snapshot",
 ]

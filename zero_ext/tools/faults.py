@@ -15,7 +15,10 @@ sets it.
   or without exchange `between_renames` and `after_renames`, and
   `removing_old` (the replaced checkpoint partly removed; files/publish.py).
 - conditions: `no_exchange` publishes as where the OS or the filesystem
-  cannot swap two directories in one step (files/publish.py).
+  cannot swap two directories in one step (files/publish.py);
+  `async_slow_snapshot` makes an asynchronous save's writer thread wait
+  PAUSE_S before it takes its snapshot (files/asynchronous.py), so what
+  training does right after the call runs before the copy.
 - `build_check_signal:*:N`: the build check's child kills itself with signal
   N, standing in for a build that crashes (tools/build_check.py, which runs
   by path and so reads this variable itself).
@@ -25,11 +28,13 @@ A malformed entry injects nothing.
 from __future__ import annotations
 
 import os
+import time
 from typing import List, NamedTuple, Optional
 
 VARIABLE = "ZERO_EXT_TEST_FAULT"
 CORE_POINTS = ("grad_hook", "epilogue")
 EXIT_CODE = 17
+PAUSE_S = 1.0  # how long a pause point waits
 
 
 class Fault(NamedTuple):
@@ -68,6 +73,12 @@ def exit_if_armed(point: str, rank: int) -> None:
     """Ends this process at once, as a kill would, where `point` is armed for `rank`."""
     if armed(point, rank):
         os._exit(EXIT_CODE)
+
+
+def pause_if_armed(point: str, rank: int) -> None:
+    """Waits PAUSE_S where `point` is armed for `rank` (a slow thread)."""
+    if armed(point, rank):
+        time.sleep(PAUSE_S)
 
 
 def arm_core(handles, rank: int) -> None:

@@ -157,7 +157,7 @@ def _stored_dtypes(model, state, pieces: List[Piece]) -> Dict[str, str]:
 
 
 def _metadata(model, optimizer, state, token: str, pieces: List[Piece], sizes: Dict[str, FileMeta],
-              world: int) -> CheckpointMeta:
+              world: int, at_call: "_AtCall") -> CheckpointMeta:
     group_of = {}
     index = {id(p): i for i, p in enumerate(state.bucketed)}
     for g_index, members in enumerate(plan.optimizer_pieces_by_group(state, optimizer)):
@@ -170,9 +170,10 @@ def _metadata(model, optimizer, state, token: str, pieces: List[Piece], sizes: D
     params = []
     for n, p in model.named_parameters():
         i = index.get(id(p))
-        params.append(ParamMeta(n, tuple(aliases[id(p)]), plan.full_shape(state, p), dtypes[n], p.requires_grad,
-                                group_of.get(i) if i is not None else None, plan.tensor_parallel_split(state, p)))
-    scale, clean, skipped = state.handles.checkpoint.loss_scaler_state()
+        params.append(ParamMeta(n, tuple(aliases[id(p)]), plan.full_shape(state, p), dtypes[n],
+                                at_call.requires_grad[n], group_of.get(i) if i is not None else None,
+                                plan.tensor_parallel_split(state, p)))
+    scale, clean, skipped = at_call.loss_scaler
     return CheckpointMeta(
         token=token, world_size=world, stage=state.stage,
         compute_dtype=None if state.compute_dtype is None else files.dtype_name(state.compute_dtype),
@@ -180,6 +181,20 @@ def _metadata(model, optimizer, state, token: str, pieces: List[Piece], sizes: D
         chunk_bytes=CHUNK_BYTES, params=tuple(params), files=sizes,
         pieces=tuple(dataclasses.replace(p, index=k) for k, p in enumerate(pieces)),
         optimizer_classes=tuple(qualified_class_names(optimizer)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _AtCall:
+    """What the metadata holds that training changes, read at the save's
+    call (rank 0 builds the metadata at publishing, which an asynchronous
+    save reaches steps later): the loss scaler, which parameters train."""
+    loss_scaler: Tuple[float, int, int]
+    requires_grad: Dict[str, bool]
+
+    @staticmethod
+    def read(model, state) -> "_AtCall":
+        return _AtCall(tuple(state.handles.checkpoint.loss_scaler_state()),
+                       {n: p.requires_grad for n, p in model.named_parameters()})
 
 
 def _check_scalars_agree(gathered) -> None:
@@ -249,28 +264,37 @@ def optimizer_file(token: str, optimizer) -> Dict[str, bytes]:
 
 def save_parts(model, optimizer, state, ranks, token: str, target: str, tmp: str, blobs: Dict[str, bytes],
                async_save: bool):
-    """(write, index) of a save into the staging directory `tmp`: write()
-    writes this rank's files and returns its report; index(every rank's
-    reports), on rank 0, checks them and returns metadata.json's document,
-    which publishing writes last. What is written is taken now (a snapshot
-    in host buffers for an asynchronous save)."""
+    """(write, index, take) of a save into the staging directory `tmp`:
+    write() writes this rank's files and returns its report; index(every
+    rank's reports), on rank 0, checks them and returns metadata.json's
+    document, which publishing writes last. What is written is the state
+    now: read now, or for an asynchronous save a snapshot whose large
+    tensors take() copies in the writer thread before write() ([Note: the
+    snapshot of an asynchronous save]; None for a save at once)."""
     ops = _rank_ops(model, optimizer, state, ranks)
-    if ranks.rank == 0:  # buffers are tensors: always weights_only-safe
+    at_call = _AtCall.read(model, state)
+    if ranks.rank == 0:  # buffers are tensors: always weights_only-safe (serialized now: a forward changes them)
         values = {k: v.detach().cpu().clone() for k, v in plan.persistent_buffers(model).items()}
         blobs["buffers.pt"] = files.packed(token, 0, values)
-    if async_save:
-        copy = asynchronous.stager_of(state).stage([op[3] for op in ops if isinstance(op, tuple)])
-        ops = [op if not isinstance(op, tuple) else op[:3] + (copy(op[3]),) + op[4:] for op in ops]
+    snapshot = None
+    if async_save:  # parameter shards, masters and optimizer state: all deferred
+        snapshot = asynchronous.stager_of(state).snapshot(
+            [(op[3], f"'{op[1]}'" + (f" (its optimizer state {op[4]!r})" if op[4] else ""), True)
+             for op in ops if isinstance(op, tuple)],
+            asynchronous.watched_parameters(model, state), asynchronous.may_defer(state))
 
     def write():
-        return _write_rank_files(tmp, ops, ranks, token, blobs)
+        staged = ops if snapshot is None else [
+            op if not isinstance(op, tuple) else op[:3] + (snapshot.copy(op[3]),) + op[4:] for op in ops]
+        return _write_rank_files(tmp, staged, ranks, token, blobs)
 
     def index(gathered) -> dict:
         sizes = _check_written(tmp, ranks.world, gathered)
         _check_scalars_agree(gathered)
-        meta = _metadata(model, optimizer, state, token, [p for ps, _ in gathered for p in ps], sizes, ranks.world)
+        meta = _metadata(model, optimizer, state, token, [p for ps, _ in gathered for p in ps], sizes, ranks.world,
+                         at_call)
         document = meta.to_json()
         _reads_back(document, target)
         return document
 
-    return write, index
+    return write, index, (snapshot.take if snapshot is not None and snapshot.deferred else None)

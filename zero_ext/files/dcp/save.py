@@ -50,6 +50,11 @@ class TensorItem:
     box: Box
     data: torch.Tensor  # laid out as the box
     shared: bool = False  # the same on every rank that has it (extra): the lowest rank's is kept
+    # Training state a step changes (parameters, masters, optimizer state): an
+    # asynchronous save copies it after its call, in the writer thread; the
+    # rest (buffers, scalars, extra) at the call ([Note: the snapshot of an
+    # asynchronous save]).
+    live: bool = False
 
 
 @dataclass
@@ -63,8 +68,8 @@ class Contents:
 
     def staged(self, copy) -> "Contents":
         """The same contents with each tensor replaced by copy(tensor)."""
-        return Contents([TensorItem(t.key, t.path, t.shape, t.box, copy(t.data), t.shared) for t in self.tensors],
-                        dict(self.values))
+        return Contents([TensorItem(t.key, t.path, t.shape, t.box, copy(t.data), t.shared, t.live)
+                         for t in self.tensors], dict(self.values))
 
 
 def _tp_place(state, p: torch.Tensor) -> Tuple[Optional[int], int, bool]:
@@ -85,7 +90,8 @@ def _chunks(key: str, path: Path, p: torch.Tensor, full: Tuple[int, ...], place,
     dim, offset, _ = place
     for box in boxes_of_range(tuple(p.shape), lo, hi):
         at = flat_index(tuple(p.shape), box[0]) - lo
-        out.append(TensorItem(key, path, full, shifted(box, dim, offset), flat[at:at + volume(box[1])].view(box[1])))
+        out.append(TensorItem(key, path, full, shifted(box, dim, offset), flat[at:at + volume(box[1])].view(box[1]),
+                              live=True))
 
 
 def contents(model: torch.nn.Module, optimizer, state, rank: int, mesh_size: int, layout: Layout,
@@ -106,10 +112,10 @@ def contents(model: torch.nn.Module, optimizer, state, rank: int, mesh_size: int
     return out
 
 
-def _whole(out: Contents, key: str, path: Path, value: torch.Tensor, shared: bool = False) -> None:
+def _whole(out: Contents, key: str, path: Path, value: torch.Tensor, shared: bool = False, live: bool = False) -> None:
     """A tensor written whole, as one chunk."""
     out.tensors.append(TensorItem(key, path, tuple(value.shape), ((0,) * value.dim(), tuple(value.shape)),
-                                  value.detach(), shared))
+                                  value.detach(), shared, live))
 
 
 def _add_parameters(out: Contents, model, state, rank: int, mesh_size: int, layout: Layout,
@@ -176,7 +182,7 @@ def _add_optimizer_state(out: Contents, optimizer, state, rank: int, layout: Lay
                                 flat[a - start:b - start], out.tensors)
             elif isinstance(v, torch.Tensor) and v.dim() > 0:  # not elementwise: its owner writes it whole
                 if (state.whole_params and state.replica_rank == 0) or rank == 0:  # hybrid: the first row's owner
-                    _whole(out, key, path, v.detach().cpu())
+                    _whole(out, key, path, v.detach(), live=True)
             elif writes_first or (length == 0 and rank == 0):  # a scalar: once per parameter
                 _add_scalar(out, key, path, names[i], k, v)
 
@@ -317,24 +323,30 @@ def checked_layout(dcp_layout: str, extra: Any) -> Layout:
 
 def save_parts(model, optimizer, state, ranks, token: str, target: str, tmp: str, layout: Layout, extra: Any,
                group_members: List[List[int]], async_save: bool):
-    """(write, index) of a DCP save into the staging directory `tmp`:
+    """(write, index, take) of a DCP save into the staging directory `tmp`:
     write() writes this rank's data file and returns its report; index(every
     rank's reports), on rank 0, writes the checksum sidecar and returns
-    `.metadata`'s bytes, which publishing writes last. What is written is
-    taken now (a snapshot in host buffers for an asynchronous save)."""
+    `.metadata`'s bytes, which publishing writes last. What is written is the
+    state now: read now, or for an asynchronous save a snapshot whose live
+    items take() copies in the writer thread before write() ([Note: the
+    snapshot of an asynchronous save]; None for a save at once)."""
     items = contents(model, optimizer, state, ranks.rank, ranks.mesh_size, layout, extra, group_members)
+    snapshot = None
     if async_save:
-        items = items.staged(asynchronous.stager_of(state).stage([t.data for t in items.tensors]))
+        snapshot = asynchronous.stager_of(state).snapshot(
+            [(t.data, f"'{t.key}'", t.live) for t in items.tensors], asynchronous.watched_parameters(model, state),
+            asynchronous.may_defer(state))
 
     def write() -> RankReport:
-        return write_rank_file(tmp, ranks.rank, items)  # looked up at the call: tests plant a failing one
+        staged = items if snapshot is None else items.staged(snapshot.copy)
+        return write_rank_file(tmp, ranks.rank, staged)  # looked up at the call: tests plant a failing one
 
     def index(reports: List[RankReport]) -> bytes:
         meta, sidecar = index_files(reports, token, target)
         write_file(os.path.join(tmp, SIDECAR), sidecar)
         return meta
 
-    return write, index
+    return write, index, (snapshot.take if snapshot is not None and snapshot.deferred else None)
 
 
 __all__ = ["Contents", "RankReport", "checked_layout", "contents", "index_files", "save_parts", "write_rank_file",

@@ -30,7 +30,7 @@ from ...groups import Ranks
 from ..plan import local_views, persistent_buffers
 from ..safe_read import open_directory, open_regular, read_to_end
 from .safetensors import NEVER_LINKS
-from ...tools import require_bool, require_module, state_of
+from ...tools import require_bool, require_module, state_of, wait_for_snapshot
 
 BIN_INDEX = "pytorch_model.bin.index.json"
 _PLAIN_BIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}\.(bin|pt|pth)\Z")
@@ -239,6 +239,7 @@ def load_weights(model: torch.nn.Module, source, strict: bool = True) -> LoadedW
         raise NotImplementedError(
             "zero_ext.load_weights: this version does not read weights into a tensor-parallel model; load the "
             "full tensors with zero_ext.load_full_state_dict(model, state_dict) (each rank keeps its part)")
+    wait_for_snapshot(state)  # it writes what a save in flight may not have copied yet
     ranks = Ranks(state)
     opened = None
     try:
