@@ -1,8 +1,10 @@
 #include "reusable_blocks.h"
 
-#include <malloc.h>
 #include <sys/mman.h>
 #include <unistd.h>
+#if defined(__linux__)
+#include <malloc.h>  // glibc: mallinfo2, malloc_trim
+#endif
 
 #include <algorithm>
 #include <cstring>
