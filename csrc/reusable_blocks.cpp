@@ -7,7 +7,9 @@
 #endif
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include <ATen/EmptyTensor.h>
 
@@ -103,6 +105,11 @@ ReusableBlocks::Stats ReusableBlocks::stats() {
 }
 
 void release_free_heap() {
+  static const bool asked = [] {
+    const char* value = std::getenv("ZERO_EXT_TRIM_HEAP");
+    return value != nullptr && std::string(value) == "1";
+  }();
+  if (!asked) return;
 #if defined(__GLIBC__)
 #if __GLIBC_PREREQ(2, 33)
   const size_t free_bytes = mallinfo2().fordblks;

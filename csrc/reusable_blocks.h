@@ -22,10 +22,12 @@
 //
 // What glibc keeps besides: a step's activations (MiBs each, served from the
 // heap once glibc's threshold rose) leave holes in the heap when freed that
-// stay resident; the next step's peak lands on top of them. At each step's
-// end, where the heap holds kFreeHeapToRelease or more free, malloc_trim
-// hands its free pages back (DDP's loop leaves them: on the 14M GPT this is
-// most of the difference in peak resident memory, 1017-1060 MiB -> 921-941).
+// stay resident, in DDP's loop as in ours. With ZERO_EXT_TRIM_HEAP=1, at each
+// step's end where the heap holds kFreeHeapToRelease or more free,
+// malloc_trim hands its free pages back: on the 14M GPT (world 2, stage 3)
+// peak resident memory 1030-1053 MiB -> 946-953 (DDP 1035), but the next
+// step faults them in again, 833-842 -> 962-972 ms a step (+16%), so it is
+// off unless asked for.
 //
 // Only plain (unpinned) CPU buffers of kMinBytes and more come from here;
 // a GPU's caching allocator already reuses its blocks.
@@ -84,8 +86,8 @@ class ReusableBlocks final : public c10::Allocator {
   int64_t reused_total_ = 0;
 };
 
-// glibc's free heap pages back to the system, where it holds
-// kFreeHeapToRelease or more free (a no-op elsewhere).
+// With ZERO_EXT_TRIM_HEAP=1: glibc's free heap pages back to the system,
+// where it holds kFreeHeapToRelease or more free (a no-op elsewhere).
 constexpr size_t kFreeHeapToRelease = size_t(32) << 20;
 void release_free_heap();
 
