@@ -258,6 +258,7 @@ def benchmark_rank(job: Job, rank: int, local_rank: Optional[int] = None) -> dic
     # CPU): reading them adds no sync inside the step.
     marks = (lambda: torch.cuda.Event(enable_timing=True)) if cuda else PerfMark
     times, phases, loss = [], [], None
+    reserved = []  # the caching allocator's reserve after each timed step: flat once warm (issue 56)
 
     def train_step(tokens: torch.Tensor, events: list) -> torch.Tensor:
         # The logits stay referenced until the step is over, as in a plain
@@ -281,6 +282,8 @@ def benchmark_rank(job: Job, rank: int, local_rank: Optional[int] = None) -> dic
         sync()
         if step >= job.warmup:
             times.append(time.perf_counter() - start)
+            if cuda:
+                reserved.append(torch.cuda.memory_reserved(device))
             phases.append([events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(3)])
     profiled = None
     if profiled_batch is not None:
@@ -299,6 +302,7 @@ def benchmark_rank(job: Job, rank: int, local_rank: Optional[int] = None) -> dic
         "gpu_after_build_bytes": state_bytes,
         "peak_gpu_allocated_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
         "peak_gpu_reserved_bytes": torch.cuda.max_memory_reserved(device) if cuda else None,
+        "reserved_after_step_bytes": reserved,
         "peak_rss_bytes": peak_rss_bytes(),
         "precision": trainer.precision,
         "optimizer": trainer.optimizer,

@@ -70,6 +70,10 @@ def combine(job: Job, per_rank: List[dict]) -> dict:
         forward_ms=phases["forward"], backward_ms=phases["backward"], optimizer_ms=phases["optimizer"],
         peak_gpu_allocated_gib=peak_gib("peak_gpu_allocated_bytes"),
         peak_gpu_reserved_gib=peak_gib("peak_gpu_reserved_bytes"),
+        # Growth of the reserve from the first timed step to the last, worst rank: 0 when flat.
+        reserved_growth_mib=(max(r["reserved_after_step_bytes"][-1] - r["reserved_after_step_bytes"][0]
+                                 for r in per_rank) / 2 ** 20
+                             if per_rank[0].get("reserved_after_step_bytes") else None),
         gpu_after_build_gib=peak_gib("gpu_after_build_bytes"),
         peak_rss_gib=peak_gib("peak_rss_bytes"),
         loss=statistics.mean(r["loss"] for r in per_rank),
@@ -126,7 +130,7 @@ def fmt(value, spec: str) -> str:
 
 def print_table(rows: List[dict]) -> None:
     header = (f"{'system':<19} {'model':<10} {'world':>5} {'ms/step':>9} {'fwd/bwd/opt ms':>17} {'tok/s/rank':>11} "
-              f"{'tok/s total':>12} {'MFU':>6} {'GPU GiB alloc/resv':>19} {'RSS GiB':>8} {'loss':>7}  status")
+              f"{'tok/s total':>12} {'MFU':>6} {'GPU GiB alloc/resv':>19} {'resv +MiB':>9} {'RSS GiB':>8} {'loss':>7}  status")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -140,7 +144,7 @@ def print_table(rows: List[dict]) -> None:
         print(f"{r['system']:<19} {r['model']:<10} {r['world']:>5} {fmt(r.get('ms_per_step'), '.1f'):>9} "
               f"{phases:>17} {fmt(r.get('tokens_per_s_per_rank'), ',.0f'):>11} "
               f"{fmt(r.get('tokens_per_s_total'), ',.0f'):>12} {fmt(r.get('mfu'), '.1%'):>6} "
-              f"{gpu:>19} {fmt(r.get('peak_rss_gib'), '.2f'):>8} {fmt(r.get('loss'), '.4f'):>7}  {status[:110]}")
+              f"{gpu:>19} {fmt(r.get('reserved_growth_mib'), '.0f'):>9} {fmt(r.get('peak_rss_gib'), '.2f'):>8} {fmt(r.get('loss'), '.4f'):>7}  {status[:110]}")
     for line in profile_lines(rows, markdown=False):
         print(line)
 

@@ -37,6 +37,7 @@ class Preset:
 PRESETS = {
     "gpt2-tiny": Preset("gpt2", 64, 2, 2, 2048, 64),  # 0.2M parameters: the benchmarks' own tests
     "gpt2-10m": Preset("gpt2", 256, 4, 4, 32000, 512),
+    "gpt2-14m": Preset("gpt2", 384, 8, 6, 256, 256),  # 14.4M, byte vocabulary: issue 56's resident-memory model
     "gpt2-50m": Preset("gpt2", 512, 8, 8, 32000, 1024),
     "gpt2-124m": Preset("gpt2", 768, 12, 12, 50257, 1024),  # GPT-2 small
     "llama-tiny": Preset("llama", 256, 4, 4, 2048, 256, ffn=688, kv_heads=2),  # RMSNorm, GQA, SwiGLU

@@ -21,7 +21,8 @@ that peak memory is the system's own. Systems:
 Reported per system (mean over ranks unless said):
   ms/step      median wall time of a training step after --warmup steps
   tok/s        tokens per second over all ranks
-  peak RSS     the rank's peak resident memory (VmHWM), whole process
+  peak RSS     the rank's peak resident memory (VmHWM), whole process, over
+               the timed training loop (before the profiled step)
   state MiB    bytes of parameters + gradients + optimizer state the rank
                holds after a step (before zero_grad), from each system's own
                tensors; "ZeRO" is the paper's formula for that stage with
@@ -217,6 +218,8 @@ def run_rank(rank: int, world: int, system: str, args, init_file: str, out_dir: 
             losses.append(loss.item())
             if i >= args.warmup:
                 times.append(elapsed)
+        # The training loop's peak: the profiler's own records come after.
+        peak_rss_kib = proc_status_kib("VmHWM")
         # One more step under the profiler, only to count the collectives.
         x, y = make_batch(args, rank, world, args.warmup + args.steps)
         dist.barrier()
@@ -242,7 +245,7 @@ def run_rank(rank: int, world: int, system: str, args, init_file: str, out_dir: 
                 result["sent_bytes"] = sum(result["sent_by_group"].values())
         result.update(report())
         result.update(ms_per_step=1e3 * statistics.median(times), losses=losses,
-                      baseline_rss_kib=baseline_kib, peak_rss_kib=proc_status_kib("VmHWM"))
+                      baseline_rss_kib=baseline_kib, peak_rss_kib=peak_rss_kib)
         dist.barrier()
     except Exception as e:  # recorded, so one failing system does not end the comparison
         result["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]

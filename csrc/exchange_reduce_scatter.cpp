@@ -1,6 +1,7 @@
 #include "exchange_reduce_scatter.h"
 
 #include "continued_work.h"
+#include "reusable_blocks.h"
 
 #include <vector>
 
@@ -11,7 +12,7 @@ c10::intrusive_ptr<c10d::Work> start_exchange_reduce_scatter(const c10::intrusiv
   const int64_t ranks = group->getSize();
   TORCH_CHECK(full_in.is_contiguous() && shard_out.is_contiguous() && full_in.numel() == shard_out.numel() * ranks,
               "zero_ext internal: reduce-scatter by exchange needs contiguous buffers of one shard per rank");
-  at::Tensor received = at::empty_like(full_in);  // row r: rank r's chunk for this rank
+  at::Tensor received = reusable_empty(full_in.sizes(), full_in.options());  // row r: rank r's chunk for this rank
   at::Tensor in = full_in;
   std::vector<int64_t> even;  // no split sizes: equal chunks
   auto exchange = group->alltoall_base(received, in, even, even);

@@ -18,6 +18,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include "storage_release.h"
+#include "reusable_blocks.h"
 
 namespace zero_ext {
 
@@ -39,7 +40,8 @@ void GradReducer::ensure_accum_memory(BucketGrads& bucket) {
     return;
   }
   if (bucket.accum.defined() && storage_is_released(bucket.accum)) {
-    grow_storage(bucket.accum, bucket.accum.numel() * bucket.accum.element_size());
+    grow_storage(bucket.accum, bucket.accum.numel() * bucket.accum.element_size(),
+                 growth_allocator(bucket.accum.storage()));  // [Note: reusable host blocks]
     bucket.accum_has_value = false;
   }
 }

@@ -20,6 +20,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include "storage_release.h"
+#include "reusable_blocks.h"
 
 namespace zero_ext {
 
@@ -63,7 +64,7 @@ void GradReducer::allocate_buffers() {
     }
     if (!layout_.ddp_in_place() && shape.trainable > 0) {
       bucket.accum = store_.offload() ? at::zeros({shape.shard}, host_fp32(options.device()))
-                                      : at::empty({shape.shard}, options.dtype(at::kFloat));
+                                      : reusable_empty({shape.shard}, options.dtype(at::kFloat));
     }
   }
   if (layout_.ddp_in_place()) {
@@ -166,7 +167,7 @@ void GradReducer::ensure_staging(int64_t b) {
     bucket.staging = bucket.accum;
     return;
   }
-  bucket.staging = at::empty({layout_.bucket(b).padded}, store_.bucket(b).flat.options().dtype(reduce_dtype_));
+  bucket.staging = reusable_empty({layout_.bucket(b).padded}, store_.bucket(b).flat.options().dtype(reduce_dtype_));
   filling_staging_bytes_ += bucket.staging.nbytes();
   note_staging_peak();
 }

@@ -3,6 +3,7 @@
 // layout ([Note: gradient layouts] in layout.h); then counted in flight and
 // bounded ([Note: reductions in flight] in grad_reducer.h).
 #include "grad_reducer.h"
+#include "reusable_blocks.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -217,7 +218,7 @@ int64_t GradReducer::issue_reduce_scatter(int64_t b) {
     const bool direct = !by_exchange_ && !bucket.defers && !bucket.accum_has_value && bucket.swap_slot < 0 &&
                         bucket.accum.dtype() == bucket.staging.dtype() &&
                         bucket.accum.device() == bucket.staging.device();
-    bucket.reduce_out = direct ? bucket.accum : at::empty({shape.shard}, bucket.staging.options());
+    bucket.reduce_out = direct ? bucket.accum : reusable_empty({shape.shard}, bucket.staging.options());
     bucket.work = comm_.reduce_scatter_sum(bucket.reduce_out, bucket.staging, Purpose::kGradReduce, b);
   }
   return scratch_bytes;

@@ -16,6 +16,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include "storage_release.h"
+#include "reusable_blocks.h"
 
 namespace zero_ext {
 
@@ -71,8 +72,9 @@ void ParamStore::lay_out_flat(int64_t b) {
   const BucketShape& shape = layout_.bucket(b);
   const auto options = params_[shape.first].options();
   at::Tensor& flat = values_[b].flat;
-  flat = deferred_ && layout_.params_sharded() ? at::empty({shape.padded}, options)
-                                               : at::zeros({shape.padded}, options);
+  // Stage 3 frees and regrows it every use: from the start in blocks that are reused ([Note: reusable host blocks]).
+  flat = reusable_empty({shape.padded}, options);
+  if (!(deferred_ && layout_.params_sharded())) flat.zero_();
   for (int64_t i = shape.first; i < shape.first + shape.count; ++i) {
     TORCH_INTERNAL_ASSERT(params_[i].dtype() == options.dtype() && params_[i].device() == options.device(),
                           "a bucket mixes dtypes or devices");
@@ -109,8 +111,8 @@ void ParamStore::keep_master(int64_t b, std::optional<c10::ScalarType> compute_d
     }
   }
   if (low_precision) {  // parameters compute in the low-precision copy
-    values.flat = deferred_ ? at::zeros({shape.padded}, values.flat.options().dtype(*compute_dtype))
-                            : values.flat.to(*compute_dtype);
+    at::Tensor compute = reusable_empty({shape.padded}, values.flat.options().dtype(*compute_dtype));
+    values.flat = deferred_ ? compute.zero_() : compute.copy_(values.flat);
     for (int64_t i = shape.first; i < shape.first + shape.count; ++i) {
       params_[i].set_data(values.flat.narrow(0, layout_.offset(i), layout_.numel(i)).view(params_[i].sizes()));
     }
@@ -194,7 +196,7 @@ void ParamStore::regrow_flat(int64_t b) {
   if (swap_ != nullptr && values_[b].flat.device().is_cpu()) {
     swap_->grow_tensor(values_[b].flat, nbytes);  // [Note: recycled host blocks]
   } else {
-    grow_storage(values_[b].flat, nbytes);
+    grow_storage(values_[b].flat, nbytes, growth_allocator(values_[b].flat.storage()));  // [Note: reusable host blocks]
   }
 }
 

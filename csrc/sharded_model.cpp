@@ -1,6 +1,7 @@
 #include "sharded_model.h"
 
 #include "core_ops.h"
+#include "reusable_blocks.h"
 
 #include <algorithm>
 #include <cmath>
@@ -494,6 +495,7 @@ void ShardedModel::after_step(std::vector<int64_t> params) {
     store_.bump_versions(
         [&](int64_t i) { return layout_.trainable(i) && has_grad[i] && (only.empty() || only[i]); });
   }
+  ReusableBlocks::get().end_step();  // [Note: reusable host blocks]
 }
 
 void ShardedModel::note_compute_copy_written() {

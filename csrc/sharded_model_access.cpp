@@ -3,6 +3,7 @@
 // full_params, full_grads and clip_grad_norm_ call. The training path's entry
 // points are in sharded_model.cpp.
 #include "sharded_model.h"
+#include "reusable_blocks.h"
 
 #include <mutex>
 #include <string>
@@ -181,6 +182,12 @@ c10::Dict<std::string, int64_t> ShardedModel::stats() {
   out.insert("gathered_units", units_ ? units_->gathered_units() : 0);
   out.insert("peak_gathered_units_forward", units_ ? units_->peak_gathered_forward() : 0);
   out.insert("peak_gathered_units_backward", units_ ? units_->peak_gathered_backward() : 0);
+  // The process's reusable host blocks ([Note: reusable host blocks]), shared by every wrapped model.
+  const ReusableBlocks::Stats blocks = ReusableBlocks::get().stats();
+  out.insert("host_blocks_in_use_bytes", blocks.in_use_bytes);
+  out.insert("host_blocks_idle_bytes", blocks.idle_bytes);
+  out.insert("host_blocks_mapped", blocks.mapped_total);
+  out.insert("host_blocks_reused", blocks.reused_total);
   return out;
 }
 

@@ -17,12 +17,15 @@ void release_storage(const at::Tensor& tensor) {
 }
 
 void grow_storage(const at::Tensor& tensor, size_t nbytes) {
+  grow_storage(tensor, nbytes, tensor.storage().unsafeGetStorageImpl()->allocator());
+}
+
+void grow_storage(const at::Tensor& tensor, size_t nbytes, c10::Allocator* allocator) {
   c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
-  TORCH_CHECK(storage->allocator() != nullptr,
-              "zero_ext internal: parameter storage has no allocator to grow from");
+  TORCH_CHECK(allocator != nullptr, "zero_ext internal: parameter storage has no allocator to grow from");
   // Allocators take the current device: make it the storage's own.
   c10::OptionalDeviceGuard guard(storage->device());
-  storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
+  storage->set_data_ptr_noswap(allocator->allocate(nbytes));
   storage->set_nbytes(nbytes);
 }
 

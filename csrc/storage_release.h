@@ -27,6 +27,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <c10/core/Allocator.h>
 #include <c10/core/Device.h>
 #include <c10/core/Storage.h>
 
@@ -37,6 +38,8 @@ void release_storage(const at::Tensor& tensor);
 // Gives the storage `nbytes` of fresh (uninitialized) memory from its own
 // allocator, so this works for any device without device-specific code.
 void grow_storage(const at::Tensor& tensor, size_t nbytes);
+// The same from `allocator` (growth_allocator: [Note: reusable host blocks]).
+void grow_storage(const at::Tensor& tensor, size_t nbytes, c10::Allocator* allocator);
 bool storage_is_released(const at::Tensor& tensor);
 // A storage of no memory that claims `nbytes` and whose data access raises `message`.
 c10::Storage unreadable_storage(c10::Device device, size_t nbytes, const std::string& message);

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+import zero_ext
 from parity_models import Blocks, Context, Net, adamw, mlp_loss, stage1_keeps_full_staging, step_and_record, token_loss
 
 
@@ -115,3 +116,69 @@ def units_gathered_with_nonreentrant_checkpoints(ctx: Context) -> None:
     """The recompute's graph is never backpropagated: its uses must not keep
     the units gathered."""
     _units_gathered(ctx, lambda: Blocks(n_blocks=6), checkpointing="non-reentrant")
+
+
+class _WideBlocks(torch.nn.Module):
+    """Ten blocks of one 512 x 512 layer: each unit's full buffer (1 MiB and
+    a bias) comes from the reusable host blocks ([Note: reusable host blocks]
+    in csrc/reusable_blocks.h), which serve 1 MiB and more."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Tanh()) for _ in range(10))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) / 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _wide_loss(ctx: Context, model, step: int) -> torch.Tensor:
+    total = 0.0
+    for r, w in ctx.participants():
+        g = torch.Generator().manual_seed(900 + step)
+        x = torch.randn(ctx.world * 2, 512, generator=g)[r * 2:(r + 1) * 2]
+        total = total + w * model(x).square().mean()
+    return total
+
+
+def reusable_host_blocks(ctx: Context) -> None:
+    """Stage 3 over more than one rank: a unit's gathers after the first steps
+    reuse the blocks its earlier gathers freed (no buffer is mapped and faulted
+    in anew per use), and the blocks a gather of every unit took for
+    inspection (full_params) are given back within two steps."""
+    model = _WideBlocks()
+    model, opt = ctx.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), bucket_mb=1.0)
+    labels = ["steady steps: every gather reuses a block", "an inspection's blocks are given back"]
+    pooled = ctx.stage == 3 and ctx.world > 1 and not ctx.reference
+    stats = (lambda: model._zero_ext.handles.diagnostics.stats()) if not ctx.reference else None
+    counts = []
+    for step in range(6):
+        if step == 4 and not ctx.reference:
+            with zero_ext.full_params(model):
+                if pooled:
+                    during = stats()
+        _wide_loss(ctx, model, step).backward()
+        opt.step()  # recording the values each step would inspect every unit each step
+        opt.zero_grad()
+        if pooled:
+            counts.append(stats())
+    ctx.record_params("after 6 steps", model)
+    if not pooled:
+        ctx.record_checks(labels, None if ctx.reference else [True, True])
+        return
+    unit_bytes = 4 * (512 * 512 + 512)  # one block's full buffer, at least
+    reused = counts[3]["host_blocks_reused"] - counts[1]["host_blocks_reused"]
+    gathers = counts[3]["param_gathers"] - counts[1]["param_gathers"]
+    kept_during = during["host_blocks_in_use_bytes"] + during["host_blocks_idle_bytes"]
+    kept_after = counts[5]["host_blocks_in_use_bytes"] + counts[5]["host_blocks_idle_bytes"]
+    ctx.record_checks(labels, [
+        gathers > 0 and reused >= gathers,
+        # The pool is the process's: blocks other models hold stay as they were, or fewer.
+        kept_during - kept_after >= 3 * unit_bytes,
+    ])

@@ -180,8 +180,8 @@ class Context:
             return model, opt
         if self.stage == 3 and isinstance(model, Net):
             options.setdefault("units", net_units)  # each Linear its own unit; Blocks use the default policy
-        options = {**self.group_kwargs(), **options}
-        return zero_ext.wrap(model, opt, stage=self.stage, bucket_mb=BUCKET_MB, **options)
+        options = {"bucket_mb": BUCKET_MB, **self.group_kwargs(), **options}
+        return zero_ext.wrap(model, opt, stage=self.stage, **options)
 
     def no_sync(self, model: nn.Module):
         return contextlib.nullcontext() if self.reference else model.no_sync()

@@ -39,7 +39,7 @@ from parity_frozen_scenarios import (
     frozen_and_unfrozen_after_wrap, frozen_at_wrap_unfrozen_later, frozen_buckets_skip_their_reduction,
     frozen_parameters, unused_parameters)
 from parity_memory_scenarios import (
-    state_bytes_match_the_stage, units_gathered_during_forward_and_backward, units_gathered_with_frozen_biases,
+    reusable_host_blocks, state_bytes_match_the_stage, units_gathered_during_forward_and_backward, units_gathered_with_frozen_biases,
     units_gathered_with_nonreentrant_checkpoints, units_gathered_with_reentrant_checkpoints)
 from parity_mixed_scenarios import (
     MIXED_PRECISION_SCENARIOS, fp16_hands_scaling_to_a_grad_scaler, fp16_model_applied_to_its_own_output,
@@ -131,6 +131,7 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
         checkpoint_each_block_reentrant,
         checkpoint_each_block_nonreentrant,
         units_gathered_during_forward_and_backward,
+        reusable_host_blocks,
         units_gathered_with_frozen_biases,
         units_gathered_with_reentrant_checkpoints,
         dataclass_outputs,

@@ -88,6 +88,12 @@ class CoreStats:
     gathered_units: int
     peak_gathered_units_forward: int
     peak_gathered_units_backward: int
+    # The process's reusable host blocks ([Note: reusable host blocks] in csrc/reusable_blocks.h),
+    # shared by every wrapped model: bytes in use and kept idle, blocks mapped and reuses since it started.
+    host_blocks_in_use_bytes: int
+    host_blocks_idle_bytes: int
+    host_blocks_mapped: int
+    host_blocks_reused: int
     extra: Dict[str, int] = dataclasses.field(default_factory=dict)  # any other counter, by name
 
     @classmethod
