@@ -219,7 +219,7 @@ def _yield_to_training() -> None:
     (an unprivileged thread can lower its priority, never raise it back,
     hence this order)."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), int(os.environ.get("EXP_NICE", "19")))  # EXPERIMENT
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError):  # not Linux, or not permitted: an ordinary thread
         pass
 
