@@ -16,12 +16,18 @@ the page faults of a first save's buffers.
 The checkpoint must still be the state at the call. Whatever zero_ext does
 that writes those tensors therefore calls wait_for_snapshot(state) first:
 the wrapped optimizer's step (optim/sharded_optimizer.py, before the
-optimizer runs), model.load_state_dict (and so load_full_state_dict),
-full_params(writeback=True) at its entry, load_weights; zero_ext.save and
-zero_ext.load wait for the whole previous save anyway
-(files/asynchronous.py wait_for_previous). A forward and a backward never
-write them (gradients live elsewhere), so the copy overlaps the next
-forward and backward, and a step waits only for what is left of it.
+optimizer runs) and its own load_state_dict (stage 0), model.load_state_dict
+(runtime/module.py; and so load_full_state_dict), full_params(writeback=True)
+at its entry (runtime/full_params.py), load_weights
+(files/weights/load_weights.py); zero_ext.save and zero_ext.load wait for
+the whole previous save anyway (files/asynchronous.py wait_for_previous).
+A forward and a backward never write them (gradients live elsewhere), so
+the copy overlaps the next forward and backward, and a step waits only for
+what is left of it; the copy runs at the process's own CPU priority (a
+step may be waiting for it), the writing after it at the lowest
+(files/asynchronous.py _yield_to_training). What the metadata holds that a
+step or the user change (the fp16 loss scale, which parameters train) is
+read at the call (files/checkpoint/save.py _AtCall).
 
 What the gate cannot see, a user's in-place edit of a parameter or of the
 optimizer state between the call and the copy, is caught instead of saved
@@ -29,9 +35,13 @@ torn: the save records each deferred tensor's autograd version (and, where
 parameters share storage with what is saved, theirs) at the call and
 compares after the copy; a change fails that save on every rank with an
 error that says so (an edit through `.data` bypasses versions and is not
-seen). offload_*="nvme" copies everything at the call: the state is in
+seen; nor is one by a C++ kernel, such as offload_optimizer="cpu"'s Adam:
+that one runs inside the step, behind the gate). offload_*="nvme" copies
+everything at the call (files/asynchronous.py may_defer): the state is in
 memory only inside the save's call (optim/streamed_step.py
-offload_in_memory) and is parked in files again when it returns.
+offload_in_memory) and parked in its files again when the call returns,
+so a copy after it would read memory that is gone. offload_optimizer="cpu"
+(masters and state in host memory) defers as in memory.
 """
 from __future__ import annotations
 
