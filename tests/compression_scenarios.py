@@ -247,8 +247,7 @@ def error_feedback_cancels_rounding(stage: int, group) -> Optional[str]:
 
 def _profiled_bytes(ops, ranks: int) -> Dict[str, float]:
     """Bytes this rank sent by kind, from the profiler's backend ops: the
-    formulas of benchmarks/_accounting.py's sent_bytes (headers apart). A
-    broadcast is a gather's share: n of them move (n-1) shards to each rank."""
+    formulas of benchmarks/_accounting.py's sent_bytes (headers apart)."""
     sizes = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4,
              "unsigned char": 1, "signed char": 1}
     out = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0, "sequence_headers": 0.0}
@@ -264,8 +263,6 @@ def _profiled_bytes(ops, ranks: int) -> Dict[str, float]:
             out["all_reduce"] += 2 * (ranks - 1) / ranks * size
         elif "all_to_all" in name or "alltoall" in name:
             out["reduce_scatter"] += (ranks - 1) / ranks * size
-        elif "broadcast" in name:  # a gather on gloo: one per rank ([Note: gloo's all-gather as broadcasts])
-            out["all_gather"] += (ranks - 1) / ranks * size
     return out
 
 
