@@ -158,7 +158,10 @@ void quantize_with_ops(const at::Tensor& values, const at::Tensor& payload, cons
   at::Tensor inv = at::where(finite, at::full({}, qmax, absmax.options()) / absmax, at::zeros({}, absmax.options()));
   at::Tensor representable = finite & inv.isfinite();
   inv = at::where(representable, inv, at::zeros({}, inv.options()));
-  at::Tensor scale = at::where(representable, absmax / qmax, at::zeros({}, absmax.options()));
+  // Divided by a tensor, not a double: CUDA turns division by a host scalar
+  // into a multiplication by its reciprocal, a scale one bit off the CPU's.
+  at::Tensor scale =
+      at::where(representable, absmax / at::full({}, qmax, absmax.options()), at::zeros({}, absmax.options()));
   scale = at::where(finite, scale, at::full({}, std::numeric_limits<float>::quiet_NaN(), scale.options()));
   // Zeros where the block is not representable (an inf times 0 would be NaN).
   at::Tensor q = at::where(representable.unsqueeze(1), (x * inv.unsqueeze(1)).round().clamp(-qmax, qmax),
