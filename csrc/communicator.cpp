@@ -19,6 +19,7 @@
 
 #include "abandoned_collectives.h"
 #include "collective_sequence.h"
+#include "exchange_all_gather.h"
 #include "exchange_reduce_scatter.h"
 #include "quantized_collectives.h"
 
@@ -276,6 +277,11 @@ c10::intrusive_ptr<c10d::Work> Communicator::all_gather(at::Tensor& full_out, at
   }
   ++all_gathers_issued_;
   auto group = group_;
+  if (purpose != Purpose::kHeader && reduces_scatter_by_exchange(full_out.device())) {
+    // gloo on CPU: [Note: gloo's all-gather as an exchange]; headers are a few words
+    return submit(CollectiveOp::kAllGather, purpose, subject, shard_in, label, "all_gather", full_out,
+                  [group, full_out, shard_in] { return start_exchange_all_gather(group, full_out, shard_in); });
+  }
   return submit(CollectiveOp::kAllGather, purpose, subject, shard_in, label, "all_gather", full_out,
                 [group, full_out, shard_in] {
                   at::Tensor out = full_out, in = shard_in;
