@@ -159,6 +159,24 @@ def test_table_scripts_print_a_row_per_system(script, systems, extra):
         assert len(losses) == 1, done.stdout
 
 
+def test_resident_memory_prints_where_each_systems_memory_is():
+    """benchmarks/resident_memory.py end to end (world 2, a tiny model): a row
+    per system, the heap's figures read, zero_ext's blocks counted for
+    zero_ext and not for DDP, the highest RSS at least the end of forward's."""
+    systems = ["ddp", "zero_ext-3"]
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "resident_memory.py"), "--model", "gpt2-tiny",
+           "--systems", *systems, "--steps", "2", "--warmup", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {cells[0]: cells[1:] for cells in map(str.split, done.stdout.splitlines()) if cells and cells[0] in systems}
+    assert set(rows) == set(systems), done.stdout
+    assert rows["ddp"][3:5] == ["-", "-"], done.stdout
+    for system in systems:
+        heap_in_use, rss_end_of_forward, rss_highest = float(rows[system][0]), float(rows[system][5]), float(rows[system][6])
+        assert heap_in_use > 0 and 0 < rss_end_of_forward <= rss_highest + 1, done.stdout
+    float(rows["zero_ext-3"][3]), float(rows["zero_ext-3"][4])
+
+
 @pytest.mark.parametrize("script, extra", [("step_time.py", []),
                                            ("user_loop.py", ["--model", "tinygpt", "--vocab", "256", "--rounds", "2"])])
 def test_fresh_mode_runs_every_system_on_new_ranks_interleaved(script, extra, tmp_path):
