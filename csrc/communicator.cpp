@@ -248,7 +248,7 @@ c10::intrusive_ptr<c10d::Work> Communicator::reduce_scatter_sum(at::Tensor& shar
     return nullptr;
   }
   auto group = group_;
-  if (reduces_scatter_by_exchange(full_in.device())) {
+  if (collectives_by_exchange(full_in.device())) {
     return submit(CollectiveOp::kReduceScatter, purpose, subject, full_in, {}, "reduce_scatter", full_in,
                   [group, shard_out, full_in] { return start_exchange_reduce_scatter(group, shard_out, full_in); });
   }
@@ -261,7 +261,7 @@ c10::intrusive_ptr<c10d::Work> Communicator::reduce_scatter_sum(at::Tensor& shar
                 });
 }
 
-bool Communicator::reduces_scatter_by_exchange(c10::Device device) const {
+bool Communicator::collectives_by_exchange(c10::Device device) const {
   return !local() && device.is_cpu() && backend_name(c10::DeviceType::CPU) == "gloo";
 }
 
@@ -277,7 +277,7 @@ c10::intrusive_ptr<c10d::Work> Communicator::all_gather(at::Tensor& full_out, at
   }
   ++all_gathers_issued_;
   auto group = group_;
-  if (purpose != Purpose::kHeader && reduces_scatter_by_exchange(full_out.device())) {
+  if (purpose != Purpose::kHeader && collectives_by_exchange(full_out.device())) {
     // gloo on CPU: [Note: gloo's all-gather as an exchange]; headers are a few words
     return submit(CollectiveOp::kAllGather, purpose, subject, shard_in, label, "all_gather", full_out,
                   [group, full_out, shard_in] { return start_exchange_all_gather(group, full_out, shard_in); });

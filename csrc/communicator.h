@@ -119,10 +119,11 @@ class Communicator {
                                                 const std::string& label = {});
   c10::intrusive_ptr<c10d::Work> reduce_scatter_sum(at::Tensor& shard_out, at::Tensor& full_in, Purpose purpose,
                                                     int64_t subject = 0);
-  // Whether reduce_scatter_sum on `device`'s tensors runs as gloo's exchange
-  // ([Note: gloo's reduce-scatter as an exchange]), which holds a receive
+  // Whether reduce_scatter_sum and all_gather on `device`'s tensors run as
+  // gloo all-to-alls ([Note: gloo's reduce-scatter as an exchange], [Note:
+  // gloo's all-gather as an exchange]); the reduce-scatter's holds a receive
   // buffer the size of its input while in flight.
-  bool reduces_scatter_by_exchange(c10::Device device) const;
+  bool collectives_by_exchange(c10::Device device) const;
   c10::intrusive_ptr<c10d::Work> all_gather(at::Tensor& full_out, at::Tensor& shard_in, Purpose purpose,
                                             int64_t subject = 0, const std::string& label = {});
   c10::intrusive_ptr<c10d::Work> broadcast_from_rank0(at::Tensor& tensor, Purpose purpose, int64_t subject = 0,

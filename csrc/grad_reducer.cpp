@@ -108,7 +108,7 @@ void GradReducer::size_in_flight_bound() {
   // the bytes of the exchange, whose receive buffer and output live only
   // while in flight (bounded below, as stages 2-3's staging is).
   by_exchange_ = !layout_.ddp_in_place() && !layout_.replicated() &&
-                 comm_.reduces_scatter_by_exchange(store_.device());
+                 comm_.collectives_by_exchange(store_.device());
   // Two of the largest bucket in flight: one reducing while the next fills
   // and launches (see [Note: reductions in flight]).
   for (int64_t b = 0; b < layout_.num_buckets(); ++b) {
