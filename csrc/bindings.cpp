@@ -19,6 +19,7 @@
 #include "cpu_adam.h"
 #include "diagnosis_store.h"
 #include "layout.h"
+#include "reusable_blocks.h"
 #include "sharded_model.h"
 #include "step_gate.h"
 #include "storage_release.h"
@@ -119,6 +120,8 @@ TORCH_LIBRARY(zero_ext, m) {
   m.def("unreadable_tensor(int[] size, ScalarType dtype, Device device, str message) -> Tensor",
         &unreadable_tensor);
   m.def("cpu_adam_isa() -> str", &cpu_adam_isa);
+  // The end of wrap() and load(): [Note: reusable host blocks].
+  m.def("release_idle_host_blocks() -> ()", [] { ReusableBlocks::get().release_idle(); });
   // with_ops: the ATen-op path (what CUDA runs) on any device, for tests.
   m.def("quantize_blocks(Tensor values, int bits, int block, Tensor(a!)? residual, bool with_ops=False) -> Tensor",
         &quantize_blocks_op);

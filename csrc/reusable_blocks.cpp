@@ -92,6 +92,20 @@ void ReusableBlocks::end_step() {
   release_free_heap();
 }
 
+void ReusableBlocks::release_idle() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& [bytes, size] : sizes_) {
+    for (void* ptr : size.idle) {
+      munmap(ptr, bytes);
+      block_sizes_.erase(ptr);
+    }
+    size.idle.clear();
+    // Not in_use: a block set-up still holds (a collective in flight on a
+    // hybrid mesh) is unmapped when it comes back, not kept idle.
+    size.peak_this_step = size.peak_last_step = 0;
+  }
+}
+
 ReusableBlocks::Stats ReusableBlocks::stats() {
   std::lock_guard<std::mutex> lock(mutex_);
   Stats out;

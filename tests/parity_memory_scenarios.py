@@ -3,7 +3,12 @@ each stage, and the stage 3 units gathered (and the full gradients alive)
 while a block computes."""
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+
 import torch
+import torch.distributed as dist
 
 import zero_ext
 from parity_models import Blocks, Context, Net, adamw, mlp_loss, stage1_keeps_full_staging, step_and_record, token_loss
@@ -151,18 +156,32 @@ def reusable_host_blocks(ctx: Context) -> None:
     """Stage 3 over more than one rank: a unit's gathers after the first steps
     reuse the blocks its earlier gathers freed (no buffer is mapped and faulted
     in anew per use), and the blocks a gather of every unit took for
-    inspection (full_params) are given back within two steps."""
+    inspection (full_params) are given back within two steps. wrap() and
+    load() are not steps: none of the blocks they used stays idle after them."""
     model = _WideBlocks()
     model, opt = ctx.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), bucket_mb=1.0)
-    labels = ["steady steps: every gather reuses a block", "an inspection's blocks are given back"]
+    labels = ["steady steps: every gather reuses a block", "an inspection's blocks are given back",
+              "no block idle after wrap()", "no block idle after load()"]
     pooled = ctx.stage == 3 and ctx.world > 1 and not ctx.reference
     stats = (lambda: model._zero_ext.handles.diagnostics.stats()) if not ctx.reference else None
+    idle_after_wrap = stats()["host_blocks_idle_bytes"] if pooled else 0
     counts = []
     for step in range(6):
         if step == 4 and not ctx.reference:
             with zero_ext.full_params(model):
                 if pooled:
                     during = stats()
+        if step == 2 and not ctx.reference:  # a save and a load of this very state: training goes on unchanged
+            root = [tempfile.mkdtemp(prefix="zero_ext_blocks_") if ctx.rank == 0 else None]
+            dist.broadcast_object_list(root, src=0)
+            zero_ext.save(os.path.join(root[0], "ck"), model, opt)
+            with zero_ext.full_params(model):  # blocks idle before load, as a step's are
+                pass
+            zero_ext.load(os.path.join(root[0], "ck"), model, opt)
+            idle_after_load = stats()["host_blocks_idle_bytes"] if pooled else 0
+            dist.barrier()
+            if ctx.rank == 0:
+                shutil.rmtree(root[0], ignore_errors=True)
         _wide_loss(ctx, model, step).backward()
         opt.step()  # recording the values each step would inspect every unit each step
         opt.zero_grad()
@@ -170,7 +189,7 @@ def reusable_host_blocks(ctx: Context) -> None:
             counts.append(stats())
     ctx.record_params("after 6 steps", model)
     if not pooled:
-        ctx.record_checks(labels, None if ctx.reference else [True, True])
+        ctx.record_checks(labels, None if ctx.reference else [True] * 4)
         return
     unit_bytes = 4 * (512 * 512 + 512)  # one block's full buffer, at least
     reused = counts[3]["host_blocks_reused"] - counts[1]["host_blocks_reused"]
@@ -181,4 +200,6 @@ def reusable_host_blocks(ctx: Context) -> None:
         gathers > 0 and reused >= gathers,
         # The pool is the process's: blocks other models hold stay as they were, or fewer.
         kept_during - kept_after >= 3 * unit_bytes,
+        idle_after_wrap == 0,
+        idle_after_load == 0,
     ])

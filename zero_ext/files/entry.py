@@ -203,8 +203,13 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     asynchronous.wait_for_previous(state_of(model))  # a save in flight finishes first (its error raised here)
     # offload_*="nvme": the values, gradients and optimizer state this rank
     # holds in its offload files are in memory for the checkpoint's duration.
-    with offload_in_memory([state_or_none(model)], values_changed=True):
-        return _load(path, model, optimizer, strict, optimizer_class_mismatch, format)
+    try:
+        with offload_in_memory([state_or_none(model)], values_changed=True):
+            return _load(path, model, optimizer, strict, optimizer_class_mismatch, format)
+    finally:
+        # Loading is not a step: its buffers' sizes are not the step's
+        # ([Note: reusable host blocks] in csrc/reusable_blocks.h).
+        torch.ops.zero_ext.release_idle_host_blocks()
 
 
 def check_load_options(strict: Any, optimizer_class_mismatch: Any, format: Any) -> None:

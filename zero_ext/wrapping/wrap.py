@@ -243,6 +243,9 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
     state = _state(model, checked, groups, handles, tensor_parallel)
     _start(model, checked, state, handles, bool(groups.shard))
     _attach(model, checked.optimizers, state, checked.unit_list, checked.export_dtype)
+    # Set-up is not a step: the host blocks sharding and the first
+    # broadcasts used are not kept for it ([Note: reusable host blocks]).
+    torch.ops.zero_ext.release_idle_host_blocks()
     return model, optimizer
 
 
