@@ -73,10 +73,10 @@ def stage3_exact_sent_bytes(model_name: str, world: int) -> dict:
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     from _models import build_model
     from compare import BUCKET_MB
-    from zero_ext.wrapping.units import assign_parameters, resolve_units
+    from zero_ext.wrapping.units import assign_parameters, merge_bytes, resolve_units
 
     model = build_model(model_name)
-    units = resolve_units(model, None, min_bytes=int(BUCKET_MB * 2 ** 20))
+    units = resolve_units(model, None, min_bytes=merge_bytes(int(BUCKET_MB * 2 ** 20)))
     owner = assign_parameters(model, units)
     numel = [0] * len(units)
     params = list(model.parameters())  # tied weights once, as zero_ext holds them

@@ -57,6 +57,17 @@ def test_blocks_below_the_threshold_in_all_make_one_unit():
     assert len(units) == 2 and units[1] == tuple(model.blocks)
 
 
+def test_wrap_merges_blocks_to_4_mib_not_to_the_bucket_size():
+    # Eight 1.13 MiB blocks: merged in runs reaching 4 MiB (stage 3 holds
+    # several buffers of its largest unit at once: units.py), whatever larger
+    # bucket_mb is passed; a bucket_mb under 4 merges to it instead.
+    for bucket_mb, runs in ((None, 2), (25.0, 2), (100.0, 2), (2.0, 4)):
+        model = Stack(8, 544)
+        options = {} if bucket_mb is None else {"bucket_mb": bucket_mb}
+        zero_ext.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3, **options)
+        assert model._zero_ext.handles.diagnostics.stats()["units"] == 1 + runs, bucket_mb
+
+
 def test_the_remainder_joins_the_unit_before_it():
     model = Stack(10, 32)
     units = resolve_units(model, None, min_bytes=4 * 4224)  # 4 blocks reach it

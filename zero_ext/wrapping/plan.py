@@ -18,7 +18,7 @@ from ..groups import TensorParallel, Topology, group_timeout, pooled_groups, res
 from ..groups import arrival as arrivals
 from ..optim import WHOLE, optimizer_sharding, plan_owners
 from ..tools import __version__
-from .units import Unit, assign_parameters, resolve_units
+from .units import Unit, assign_parameters, merge_bytes, resolve_units
 from .reshard import plan_reshard
 from .arguments import Options, check_backend, check_launch, check_wrap_arguments, optimizer_list, parse_timeout
 from .fingerprint import wrap_fields
@@ -93,10 +93,10 @@ def _plan(model: torch.nn.Module, trainable: List[torch.nn.Parameter], options: 
         frozen, frozen_counts = plan_buckets(_frozen_to_compute_in_low_precision(model, options),
                                              options.bucket_bytes, first_bucket_bytes=options.bucket_bytes)
         return [], ordered + frozen, counts + frozen_counts, []
-    # The default policy merges consecutive small blocks until a unit holds
-    # bucket_mb: one all-gather and one reduce-scatter per unit, each as big
-    # as a stage 0-2 bucket (see zero_ext/wrapping/units.py for the choice).
-    unit_list = resolve_units(model, options.units, min_bytes=options.bucket_bytes)
+    # The default policy merges consecutive tiny blocks until a unit holds
+    # 4 MiB (bucket_mb when smaller): enough to amortize a collective, small
+    # enough to keep stage 3's working buffers small (zero_ext/wrapping/units.py).
+    unit_list = resolve_units(model, options.units, min_bytes=merge_bytes(options.bucket_bytes))
     ordered, counts, unit_of_bucket = _plan_units(model, unit_list)
     ordered, counts, unit_of_bucket = _split_by_optimizer(ordered, counts, optimizers, unit_of_bucket)
     return unit_list, ordered, counts, unit_of_bucket

@@ -51,18 +51,23 @@ forward of its own is never called, so its hooks never gather it. Hence:
 - ModuleDicts and other modules that are not blocks are looked into, so
   nanoGPT's transformer.h (a ModuleList inside a ModuleDict) is found.
 
-Why small blocks merge up to wrap()'s bucket_mb (25 MiB by default): a
-collective has a fixed cost (launch and latency, ~10-50 us for NCCL and
-~0.1-1 ms for gloo on CPU, plus zero_ext's hooks per unit use) that only a
-transfer of several MiB hides: at 100 GB/s, 4 MiB take 40 us. DDP settled on
-25 MiB buckets for this trade-off, stages 0-2 reduce in buckets of bucket_mb,
-and stage 3 reduces (and gathers) one bucket per unit, so merging to
-bucket_mb gives stage 3 the same collective size. DeepSpeed ZeRO-3 makes the
-same call from the other side: parameters under 1e5 elements are not sharded
-at all (stage3_param_persistence_threshold). Memory stays bounded: a merged
-unit holds less than 3 x bucket_mb (it ends at the block that reaches
-bucket_mb, and a remainder below bucket_mb may join it), and the blocks of
-real models are not merged at all (a GPT-2 small block is 27 MiB in fp32).
+Why blocks merge only while under 4 MiB (MERGE_MIB; bucket_mb when smaller):
+a collective has a fixed cost (launch and latency, ~10-50 us for NCCL and
+~0.1-1 ms for gloo on CPU, plus zero_ext's hooks per unit use) that a
+transfer of a few MiB hides: at 100 GB/s 4 MiB take 40 us, over gloo on CPU
+2-4 ms. Beyond that, a larger unit buys no speed and costs memory: stage 3
+holds several buffers of a unit's size at once (the gathered unit and its
+prefetch, the gradient's staging, the exchange's receive buffer, the reduced
+shard), so a rank's working memory grows with its largest unit. Hence one
+unit per repeated block, as FSDP2 and torchtitan wrap, and a run of tiny
+blocks merged until it holds MERGE_MIB (DeepSpeed ZeRO-3 makes the same call
+from the other side: parameters under 1e5 elements are not sharded at all,
+stage3_param_persistence_threshold). Measured on a 14M GPT (8 blocks of
+7 MiB, world 2, docs/benchmarks.md "Resident memory"): blocks merged into
+27 MiB units held 1026/994/1035 MiB peak RSS per rank against DDP's
+951/975/1019, one block a unit 942/955/945, at the same step time. A merged
+unit holds less than 3 x MERGE_MIB (it ends at the block that reaches it,
+and a remainder below it may join it).
 """
 from __future__ import annotations
 
@@ -71,6 +76,17 @@ from collections import Counter
 from typing import Callable, Dict, List, Set, Tuple, Union
 
 import torch.nn as nn
+
+# Consecutive blocks merge into one unit until it holds this many MiB (or
+# wrap()'s bucket_mb, when smaller); a block this large is a unit of its own.
+MERGE_MIB = 4.0
+
+
+def merge_bytes(bucket_bytes: int) -> int:
+    """The size up to which the default policy merges consecutive blocks:
+    MERGE_MIB, or the bucket size when smaller (see the module's text)."""
+    return min(int(bucket_bytes), int(MERGE_MIB * 2 ** 20))
+
 
 UnitPolicy = Union[None, Set[type], Callable[[nn.Module], bool], List[Union[nn.Module, List[nn.Module]]]]
 Unit = Tuple[nn.Module, ...]  # its member modules: one, or siblings (children of one module)

@@ -97,12 +97,13 @@ def wrap(
             process ends).
         units: stage 3: submodules gathered as one (a set of module classes
             or a callable module -> bool), each a unit of its own; default:
-            each repeated block, consecutive blocks smaller than bucket_mb
-            merged into one unit of at least bucket_mb.
+            each repeated block, consecutive blocks under 4 MiB (or under
+            bucket_mb, when smaller) merged into one unit of at least that.
         bucket_mb: gradient bucket size in MiB, the size that amortizes one
             collective (default 25; 4 with offload to files, where it sets
             the memory bound). Stage 3 reduces (and gathers) one bucket per
-            unit, so the default units policy merges small blocks up to it.
+            unit: a bucket_mb under 4 lowers the size the default units
+            policy merges small blocks to.
         timeout: bound in seconds on every collective wait, and on wrap()'s
             wait for every rank to reach it (a rank still in its set-up past
             it is named; default: the process group's timeout).
