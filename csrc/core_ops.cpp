@@ -1,5 +1,8 @@
 #include "core_ops.h"
 
+#include <mutex>
+#include <unordered_map>
+
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include "sharded_model.h"
@@ -39,6 +42,24 @@ void run_epilogue_kernel(const ModelPtr& model) {
   model->run_epilogue();
 }
 
+// The model's forward boundaries as ops, for a forward torch.compile traces
+// ([Note: the model's forward in a compiled graph]).
+void begin_forward_kernel(int64_t model) {
+  model_of_handle(model, "begin_forward")->begin_forward();
+}
+
+void end_forward_kernel(int64_t model) {
+  model_of_handle(model, "end_forward")->end_forward({});
+}
+
+void backward_begins_kernel(int64_t model, const at::Tensor& /*grad*/) {
+  model_of_handle(model, "backward_begins")->on_output_grad();
+}
+
+void begin_forward_meta(int64_t /*model*/) {}
+void end_forward_meta(int64_t /*model*/) {}
+void backward_begins_meta(int64_t /*model*/, const at::Tensor& /*grad*/) {}
+
 template <typename Fn>
 c10::TypedOperatorHandle<Fn> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
@@ -58,6 +79,28 @@ void define_core_ops(torch::Library& m) {
   m.impl("run_epilogue", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(run_epilogue_kernel));
   m.def("accumulate_grad(__torch__.torch.classes.zero_ext.ShardedModel model, int param, Tensor grad) -> ()");
   m.impl("accumulate_grad", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(accumulate_grad_kernel));
+  // [Note: the model's forward in a compiled graph]
+  // Eagerly, the root module's hooks call the model's begin_forward and
+  // end_forward, and end_forward hooks the outputs' gradients to learn when a
+  // backward reaches the model (arming the epilogue). Inside a graph
+  // torch.compile traces, a hook on an output would hook a tensor of the
+  // trace, not the one the user backpropagates from; so there the hooks call
+  // these ops, and the outputs pass through an autograd function whose
+  // backward calls backward_begins with the outputs' gradient (the gradient
+  // as an argument puts the call in the backward graph: the partitioner
+  // moves a node that reads no tangent into the forward). They take the
+  // model's handle (model_handle), not the ShardedModel object: a graph
+  // bakes an int in as a constant, while a TorchScript object passed from
+  // the forward graph to the backward one is refused by AOTAutograd (torch
+  // 2.13: "expected all opaque_object_outs to be opaque types"). Python
+  // marks them side-effectful so that no graph pass drops them
+  // (zero_ext/runtime/compiled_forward.py).
+  m.def("begin_forward(int model) -> ()");
+  m.impl("begin_forward", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(begin_forward_kernel));
+  m.def("end_forward(int model) -> ()");
+  m.impl("end_forward", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(end_forward_kernel));
+  m.def("backward_begins(int model, Tensor grad) -> ()");
+  m.impl("backward_begins", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(backward_begins_kernel));
 }
 
 void register_core_op_meta_kernels(torch::Library& m) {
@@ -65,6 +108,65 @@ void register_core_op_meta_kernels(torch::Library& m) {
   m.impl("release_unit", TORCH_FN(release_unit_meta));
   m.impl("gather_unit", TORCH_FN(gather_unit_meta));
   m.impl("run_epilogue", TORCH_FN(run_epilogue_meta));
+  m.impl("begin_forward", TORCH_FN(begin_forward_meta));
+  m.impl("end_forward", TORCH_FN(end_forward_meta));
+  m.impl("backward_begins", TORCH_FN(backward_begins_meta));
+}
+
+// --- model handles ---------------------------------------------------------------
+
+namespace {
+
+struct HandleTable {
+  std::mutex mutex;
+  int64_t next = 1;
+  std::unordered_map<int64_t, c10::weak_intrusive_ptr<ShardedModel>> models;
+  std::unordered_map<const ShardedModel*, int64_t> handles;
+};
+
+HandleTable& handle_table() {
+  static auto* table = new HandleTable();  // never destroyed: ops may run during interpreter exit
+  return *table;
+}
+
+} // namespace
+
+int64_t model_handle(const ModelPtr& model) {
+  HandleTable& table = handle_table();
+  std::lock_guard<std::mutex> lock(table.mutex);
+  auto found = table.handles.find(model.get());
+  if (found != table.handles.end()) {
+    auto held = table.models.find(found->second);
+    if (held != table.models.end() && held->second.lock().get() == model.get()) {
+      return found->second;
+    }
+  }
+  for (auto it = table.models.begin(); it != table.models.end();) {  // models gone: forget them
+    if (it->second.expired()) {
+      it = table.models.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  for (auto it = table.handles.begin(); it != table.handles.end();) {
+    it = table.models.count(it->second) ? std::next(it) : table.handles.erase(it);
+  }
+  const int64_t handle = table.next++;  // never reused: a stale graph cannot reach another model
+  table.models.insert_or_assign(handle, c10::weak_intrusive_ptr<ShardedModel>(model));
+  table.handles.insert_or_assign(model.get(), handle);
+  return handle;
+}
+
+ModelPtr model_of_handle(int64_t handle, const char* op) {
+  HandleTable& table = handle_table();
+  std::lock_guard<std::mutex> lock(table.mutex);
+  auto found = table.models.find(handle);
+  ModelPtr model = found == table.models.end() ? ModelPtr() : found->second.lock();
+  TORCH_CHECK(model, "zero_ext.", op, ": no wrapped model has handle ", handle,
+              " any more (the model it was compiled for is gone). Compile the model you train: "
+              "torch.compile(model) after zero_ext.wrap(model, ...), and call torch._dynamo.reset() before "
+              "compiling a new model in the same process if a graph was cached for an old one");
+  return model;
 }
 
 namespace dispatch {

@@ -26,6 +26,12 @@ using ModelPtr = c10::intrusive_ptr<ShardedModel>;
 void define_core_ops(torch::Library& m);
 void register_core_op_meta_kernels(torch::Library& m);
 
+// A process-wide int for `model` (the same for its lifetime, never reused),
+// and the model of such an int: what the compiled-graph ops take
+// ([Note: the model's forward in a compiled graph] in core_ops.cpp).
+int64_t model_handle(const ModelPtr& model);
+ModelPtr model_of_handle(int64_t handle, const char* op);
+
 namespace dispatch {
 void gather_unit(const ModelPtr& model, int64_t unit, bool backward);
 void release_unit(const ModelPtr& model, int64_t unit, at::TensorList outputs);

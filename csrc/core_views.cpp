@@ -48,6 +48,9 @@ void define_core_views(torch::Library& m) {
       ON_MODEL(UnitsView, end_forward)
       ON_MODEL(UnitsView, forward_raised)
       .def("pre_forward", [](const Units& self, int64_t unit) { dispatch::gather_unit(self->model, unit, false); })
+      // The int the compiled-graph ops take ([Note: the model's forward in a
+      // compiled graph] in core_ops.cpp).
+      .def("handle", [](const Units& self) { return model_handle(self->model); })
       // A stage 3 unit's forward begins: gather it, and pass its inputs that
       // require grad through a boundary node that reports the end of this use.
       .def("enter_unit",

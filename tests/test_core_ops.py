@@ -20,6 +20,10 @@ SCHEMAS = {
     "release_unit": f"zero_ext::release_unit({MODEL}, int unit, Tensor[] outputs) -> ()",
     "accumulate_grad": f"zero_ext::accumulate_grad({MODEL}, int param, Tensor grad) -> ()",
     "run_epilogue": f"zero_ext::run_epilogue({MODEL}) -> ()",
+    # What a compiled graph calls (runtime/compiled_forward.py): the model's int handle.
+    "begin_forward": "zero_ext::begin_forward(int model) -> ()",
+    "end_forward": "zero_ext::end_forward(int model) -> ()",
+    "backward_begins": "zero_ext::backward_begins(int model, Tensor grad) -> ()",
 }
 
 
@@ -52,6 +56,33 @@ def test_accumulate_grad_then_run_epilogue_reduce_like_a_backward(stage, arrival
     grads = zero_ext.full_grads(model)
     for (name, p) in plain.named_parameters():
         assert torch.equal(grads[name], p.grad * arrivals), name
+
+
+def test_model_handles_are_stable_distinct_and_refused_once_the_model_is_gone():
+    import gc
+
+    model, _, _ = tiny(2)
+    other, _, _ = tiny(2)
+    units = model._zero_ext.handles.units
+    handle = units.handle()
+    assert handle == units.handle() and handle != other._zero_ext.handles.units.handle()
+    x = torch.randn(5, 4)
+    torch.ops.zero_ext.begin_forward(handle)  # what a compiled forward runs, by hand
+    torch.ops.zero_ext.end_forward(handle)
+    model(x).sum().backward()  # and the model trains on as before
+    del model, units
+    gc.collect()
+    with pytest.raises(RuntimeError, match="no wrapped model has handle"):
+        torch.ops.zero_ext.begin_forward(handle)
+
+
+def test_compiled_forward_ops_are_kept_by_graph_passes():
+    from torch.fx.node import _side_effectful_functions
+
+    import zero_ext.runtime.compiled_forward  # noqa: F401 - marks them
+
+    for name in ("begin_forward", "end_forward", "backward_begins"):
+        assert getattr(torch.ops.zero_ext, name).default in _side_effectful_functions, name
 
 
 def test_accumulate_grad_refuses_a_wrong_shape_or_index():

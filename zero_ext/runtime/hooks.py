@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_iter, tree_map_only, tree_unf
 
 from ..groups import is_dtensor
 from ..tools import outside_compile, state_of
+from . import compiled_forward
 
 
 def tensors_requiring_grad(output: Any) -> List[torch.Tensor]:
@@ -195,18 +196,36 @@ class RunState(enum.Enum):
     OPEN = enum.auto()    # its first member gathered it; its last member has not run
 
 
-def hook_forward(module: torch.nn.Module, pre=None, post=None, always_call: bool = False) -> None:
+def _eager_or_traced(hook, traced):
+    """`hook` run eagerly (outside_compile), or, while Dynamo traces the call
+    it hooks, `traced` (traced into the graph) where there is one."""
+    eager = outside_compile(hook)
+    if traced is None:
+        return eager
+
+    def either(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return traced(*args, **kwargs)
+        return eager(*args, **kwargs)
+
+    return either
+
+
+def hook_forward(module: torch.nn.Module, pre=None, post=None, always_call: bool = False,
+                 traced_pre=None, traced_post=None) -> None:
     """Registers one of zero_ext's forward hooks on `module` (pre: with
     kwargs) and remembers it, in order, for zero_ext.register_forward_method
     (runtime/forward_methods.py), which runs the same hooks around another
-    method."""
+    method. traced_pre / traced_post: what the hook does inside a graph
+    torch.compile traces (runtime/compiled_forward.py); without one, the hook
+    runs eagerly there too, and Dynamo breaks the graph around it."""
     hooks = module.__dict__.setdefault("_zero_ext_forward_hooks", [])
     if pre is not None:
-        pre = outside_compile(pre)
+        pre = _eager_or_traced(pre, traced_pre)
         handle = module.register_forward_pre_hook(pre, with_kwargs=True)
         hooks.append(("pre", pre, handle.id))
     if post is not None:
-        post = outside_compile(post)
+        post = _eager_or_traced(post, traced_post)
         handle = module.register_forward_hook(post, always_call=always_call)
         hooks.append(("always" if always_call else "post", post, handle.id))
 
@@ -226,14 +245,26 @@ class RootHooks:
         self.depth = 0  # nested forwards of the model; tracked with merged units only
         self.runs: List[Tuple[int, "MergedUnitHooks"]] = []  # merged units opened in this forward, in order
         self.finished = False  # post_forward's core call returned; end_forward, right after it, resets it
+        # Stages 0-2 without fp16 loss scaling: the root hooks have a traced
+        # form (runtime/compiled_forward.py), so torch.compile over the whole
+        # model meets no graph break of zero_ext's.
+        self.traceable = not state.params_sharded and not self.loss_scaling()
+        self.handle = self.units.handle() if self.traceable else 0
 
     @property
     def phase(self) -> ModelPhase:
         return ModelPhase.FORWARD if self.depth > 0 else ModelPhase.IDLE
 
     def install(self, module: torch.nn.Module) -> None:
-        hook_forward(module, pre=self.pre_forward, post=self.post_forward)
-        hook_forward(module, post=self.end_forward, always_call=True)
+        if not self.traceable:
+            hook_forward(module, pre=self.pre_forward, post=self.post_forward)
+            hook_forward(module, post=self.end_forward, always_call=True)
+            return
+        handle, cast_to, output_dtype = self.handle, self.cast_to, self.output_dtype
+        hook_forward(module, pre=self.pre_forward, post=self.post_forward,
+                     traced_pre=lambda mod, args, kwargs: compiled_forward.pre_forward(handle, cast_to, args, kwargs),
+                     traced_post=lambda mod, args, output: compiled_forward.post_forward(handle, output_dtype, output))
+        hook_forward(module, post=self.end_forward, always_call=True, traced_post=lambda mod, args, output: None)
 
     def _inner(self, t: torch.Tensor) -> torch.Tensor:
         # The model's own output fed back in (model(model(x))): use the tensor

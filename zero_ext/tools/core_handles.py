@@ -165,12 +165,13 @@ class Units(_Handle):
     forward_raised: Callable[[str], None]  # the model's forward raised (its message): the rank may have parted
 
     model: Callable[[], Any]  # the ShardedModel, for the registered ops (torch.ops.zero_ext.*) that take it
+    handle: Callable[[], int]  # the model's int, for the ops a compiled graph calls (runtime/compiled_forward.py)
 
     VIEW = "Units"
     BOUND = ("begin_forward", "end_forward", "forward_raised", "pre_forward", "enter_unit", "track_unit_inputs",
              "post_forward", "hook_regather", "scale_outputs", "add_pending_use", "post_backward_use",
              "note_untracked_use", "gather_all", "gather_units_of", "unpin_units_of", "release_all", "set_prefetch",
-             "unshard", "wait_unshard", "write_back_shards", "params_sharded", "model")
+             "unshard", "wait_unshard", "write_back_shards", "params_sharded", "model", "handle")
 
 
 class Reduction(_Handle):

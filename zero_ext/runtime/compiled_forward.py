@@ -1,0 +1,80 @@
+"""The root module's hooks inside a graph torch.compile traces (stages 0-2).
+
+Eagerly, zero_ext's hooks run outside any graph (`outside_compile`): the
+model's begin_forward and end_forward are calls into the C++ core, and
+end_forward hooks the gradients of the model's outputs to learn when a
+backward reaches the model. While Dynamo traces a wrapped model (a whole
+`torch.compile(model)`, `fullgraph=True` included), the root hooks take this
+path instead, so that zero_ext puts no graph break in the model's forward:
+
+- `zero_ext::begin_forward(handle)` and `zero_ext::end_forward(handle)`,
+  registered ops the graph calls at run time, in place of the core calls;
+- each output that requires grad passes through `_BackwardBegins`, whose
+  backward calls `zero_ext::backward_begins(handle, grad)` in the backward
+  graph: the epilogue is armed there, as the eager output hook does.
+
+Gradients still reach zero_ext through the C++ hooks on the parameters'
+gradient accumulators, which run after the compiled backward as they do
+after an eager one. See [Note: the model's forward in a compiled graph] in
+csrc/core_ops.cpp for why the ops take an int and why backward_begins reads
+the gradient.
+
+Stage 3's unit hooks and fp16 loss scaling keep their eager hooks (a graph
+break around each), as documented in docs/torch-compile-and-profiling.md.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+_OPS = ("begin_forward", "end_forward", "backward_begins")
+
+
+def _mark_side_effects() -> None:
+    """No graph pass may drop these ops: they return nothing, and what they
+    do is on the model, not on a tensor the graph sees."""
+    from torch.fx.node import has_side_effect
+
+    for name in _OPS:
+        has_side_effect(getattr(torch.ops.zero_ext, name).default)
+
+
+_mark_side_effects()
+
+
+class _BackwardBegins(torch.autograd.Function):
+    """The identity; its backward tells the model (by handle) that a
+    backward reached its output, then passes the gradient on."""
+
+    @staticmethod
+    def forward(ctx: Any, handle: int, output: torch.Tensor) -> torch.Tensor:
+        ctx.handle = handle
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        torch.ops.zero_ext.backward_begins(ctx.handle, grad)
+        return None, grad
+
+
+def pre_forward(handle: int, cast_to: Optional[torch.dtype], args: tuple, kwargs: dict) -> Any:
+    """The root pre-forward hook's work in a traced graph."""
+    torch.ops.zero_ext.begin_forward(handle)
+    if cast_to is None:
+        return None
+    return tree_map_only(torch.Tensor, lambda t: t.to(cast_to) if t.is_floating_point() else t, (args, kwargs))
+
+
+def post_forward(handle: int, output_dtype: Optional[torch.dtype], output: Any) -> Any:
+    """The root forward hook's work in a traced graph: the outputs that
+    require grad (with grad enabled) through _BackwardBegins, then the
+    model's end_forward; floating outputs cast to `output_dtype`."""
+    if torch.is_grad_enabled():
+        output = tree_map_only(torch.Tensor,
+                               lambda t: _BackwardBegins.apply(handle, t) if t.requires_grad else t, output)
+    torch.ops.zero_ext.end_forward(handle)
+    if output_dtype is not None:
+        output = tree_map_only(torch.Tensor, lambda t: t.to(output_dtype) if t.is_floating_point() else t, output)
+    return output
