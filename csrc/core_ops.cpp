@@ -56,6 +56,20 @@ void backward_begins_kernel(int64_t model, const at::Tensor& /*grad*/) {
   model_of_handle(model, "backward_begins")->on_output_grad();
 }
 
+// fp16 with loss scaling: backward_begins, and the output's gradient scaled
+// by the loss scale (1 where the backward reaches no parameter: autograd.grad
+// gets true gradients) in fp32, then in the output's dtype `dtype` (fp16
+// outputs leave the model in fp32), as LossScaleBoundary's backward
+// (autograd_boundaries.cpp) does eagerly.
+at::Tensor scale_output_grad_kernel(int64_t model, const at::Tensor& grad, at::ScalarType dtype) {
+  const double scale = model_of_handle(model, "scale_output_grad")->on_output_grad();
+  return scale != 1.0 ? (grad.to(at::kFloat) * scale).to(dtype) : grad.to(dtype, /*non_blocking=*/false, /*copy=*/true);
+}
+
+at::Tensor scale_output_grad_meta(int64_t /*model*/, const at::Tensor& grad, at::ScalarType dtype) {
+  return at::empty_like(grad, grad.options().dtype(dtype));
+}
+
 void begin_forward_meta(int64_t /*model*/) {}
 void end_forward_meta(int64_t /*model*/) {}
 void backward_begins_meta(int64_t /*model*/, const at::Tensor& /*grad*/) {}
@@ -101,6 +115,8 @@ void define_core_ops(torch::Library& m) {
   m.impl("end_forward", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(end_forward_kernel));
   m.def("backward_begins(int model, Tensor grad) -> ()");
   m.impl("backward_begins", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(backward_begins_kernel));
+  m.def("scale_output_grad(int model, Tensor grad, ScalarType dtype) -> Tensor");
+  m.impl("scale_output_grad", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(scale_output_grad_kernel));
 }
 
 void register_core_op_meta_kernels(torch::Library& m) {
@@ -111,6 +127,7 @@ void register_core_op_meta_kernels(torch::Library& m) {
   m.impl("begin_forward", TORCH_FN(begin_forward_meta));
   m.impl("end_forward", TORCH_FN(end_forward_meta));
   m.impl("backward_begins", TORCH_FN(backward_begins_meta));
+  m.impl("scale_output_grad", TORCH_FN(scale_output_grad_meta));
 }
 
 // --- model handles ---------------------------------------------------------------

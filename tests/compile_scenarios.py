@@ -57,7 +57,9 @@ def _train(stage: int, rank: int, world: int, mode: Optional[str],
         g = torch.Generator().manual_seed(700 + step)
         tokens = torch.randint(0, VOCAB, (world * BATCH, SEQ + 1), generator=g)[rank * BATCH:(rank + 1) * BATCH]
         logits = forward(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        if "mixed_precision" in options:  # fp16 gradients ~1e-9: zero unless the loss scale lifts them
+            loss = loss * 2.0 ** -20
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -71,6 +73,8 @@ def run_one(rank: int, world: int, item: str) -> Optional[str]:
     mode, stage = item.split("/stage")
     stage, _, variant = stage.partition("/")
     options = {"reshard_after_forward": False} if variant == "kept" else {}
+    if variant == "fp16":  # the loss scale applied in the compiled backward
+        options = {"mixed_precision": zero_ext.MixedPrecision(param_dtype=torch.float16)}
     torch._dynamo.reset()
     eager_losses, eager_params = _train(int(stage), rank, world, None, **options)
     counters.clear()
@@ -102,4 +106,5 @@ def all_items() -> List[str]:
     """Each mode at each stage, and stage 3 with its units kept gathered from
     forward to backward (reshard_after_forward=False)."""
     return ([f"{mode}/stage{stage}" for mode in MODES for stage in (0, 1, 2, 3)] + [f"{m}/stage3/kept" for m in MODES]
-            + [f"fullgraph/stage{stage}" for stage in FULLGRAPH_STAGES] + ["fullgraph-inductor/stage2"])
+            + [f"fullgraph/stage{stage}" for stage in FULLGRAPH_STAGES] + ["fullgraph-inductor/stage2",
+                                                                             "fullgraph/stage2/fp16"])

@@ -19,8 +19,14 @@ after an eager one. See [Note: the model's forward in a compiled graph] in
 csrc/core_ops.cpp for why the ops take an int and why backward_begins reads
 the gradient.
 
-Stage 3's unit hooks and fp16 loss scaling keep their eager hooks (a graph
-break around each), as documented in docs/torch-compile-and-profiling.md.
+Under fp16 loss scaling the outputs pass through `_ScaledBackwardBegins`
+instead: fp16 outputs leave the model in fp32, and the backward calls
+`zero_ext::scale_output_grad(handle, grad, dtype)`, which arms the epilogue
+and returns the gradient times the loss scale of that moment, as the eager
+LossScaleBoundary (csrc/autograd_boundaries.cpp) does.
+
+Stage 3's unit hooks keep their eager hooks (a graph break around each), as
+documented in docs/torch-compile-and-profiling.md.
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ from typing import Any, Optional
 import torch
 from torch.utils._pytree import tree_map_only
 
-_OPS = ("begin_forward", "end_forward", "backward_begins")
+_OPS = ("begin_forward", "end_forward", "backward_begins", "scale_output_grad")
 
 
 def _mark_side_effects() -> None:
@@ -59,6 +65,20 @@ class _BackwardBegins(torch.autograd.Function):
         return None, grad
 
 
+class _ScaledBackwardBegins(torch.autograd.Function):
+    """fp16 with loss scaling: an fp16 output leaves in fp32; the backward
+    arms the epilogue and scales the gradient by the loss scale."""
+
+    @staticmethod
+    def forward(ctx: Any, handle: int, output: torch.Tensor) -> torch.Tensor:
+        ctx.handle, ctx.dtype = handle, output.dtype
+        return output.float() if output.dtype == torch.float16 else output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return None, torch.ops.zero_ext.scale_output_grad(ctx.handle, grad, ctx.dtype)
+
+
 def pre_forward(handle: int, cast_to: Optional[torch.dtype], args: tuple, kwargs: dict) -> Any:
     """The root pre-forward hook's work in a traced graph."""
     torch.ops.zero_ext.begin_forward(handle)
@@ -67,13 +87,14 @@ def pre_forward(handle: int, cast_to: Optional[torch.dtype], args: tuple, kwargs
     return tree_map_only(torch.Tensor, lambda t: t.to(cast_to) if t.is_floating_point() else t, (args, kwargs))
 
 
-def post_forward(handle: int, output_dtype: Optional[torch.dtype], output: Any) -> Any:
+def post_forward(handle: int, output_dtype: Optional[torch.dtype], scales_loss: bool, output: Any) -> Any:
     """The root forward hook's work in a traced graph: the outputs that
-    require grad (with grad enabled) through _BackwardBegins, then the
-    model's end_forward; floating outputs cast to `output_dtype`."""
+    require grad (with grad enabled) through _BackwardBegins (or, with
+    `scales_loss`, _ScaledBackwardBegins), then the model's end_forward;
+    floating outputs cast to `output_dtype`."""
     if torch.is_grad_enabled():
-        output = tree_map_only(torch.Tensor,
-                               lambda t: _BackwardBegins.apply(handle, t) if t.requires_grad else t, output)
+        boundary = _ScaledBackwardBegins if scales_loss else _BackwardBegins
+        output = tree_map_only(torch.Tensor, lambda t: boundary.apply(handle, t) if t.requires_grad else t, output)
     torch.ops.zero_ext.end_forward(handle)
     if output_dtype is not None:
         output = tree_map_only(torch.Tensor, lambda t: t.to(output_dtype) if t.is_floating_point() else t, output)

@@ -245,10 +245,10 @@ class RootHooks:
         self.depth = 0  # nested forwards of the model; tracked with merged units only
         self.runs: List[Tuple[int, "MergedUnitHooks"]] = []  # merged units opened in this forward, in order
         self.finished = False  # post_forward's core call returned; end_forward, right after it, resets it
-        # Stages 0-2 without fp16 loss scaling: the root hooks have a traced
-        # form (runtime/compiled_forward.py), so torch.compile over the whole
-        # model meets no graph break of zero_ext's.
-        self.traceable = not state.params_sharded and not self.loss_scaling()
+        # Stages 0-2: the root hooks have a traced form (runtime/
+        # compiled_forward.py), so torch.compile over the whole model meets
+        # no graph break of zero_ext's.
+        self.traceable = not state.params_sharded
         self.handle = self.units.handle() if self.traceable else 0
 
     @property
@@ -261,9 +261,11 @@ class RootHooks:
             hook_forward(module, post=self.end_forward, always_call=True)
             return
         handle, cast_to, output_dtype = self.handle, self.cast_to, self.output_dtype
+        scales_loss = self.loss_scaling()  # fp16: on from wrap() (disable_loss_scaling turns the scale to 1)
         hook_forward(module, pre=self.pre_forward, post=self.post_forward,
                      traced_pre=lambda mod, args, kwargs: compiled_forward.pre_forward(handle, cast_to, args, kwargs),
-                     traced_post=lambda mod, args, output: compiled_forward.post_forward(handle, output_dtype, output))
+                     traced_post=lambda mod, args, output: compiled_forward.post_forward(handle, output_dtype,
+                                                                                         scales_loss, output))
         hook_forward(module, post=self.end_forward, always_call=True, traced_post=lambda mod, args, output: None)
 
     def _inner(self, t: torch.Tensor) -> torch.Tensor:
