@@ -4,6 +4,11 @@
     python benchmarks/step_time.py --world 4 --dim 384 --layers 6
     python benchmarks/step_time.py --systems zero_ext-2 zero_ext-2-bf16 zero_ext-2-offload
 
+Any system followed by -compile runs under torch.compile (Inductor; see
+build_system), its first step taking the compilation:
+
+    python benchmarks/step_time.py --systems ddp ddp-compile zero_ext-2 zero_ext-2-compile --fresh 3
+
 A zero_ext system is zero_ext-STAGE, optionally followed by -bf16 or -fp16
 (mixed precision), -offload (offload_optimizer="cpu"), -keep (stage 3 with
 reshard_after_forward=False: units stay gathered from forward to backward),
@@ -63,6 +68,25 @@ def make_batch(args, rank, world, step):
 
 
 def build_system(args, system, world):
+    """(model, what the loop calls, optimizer). A system name ending in
+    -compile is the same system under torch.compile (Inductor): the whole
+    model for DDP and zero_ext stages 0-2 (no graph break of zero_ext's:
+    docs/torch-compile-and-profiling.md), each block for FSDP2 and zero_ext
+    stage 3 (torchtitan's regional compilation; their hooks break the graph
+    around a whole model)."""
+    compiled = system.endswith("-compile")
+    system = system[:-len("-compile")] if compiled else system
+    model, trained, opt = _build_eager(args, system, world)
+    if compiled:
+        if system.startswith("fsdp2") or system.startswith("zero_ext-3"):
+            for block in model.blocks:
+                block.compile()
+        else:
+            trained = torch.compile(trained)
+    return model, trained, opt
+
+
+def _build_eager(args, system, world):
     torch.manual_seed(0)
     model = TinyGPT(args.vocab, args.dim, args.layers, args.heads, args.context)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
