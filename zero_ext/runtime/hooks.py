@@ -10,6 +10,10 @@ them, and applies the fp16 loss scale there; an always-called hook after it
 tells the core when the forward raised instead. A unit is gathered before its
 forward, released after it, and its outputs are hooked to gather it again
 before its backward.
+
+Every hook runs eagerly, outside any graph torch.compile traces
+(outside_compile), but the root's at stages 0-2, which have a traced form
+there (runtime/compiled_forward.py): no graph break of zero_ext's.
 """
 from __future__ import annotations
 
