@@ -13,6 +13,8 @@ per step, then parameters), or the graph breaks Dynamo reported.
   fullgraph=True (Dynamo inlines the model's call, hooks included): zero_ext's
   root hooks are traced into the graph (runtime/compiled_forward.py), no
   graph break, and the result is bitwise the eager one's.
+- fullgraph/stage2/accumulate: a micro-batch under no_sync(), then a
+  backward run twice over one forward (retain_graph), bitwise as eager.
 - fullgraph-inductor (stage 2): the same with Inductor, equal to eager
   within Inductor's rounding (it fuses and reorders float arithmetic: a few
   ulps per step, which AdamW's normalized update does not amplify over
@@ -21,6 +23,7 @@ Backend aot_eager (but fullgraph-inductor): Dynamo and AOTAutograd, the
 parts that meet zero_ext's hooks, storage release and autograd nodes,
 without a C++ compile per graph.
 """
+from contextlib import nullcontext
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -35,7 +38,7 @@ MODES = ("blocks", "whole")
 FULLGRAPH_STAGES = (0, 1, 2)  # stage 3's unit hooks still break the graph
 
 
-def _train(stage: int, rank: int, world: int, mode: Optional[str],
+def _train(stage: int, rank: int, world: int, mode: Optional[str], accumulate: bool = False,
            **options) -> Tuple[List[float], Dict[str, torch.Tensor]]:
     model = Blocks()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
@@ -56,6 +59,18 @@ def _train(stage: int, rank: int, world: int, mode: Optional[str],
     for step in range(STEPS):
         g = torch.Generator().manual_seed(700 + step)
         tokens = torch.randint(0, VOCAB, (world * BATCH, SEQ + 1), generator=g)[rank * BATCH:(rank + 1) * BATCH]
+        if accumulate:  # a micro-batch under no_sync(), then one backward twice over its forward
+            with model.no_sync():
+                logits = forward(tokens[:, :-1].flip(0))
+                F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flip(0).flatten()).backward()
+            logits = forward(tokens[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward(retain_graph=True)  # the epilogue waits for the graph's last backward
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            continue
         logits = forward(tokens[:, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
         if "mixed_precision" in options:  # fp16 gradients ~1e-9: zero unless the loss scale lifts them
@@ -75,10 +90,16 @@ def run_one(rank: int, world: int, item: str) -> Optional[str]:
     options = {"reshard_after_forward": False} if variant == "kept" else {}
     if variant == "fp16":  # the loss scale applied in the compiled backward
         options = {"mixed_precision": zero_ext.MixedPrecision(param_dtype=torch.float16)}
+    if variant == "accumulate":  # no_sync() and a second backward (retain_graph) through the compiled graph
+        options = {"accumulate": True}
     torch._dynamo.reset()
-    eager_losses, eager_params = _train(int(stage), rank, world, None, **options)
-    counters.clear()
-    losses, params = _train(int(stage), rank, world, mode, **options)
+    # A compiled backward run twice (retain_graph) needs donated buffers off:
+    # torch's own rule for any compiled model, zero_ext or not.
+    retained = torch._functorch.config.patch(donated_buffer=False) if variant == "accumulate" else nullcontext()
+    with retained:
+        eager_losses, eager_params = _train(int(stage), rank, world, None, **options)
+        counters.clear()
+        losses, params = _train(int(stage), rank, world, mode, **options)
     breaks = dict(counters["graph_break"])
     if mode in ("blocks", "fullgraph", "fullgraph-inductor") and breaks:
         return f"graph breaks ({mode}): {breaks}"
@@ -107,4 +128,5 @@ def all_items() -> List[str]:
     forward to backward (reshard_after_forward=False)."""
     return ([f"{mode}/stage{stage}" for mode in MODES for stage in (0, 1, 2, 3)] + [f"{m}/stage3/kept" for m in MODES]
             + [f"fullgraph/stage{stage}" for stage in FULLGRAPH_STAGES] + ["fullgraph-inductor/stage2",
-                                                                             "fullgraph/stage2/fp16"])
+                                                                             "fullgraph/stage2/fp16",
+                                                                             "fullgraph/stage2/accumulate"])
