@@ -193,6 +193,23 @@ say(f"FSDP2, one plain process and zero_ext read what was written: {n} tensors")
 ''',
     expect=("FSDP2, one plain process and zero_ext read what was written: 7 tensors",))
 
+_COMPILE = Prelude(
+    setup=_TRAIN_BOTH + '''
+import copy
+from torch._dynamo.utils import counters
+model = small_model()
+reference = copy.deepcopy(model)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+''',
+    check='''
+ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+train_both(compiled, optimizer, reference, ref_opt)
+assert not counters["graph_break"], dict(counters["graph_break"])
+say("compiled, no graph break, the same as one process:",
+    assert_same(zero_ext.full_state_dict(model), reference, rtol=1e-4, atol=1e-5), "tensors")
+''',
+    expect=("compiled, no graph break, the same as one process: 4 tensors",))
+
 _ASYNC = Prelude(
     setup='''
 model = small_model()
@@ -455,6 +472,7 @@ PRELUDES = {
      "# given: model, optimizer, sched (zero_ext's); fsdp_model, fsdp_optimizer (FSDP2's); plain_model (not wrapped)"):
         _DCP,
     ("docs/checkpoints.md", "# given: model, optimizer"): _ASYNC,
+    ("docs/torch-compile-and-profiling.md", "# given: model, optimizer"): _COMPILE,
     ("docs/checkpoints.md", "# given: ckpt (a path), model, optimizer"): _RESUME,
     ("docs/compression.md", "# given: model, optimizer"): _COMPRESSION,
     ("docs/mixed-precision-and-offload.md", "# given: model, opt; each line is one choice (a model is wrapped once)"):
