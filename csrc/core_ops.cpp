@@ -137,8 +137,7 @@ namespace {
 struct HandleTable {
   std::mutex mutex;
   int64_t next = 1;
-  std::unordered_map<int64_t, c10::weak_intrusive_ptr<ShardedModel>> models;
-  std::unordered_map<const ShardedModel*, int64_t> handles;
+  std::unordered_map<int64_t, c10::weak_intrusive_ptr<ShardedModel>> models;  // a few entries: one per model
 };
 
 HandleTable& handle_table() {
@@ -151,26 +150,17 @@ HandleTable& handle_table() {
 int64_t model_handle(const ModelPtr& model) {
   HandleTable& table = handle_table();
   std::lock_guard<std::mutex> lock(table.mutex);
-  auto found = table.handles.find(model.get());
-  if (found != table.handles.end()) {
-    auto held = table.models.find(found->second);
-    if (held != table.models.end() && held->second.lock().get() == model.get()) {
-      return found->second;
-    }
-  }
-  for (auto it = table.models.begin(); it != table.models.end();) {  // models gone: forget them
+  for (auto it = table.models.begin(); it != table.models.end();) {
     if (it->second.expired()) {
-      it = table.models.erase(it);
+      it = table.models.erase(it);  // its model is gone: forgotten
+    } else if (it->second.lock().get() == model.get()) {
+      return it->first;
     } else {
       ++it;
     }
   }
-  for (auto it = table.handles.begin(); it != table.handles.end();) {
-    it = table.models.count(it->second) ? std::next(it) : table.handles.erase(it);
-  }
   const int64_t handle = table.next++;  // never reused: a stale graph cannot reach another model
-  table.models.insert_or_assign(handle, c10::weak_intrusive_ptr<ShardedModel>(model));
-  table.handles.insert_or_assign(model.get(), handle);
+  table.models.emplace(handle, c10::weak_intrusive_ptr<ShardedModel>(model));
   return handle;
 }
 
