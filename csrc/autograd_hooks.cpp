@@ -15,6 +15,18 @@
 namespace zero_ext {
 namespace {
 
+// Compiled autograd asks each hook to describe itself (compiled_args) so that
+// it can trace the hook into its graph; torch implements that for Python
+// hooks only, and its own refusal names no way out.
+[[noreturn]] void refuse_compiled_autograd() {
+  TORCH_CHECK(false,
+              "zero_ext: compiled autograd (torch._dynamo.config.compiled_autograd) cannot trace zero_ext's "
+              "gradient hooks yet: they are C++ hooks on the parameters' gradient accumulators. Compile the "
+              "forward instead (torch.compile(model), or a function that runs the forward and the loss) and call "
+              "loss.backward() as usual: AOTAutograd compiles the backward with the forward, and zero_ext's "
+              "hooks run after it (docs/torch-compile-and-profiling.md)");
+}
+
 class ParamReadyHook : public torch::autograd::FunctionPostHook {
  public:
   ParamReadyHook(const std::function<void(int64_t)>* on_ready, int64_t index)
@@ -23,6 +35,9 @@ class ParamReadyHook : public torch::autograd::FunctionPostHook {
                                             const torch::autograd::variable_list& /*inputs*/) override {
     (*on_ready_)(index_);
     return outputs;
+  }
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {
+    refuse_compiled_autograd();
   }
 
  private:
@@ -40,6 +55,9 @@ class ClearStandInHook : public torch::autograd::FunctionPreHook {
       grad = at::Tensor();
     }
     return grads;
+  }
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {
+    refuse_compiled_autograd();
   }
 
  private:
