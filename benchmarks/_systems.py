@@ -10,7 +10,9 @@ with --vocab tokens when given. A system is plain (world 1), ddp, fsdp2
 (fully_shard on each block and the root, resharded after forward: ZeRO-3),
 fsdp2-s2 (the same kept gathered after forward: ZeRO-2's traffic) or
 zero_ext-N (stage N; zero_ext-N-unchecked: without the collective sequence
-checks; zero_ext-3-blocks: every block a unit of its own, none merged). Every system steps torch's AdamW (foreach).
+checks; zero_ext-3-blocks: every block a unit of its own, none merged);
+any of them followed by -compile (the whole model under torch.compile) or
+-compileblocks (each block compiled). Every system steps torch's AdamW (foreach).
 """
 from __future__ import annotations
 
@@ -92,7 +94,20 @@ def model_and_blocks(args) -> Tuple[nn.Module, List[nn.Module]]:
 
 
 def build(args, system: str, world: int):
-    """(the module to call, the optimizer to step) for `system`."""
+    """(the module to call, the optimizer to step) for `system`. A system
+    name ending in -compile is the same system with the whole model under
+    torch.compile (Inductor; for zero_ext the whole sharded step, stage 3's
+    gathers included: docs/torch-compile-and-profiling.md); -compileblocks
+    compiles each block in place instead (torchtitan's regional compilation,
+    the way FSDP2 compiles). The first step carries the compilation."""
+    for suffix, whole in (("-compileblocks", False), ("-compile", True)):
+        if system.endswith(suffix):
+            trained, opt = build(args, system[:-len(suffix)], world)
+            if whole:
+                return torch.compile(trained), opt
+            for block in blocks_of_trained(trained):
+                block.compile()
+            return trained, opt
     model, blocks = model_and_blocks(args)
     if system.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
@@ -113,6 +128,14 @@ def build(args, system: str, world: int):
         return zero_ext.wrap(model, opt, stage=int(parts[1]), bucket_mb=args.bucket_mb, units=units)
     finally:
         os.environ.pop("ZERO_EXT_COLLECTIVE_CHECKS")
+
+
+def blocks_of_trained(trained: nn.Module) -> List[nn.Module]:
+    """The repeated blocks of a built system's model (DDP's inner module)."""
+    model = trained.module if isinstance(trained, DistributedDataParallel) else trained
+    if hasattr(model, "blocks"):
+        return list(model.blocks)
+    return blocks_of(model)
 
 
 def batch(args, rank: int, world: int, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
