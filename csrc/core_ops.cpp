@@ -44,12 +44,25 @@ void run_epilogue_kernel(const ModelPtr& model) {
 
 // The model's forward boundaries as ops, for a forward torch.compile traces
 // ([Note: the model's forward in a compiled graph]).
-void begin_forward_kernel(int64_t model) {
-  model_of_handle(model, "begin_forward")->begin_forward();
+// `grad`: grad mode where the graph was traced (it runs under no_grad).
+void begin_forward_kernel(int64_t model, bool grad) {
+  model_of_handle(model, "begin_forward")->begin_graph_forward(grad);
 }
 
 void end_forward_kernel(int64_t model) {
-  model_of_handle(model, "end_forward")->end_forward({});
+  model_of_handle(model, "end_forward")->end_graph_forward();
+}
+
+// Stage 3: a parameter's read in a graph ([Note: stage 3 in a compiled graph]
+// in units.cpp). `param` (the parameter itself, whose storage holds nothing
+// while released) is never read: it makes the read depend on the
+// parameter, and gives the result's shape and dtype to fake tensors.
+at::Tensor gathered_param_kernel(int64_t model, int64_t index, const at::Tensor& /*param*/) {
+  return model_of_handle(model, "gathered_param")->gathered_param(index);
+}
+
+at::Tensor gathered_param_meta(int64_t /*model*/, int64_t /*index*/, const at::Tensor& param) {
+  return at::empty(param.sizes(), param.options());
 }
 
 void backward_begins_kernel(int64_t model, const at::Tensor& /*grad*/) {
@@ -70,7 +83,7 @@ at::Tensor scale_output_grad_meta(int64_t /*model*/, const at::Tensor& grad, at:
   return at::empty_like(grad, grad.options().dtype(dtype));
 }
 
-void begin_forward_meta(int64_t /*model*/) {}
+void begin_forward_meta(int64_t /*model*/, bool /*grad*/) {}
 void end_forward_meta(int64_t /*model*/) {}
 void backward_begins_meta(int64_t /*model*/, const at::Tensor& /*grad*/) {}
 
@@ -109,7 +122,7 @@ void define_core_ops(torch::Library& m) {
   // 2.13: "expected all opaque_object_outs to be opaque types"). Python
   // marks them side-effectful so that no graph pass drops them
   // (zero_ext/runtime/compiled_forward.py).
-  m.def("begin_forward(int model) -> ()");
+  m.def("begin_forward(int model, bool grad=True) -> ()");
   m.impl("begin_forward", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(begin_forward_kernel));
   m.def("end_forward(int model) -> ()");
   m.impl("end_forward", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(end_forward_kernel));
@@ -117,6 +130,8 @@ void define_core_ops(torch::Library& m) {
   m.impl("backward_begins", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(backward_begins_kernel));
   m.def("scale_output_grad(int model, Tensor grad, ScalarType dtype) -> Tensor");
   m.impl("scale_output_grad", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(scale_output_grad_kernel));
+  m.def("gathered_param(int model, int index, Tensor param) -> Tensor");
+  m.impl("gathered_param", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(gathered_param_kernel));
 }
 
 void register_core_op_meta_kernels(torch::Library& m) {
@@ -128,6 +143,7 @@ void register_core_op_meta_kernels(torch::Library& m) {
   m.impl("end_forward", TORCH_FN(end_forward_meta));
   m.impl("backward_begins", TORCH_FN(backward_begins_meta));
   m.impl("scale_output_grad", TORCH_FN(scale_output_grad_meta));
+  m.impl("gathered_param", TORCH_FN(gathered_param_meta));
 }
 
 // --- model handles ---------------------------------------------------------------

@@ -190,6 +190,21 @@ void ShardedModel::attach_output_hook(const at::Tensor& output) {
 // --- the model's forward ----------------------------------------------------------
 
 void ShardedModel::begin_forward() {
+  open_forward(at::GradMode::is_enabled());
+  if (units_) {
+    dispatch::gather_unit(self(), 0, /*backward=*/false);  // the root unit
+  }
+}
+
+void ShardedModel::begin_graph_forward(bool grad) {
+  open_forward(grad);
+  if (units_) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    units_->begin_graph_forward();
+  }
+}
+
+void ShardedModel::open_forward(bool grad) {
   forward_marks_.push_back(collectives_submitted());  // first: whatever raises from here on, forward_raised pops it
   if (units_) {
     round_.check_usable();  // a broken rank refuses before its root unit, which may still be gathered
@@ -199,11 +214,7 @@ void ShardedModel::begin_forward() {
   if (current_backward().graph_task_id < 0) {  // a checkpoint's recompute stays in its backward's round
     std::lock_guard<std::mutex> lock(mutex_);
     in_backward_round_ = false;  // a backward that raised before its epilogue is over
-    const bool grad = at::GradMode::is_enabled();
     begin_round(RoundKind::kForward, grad ? 1 : 0);
-  }
-  if (units_) {
-    dispatch::gather_unit(self(), 0, /*backward=*/false);  // the root unit
   }
 }
 
@@ -217,6 +228,32 @@ void ShardedModel::end_forward(std::vector<at::Tensor> outputs) {
   if (!forward_marks_.empty()) {
     forward_marks_.pop_back();  // last: if anything above raised, forward_raised pops it
   }
+}
+
+void ShardedModel::end_graph_forward() {
+  if (units_) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    units_->end_graph_forward();
+  }
+  if (!forward_marks_.empty()) {
+    forward_marks_.pop_back();
+  }
+}
+
+at::Tensor ShardedModel::gathered_param(int64_t param_index) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(units_, "zero_ext.gathered_param: this model's parameters are not sharded (stages 0-2 keep them "
+              "whole); the op is for stage 3 graphs");
+  TORCH_CHECK(param_index >= 0 && param_index < layout_.num_params(), "zero_ext.gathered_param: no parameter ",
+              param_index, " (the model has ", layout_.num_params(), "); recompile after wrapping the model again");
+  enter_backward_round();  // a read in the backward graph (recomputed)
+  drain_deferred_uses();
+  const bool in_backward = current_backward().graph_task_id >= 0;
+  const int64_t unit = layout_.bucket(layout_.bucket_of(param_index)).unit;
+  units_->gather_for_graph(unit, in_backward);
+  at::Tensor value = store_.param(param_index).clone(at::MemoryFormat::Contiguous);
+  units_->after_graph_read(unit);
+  return value;
 }
 
 int64_t ShardedModel::collectives_submitted() const {

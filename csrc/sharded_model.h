@@ -62,6 +62,15 @@ class ShardedModel : public torch::CustomClassHolder {
   // --- the model's forward (one call each from its pre and post hooks) -------
   // Drops a stale backward round, checks parameter shapes, gathers the root unit.
   void begin_forward();
+  // The same from a graph torch.compile traced ([Note: the model's forward
+  // in a compiled graph] in core_ops.cpp): stage 3 gathers no unit here; the
+  // graph reads each parameter through gathered_param. `grad`: whether the
+  // forward records a graph (a compiled forward runs under no_grad).
+  void begin_graph_forward(bool grad);
+  void end_graph_forward();
+  // torch.ops.zero_ext.gathered_param: parameter `param_index`'s full value,
+  // a fresh tensor ([Note: stage 3 in a compiled graph] in units.cpp).
+  at::Tensor gathered_param(int64_t param_index);
   // Hooks the outputs (the epilogue's owner, the fp16 loss scale) and ends
   // the root unit's forward.
   void end_forward(std::vector<at::Tensor> outputs);
@@ -253,6 +262,8 @@ class ShardedModel : public torch::CustomClassHolder {
   void enable_stall_diagnosis(const CoreConfig& config);    // communicator.h
   void arm_epilogue();
   // The next collective on each group starts a round of this kind.
+  // begin_forward's checks and round, shared with begin_graph_forward.
+  void open_forward(bool grad);
   void begin_round(RoundKind kind, int64_t detail = 0, const std::string& label = {});
   // Inside a backward that reaches the parameters, its first event begins a
   // backward round, whatever that event is (the order of hooks on one

@@ -47,6 +47,14 @@ class UnitScheduler {
   // 'blocks.1'", the innermost unit whose forward began and did not end.
   std::string forward_position() const;
   void pre_backward(int64_t u);
+  // A forward torch.compile traced ([Note: stage 3 in a compiled graph] in
+  // units.cpp): the parameters of unit u are read now (in a forward, or a
+  // backward's recompute) and copied out; the unit read before is released.
+  void begin_graph_forward();
+  void gather_for_graph(int64_t u, bool in_backward);
+  // After each read: the unit's buffer is released once every parameter of it was read.
+  void after_graph_read(int64_t u);
+  void end_graph_forward();
   // reshard_after_forward=False for these units: a forward that records a
   // graph leaves them gathered until their backward is over (no second
   // gather); other units release after each forward. Set at wrap().
@@ -154,6 +162,9 @@ class UnitScheduler {
   // (the backward ended, a step comes) go back to their file.
   void park_read_ahead();
   void finish_forward_order();
+  int64_t graph_unit_ = -1;  // the unit a compiled graph reads now: released when it reads another
+  int64_t graph_reads_left_ = 0;  // reads of graph_unit_ before each of its parameters was read once
+  std::vector<bool> graph_gathered_;  // by unit: gathered for a graph (by its read or prefetch), its to release
   std::vector<int64_t> units_of(const std::vector<int64_t>& param_indices) const;
 
   const Layout& layout_;

@@ -37,13 +37,16 @@ import zero_ext
 from parity_scenarios import BATCH, SEQ, VOCAB, Blocks
 
 BACKEND = "aot_eager"
+EXPLAINED: List[int] = []  # torch._dynamo.explain's graph break counts, by fullgraph-module items
 STEPS = 3
 MODES = ("blocks", "whole")
-FULLGRAPH_STAGES = (0, 1, 2)  # stage 3's unit hooks still break the graph
+FULLGRAPH_STAGES = (0, 1, 2, 3)
 
 
 def _train(stage: int, rank: int, world: int, mode: Optional[str], accumulate: bool = False,
-           **options) -> Tuple[List[float], Dict[str, torch.Tensor]]:
+           gathers: Optional[list] = None, **options) -> Tuple[List[float], Dict[str, torch.Tensor]]:
+    """`gathers`: if a list, gets per step (units the core holds gathered
+    after the forward, bucket gathers during the backward)."""
     model = Blocks()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     model, opt = zero_ext.wrap(model, opt, stage=stage, bucket_mb=0.0005, **options)
@@ -53,6 +56,8 @@ def _train(stage: int, rank: int, world: int, mode: Optional[str], accumulate: b
     elif mode == "whole":
         model.compile(backend=BACKEND)
     forward = model
+    if mode == "fullgraph-module":  # the module itself, as docs/torch-compile-and-profiling.md shows it
+        forward = torch.compile(model, fullgraph=True, backend=BACKEND)
     if mode in ("fullgraph", "fullgraph-inductor"):
         # A function that calls the model, as a compiled train step does:
         # Dynamo inlines the model's __call__, its hooks included (compiling
@@ -79,10 +84,18 @@ def _train(stage: int, rank: int, world: int, mode: Optional[str], accumulate: b
         loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
         if "mixed_precision" in options:  # fp16 gradients ~1e-9: zero unless the loss scale lifts them
             loss = loss * 2.0 ** -20
+        stats = model._zero_ext.handles.diagnostics.stats
+        after_forward = stats()
         loss.backward()
+        if gathers is not None:
+            gathers.append((after_forward["gathered_units"], stats()["param_gathers"] - after_forward["param_gathers"]))
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    if mode == "fullgraph-module":  # what a user asks Dynamo: the wrapped model's graph breaks
+        explained = torch._dynamo.explain(model)(tokens[:, :-1])
+        EXPLAINED.append(explained.graph_break_count)
+        opt.zero_grad()
     return losses, zero_ext.full_state_dict(model)
 
 
@@ -100,16 +113,29 @@ def run_one(rank: int, world: int, item: str) -> Optional[str]:
     # A compiled backward run twice (retain_graph) needs donated buffers off:
     # torch's own rule for any compiled model, zero_ext or not.
     retained = torch._functorch.config.patch(donated_buffer=False) if variant == "accumulate" else nullcontext()
+    gathers = [] if stage == "3" and mode.startswith("fullgraph") and variant != "accumulate" else None
     with retained:
         eager_losses, eager_params = _train(int(stage), rank, world, None, **options)
         counters.clear()
-        losses, params = _train(int(stage), rank, world, mode, **options)
+        losses, params = _train(int(stage), rank, world, mode, gathers=gathers, **options)
     breaks = dict(counters["graph_break"])
-    if mode in ("blocks", "fullgraph", "fullgraph-inductor") and breaks:
+    if mode == "fullgraph-module" and EXPLAINED.pop():
+        return "torch._dynamo.explain reports a graph break in the wrapped model"
+    if mode in ("blocks", "fullgraph", "fullgraph-module", "fullgraph-inductor") and breaks:
         return f"graph breaks ({mode}): {breaks}"
+    # Stage 3 in the graph: no unit left gathered by the forward (the graph
+    # holds its own copies); the backward gathers again (its reads are
+    # recomputed), but not a unit kept from forward to backward.
+    for step, (held, backward_gathers) in enumerate(gathers or []):
+        if held:
+            return f"step {step}: {held} units still gathered after the compiled forward"
+        if variant == "kept" and backward_gathers:
+            return f"step {step}: {backward_gathers} gathers in backward with reshard_after_forward=False"
+        if variant != "kept" and not backward_gathers:
+            return f"step {step}: no gather in backward: the forward's gathered values were saved for it"
     if mode == "whole" and not counters["stats"]["unique_graphs"]:
         return "nothing was compiled"
-    if mode == "fullgraph":  # the same ops in the same order: bitwise
+    if mode in ("fullgraph", "fullgraph-module"):  # the same ops in the same order: bitwise
         for step, (a, b) in enumerate(zip(eager_losses, losses)):
             if a != b:
                 return f"step {step}: loss {b!r} compiled, {a!r} eager (bitwise expected)"
@@ -131,6 +157,7 @@ def all_items() -> List[str]:
     """Each mode at each stage, and stage 3 with its units kept gathered from
     forward to backward (reshard_after_forward=False)."""
     return ([f"{mode}/stage{stage}" for mode in MODES for stage in (0, 1, 2, 3)] + [f"{m}/stage3/kept" for m in MODES]
-            + [f"fullgraph/stage{stage}" for stage in FULLGRAPH_STAGES] + ["fullgraph-inductor/stage2",
-                                                                             "fullgraph/stage2/fp16",
-                                                                             "fullgraph/stage2/accumulate"])
+            + [f"fullgraph/stage{stage}" for stage in FULLGRAPH_STAGES]
+            + [f"fullgraph-inductor/stage{stage}" for stage in (2, 3)]
+            + [f"fullgraph/stage{stage}/{variant}" for stage in (2, 3) for variant in ("fp16", "accumulate")]
+            + ["fullgraph/stage3/kept"] + [f"fullgraph-module/stage{stage}" for stage in (0, 3)])

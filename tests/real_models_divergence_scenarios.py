@@ -67,16 +67,24 @@ def _route_differently(model: nn.Module, rank: int, only: List[int]) -> None:
         moe.only = only
 
 
-def expert_units_skipped_in_training(rank: int, world: int) -> dict:
+def expert_units_skipped_in_training(rank: int, world: int, compiled: bool = False) -> dict:
     """units={Expert} asks for one unit per expert; at step 1 rank 0's tokens
-    pick experts 0-1 and the others' experts 2-3."""
+    pick experts 0-1 and the others' experts 2-3. `compiled`: the whole
+    model under torch.compile (backend aot_eager: no C++ compile per graph;
+    the routing breaks the graph, its own break): the experts' gathers are
+    ops inside the graphs ([Note: stage 3 in a compiled graph]), and the
+    graphs each rank traces after the routing changed gather other experts."""
     def body(outputs, mark):
         model, opt = _moe_wrapped(units={Expert}, bucket_mb=ONE_UNIT_PER_BLOCK_MB)
+        forward = model
+        if compiled:
+            torch._dynamo.reset()
+            forward = torch.compile(model, backend="aot_eager")
         for step in range(3):
             if step == 1:
                 mark()
                 _route_differently(model, rank, [0, 1] if rank == 0 else [2, 3])
-            loss = lm_loss(model, tokens_of(world, step, rank))
+            loss = lm_loss(forward, tokens_of(world, step, rank))
             outputs.append(float(loss))
             loss.backward()
             opt.step()
@@ -367,6 +375,8 @@ class WiderHead(MoEModel):
 DIVERGENCES: Dict[str, Callable[[int, int], dict]] = {
     "expert_units_skipped_in_training": expert_units_skipped_in_training,
     "expert_units_skipped_in_no_grad_evaluation": expert_units_skipped_in_no_grad_evaluation,
+    "expert_units_skipped_in_compiled_training": lambda rank, world: expert_units_skipped_in_training(
+        rank, world, compiled=True),
     "evaluation_on_rank0_only": evaluation_on_rank0_only,
     "evaluation_loops_of_different_lengths": evaluation_loops_of_different_lengths,
     "evaluation_on_rank0_only_then_barrier": evaluation_on_rank0_only_then_barrier,

@@ -19,3 +19,31 @@ def results():
 @pytest.mark.parametrize("item", all_items())
 def test_compiled_model_trains_like_eager(item):
     assert_item_matched(WORLD, results()[item])
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_compiled_autograd_is_refused_with_zero_ext_s_own_error(stage):
+    """zero_ext's gradient hooks are C++ hooks, which compiled autograd
+    cannot trace: the user gets zero_ext's message with the way out (compile
+    the forward), not torch's "compiled_args nyi"."""
+    import torch
+    import torch.nn as nn
+
+    import zero_ext
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    model, _ = zero_ext.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=stage)
+
+    def step(x):
+        loss = model(x).square().sum()
+        loss.backward()
+        return loss
+
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(compiled_autograd=True):
+            with pytest.raises(RuntimeError, match="zero_ext: compiled autograd .* Compile the forward instead"):
+                torch.compile(step, backend="aot_eager")(torch.randn(3, 4))
+    finally:
+        torch._dynamo.reset()

@@ -21,7 +21,8 @@ SCHEMAS = {
     "accumulate_grad": f"zero_ext::accumulate_grad({MODEL}, int param, Tensor grad) -> ()",
     "run_epilogue": f"zero_ext::run_epilogue({MODEL}) -> ()",
     # What a compiled graph calls (runtime/compiled_forward.py): the model's int handle.
-    "begin_forward": "zero_ext::begin_forward(int model) -> ()",
+    "begin_forward": "zero_ext::begin_forward(int model, bool grad=True) -> ()",
+    "gathered_param": "zero_ext::gathered_param(int model, int index, Tensor param) -> Tensor",
     "end_forward": "zero_ext::end_forward(int model) -> ()",
     "backward_begins": "zero_ext::backward_begins(int model, Tensor grad) -> ()",
 }
@@ -74,6 +75,54 @@ def test_model_handles_are_stable_distinct_and_refused_once_the_model_is_gone():
     gc.collect()
     with pytest.raises(RuntimeError, match="no wrapped model has handle"):
         torch.ops.zero_ext.begin_forward(handle)
+
+
+def test_gathered_param_gives_a_fresh_full_value_and_releases_the_unit_read_before():
+    """What a compiled stage 3 graph does with each parameter read
+    ([Note: stage 3 in a compiled graph] in csrc/units.cpp), by hand."""
+    model, plain, _ = tiny(3, bucket_mb=0.0001)  # one unit per Linear
+    handle = model._zero_ext.handles.units.handle()
+    stats = model._zero_ext.handles.diagnostics.stats
+    names = model._zero_ext.bucketed_names
+    torch.ops.zero_ext.begin_forward(handle, True)
+    values = {}
+    for index, name in enumerate(names):
+        param = model.get_parameter(name)
+        values[name] = torch.ops.zero_ext.gathered_param(handle, index, param)
+        # Its unit is gathered by the weight's read, released after the
+        # bias's (each of its parameters read once).
+        assert stats()["gathered_units"] == (1 if name.endswith("weight") else 0), name
+    assert not model.get_parameter(names[0]).untyped_storage().resizable()
+    torch.ops.zero_ext.end_forward(handle)
+    assert stats()["gathered_units"] == 0 and stats()["param_gathers"] == 2
+    for name, p in plain.named_parameters():
+        assert torch.equal(values[name], p), name
+    values["0.weight"].zero_()  # the graph's own tensor: the model's values are untouched
+    with zero_ext.full_params(model):
+        assert torch.equal(model[0].weight, plain[0].weight)
+
+
+def test_gathered_param_refuses_stages_0_2_and_a_wrong_index():
+    model, _, _ = tiny(2)
+    handle = model._zero_ext.handles.units.handle()
+    with pytest.raises(RuntimeError, match="not sharded"):
+        torch.ops.zero_ext.gathered_param(handle, 0, model[0].weight)
+    model, _, _ = tiny(3)
+    handle = model._zero_ext.handles.units.handle()
+    with pytest.raises(RuntimeError, match="no parameter 9"):
+        torch.ops.zero_ext.gathered_param(handle, 9, model[0].weight)
+
+
+def test_stage3_modules_read_their_parameters_as_before_outside_a_graph():
+    """The parameter properties (runtime/compiled_units.py) change nothing
+    eagerly: the same objects, names and state_dict keys; isinstance holds."""
+    model, plain, _ = tiny(3)
+    assert isinstance(model[0], nn.Linear) and type(model[0]).__name__ == "ZeroExtLinear"
+    assert model[0].weight is model[0]._parameters["weight"]
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    assert list(model.state_dict()) == list(plain.state_dict())
+    model[0].bias = None  # nn.Module's own assignment still works
+    assert model[0].bias is None
 
 
 def test_compiled_forward_ops_are_kept_by_graph_passes():

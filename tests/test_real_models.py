@@ -53,6 +53,7 @@ EXPECTED = {
     # each other within the stall interval. Either way each rank's expert is named.
     "expert_units_skipped_in_training": (["experts."], 1),
     "expert_units_skipped_in_no_grad_evaluation": (["experts."], 1),
+    "expert_units_skipped_in_compiled_training": (["experts."], 1),
     "evaluation_on_rank0_only": (["forward under no_grad", "forward with grad enabled"], 0),
     "evaluation_loops_of_different_lengths": (["forward under no_grad", "forward with grad enabled"], 2),
     # Rank 0 raises as in the scenario above; once the barrier let the others

@@ -4,6 +4,7 @@ its modes, and the user's calls on a wrapped model (full_params, full state
 dicts, the memory report)."""
 from __future__ import annotations
 
+from . import compiled_units
 from .forward_methods import register_forward_method
 from .full_params import full_params
 from .hooks import install_forward_hooks
@@ -17,6 +18,7 @@ from .traffic import traffic
 __all__ = [
     "ZeroExtModule",
     "ZeroState",
+    "compiled_units",
     "full_grads",
     "full_params",
     "full_state_dict",

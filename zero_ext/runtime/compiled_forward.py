@@ -7,8 +7,9 @@ backward reaches the model. While Dynamo traces a wrapped model (a whole
 `torch.compile(model)`, `fullgraph=True` included), the root hooks take this
 path instead, so that zero_ext puts no graph break in the model's forward:
 
-- `zero_ext::begin_forward(handle)` and `zero_ext::end_forward(handle)`,
-  registered ops the graph calls at run time, in place of the core calls;
+- `zero_ext::begin_forward(handle, grad)` and `zero_ext::end_forward(handle)`,
+  registered ops the graph calls at run time, in place of the core calls
+  (`grad`: grad mode at trace time; the compiled forward runs under no_grad);
 - each output that requires grad passes through `_BackwardBegins`, whose
   backward calls `zero_ext::backward_begins(handle, grad)` in the backward
   graph: the epilogue is armed there, as the eager output hook does.
@@ -25,8 +26,8 @@ instead: fp16 outputs leave the model in fp32, and the backward calls
 and returns the gradient times the loss scale of that moment, as the eager
 LossScaleBoundary (csrc/autograd_boundaries.cpp) does.
 
-Stage 3's unit hooks keep their eager hooks (a graph break around each), as
-documented in docs/torch-compile-and-profiling.md.
+At stage 3 the units' hooks do nothing in a graph: each read of a parameter
+there is zero_ext's gather op (runtime/compiled_units.py).
 """
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ class _ScaledBackwardBegins(torch.autograd.Function):
 
 def pre_forward(handle: int, cast_to: Optional[torch.dtype], args: tuple, kwargs: dict) -> Any:
     """The root pre-forward hook's work in a traced graph."""
-    torch.ops.zero_ext.begin_forward(handle)
+    torch.ops.zero_ext.begin_forward(handle, torch.is_grad_enabled())
     if cast_to is None:
         return None
     return tree_map_only(torch.Tensor, lambda t: t.to(cast_to) if t.is_floating_point() else t, (args, kwargs))

@@ -12,8 +12,9 @@ forward, released after it, and its outputs are hooked to gather it again
 before its backward.
 
 Every hook runs eagerly, outside any graph torch.compile traces
-(outside_compile), but the root's at stages 0-2, which have a traced form
-there (runtime/compiled_forward.py): no graph break of zero_ext's.
+(outside_compile). Inside one, the root's hooks take their traced form
+(runtime/compiled_forward.py) and a unit's do nothing (each parameter read
+gathers there, runtime/compiled_units.py): no graph break of zero_ext's.
 """
 from __future__ import annotations
 
@@ -249,10 +250,12 @@ class RootHooks:
         self.depth = 0  # nested forwards of the model; tracked with merged units only
         self.runs: List[Tuple[int, "MergedUnitHooks"]] = []  # merged units opened in this forward, in order
         self.finished = False  # post_forward's core call returned; end_forward, right after it, resets it
-        # Stages 0-2: the root hooks have a traced form (runtime/
-        # compiled_forward.py), so torch.compile over the whole model meets
-        # no graph break of zero_ext's.
-        self.traceable = not state.params_sharded
+        # The root hooks have a traced form (runtime/compiled_forward.py), and
+        # at stage 3 the units' hooks do nothing in a graph, where each read
+        # of a parameter gathers (runtime/compiled_units.py): torch.compile
+        # over the whole model meets no graph break of zero_ext's. Not yet
+        # for a tensor-parallel model at stage 3 (DTensor parameters).
+        self.traceable = not (state.params_sharded and state.tensor_parallel)
         self.handle = self.units.handle() if self.traceable else 0
 
     @property
@@ -361,6 +364,14 @@ def _raised_now() -> str:
     return line if len(line) <= 300 else line[:297] + "..."
 
 
+def _traced_no_op(root: RootHooks) -> Dict[str, Any]:
+    """A unit's hooks inside a traced graph: nothing (each read of a
+    parameter gathers there, runtime/compiled_units.py)."""
+    if not root.traceable:
+        return {}
+    return {"traced_pre": lambda mod, args, kwargs: None, "traced_post": lambda mod, args, output: None}
+
+
 class UnitHooks:
     """A stage 3 unit of one module: gathered before each forward of it,
     released after, its outputs hooked to gather it again before backward."""
@@ -371,7 +382,7 @@ class UnitHooks:
         self.u = u
 
     def install(self, module: torch.nn.Module) -> None:
-        hook_forward(module, pre=self.pre_forward, post=self.post_forward)
+        hook_forward(module, pre=self.pre_forward, post=self.post_forward, **_traced_no_op(self.root))
 
     def pre_forward(self, mod: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         self.root.spent.remove()  # units may run without the root (called directly)
@@ -442,7 +453,7 @@ class MergedUnitHooks:
         last = len(self.members) - 1
         for position, member in enumerate(self.members):
             after = self.after_last_member if position == last else self.after_member
-            hook_forward(member, pre=self.before_member, post=after)
+            hook_forward(member, pre=self.before_member, post=after, **_traced_no_op(self.root))
 
     def _still_gathered(self) -> bool:
         # A released parameter points at an unreadable storage, never

@@ -39,6 +39,15 @@ class UnshardHandle:
 class ZeroExtModule:
     """Mixin placed in front of the user's module class by wrap()."""
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # nn.Module.__call__ itself, from a frame in zero_ext: torch.compile(model)
+        # and torch._dynamo.explain(model) start their trace here, not in
+        # torch.nn's (which Dynamo does not trace from: it would run the
+        # hooks outside and trace each hook and the forward as graphs of
+        # their own), so zero_ext's hooks and the forward are one graph, as
+        # model.compile() makes them.
+        return super().__call__(*args, **kwargs)
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward calls inside accumulate gradients locally, with no

@@ -5,7 +5,7 @@ pass before an asynchronous save has its snapshot (snapshot_gate)."""
 from __future__ import annotations
 
 from .arguments import described, require_bool, require_module, require_optimizer
-from .class_swap import swap_class
+from .class_swap import extend_class, swap_class
 from .core_config import CoreConfig, dtype_name
 from .core_handles import CoreHandles, CoreStats, GradLayout
 from .module_state import attach_member, attach_state, member_of, owner_state, state_of, state_or_none
@@ -31,6 +31,7 @@ __all__ = [
     "described",
     "dtype_name",
     "env_report",
+    "extend_class",
     "faults",
     "member_of",
     "offload_file",

@@ -18,7 +18,7 @@ from ..groups import (Ranks, TensorParallel, check_supported, find_tensor_parall
 from ..groups import arrival as arrivals
 from ..groups import stall_query as whereabouts
 from ..optim import WHOLE, optimizer_sharding, shard_optimizer
-from ..runtime import ZeroState, install_forward_hooks, swap_module_class
+from ..runtime import ZeroState, compiled_units, install_forward_hooks, swap_module_class
 from ..tools import CoreHandles, attach_state, faults
 from .units import Unit, assign_parameters
 from .arguments import optimizer_list
@@ -243,7 +243,7 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
     assert handles is not None
     state = _state(model, checked, groups, handles, tensor_parallel)
     _start(model, checked, state, handles, bool(groups.shard))
-    _attach(model, checked.optimizers, state, checked.unit_list, checked.export_dtype)
+    _attach(model, checked.optimizers, state, checked.unit_list, checked.export_dtype, set(checked.reshard.kept))
     # Set-up is not a step: the host blocks sharding and the first
     # broadcasts used are not kept for it ([Note: reusable host blocks]).
     torch.ops.zero_ext.release_idle_host_blocks()
@@ -335,7 +335,7 @@ def _start(model: torch.nn.Module, checked: Checked, state: ZeroState, handles: 
 
 
 def _attach(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], state: ZeroState,
-            unit_list: List[Unit], export_dtype: Optional[torch.dtype]) -> None:
+            unit_list: List[Unit], export_dtype: Optional[torch.dtype], kept_units: Set[int]) -> None:
     """Hands the model and optimizers over: parameters point to the state,
     the model's class and hooks change, the optimizers step zero_ext's shards."""
     for p in state.bucketed:
@@ -348,7 +348,13 @@ def _attach(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], sta
     # accelerate's prepare() leaves a model so marked alone: DDP on top of
     # zero_ext would reduce every gradient a second time.
     model._is_accelerate_prepared = True
-    install_forward_hooks(model, unit_list, assign_parameters(model, unit_list))
+    owner = assign_parameters(model, unit_list)
+    root = install_forward_hooks(model, unit_list, owner)
+    if root.traceable and state.params_sharded:
+        index_of = {id(p): i for i, p in enumerate(state.bucketed)}
+        # The root unit stays gathered from forward to backward, as eagerly.
+        kept = {index_of[key] for key, u in owner.items() if (u == 0 or u in kept_units) and key in index_of}
+        compiled_units.install(model, root.handle, index_of, kept)
     state.unit_of_module = {id(m): u for u, members in enumerate(unit_list) if u > 0 for m in members}
     for optimizer in optimizers:
         shard_optimizer(optimizer, state, state.bucketed, several=len(optimizers) > 1)
