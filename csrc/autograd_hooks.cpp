@@ -45,14 +45,26 @@ class ParamReadyHook : public torch::autograd::FunctionPostHook {
   int64_t index_;
 };
 
-class ClearStandInHook : public torch::autograd::FunctionPreHook {
+// Before the engine accumulates a gradient into param.grad: a gradient that
+// a compiled graph already handed to zero_ext in this backward (GradHooks::
+// mark_taken) is dropped, and zero_ext's gradient stand-in ([Note: gradient
+// stand-ins] in grad_reducer.h) is cleared so that the engine does not add to it.
+class AccumulatorPreHook : public torch::autograd::FunctionPreHook {
  public:
-  ClearStandInHook(at::Tensor param, at::Tensor stand_in)
-      : param_(std::move(param)), stand_in_(std::move(stand_in)) {}
+  AccumulatorPreHook(at::Tensor param, at::Tensor stand_in, std::shared_ptr<std::vector<int64_t>> taken_by,
+                     int64_t index)
+      : param_(std::move(param)), stand_in_(std::move(stand_in)), taken_by_(std::move(taken_by)), index_(index) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
-    at::Tensor& grad = param_.mutable_grad();
-    if (grad.defined() && grad.unsafeGetTensorImpl() == stand_in_.unsafeGetTensorImpl()) {
-      grad = at::Tensor();
+    int64_t& taken_by = (*taken_by_)[index_];
+    if (taken_by >= 0 && taken_by == current_backward().graph_task_id) {
+      taken_by = -1;
+      return {at::Tensor()};  // AccumulateGrad returns at once on an undefined gradient
+    }
+    if (stand_in_.defined()) {
+      at::Tensor& grad = param_.mutable_grad();
+      if (grad.defined() && grad.unsafeGetTensorImpl() == stand_in_.unsafeGetTensorImpl()) {
+        grad = at::Tensor();
+      }
     }
     return grads;
   }
@@ -63,6 +75,8 @@ class ClearStandInHook : public torch::autograd::FunctionPreHook {
  private:
   at::Tensor param_;  // the node holds it strongly already
   at::Tensor stand_in_;
+  std::shared_ptr<std::vector<int64_t>> taken_by_;  // shared: the node may outlive the model
+  int64_t index_;
 };
 
 } // namespace
@@ -71,6 +85,7 @@ GradHooks::GradHooks(const std::vector<at::Tensor>& params, const Layout& layout
                      std::function<void(int64_t)> on_grad_ready)
     : params_(params), layout_(layout), on_grad_ready_(std::move(on_grad_ready)) {
   const int64_t n = layout_.num_params();
+  taken_by_ = std::make_shared<std::vector<int64_t>>(n, -1);
   accumulators_.resize(n);
   hook_keys_.assign(n, 0);
   for (int64_t i = 0; i < n; ++i) {
@@ -81,9 +96,7 @@ GradHooks::GradHooks(const std::vector<at::Tensor>& params, const Layout& layout
     TORCH_CHECK(node, "zero_ext: parameter '", layout_.name(i),
                 "' has no gradient accumulator; is it a leaf that requires grad?");
     hook_keys_[i] = node->add_post_hook(std::make_unique<ParamReadyHook>(&on_grad_ready_, i));
-    if (reducer.stand_in(i).defined()) {
-      node->add_pre_hook(std::make_unique<ClearStandInHook>(params_[i], reducer.stand_in(i)));
-    }
+    node->add_pre_hook(std::make_unique<AccumulatorPreHook>(params_[i], reducer.stand_in(i), taken_by_, i));
     accumulator_nodes_.push_back(node.get());
     accumulators_[i] = std::move(node);
   }
@@ -99,6 +112,14 @@ GradHooks::~GradHooks() {
 
 bool GradHooks::backward_reaches_params() const {
   return current_backward_executes_any(accumulator_nodes_);
+}
+
+bool GradHooks::accumulates(int64_t i) const {
+  return accumulators_[i] && current_backward_executes_any({accumulators_[i].get()});
+}
+
+void GradHooks::mark_taken(int64_t i) {
+  (*taken_by_)[i] = current_backward().graph_task_id;
 }
 
 void GradHooks::verify_accumulators() const {

@@ -4,7 +4,8 @@
 //
 // A post hook reports each gradient once the engine has accumulated it into
 // param.grad; a pre hook drops the gradient stand-in ([Note: gradient
-// stand-ins] in grad_reducer.h) before the engine accumulates. The nodes are
+// stand-ins] in grad_reducer.h) before the engine accumulates, or the
+// gradient itself when a compiled graph handed it over already. The nodes are
 // held strongly: a tensor holds its AccumulateGrad node only weakly, and a
 // hook on a node that was dropped and re-created would never fire.
 
@@ -34,6 +35,13 @@ class GradHooks {
   // False for torch.autograd.grad(...) and backward(inputs=...) that leave
   // them out: those accumulate nothing, so they must not start a reduction.
   bool backward_reaches_params() const;
+  // Whether the running backward accumulates parameter i's gradient into
+  // param.grad (not torch.autograd.grad, which captures it).
+  bool accumulates(int64_t i) const;
+  // A compiled graph handed zero_ext parameter i's gradient in this backward
+  // ([Note: gradients handed over in the graph] in sharded_model.cpp): the
+  // engine's accumulation of the same gradient is dropped.
+  void mark_taken(int64_t i);
   // Raises if a parameter's accumulator was re-created since wrap(): its
   // gradients would bypass zero_ext.
   void verify_accumulators() const;
@@ -47,6 +55,7 @@ class GradHooks {
   std::vector<NodeRef> accumulators_;
   std::vector<const void*> accumulator_nodes_;  // the same, for exec_info lookups
   std::vector<uintptr_t> hook_keys_;
+  std::shared_ptr<std::vector<int64_t>> taken_by_;  // by parameter: the graph task that took its gradient, or -1
 };
 
 } // namespace zero_ext

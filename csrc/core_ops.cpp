@@ -65,6 +65,16 @@ at::Tensor gathered_param_meta(int64_t /*model*/, int64_t /*index*/, const at::T
   return at::empty(param.sizes(), param.options());
 }
 
+// A gradient of a parameter read in a compiled graph ([Note: gradients
+// handed over in the graph] in sharded_model.cpp).
+at::Tensor grad_arrived_kernel(int64_t model, int64_t index, const at::Tensor& grad) {
+  return model_of_handle(model, "grad_arrived")->grad_arrived(index, grad);
+}
+
+at::Tensor grad_arrived_meta(int64_t /*model*/, int64_t /*index*/, const at::Tensor& grad) {
+  return at::empty(grad.sizes(), grad.options());
+}
+
 void backward_begins_kernel(int64_t model, const at::Tensor& /*grad*/) {
   model_of_handle(model, "backward_begins")->on_output_grad();
 }
@@ -132,6 +142,8 @@ void define_core_ops(torch::Library& m) {
   m.impl("scale_output_grad", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(scale_output_grad_kernel));
   m.def("gathered_param(int model, int index, Tensor param) -> Tensor");
   m.impl("gathered_param", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(gathered_param_kernel));
+  m.def("grad_arrived(int model, int index, Tensor grad) -> Tensor");
+  m.impl("grad_arrived", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(grad_arrived_kernel));
 }
 
 void register_core_op_meta_kernels(torch::Library& m) {
@@ -144,6 +156,7 @@ void register_core_op_meta_kernels(torch::Library& m) {
   m.impl("backward_begins", TORCH_FN(backward_begins_meta));
   m.impl("scale_output_grad", TORCH_FN(scale_output_grad_meta));
   m.impl("gathered_param", TORCH_FN(gathered_param_meta));
+  m.impl("grad_arrived", TORCH_FN(grad_arrived_meta));
 }
 
 // --- model handles ---------------------------------------------------------------

@@ -123,7 +123,7 @@ void ShardedModel::run_epilogue() {
   round_.run_epilogue(sync_);
 }
 
-void ShardedModel::on_grad_ready(int64_t i) {
+void ShardedModel::on_grad_ready(int64_t i, bool launch_complete) {
   std::lock_guard<std::mutex> lock(mutex_);
   round_.check_usable();
   try {
@@ -134,6 +134,9 @@ void ShardedModel::on_grad_ready(int64_t i) {
     const int64_t completed = reducer_.on_grad_ready(i, sync_);
     if (completed >= 0 && units_) {
       units_->on_bucket_complete(completed, round_.owner_graph_task());
+      if (launch_complete && sync_) {
+        reducer_.launch_buckets({completed});
+      }
     }
   } catch (...) {
     round_.mark_broken();
@@ -141,7 +144,7 @@ void ShardedModel::on_grad_ready(int64_t i) {
   }
 }
 
-void ShardedModel::accumulate_grad(int64_t i, const at::Tensor& grad) {
+void ShardedModel::accumulate_grad(int64_t i, const at::Tensor& grad, bool launch_complete) {
   check_grad_shape(i, grad);
   at::Tensor& held = store_.param(i).mutable_grad();
   if (!held.is_same(grad)) {
@@ -154,7 +157,7 @@ void ShardedModel::accumulate_grad(int64_t i, const at::Tensor& grad) {
       held.add_(grad);
     }
   }
-  on_grad_ready(i);
+  on_grad_ready(i, launch_complete);
 }
 
 void ShardedModel::check_grad_shape(int64_t i, const at::Tensor& grad) {
@@ -254,6 +257,37 @@ at::Tensor ShardedModel::gathered_param(int64_t param_index) {
   at::Tensor value = store_.param(param_index).clone(at::MemoryFormat::Contiguous);
   units_->after_graph_read(unit);
   return value;
+}
+
+// [Note: gradients handed over in the graph]
+// A compiled backward is one autograd node: the engine accumulates its
+// parameter gradients, and zero_ext's hooks see them, only once the whole
+// graph has run, so no reduction could overlap the backward's compute. In a
+// graph each read of a parameter is an autograd function
+// (zero_ext/runtime/compiled_units.py) whose backward calls grad_arrived with
+// that read's gradient: zero_ext takes it there, as its hook takes one from
+// AccumulateGrad, and a bucket goes out once complete (at stage 3 too, where
+// eagerly a unit's backward being over launches its buckets: a graph reads
+// each parameter once per forward, compiled_units.py, so a complete bucket
+// is final), and the engine's own
+// accumulation of it afterwards is dropped (GradHooks::mark_taken). Where
+// the running backward does not accumulate into this parameter
+// (torch.autograd.grad captures its gradient), it is not zero_ext's: passed
+// on untouched (a copy: the graph may reuse the memory of its own tensors).
+// What zero_ext keeps in param.grad (no_sync(), a gradient after its bucket
+// went out) is a copy too.
+at::Tensor ShardedModel::grad_arrived(int64_t param_index, const at::Tensor& grad) {
+  check_grad_shape(param_index, grad);
+  if (!layout_.trainable(param_index) || !hooks_.accumulates(param_index)) {
+    return grad.clone();
+  }
+  accumulate_grad(param_index, grad, /*launch_complete=*/true);
+  at::Tensor& held = store_.param(param_index).mutable_grad();
+  if (held.defined() && held.is_same(grad)) {
+    held = grad.clone();
+  }
+  hooks_.mark_taken(param_index);
+  return grad;  // what the engine would accumulate: dropped (above)
 }
 
 int64_t ShardedModel::collectives_submitted() const {

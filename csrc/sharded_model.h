@@ -71,6 +71,10 @@ class ShardedModel : public torch::CustomClassHolder {
   // torch.ops.zero_ext.gathered_param: parameter `param_index`'s full value,
   // a fresh tensor ([Note: stage 3 in a compiled graph] in units.cpp).
   at::Tensor gathered_param(int64_t param_index);
+  // torch.ops.zero_ext.grad_arrived: a gradient of parameter `param_index`
+  // inside a compiled backward graph ([Note: gradients handed over in the
+  // graph] in sharded_model.cpp). Returns what autograd passes on.
+  at::Tensor grad_arrived(int64_t param_index, const at::Tensor& grad);
   // Hooks the outputs (the epilogue's owner, the fp16 loss scale) and ends
   // the root unit's forward.
   void end_forward(std::vector<at::Tensor> outputs);
@@ -80,11 +84,13 @@ class ShardedModel : public torch::CustomClassHolder {
   void forward_raised(std::string error);
 
   // --- autograd ------------------------------------------------------------
-  void on_grad_ready(int64_t param_index);
+  // `launch_complete`: stage 3 in a compiled graph, a bucket this completes
+  // goes out at once (no unit events there; [Note: gradients handed over in the graph]).
+  void on_grad_ready(int64_t param_index, bool launch_complete = false);
   // torch.ops.zero_ext.accumulate_grad: one arrival of parameter
   // `param_index`'s gradient. The hook passes .grad itself; another tensor is
   // accumulated into .grad first, as AccumulateGrad would.
-  void accumulate_grad(int64_t param_index, const at::Tensor& grad);
+  void accumulate_grad(int64_t param_index, const at::Tensor& grad, bool launch_complete = false);
   void check_grad_shape(int64_t param_index, const at::Tensor& grad);
   // The post-backward work (torch.ops.zero_ext.run_epilogue), queued on the
   // engine by the first hook of a backward.

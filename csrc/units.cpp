@@ -448,7 +448,11 @@ void UnitScheduler::begin_graph_forward() {
 void UnitScheduler::gather_for_graph(int64_t u, bool in_backward) {
   unit_at(u);
   graph_gathered_.resize(units_.size(), false);
-  if (graph_unit_ == u && units_[u].state == UnitState::kGathered) {
+  if (units_[u].state == UnitState::kGathered && (graph_unit_ == u || !graph_gathered_[u])) {
+    // Read before, or gathered by eager hooks around this read (a frame
+    // Dynamo left eager, with its module's hooks): their schedule, which
+    // is the same on every rank, not this read's (how often a graph reads a
+    // unit differs between ranks where routing runs other experts).
     return;
   }
   if (graph_unit_ >= 0 && graph_unit_ != u && graph_gathered_[graph_unit_]) {

@@ -13,23 +13,29 @@ from parity_scenarios import DIM, VOCAB
 from real_models_common import FlatMoEModel, MoEModel, _ranks_ran_different_experts, global_loss, lm_loss, tokens_of
 
 
-def _train_then_evaluate(ctx: ps.Context, model: nn.Module, wrap_options: dict, steps: int = 3) -> None:
+def _train_then_evaluate(ctx: ps.Context, model: nn.Module, wrap_options: dict, steps: int = 3,
+                         compiled: bool = False) -> None:
     """AdamW steps over the global batch (gradients and parameters recorded
     against the reference), then each rank's loss on held-out tokens under
-    torch.no_grad(), against the unwrapped model's."""
+    torch.no_grad(), against the unwrapped model's. `compiled`: the wrapped
+    model called through torch.compile (aot_eager; the reference eager)."""
     # Some expert weights get gradients near zero whose terms cancel: eps=1e-2 keeps
     # Adam's step within the gradients' tolerance (parity_scenarios.conditioned_adamw).
     opt = ps.conditioned_adamw(model.parameters())
     model, opt = ctx.wrap(model, opt, **wrap_options)
+    forward = model
+    if compiled and not ctx.reference:
+        torch._dynamo.reset()
+        forward = torch.compile(model, backend="aot_eager")
     for step in range(steps):
-        global_loss(ctx, model, step).backward()
+        global_loss(ctx, forward, step).backward()
         ps.step_and_record(ctx, model, opt, step)
     differed = _ranks_ran_different_experts(ctx, model)
     model.eval()
     with torch.no_grad():
         for k in range(2):
             ctx.record_value(f"no_grad evaluation {k} on rank {ctx.rank}'s tokens",
-                             lm_loss(model, tokens_of(ctx.world, 100 + k, ctx.rank, salt=5)))
+                             lm_loss(forward, tokens_of(ctx.world, 100 + k, ctx.rank, salt=5)))
     differed = _ranks_ran_different_experts(ctx, model) or differed  # collective: both calls on every rank
     ctx.record_check("the ranks ran different experts", differed)
     blocks = len(getattr(model, "blocks", []))
@@ -45,6 +51,15 @@ def moe_in_blocks(ctx: ps.Context) -> None:
     times a change of the parameters' rounding, beyond RTOL/ATOL where the
     ranks' gradients are summed in another order."""
     _train_then_evaluate(ctx, MoEModel(std=0.3), {})
+
+
+def moe_in_blocks_compiled(ctx: ps.Context) -> None:
+    """The same, the whole model compiled: the routing's data-dependent
+    branches in a loop make Dynamo run the blocks' forward eagerly and
+    compile the frames inside it, so zero_ext's hooks run eagerly there (a
+    hook is traced only within its module's call: runtime/hooks.py) and the
+    parameters its eager code reads are gathered."""
+    _train_then_evaluate(ctx, MoEModel(std=0.3), {}, compiled=True)
 
 
 def moe_outside_any_block(ctx: ps.Context) -> None:

@@ -21,7 +21,7 @@ from typing import Callable, Dict, List
 
 import parity_scenarios as ps
 from real_models_divergence_scenarios import DIVERGENCES
-from real_models_parity_scenarios import module_dict_blocks, moe_in_blocks, moe_outside_any_block
+from real_models_parity_scenarios import module_dict_blocks, moe_in_blocks, moe_in_blocks_compiled, moe_outside_any_block
 
 # Imported from here by ported_spec_scenarios.py and units_scenarios.py.
 from real_models_common import (  # noqa: F401
@@ -30,14 +30,13 @@ from real_models_common import (  # noqa: F401
 
 
 SCENARIOS: Dict[str, Callable[[ps.Context], None]] = {
-    f.__name__: f for f in [moe_in_blocks, moe_outside_any_block, module_dict_blocks]
+    f.__name__: f for f in [moe_in_blocks, moe_in_blocks_compiled, moe_outside_any_block, module_dict_blocks]
 }
-STAGE3_ONLY = {"moe_outside_any_block", "module_dict_blocks"}
+STAGES = {"moe_outside_any_block": (3,), "module_dict_blocks": (3,), "moe_in_blocks_compiled": (0, 3)}
 
 
 def items() -> List[str]:
-    return [f"{name}/stage{stage}" for name in SCENARIOS
-            for stage in ((3,) if name in STAGE3_ONLY else (0, 1, 2, 3))]
+    return [f"{name}/stage{stage}" for name in SCENARIOS for stage in STAGES.get(name, (0, 1, 2, 3))]
 
 
 _REFERENCES: Dict = {}

@@ -23,6 +23,7 @@ SCHEMAS = {
     # What a compiled graph calls (runtime/compiled_forward.py): the model's int handle.
     "begin_forward": "zero_ext::begin_forward(int model, bool grad=True) -> ()",
     "gathered_param": "zero_ext::gathered_param(int model, int index, Tensor param) -> Tensor",
+    "grad_arrived": "zero_ext::grad_arrived(int model, int index, Tensor grad) -> Tensor",
     "end_forward": "zero_ext::end_forward(int model) -> ()",
     "backward_begins": "zero_ext::backward_begins(int model, Tensor grad) -> ()",
 }

@@ -114,4 +114,7 @@ def test_ranks_that_disagree_all_end_in_zero_ext_error(world, name):
         assert "rank 1" in end["error"], end["error"]
         # No number computed after the ranks parted comes back.
         assert len(end["outputs"]) <= outputs_before, f"rank {rank} computed {end['outputs']}"
-        assert end["seconds"] is not None and end["seconds"] < 15, f"rank {rank} took {end['seconds']} s"
+        # Compiled: the clock also holds Dynamo's recompilation for the new
+        # routing, before any collective of it (up to ~15 s a rank at world 4 on 2 cores).
+        limit = 40 if "compiled" in name else 15
+        assert end["seconds"] is not None and end["seconds"] < limit, f"rank {rank} took {end['seconds']} s"

@@ -36,6 +36,8 @@ from typing import Any, Optional
 import torch
 from torch.utils._pytree import tree_map_only
 
+from . import compiled_units
+
 _OPS = ("begin_forward", "end_forward", "backward_begins", "scale_output_grad")
 
 
@@ -83,6 +85,7 @@ class _ScaledBackwardBegins(torch.autograd.Function):
 def pre_forward(handle: int, cast_to: Optional[torch.dtype], args: tuple, kwargs: dict) -> Any:
     """The root pre-forward hook's work in a traced graph."""
     torch.ops.zero_ext.begin_forward(handle, torch.is_grad_enabled())
+    compiled_units.open_reads(handle)
     if cast_to is None:
         return None
     return tree_map_only(torch.Tensor, lambda t: t.to(cast_to) if t.is_floating_point() else t, (args, kwargs))
@@ -97,6 +100,7 @@ def post_forward(handle: int, output_dtype: Optional[torch.dtype], scales_loss: 
         boundary = _ScaledBackwardBegins if scales_loss else _BackwardBegins
         output = tree_map_only(torch.Tensor, lambda t: boundary.apply(handle, t) if t.requires_grad else t, output)
     torch.ops.zero_ext.end_forward(handle)
+    compiled_units.forget_reads(handle)
     if output_dtype is not None:
         output = tree_map_only(torch.Tensor, lambda t: t.to(output_dtype) if t.is_floating_point() else t, output)
     return output

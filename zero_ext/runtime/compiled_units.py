@@ -1,5 +1,9 @@
-"""Stage 3 inside a graph torch.compile traces: each read of a parameter is
-zero_ext's op ([Note: stage 3 in a compiled graph] in csrc/units.cpp).
+"""A wrapped model's parameters inside a graph torch.compile traces: each read
+of a parameter is zero_ext's autograd function, whose backward hands the
+read's gradient to zero_ext inside the backward graph ([Note: gradients
+handed over in the graph] in csrc/sharded_model.cpp), so buckets go out
+while the compiled backward runs; at stage 3 its forward is zero_ext's
+gather op ([Note: stage 3 in a compiled graph] in csrc/units.cpp).
 
 Eagerly, a unit's hooks gather it into the parameters' own storage before
 its forward and release it after. A traced graph takes the parameters as its
@@ -32,24 +36,30 @@ from typing import Any, Dict, FrozenSet, Optional, Set
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from ..tools import extend_class
+from ..tools import extend_class, traced_only_inline
 
 
-class _GatheredParam(torch.autograd.Function):
-    """The parameter's full value; its gradient goes to the parameter (whose
-    C++ hook reduces it, as after an eager backward)."""
+class _ParamRead(torch.autograd.Function):
+    """A read of parameter `index` in a graph: its full value (stage 3: the
+    gather op's fresh tensor; else the parameter itself). Its backward hands
+    the read's gradient to zero_ext inside the graph ([Note: gradients handed
+    over in the graph] in csrc/sharded_model.cpp)."""
 
     @staticmethod
-    def forward(ctx: Any, handle: int, index: int, param: torch.Tensor) -> torch.Tensor:
-        return torch.ops.zero_ext.gathered_param(handle, index, param)
+    def forward(ctx: Any, handle: int, index: int, param: torch.Tensor, gather: bool) -> torch.Tensor:
+        ctx.handle, ctx.index = handle, index
+        if gather:
+            return torch.ops.zero_ext.gathered_param(handle, index, param)
+        return param.view_as(param)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        return None, None, grad
+        return None, None, torch.ops.zero_ext.grad_arrived(ctx.handle, ctx.index, grad), None
 
 
 # By model handle: the parameters of units kept gathered from forward to
-# backward (reshard_after_forward=False): their reads are saved, not recomputed.
+# backward (reshard_after_forward=False, and the root unit): their reads are
+# saved, not recomputed.
 _kept_params: Dict[int, FrozenSet[int]] = {}
 
 
@@ -65,36 +75,68 @@ def _recompute_gathers(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoi
 _GATHERS_RECOMPUTED = functools.partial(create_selective_checkpoint_contexts, _recompute_gathers)
 
 
-def read_in_graph(handle: int, index: int, param: torch.Tensor) -> torch.Tensor:
-    """The read of parameter `index` inside a traced graph."""
-    return checkpoint(_GatheredParam.apply, handle, index, param, use_reentrant=False,
-                      context_fn=_GATHERS_RECOMPUTED)
+# By model handle, within one traced forward of the model: what each
+# parameter's first read returned. Later reads (a weight tied to another
+# module, a block run twice) reuse it, so the backward graph sums the
+# parameter's gradient before handing it over once, as the engine sums it
+# before AccumulateGrad: two hand-overs could reduce apart and round apart.
+# Opened and dropped by the model's traced pre- and post-forward hooks
+# (open_reads, forget_reads), so it holds nothing after the forward. A graph
+# of a part of the model (each block compiled) opens none: there each read
+# hands its gradient over on its own (the core sums them, reducing a
+# gradient that comes after its bucket went out in a second round).
+_reads: Dict[int, Dict[int, torch.Tensor]] = {}
+
+
+def read_in_graph(handle: int, index: int, param: torch.Tensor, gather: bool) -> torch.Tensor:
+    """The read of parameter `index` inside a traced graph (`gather`: stage 3)."""
+    reads = _reads.get(handle)
+    value = reads.get(index) if reads is not None else None
+    if value is None:
+        if gather:
+            value = checkpoint(_ParamRead.apply, handle, index, param, True, use_reentrant=False,
+                               context_fn=_GATHERS_RECOMPUTED)
+        else:
+            value = _ParamRead.apply(handle, index, param, False)
+        if reads is not None:
+            reads[index] = value
+    return value
+
+
+def open_reads(handle: int) -> None:
+    _reads[handle] = {}
+
+
+def forget_reads(handle: int) -> None:
+    _reads.pop(handle, None)
 
 
 def _param_property(name: str) -> property:
     def read(self: torch.nn.Module) -> Optional[torch.Tensor]:
         param = self._parameters[name]
         if param is not None and torch.compiler.is_compiling():
-            handle, index = self._zero_ext_graph_reads[name]
-            return read_in_graph(handle, index, param)
+            handle, index, gather = self._zero_ext_graph_reads[name]
+            return read_in_graph(handle, index, param, gather)
         return param
 
-    return property(read, doc=f"the parameter {name!r}; inside a compiled graph, its gathered value")
+    # Eager code (a frame Dynamo left eager) reads the parameter itself, as
+    # its unit's eager hooks gathered it; never a graph of one read.
+    return property(traced_only_inline(read), doc=f"the parameter {name!r}; inside a compiled graph, its read")
 
 
-def install(model: torch.nn.Module, handle: int, index_of: Dict[int, int], kept: Set[int]) -> None:
+def install(model: torch.nn.Module, handle: int, index_of: Dict[int, int], gather: bool, kept: Set[int]) -> None:
     """Gives every module of `model` that holds parameters a property per
     parameter name. `index_of`: id(parameter) -> its index in the core;
-    `kept`: the indices of parameters whose units stay gathered from forward
-    to backward."""
+    `gather`: stage 3 (reads gather); `kept`: the indices of parameters whose
+    units stay gathered from forward to backward."""
     if kept:
         _kept_params[handle] = frozenset(kept)
         weakref.finalize(model, _kept_params.pop, handle, None)
     for module in model.modules():
-        reads = {name: (handle, index_of[id(p)]) for name, p in module._parameters.items()
+        reads = {name: (handle, index_of[id(p)], gather) for name, p in module._parameters.items()
                  if p is not None and id(p) in index_of}
         if not reads:
             continue
         names = tuple(sorted(reads))
-        extend_class(module, "Stage3", names, {name: _param_property(name) for name in names})
+        extend_class(module, "GraphReads", names, {name: _param_property(name) for name in names})
         module.__dict__["_zero_ext_graph_reads"] = reads

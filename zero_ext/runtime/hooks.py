@@ -29,7 +29,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_iter, tree_map_only, tree_unflatten
 
 from ..groups import is_dtensor
-from ..tools import outside_compile, state_of
+from ..tools import outside_compile, state_of, traced_only_inline
 from . import compiled_forward
 
 
@@ -213,7 +213,10 @@ def _eager_or_traced(hook, traced):
             return traced(*args, **kwargs)
         return eager(*args, **kwargs)
 
-    return either
+    # Traced only within the module call it hooks: a hook called from a
+    # frame Dynamo left eager (a graph break in a loop) runs eagerly, with
+    # the module's forward, never as a graph of its own doing nothing.
+    return traced_only_inline(either)
 
 
 def hook_forward(module: torch.nn.Module, pre=None, post=None, always_call: bool = False,

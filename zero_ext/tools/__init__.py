@@ -10,7 +10,7 @@ from .core_config import CoreConfig, dtype_name
 from .core_handles import CoreHandles, CoreStats, GradLayout
 from .module_state import attach_member, attach_state, member_of, owner_state, state_of, state_or_none
 from .snapshot_gate import wait_for_snapshot
-from .torch_compat import all_gather_into_tensor, outside_compile
+from .torch_compat import all_gather_into_tensor, outside_compile, traced_only_inline
 from .version import __version__
 
 # Also offered, as submodules imported where used (core_loader loads the
@@ -44,5 +44,6 @@ __all__ = [
     "state_or_none",
     "swap_class",
     "torch_compat",
+    "traced_only_inline",
     "wait_for_snapshot",
 ]

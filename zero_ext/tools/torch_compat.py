@@ -66,6 +66,18 @@ def outside_compile(fn):
     return torch.compiler.disable(fn, recursive=True)
 
 
+def traced_only_inline(fn):
+    """`fn` is traced by Dynamo only as part of a caller's trace, never
+    compiled as a frame of its own: called from code that runs eagerly (a
+    frame Dynamo skipped, a graph break in a loop), it runs eagerly too, so
+    `torch.compiler.is_compiling()` inside it says whether the module call
+    around it is being traced. Returns `fn`."""
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(fn.__code__)
+    return fn
+
+
 def all_gather_into_tensor(output, tensor, group) -> None:
     """torch.distributed's all-gather into one tensor: all_gather_single where
     it exists (2.13 deprecates all_gather_into_tensor), else the older name."""

@@ -350,11 +350,12 @@ def _attach(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], sta
     model._is_accelerate_prepared = True
     owner = assign_parameters(model, unit_list)
     root = install_forward_hooks(model, unit_list, owner)
-    if root.traceable and state.params_sharded:
+    if root.traceable and state.tensor_parallel is None:  # DTensor parameters: read as they are
         index_of = {id(p): i for i, p in enumerate(state.bucketed)}
         # The root unit stays gathered from forward to backward, as eagerly.
         kept = {index_of[key] for key, u in owner.items() if (u == 0 or u in kept_units) and key in index_of}
-        compiled_units.install(model, root.handle, index_of, kept)
+        compiled_units.install(model, root.handle, index_of, state.params_sharded,
+                               kept if state.params_sharded else set())
     state.unit_of_module = {id(m): u for u, members in enumerate(unit_list) if u > 0 for m in members}
     for optimizer in optimizers:
         shard_optimizer(optimizer, state, state.bucketed, several=len(optimizers) > 1)
