@@ -7,15 +7,24 @@ per step, then parameters), or the graph breaks Dynamo reported.
 - blocks: each block compiled in place (block.compile(), regional
   compilation as torchtitan does it with FSDP2); stage 3's unit hooks run
   inside the compiled call, and no graph break at all is allowed.
-- whole: the whole model compiled (model.compile()); stage 3's unit hooks
-  run eagerly (torch.compiler.disable), so Dynamo breaks around them.
-- fullgraph (stages 0-2): a function calling the model compiled with
+- whole: the whole model compiled (model.compile()).
+- fullgraph (stages 0-3): a function calling the model compiled with
   fullgraph=True (Dynamo inlines the model's call, hooks included): zero_ext's
-  root hooks are traced into the graph (runtime/compiled_forward.py), no
-  graph break, and the result is bitwise the eager one's.
+  root hooks are traced into the graph (runtime/compiled_forward.py), stage
+  3's parameter reads are its gather op (runtime/compiled_units.py), no
+  graph break, and the result is bitwise the eager one's. At stage 3 also:
+  no unit left gathered after the forward, gathers in the backward (its
+  reads recomputed; none with reshard_after_forward=False, "kept"), and a
+  reduction issued before the backward's last gather (gradients handed over
+  inside the compiled backward).
+- fullgraph-module (stages 0-3): torch.compile(model, fullgraph=True) on the
+  model itself, and torch._dynamo.explain(model) reporting no graph break.
+- autograd-grad (stages 2-3): torch.autograd.grad with respect to the
+  parameters through the compiled model, as eagerly, zero_ext accumulating
+  nothing.
 - fullgraph/stage2/accumulate: a micro-batch under no_sync(), then a
   backward run twice over one forward (retain_graph), bitwise as eager.
-- fullgraph-inductor (stage 2): the same with Inductor, equal to eager
+- fullgraph-inductor (stages 0-3): the same with Inductor, equal to eager
   within Inductor's rounding. It fuses and reorders fp32 sums: a sum of n
   terms may move by n * eps relative (eps 1.2e-7; the longest sum here is
   the batch's, BATCH * SEQ <= 64 terms: under 1e-5). AdamW's update is
@@ -199,7 +208,7 @@ def all_items() -> List[str]:
     forward to backward (reshard_after_forward=False)."""
     return ([f"{mode}/stage{stage}" for mode in MODES for stage in (0, 1, 2, 3)] + [f"{m}/stage3/kept" for m in MODES]
             + [f"fullgraph/stage{stage}" for stage in FULLGRAPH_STAGES]
-            + [f"fullgraph-inductor/stage{stage}" for stage in (2, 3)]
+            + [f"fullgraph-inductor/stage{stage}" for stage in (0, 1, 2, 3)]
             + [f"fullgraph/stage{stage}/{variant}" for stage in (2, 3) for variant in ("fp16", "accumulate")]
-            + ["fullgraph/stage3/kept"] + [f"fullgraph-module/stage{stage}" for stage in (0, 3)]
+            + ["fullgraph/stage3/kept"] + [f"fullgraph-module/stage{stage}" for stage in (0, 1, 2, 3)]
             + [f"autograd-grad/stage{stage}" for stage in (2, 3)])

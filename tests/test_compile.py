@@ -1,6 +1,8 @@
 """torch.compile over a wrapped model at world size 2, stages 0-3: each
-block compiled with no graph break, and the whole model compiled, train
-like the same model run eagerly (compile_scenarios.py)."""
+block compiled, and the whole model compiled (fullgraph=True, no graph
+break, aot_eager bitwise and Inductor within its rounding), train like the
+same model run eagerly (compile_scenarios.py); compiled autograd refused
+with zero_ext's error."""
 import functools
 
 import pytest
