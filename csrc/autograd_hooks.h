@@ -39,7 +39,7 @@ class GradHooks {
   // param.grad (not torch.autograd.grad, which captures it).
   bool accumulates(int64_t i) const;
   // A compiled graph handed zero_ext parameter i's gradient in this backward
-  // ([Note: gradients handed over in the graph] in sharded_model.cpp): the
+  // ([Note: gradients handed over in the graph] in sharded_model_graph.cpp): the
   // engine's accumulation of the same gradient is dropped.
   void mark_taken(int64_t i);
   // Raises if a parameter's accumulator was re-created since wrap(): its

@@ -54,7 +54,7 @@ void end_forward_kernel(int64_t model) {
 }
 
 // Stage 3: a parameter's read in a graph ([Note: stage 3 in a compiled graph]
-// in units.cpp). `param` (the parameter itself, whose storage holds nothing
+// in units_graph.cpp). `param` (the parameter itself, whose storage holds nothing
 // while released) is never read: it makes the read depend on the
 // parameter, and gives the result's shape and dtype to fake tensors.
 at::Tensor gathered_param_kernel(int64_t model, int64_t index, const at::Tensor& /*param*/) {
@@ -66,7 +66,7 @@ at::Tensor gathered_param_meta(int64_t /*model*/, int64_t /*index*/, const at::T
 }
 
 // A gradient of a parameter read in a compiled graph ([Note: gradients
-// handed over in the graph] in sharded_model.cpp).
+// handed over in the graph] in sharded_model_graph.cpp).
 at::Tensor grad_arrived_kernel(int64_t model, int64_t index, const at::Tensor& grad) {
   return model_of_handle(model, "grad_arrived")->grad_arrived(index, grad);
 }

@@ -199,14 +199,6 @@ void ShardedModel::begin_forward() {
   }
 }
 
-void ShardedModel::begin_graph_forward(bool grad) {
-  open_forward(grad);
-  if (units_) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    units_->begin_graph_forward();
-  }
-}
-
 void ShardedModel::open_forward(bool grad) {
   forward_marks_.push_back(collectives_submitted());  // first: whatever raises from here on, forward_raised pops it
   if (units_) {
@@ -231,63 +223,6 @@ void ShardedModel::end_forward(std::vector<at::Tensor> outputs) {
   if (!forward_marks_.empty()) {
     forward_marks_.pop_back();  // last: if anything above raised, forward_raised pops it
   }
-}
-
-void ShardedModel::end_graph_forward() {
-  if (units_) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    units_->end_graph_forward();
-  }
-  if (!forward_marks_.empty()) {
-    forward_marks_.pop_back();
-  }
-}
-
-at::Tensor ShardedModel::gathered_param(int64_t param_index) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(units_, "zero_ext.gathered_param: this model's parameters are not sharded (stages 0-2 keep them "
-              "whole); the op is for stage 3 graphs");
-  TORCH_CHECK(param_index >= 0 && param_index < layout_.num_params(), "zero_ext.gathered_param: no parameter ",
-              param_index, " (the model has ", layout_.num_params(), "); recompile after wrapping the model again");
-  enter_backward_round();  // a read in the backward graph (recomputed)
-  drain_deferred_uses();
-  const bool in_backward = current_backward().graph_task_id >= 0;
-  const int64_t unit = layout_.bucket(layout_.bucket_of(param_index)).unit;
-  units_->gather_for_graph(unit, in_backward);
-  at::Tensor value = store_.param(param_index).clone(at::MemoryFormat::Contiguous);
-  units_->after_graph_read(unit);
-  return value;
-}
-
-// [Note: gradients handed over in the graph]
-// A compiled backward is one autograd node: the engine accumulates its
-// parameter gradients, and zero_ext's hooks see them, only once the whole
-// graph has run, so no reduction could overlap the backward's compute. In a
-// graph each read of a parameter is an autograd function
-// (zero_ext/runtime/compiled_units.py) whose backward calls grad_arrived with
-// that read's gradient: zero_ext takes it there, as its hook takes one from
-// AccumulateGrad, and a bucket goes out once complete (at stage 3 too, where
-// eagerly a unit's backward being over launches its buckets: a graph reads
-// each parameter once per forward, compiled_units.py, so a complete bucket
-// is final), and the engine's own
-// accumulation of it afterwards is dropped (GradHooks::mark_taken). Where
-// the running backward does not accumulate into this parameter
-// (torch.autograd.grad captures its gradient), it is not zero_ext's: passed
-// on untouched (a copy: the graph may reuse the memory of its own tensors).
-// What zero_ext keeps in param.grad (no_sync(), a gradient after its bucket
-// went out) is a copy too.
-at::Tensor ShardedModel::grad_arrived(int64_t param_index, const at::Tensor& grad) {
-  check_grad_shape(param_index, grad);
-  if (!layout_.trainable(param_index) || !hooks_.accumulates(param_index)) {
-    return grad.clone();
-  }
-  accumulate_grad(param_index, grad, /*launch_complete=*/true);
-  at::Tensor& held = store_.param(param_index).mutable_grad();
-  if (held.defined() && held.is_same(grad)) {
-    held = grad.clone();
-  }
-  hooks_.mark_taken(param_index);
-  return grad;  // what the engine would accumulate: dropped (above)
 }
 
 int64_t ShardedModel::collectives_submitted() const {
@@ -576,44 +511,6 @@ void ShardedModel::note_compute_copy_written() {
 
 std::vector<at::Tensor> ShardedModel::segment_compute_copies() { return store_.segment_compute_copies(); }
 void ShardedModel::check_param_shapes() { store_.check_shapes(); }
-
-std::string ShardedModel::describe_collective(const CollectiveId& id, const std::string& label) const {
-  const std::string op = op_name(id.op);
-  const bool bucket = id.subject >= 0 && id.subject < layout_.num_buckets();
-  auto bucket_text = [&] {
-    return bucket ? layout_.describe_bucket(id.subject, "") : "bucket " + std::to_string(id.subject);
-  };
-  switch (id.purpose) {
-    case Purpose::kUnitGather:
-      return "the " + op + " of the parameters of " +
-             (bucket ? layout_.describe_unit(layout_.bucket(id.subject).unit) : std::string("a unit")) +
-             " (bucket " + std::to_string(id.subject) + ")";
-    case Purpose::kGradReduce: return "the gradient " + op + " of " + bucket_text();
-    case Purpose::kReplicaReduce: return "the " + op + " across replicas of the gradient of " + bucket_text();
-    case Purpose::kDeferredSync: return "the " + op + " across replicas of deferred gradients of " + bucket_text();
-    case Purpose::kAgreement: return "the exchange of which parameters got gradients";
-    case Purpose::kNonfiniteFlag: return "the exchange of the non-finite gradient flag";
-    case Purpose::kStepGather: return "the " + op + " of updated parameters of " + bucket_text();
-    case Purpose::kInitBroadcast: return "wrap()'s " + op + " of " + bucket_text();
-    case Purpose::kMaterialize: return "the " + op + " of initialized parameters of " + bucket_text();
-    case Purpose::kMasters: return "the " + op + " of master weights of " + bucket_text();
-    case Purpose::kFullGrads: return "the " + op + " of gradients for full_grads() of " + bucket_text();
-    case Purpose::kPython: return "the " + op + " for " + (label.empty() ? std::string("a Python call") : label);
-    case Purpose::kHeader: break;
-  }
-  return op + " (" + std::to_string(id.numel) + " elements)";
-}
-
-int64_t ShardedModel::stall_queries() const {
-  // The groups share one key space; a group of one (a flat world of 1, the
-  // rows of an Nx1 mesh) has no store and reads 0.
-  return std::max(comm_.stall_queries(), replica_comm_.stall_queries());
-}
-
-void ShardedModel::post_whereabouts(int64_t query, bool blocked, std::string where) const {
-  comm_.post_whereabouts(query, blocked, where);  // keyed by mesh rank: the same key for both groups
-  replica_comm_.post_whereabouts(query, blocked, where);
-}
 
 // --- training-loop controls -------------------------------------------------
 

@@ -69,11 +69,11 @@ class ShardedModel : public torch::CustomClassHolder {
   void begin_graph_forward(bool grad);
   void end_graph_forward();
   // torch.ops.zero_ext.gathered_param: parameter `param_index`'s full value,
-  // a fresh tensor ([Note: stage 3 in a compiled graph] in units.cpp).
+  // a fresh tensor ([Note: stage 3 in a compiled graph] in units_graph.cpp).
   at::Tensor gathered_param(int64_t param_index);
   // torch.ops.zero_ext.grad_arrived: a gradient of parameter `param_index`
   // inside a compiled backward graph ([Note: gradients handed over in the
-  // graph] in sharded_model.cpp). Returns what autograd passes on.
+  // graph] in sharded_model_graph.cpp). Returns what autograd passes on.
   at::Tensor grad_arrived(int64_t param_index, const at::Tensor& grad);
   // Hooks the outputs (the epilogue's owner, the fp16 loss scale) and ends
   // the root unit's forward.

@@ -48,8 +48,8 @@ class UnitScheduler {
   std::string forward_position() const;
   void pre_backward(int64_t u);
   // A forward torch.compile traced ([Note: stage 3 in a compiled graph] in
-  // units.cpp): the parameters of unit u are read now (in a forward, or a
-  // backward's recompute) and copied out; the unit read before is released.
+  // units_graph.cpp): the parameters of unit u are read now (in a forward, or a
+  // backward's recompute) and copied out.
   void begin_graph_forward();
   void gather_for_graph(int64_t u, bool in_backward);
   // After each read: the unit's buffer is released once every parameter of it was read.

@@ -80,7 +80,7 @@ def test_model_handles_are_stable_distinct_and_refused_once_the_model_is_gone():
 
 def test_gathered_param_gives_a_fresh_full_value_and_releases_the_unit_read_before():
     """What a compiled stage 3 graph does with each parameter read
-    ([Note: stage 3 in a compiled graph] in csrc/units.cpp), by hand."""
+    ([Note: stage 3 in a compiled graph] in csrc/units_graph.cpp), by hand."""
     model, plain, _ = tiny(3, bucket_mb=0.0001)  # one unit per Linear
     handle = model._zero_ext.handles.units.handle()
     stats = model._zero_ext.handles.diagnostics.stats

@@ -1,16 +1,16 @@
 """A wrapped model's parameters inside a graph torch.compile traces: each read
 of a parameter is zero_ext's autograd function, whose backward hands the
 read's gradient to zero_ext inside the backward graph ([Note: gradients
-handed over in the graph] in csrc/sharded_model.cpp), so buckets go out
+handed over in the graph] in csrc/sharded_model_graph.cpp), so buckets go out
 while the compiled backward runs; at stage 3 its forward is zero_ext's
-gather op ([Note: stage 3 in a compiled graph] in csrc/units.cpp).
+gather op ([Note: stage 3 in a compiled graph] in csrc/units_graph.cpp).
 
 Eagerly, a unit's hooks gather it into the parameters' own storage before
 its forward and release it after. A traced graph takes the parameters as its
 inputs and cannot see a hook change what they point at; so there, reading
 `module.weight` gives `zero_ext::gathered_param(handle, index, weight)`: a
-fresh tensor with the full value, its unit gathered by the op (the unit the
-graph read before released). This is SimpleFSDP's way (sharding as ops the
+fresh tensor with the full value, its unit gathered by the op (and released
+once each of its parameters was read, or when the graph reads another unit). This is SimpleFSDP's way (sharding as ops the
 graph holds): the module's class gets a property per parameter name, and
 state_dict(), named_parameters() and the optimizer keep reading
 `module._parameters`, so names and objects are unchanged.
@@ -43,7 +43,7 @@ class _ParamRead(torch.autograd.Function):
     """A read of parameter `index` in a graph: its full value (stage 3: the
     gather op's fresh tensor; else the parameter itself). Its backward hands
     the read's gradient to zero_ext inside the graph ([Note: gradients handed
-    over in the graph] in csrc/sharded_model.cpp)."""
+    over in the graph] in csrc/sharded_model_graph.cpp)."""
 
     @staticmethod
     def forward(ctx: Any, handle: int, index: int, param: torch.Tensor, gather: bool) -> torch.Tensor:

@@ -1,0 +1,78 @@
+// ShardedModel's entry points for a graph torch.compile traced (the ops of
+// zero_ext/runtime/compiled_forward.py and compiled_units.py, registered in
+// core_ops.cpp): the model's forward in a graph, stage 3's parameter reads,
+// and the gradients a compiled backward hands over.
+#include "sharded_model.h"
+
+#include <mutex>
+
+#include "epilogue.h"
+
+namespace zero_ext {
+
+void ShardedModel::begin_graph_forward(bool grad) {
+  open_forward(grad);
+  if (units_) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    units_->begin_graph_forward();
+  }
+}
+
+void ShardedModel::end_graph_forward() {
+  if (units_) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    units_->end_graph_forward();
+  }
+  if (!forward_marks_.empty()) {
+    forward_marks_.pop_back();
+  }
+}
+
+at::Tensor ShardedModel::gathered_param(int64_t param_index) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(units_, "zero_ext.gathered_param: this model's parameters are not sharded (stages 0-2 keep them "
+              "whole); the op is for stage 3 graphs");
+  TORCH_CHECK(param_index >= 0 && param_index < layout_.num_params(), "zero_ext.gathered_param: no parameter ",
+              param_index, " (the model has ", layout_.num_params(), "); recompile after wrapping the model again");
+  enter_backward_round();  // a read in the backward graph (recomputed)
+  drain_deferred_uses();
+  const bool in_backward = current_backward().graph_task_id >= 0;
+  const int64_t unit = layout_.bucket(layout_.bucket_of(param_index)).unit;
+  units_->gather_for_graph(unit, in_backward);
+  at::Tensor value = store_.param(param_index).clone(at::MemoryFormat::Contiguous);
+  units_->after_graph_read(unit);
+  return value;
+}
+
+// [Note: gradients handed over in the graph]
+// A compiled backward is one autograd node: the engine accumulates its
+// parameter gradients, and zero_ext's hooks see them, only once the whole
+// graph has run, so no reduction could overlap the backward's compute. In a
+// graph each read of a parameter is an autograd function
+// (zero_ext/runtime/compiled_units.py) whose backward calls grad_arrived with
+// that read's gradient: zero_ext takes it there, as its hook takes one from
+// AccumulateGrad, and a bucket goes out once complete (at stage 3 too, where
+// eagerly a unit's backward being over launches its buckets: a graph reads
+// each parameter once per forward, compiled_units.py, so a complete bucket
+// is final), and the engine's own
+// accumulation of it afterwards is dropped (GradHooks::mark_taken). Where
+// the running backward does not accumulate into this parameter
+// (torch.autograd.grad captures its gradient), it is not zero_ext's: passed
+// on untouched (a copy: the graph may reuse the memory of its own tensors).
+// What zero_ext keeps in param.grad (no_sync(), a gradient after its bucket
+// went out) is a copy too.
+at::Tensor ShardedModel::grad_arrived(int64_t param_index, const at::Tensor& grad) {
+  check_grad_shape(param_index, grad);
+  if (!layout_.trainable(param_index) || !hooks_.accumulates(param_index)) {
+    return grad.clone();
+  }
+  accumulate_grad(param_index, grad, /*launch_complete=*/true);
+  at::Tensor& held = store_.param(param_index).mutable_grad();
+  if (held.defined() && held.is_same(grad)) {
+    held = grad.clone();
+  }
+  hooks_.mark_taken(param_index);
+  return grad;  // what the engine would accumulate: dropped (above)
+}
+
+} // namespace zero_ext
