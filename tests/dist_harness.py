@@ -135,22 +135,49 @@ def run_on_ranks(world: int, target: str, args: tuple = (), deadline_s: float = 
 
 # --- many scenarios in one group, each failing on its own -------------------
 
-def _items_rank_main(rank: int, world: int, init_file: str, target: str, items: list, results) -> None:
+def _items_rank_main(rank: int, world: int, init_file: str, target: str, items: list, channel) -> None:
     """Runs items in order; reports ('done', i, out) after each. An item that
     raises is reported and ends this rank: its peers may be inside a collective
-    it will never join, so the group cannot be trusted to go on."""
+    it will never join, so the group cannot be trusted to go on.
+
+    `channel` is this rank's own pipe, written synchronously: what a rank sent
+    before it died (os._exit, a signal) is the parent's to read, so a death is
+    blamed on the item the rank was running. A Queue's feeder thread would drop
+    what it had not yet written, and blame an item the rank had finished."""
     import torch.distributed as dist
 
     index = -1
     try:
         fn = _join(rank, world, init_file, target)
         for index, item in enumerate(items):
-            results.put((rank, "done", index, fn(rank, world, item)))
-        results.put((rank, "finished", len(items), None))
+            channel.send(("done", index, fn(rank, world, item)))
+        channel.send(("finished", len(items), None))
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - report anything, then leave the group
-        _report_and_exit(rank, results, (rank, "error", index))
+        report = traceback.format_exc()
+        print(f"[rank {rank}] {report}", file=sys.stderr, flush=True)
+        try:
+            channel.send(("error", index, report))
+        finally:
+            os._exit(1)
+
+
+def _receive_ready(channels: list, timeout: float) -> List[Tuple[int, str, int, Any]]:
+    """The messages ranks have sent, waiting up to `timeout` for the first;
+    a closed pipe (its rank ended) yields nothing."""
+    from multiprocessing.connection import wait
+
+    messages = []
+    ready = wait([c for c in channels if not c.closed], timeout=timeout)
+    for conn in ready:
+        rank = channels.index(conn)
+        try:
+            while conn.poll(0):
+                messages.append((rank,) + tuple(conn.recv()))
+        except (EOFError, OSError):
+            conn.close()
+    return messages
 
 
 def run_items_on_ranks(world: int, target: str, items: List[Any], item_deadline_s: float = 180.0,
@@ -169,37 +196,54 @@ def run_items_on_ranks(world: int, target: str, items: List[Any], item_deadline_
         done_count = [0] * len(remaining)
         failure: Optional[Tuple[int, str]] = None
         finished = 0
-        results = ctx.Queue()
         with tempfile.TemporaryDirectory() as tmp:
             init_file = os.path.join(tmp, "rendezvous")
-            procs = [start_rank(ctx, _items_rank_main, (r, world, init_file, target, remaining, results))
+            pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
+            procs = [start_rank(ctx, _items_rank_main, (r, world, init_file, target, remaining, pipes[r][1]))
                      for r in range(world)]
-            progress_at = time.monotonic()
-            try:
-                while finished < world and failure is None:
-                    try:
-                        rank, status, index, payload = results.get(timeout=0.5)
-                    except queue.Empty:
-                        first_open = next((i for i, c in enumerate(done_count) if c < world), 0)
-                        dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                        if dead:
-                            failure = (first_open, f"rank(s) {dead} died without a report (exit codes "
-                                                   f"{[procs[r].exitcode for r in dead]})")
-                        elif time.monotonic() - progress_at > item_deadline_s or time.monotonic() > end:
-                            failure = (first_open, f"no progress within {item_deadline_s:.0f} s (a hang?)")
-                        continue
-                    progress_at = time.monotonic()
+            for _, sending in pipes:
+                sending.close()  # the ranks hold theirs: a dead rank's pipe reads as closed
+            channels = [receiving for receiving, _ in pipes]
+
+            def record(messages) -> Optional[Tuple[int, str]]:
+                nonlocal finished
+                error = None
+                for rank, status, index, payload in messages:
                     if status == "error":
-                        time.sleep(0.2)  # a peer's death often causes the error: name it too
-                        dead = [r for r, p in enumerate(procs) if r != rank and p.exitcode not in (None, 0)]
-                        died = (f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]}); "
-                                if dead else "")
-                        failure = (max(index, 0), f"{died}rank {rank} raised:\n{payload}")
+                        error = error or (rank, index, payload)
                     elif status == "finished":
                         finished += 1
                     else:
                         per_item[index][rank] = payload
                         done_count[index] += 1
+                return error
+
+            progress_at = time.monotonic()
+            try:
+                while finished < world and failure is None:
+                    messages = _receive_ready(channels, timeout=0.5)
+                    error = record(messages)
+                    if error is not None:
+                        time.sleep(0.2)  # a peer's death often causes the error: name it too
+                        record(_receive_ready(channels, timeout=0))  # what peers finished before it
+                        rank, index, payload = error
+                        dead = [r for r, p in enumerate(procs) if r != rank and p.exitcode not in (None, 0)]
+                        died = (f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]}); "
+                                if dead else "")
+                        failure = (max(index, 0), f"{died}rank {rank} raised:\n{payload}")
+                        break
+                    if messages:
+                        progress_at = time.monotonic()
+                        continue
+                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                    if dead:
+                        record(_receive_ready(channels, timeout=0))  # all a dead rank sent is in its pipe
+                        first_open = next((i for i, c in enumerate(done_count) if c < world), 0)
+                        failure = (first_open, f"rank(s) {dead} died without a report (exit codes "
+                                               f"{[procs[r].exitcode for r in dead]})")
+                    elif time.monotonic() - progress_at > item_deadline_s or time.monotonic() > end:
+                        first_open = next((i for i, c in enumerate(done_count) if c < world), 0)
+                        failure = (first_open, f"no progress within {item_deadline_s:.0f} s (a hang?)")
             finally:
                 for p in procs:
                     if failure is not None and p.is_alive():
@@ -208,6 +252,8 @@ def run_items_on_ranks(world: int, target: str, items: List[Any], item_deadline_
                     p.join(timeout=30)
                     if p.is_alive():
                         p.kill()
+                for conn in channels:
+                    conn.close()
         left = []
         for i, item in enumerate(remaining):
             if done_count[i] == world:
