@@ -19,9 +19,15 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include "grad_reducer.h"
+#include "gradient_route.h"
 #include "layout.h"
 
 namespace zero_ext {
+
+// Calls `fn` when a backward brings `tensor` a gradient, as
+// tensor.register_hook would, but refused with zero_ext's message (not
+// torch's "compiled_args nyi") under compiled autograd.
+void on_gradient(const at::Tensor& tensor, std::function<void()> fn);
 
 class GradHooks {
  public:
@@ -42,6 +48,8 @@ class GradHooks {
   // ([Note: gradients handed over in the graph] in sharded_model_graph.cpp): the
   // engine's accumulation of the same gradient is dropped.
   void mark_taken(int64_t i);
+  // The forwards of the next backward, which compiled autograd's view of these hooks depends on.
+  GradientRoute& route() { return *route_; }
   // Raises if a parameter's accumulator was re-created since wrap(): its
   // gradients would bypass zero_ext.
   void verify_accumulators() const;
@@ -56,6 +64,7 @@ class GradHooks {
   std::vector<const void*> accumulator_nodes_;  // the same, for exec_info lookups
   std::vector<uintptr_t> hook_keys_;
   std::shared_ptr<std::vector<int64_t>> taken_by_;  // by parameter: the graph task that took its gradient, or -1
+  std::shared_ptr<GradientRoute> route_;             // shared with the hooks, which may outlive the model
 };
 
 } // namespace zero_ext

@@ -45,8 +45,8 @@ void run_epilogue_kernel(const ModelPtr& model) {
 // The model's forward boundaries as ops, for a forward torch.compile traces
 // ([Note: the model's forward in a compiled graph]).
 // `grad`: grad mode where the graph was traced (it runs under no_grad).
-void begin_forward_kernel(int64_t model, bool grad) {
-  model_of_handle(model, "begin_forward")->begin_graph_forward(grad);
+void begin_forward_kernel(int64_t model, bool grad, bool detached_reads) {
+  model_of_handle(model, "begin_forward")->begin_graph_forward(grad, detached_reads);
 }
 
 void end_forward_kernel(int64_t model) {
@@ -75,6 +75,20 @@ at::Tensor grad_arrived_meta(int64_t /*model*/, int64_t /*index*/, const at::Ten
   return at::empty(grad.sizes(), grad.options());
 }
 
+// Under compiled autograd ([Note: compiled autograd] in sharded_model_graph.cpp):
+// a read's gradient handed over, and a zero token returned as the gradient
+// of the model's anchor (a CPU scalar, whatever the gradient's device: the
+// anchor is one for the model); the anchor's hook ends the backward.
+at::Tensor hand_over_grad_kernel(int64_t model, int64_t index, const at::Tensor& grad) {
+  model_of_handle(model, "hand_over_grad")->hand_over_grad(index, grad);
+  return at::zeros({}, at::TensorOptions().dtype(at::kFloat));
+}
+
+at::Tensor backward_over_kernel(int64_t model, const at::Tensor& tokens) {
+  model_of_handle(model, "backward_over")->backward_over();
+  return at::zeros_like(tokens);
+}
+
 void backward_begins_kernel(int64_t model, const at::Tensor& /*grad*/) {
   model_of_handle(model, "backward_begins")->on_output_grad();
 }
@@ -93,7 +107,7 @@ at::Tensor scale_output_grad_meta(int64_t /*model*/, const at::Tensor& grad, at:
   return at::empty_like(grad, grad.options().dtype(dtype));
 }
 
-void begin_forward_meta(int64_t /*model*/, bool /*grad*/) {}
+void begin_forward_meta(int64_t /*model*/, bool /*grad*/, bool /*detached_reads*/) {}
 void end_forward_meta(int64_t /*model*/) {}
 void backward_begins_meta(int64_t /*model*/, const at::Tensor& /*grad*/) {}
 
@@ -132,7 +146,7 @@ void define_core_ops(torch::Library& m) {
   // 2.13: "expected all opaque_object_outs to be opaque types"). Python
   // marks them side-effectful so that no graph pass drops them
   // (zero_ext/runtime/compiled_forward.py).
-  m.def("begin_forward(int model, bool grad=True) -> ()");
+  m.def("begin_forward(int model, bool grad=True, bool detached_reads=False) -> ()");
   m.impl("begin_forward", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(begin_forward_kernel));
   m.def("end_forward(int model) -> ()");
   m.impl("end_forward", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(end_forward_kernel));
@@ -144,6 +158,10 @@ void define_core_ops(torch::Library& m) {
   m.impl("gathered_param", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(gathered_param_kernel));
   m.def("grad_arrived(int model, int index, Tensor grad) -> Tensor");
   m.impl("grad_arrived", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(grad_arrived_kernel));
+  m.def("hand_over_grad(int model, int index, Tensor grad) -> Tensor");
+  m.impl("hand_over_grad", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(hand_over_grad_kernel));
+  m.def("backward_over(int model, Tensor tokens) -> Tensor");
+  m.impl("backward_over", c10::DispatchKey::CompositeExplicitAutograd, TORCH_FN(backward_over_kernel));
 }
 
 void register_core_op_meta_kernels(torch::Library& m) {
@@ -157,6 +175,9 @@ void register_core_op_meta_kernels(torch::Library& m) {
   m.impl("scale_output_grad", TORCH_FN(scale_output_grad_meta));
   m.impl("gathered_param", TORCH_FN(gathered_param_meta));
   m.impl("grad_arrived", TORCH_FN(grad_arrived_meta));
+  // hand_over_grad and backward_over: fake kernels in Python
+  // (zero_ext/runtime/compiled_units.py), since their token is a CPU scalar
+  // whatever the gradient's device, which a Meta kernel cannot say.
 }
 
 // --- model handles ---------------------------------------------------------------

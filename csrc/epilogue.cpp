@@ -32,6 +32,11 @@ bool current_backward_executes_any(const std::vector<const void*>& nodes) {
   return false;
 }
 
+bool current_backward_accumulates_all() {
+  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+  return exec_info == nullptr || exec_info->empty();
+}
+
 bool Epilogue::arm(const std::function<void()>& fn) {
   if (pending_) {
     return true;

@@ -32,6 +32,9 @@ BackwardInfo current_backward();
 // torch.autograd.grad(...) and backward(inputs=...) that leave them out:
 // those accumulate nothing, so they must not start a reduction.
 bool current_backward_executes_any(const std::vector<const void*>& nodes);
+// Whether the running backward runs every node it reaches (loss.backward(),
+// not torch.autograd.grad or backward(inputs=...)).
+bool current_backward_accumulates_all();
 
 class Epilogue {
  public:

@@ -89,7 +89,14 @@ void ShardedModel::arm_epilogue() {
     return;
   }
   enter_backward_round();
-  round_.arm([model = self()]() { dispatch::run_epilogue(model); });
+  // Unless it ran already: a forward traced with compiled autograd on ends
+  // its backward inside the graph ([Note: compiled autograd] in
+  // sharded_model_graph.cpp), and its backward may be the engine's after all.
+  round_.arm([model = self()]() {
+    if (model->round_.armed()) {
+      dispatch::run_epilogue(model);
+    }
+  });
 }
 
 void ShardedModel::enter_backward_round() {
@@ -120,6 +127,7 @@ void ShardedModel::run_epilogue() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (units_) drain_deferred_uses();
   in_backward_round_ = false;  // what follows is no longer this backward's
+  hooks_.route().note_backward_over();
   round_.run_epilogue(sync_);
 }
 
@@ -183,7 +191,7 @@ void ShardedModel::attach_output_hook(const at::Tensor& output) {
     return;
   }
   c10::weak_intrusive_ptr<ShardedModel> weak(c10::intrusive_ptr<ShardedModel>::unsafe_reclaim_from_nonowning(this));
-  output.register_hook([weak](const at::Tensor& /*grad*/) {
+  on_gradient(output, [weak] {
     if (auto self = weak.lock()) {
       self->on_output_grad();
     }
@@ -193,14 +201,17 @@ void ShardedModel::attach_output_hook(const at::Tensor& output) {
 // --- the model's forward ----------------------------------------------------------
 
 void ShardedModel::begin_forward() {
-  open_forward(at::GradMode::is_enabled());
+  open_forward(at::GradMode::is_enabled(), GradientRoute::Forward::kEager);
   if (units_) {
     dispatch::gather_unit(self(), 0, /*backward=*/false);  // the root unit
   }
 }
 
-void ShardedModel::open_forward(bool grad) {
+void ShardedModel::open_forward(bool grad, GradientRoute::Forward kind) {
   forward_marks_.push_back(collectives_submitted());  // first: whatever raises from here on, forward_raised pops it
+  if (grad && current_backward().graph_task_id < 0) {
+    hooks_.route().note_forward(kind);
+  }
   if (units_) {
     round_.check_usable();  // a broken rank refuses before its root unit, which may still be gathered
   }
@@ -243,7 +254,7 @@ void ShardedModel::pre_forward(int64_t u) {
 
 void ShardedModel::hook_gather(const at::Tensor& output, int64_t u, bool backward) {
   c10::weak_intrusive_ptr<ShardedModel> weak(self());
-  output.register_hook([weak, u, backward](const at::Tensor& /*grad*/) {
+  on_gradient(output, [weak, u, backward] {
     if (auto model = weak.lock()) {
       dispatch::gather_unit(model, u, backward);
     }

@@ -65,8 +65,10 @@ class ShardedModel : public torch::CustomClassHolder {
   // The same from a graph torch.compile traced ([Note: the model's forward
   // in a compiled graph] in core_ops.cpp): stage 3 gathers no unit here; the
   // graph reads each parameter through gathered_param. `grad`: whether the
-  // forward records a graph (a compiled forward runs under no_grad).
-  void begin_graph_forward(bool grad);
+  // forward records a graph (a compiled forward runs under no_grad);
+  // `detached_reads`: traced with compiled autograd on ([Note: compiled
+  // autograd] in sharded_model_graph.cpp).
+  void begin_graph_forward(bool grad, bool detached_reads);
   void end_graph_forward();
   // torch.ops.zero_ext.gathered_param: parameter `param_index`'s full value,
   // a fresh tensor ([Note: stage 3 in a compiled graph] in units_graph.cpp).
@@ -75,6 +77,12 @@ class ShardedModel : public torch::CustomClassHolder {
   // inside a compiled backward graph ([Note: gradients handed over in the
   // graph] in sharded_model_graph.cpp). Returns what autograd passes on.
   at::Tensor grad_arrived(int64_t param_index, const at::Tensor& grad);
+  // Under compiled autograd ([Note: compiled autograd] in
+  // sharded_model_graph.cpp): torch.ops.zero_ext.hand_over_grad takes a read's
+  // gradient as grad_arrived does, returning a token for the model's anchor;
+  // torch.ops.zero_ext.backward_over runs the epilogue the backward armed.
+  void hand_over_grad(int64_t param_index, const at::Tensor& grad);
+  void backward_over();
   // Hooks the outputs (the epilogue's owner, the fp16 loss scale) and ends
   // the root unit's forward.
   void end_forward(std::vector<at::Tensor> outputs);
@@ -268,8 +276,11 @@ class ShardedModel : public torch::CustomClassHolder {
   void enable_stall_diagnosis(const CoreConfig& config);    // communicator.h
   void arm_epilogue();
   // The next collective on each group starts a round of this kind.
+  // A gradient a compiled backward handed over: accumulated, and a bucket
+  // launched once complete; .grad never keeps the graph's own buffer.
+  void take_graph_grad(int64_t param_index, const at::Tensor& grad);
   // begin_forward's checks and round, shared with begin_graph_forward.
-  void open_forward(bool grad);
+  void open_forward(bool grad, GradientRoute::Forward kind);
   void begin_round(RoundKind kind, int64_t detail = 0, const std::string& label = {});
   // Inside a backward that reaches the parameters, its first event begins a
   // backward round, whatever that event is (the order of hooks on one

@@ -10,8 +10,8 @@
 
 namespace zero_ext {
 
-void ShardedModel::begin_graph_forward(bool grad) {
-  open_forward(grad);
+void ShardedModel::begin_graph_forward(bool grad, bool detached_reads) {
+  open_forward(grad, detached_reads ? GradientRoute::Forward::kDetached : GradientRoute::Forward::kGraph);
   if (units_) {
     std::lock_guard<std::mutex> lock(mutex_);
     units_->begin_graph_forward();
@@ -66,13 +66,53 @@ at::Tensor ShardedModel::grad_arrived(int64_t param_index, const at::Tensor& gra
   if (!layout_.trainable(param_index) || !hooks_.accumulates(param_index)) {
     return grad.clone();
   }
+  take_graph_grad(param_index, grad);
+  hooks_.mark_taken(param_index);
+  return grad;  // what the engine would accumulate: dropped (above)
+}
+
+void ShardedModel::take_graph_grad(int64_t param_index, const at::Tensor& grad) {
   accumulate_grad(param_index, grad, /*launch_complete=*/true);
   at::Tensor& held = store_.param(param_index).mutable_grad();
   if (held.defined() && held.is_same(grad)) {
     held = grad.clone();
   }
-  hooks_.mark_taken(param_index);
-  return grad;  // what the engine would accumulate: dropped (above)
+}
+
+// [Note: compiled autograd]
+// Compiled autograd (torch._dynamo.config.compiled_autograd) traces a whole
+// backward into one graph and runs that instead of the engine. Two things in
+// it do not meet zero_ext's eager design (measured on torch 2.13):
+// - callbacks queued on the graph task (Engine::queue_callback, the eager
+//   epilogue's trigger) never run: the engine returns from the compiled
+//   graph without its post-processing;
+// - AccumulateGrad becomes a write to param.grad that Dynamo replays after
+//   the graph, so what zero_ext writes into .grad during the backward (or
+//   the stand-ins after it) would be overwritten by the graph's own value.
+// So a forward traced while compiled autograd is on (zero_ext/runtime/
+// compiled_units.py) reads each parameter detached: no AccumulateGrad of a
+// parameter is in the backward at all. Its read's backward hands the
+// gradient over (hand_over_grad, as grad_arrived does) and returns a token,
+// a zero scalar, as the gradient of the model's anchor, one CPU scalar leaf
+// that every read takes as an input. The anchor's hook runs once all of its
+// tokens arrived, that is after every read's gradient was handed over, and
+// calls backward_over, which runs the epilogue the backward armed (the
+// compiled graph's output boundary, backward_begins). zero_ext's C++ hooks
+// on the parameters' accumulators are never reached then; a backward that
+// reaches them under compiled autograd (its forward ran eagerly) is refused
+// (autograd_hooks.cpp). The cost: torch.autograd.grad with respect to the
+// parameters of such a forward finds them unused.
+void ShardedModel::hand_over_grad(int64_t param_index, const at::Tensor& grad) {
+  check_grad_shape(param_index, grad);
+  if (layout_.trainable(param_index) && current_backward_accumulates_all()) {
+    take_graph_grad(param_index, grad);
+  }
+}
+
+void ShardedModel::backward_over() {
+  if (round_.armed() && current_backward().graph_task_id == round_.owner_graph_task()) {
+    run_epilogue();
+  }
 }
 
 } // namespace zero_ext

@@ -24,6 +24,15 @@ per step, then parameters), or the graph breaks Dynamo reported.
   nothing.
 - fullgraph/stage2/accumulate: a micro-batch under no_sync(), then a
   backward run twice over one forward (retain_graph), bitwise as eager.
+- compiled-autograd (stages 0, 2, 3): a train step (forward, loss and
+  loss.backward()) compiled with compiled autograd on, so the backward is
+  compiled autograd's graph too: bitwise the eager result, one epilogue per
+  backward, compiled autograd's graph reused from the third step on, and
+  one process's result over the global batch within rounding. Variants:
+  fp16 with loss scaling (stage 3), and accumulate (stages 2 and 3: a
+  micro-batch under no_sync(), then one backward run twice over a retained
+  graph), and model (stage 3: only the model compiled with compiled autograd
+  on, the backward the engine's, outside: one epilogue per backward still).
 - fullgraph-inductor (stages 0-3): the same with Inductor, equal to eager
   within Inductor's rounding. It fuses and reorders fp32 sums: a sum of n
   terms may move by n * eps relative (eps 1.2e-7; the longest sum here is
@@ -52,13 +61,67 @@ MODES = ("blocks", "whole")
 FULLGRAPH_STAGES = (0, 1, 2, 3)
 
 
+def _compiled_autograd_step(model: torch.nn.Module, scale: float, model_only: bool):
+    """A train step compiled with compiled autograd on: forward, loss and
+    backward (`twice`: twice over a retained graph) in one compiled function;
+    `model_only`: the model compiled so, the backward run by the engine
+    outside it (the forward's reads are detached then too)."""
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        forward = torch.compile(model, backend=BACKEND) if model_only else model
+
+    def step(tokens: torch.Tensor, twice: bool) -> torch.Tensor:
+        logits = forward(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()) * scale
+        if twice:
+            loss.backward(retain_graph=True)
+        loss.backward()
+        return loss
+
+    if model_only:
+        return step
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        return torch.compile(step, backend=BACKEND)
+
+
 def _train(stage: int, rank: int, world: int, mode: Optional[str], accumulate: bool = False,
-           gathers: Optional[list] = None, **options) -> Tuple[List[float], Dict[str, torch.Tensor]]:
+           gathers: Optional[list] = None, model_only: bool = False,
+           **options) -> Tuple[List[float], Dict[str, torch.Tensor]]:
     """`gathers`: if a list, gets per step (units the core holds gathered
     after the forward, bucket gathers during the backward)."""
     model = Blocks()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     model, opt = zero_ext.wrap(model, opt, stage=stage, bucket_mb=0.0005, **options)
+    if mode == "compiled-autograd":
+        scale = 2.0 ** -20 if "mixed_precision" in options else 1.0
+        step_fn = _compiled_autograd_step(model, scale, model_only)
+        from torch._dynamo.utils import counters
+
+        losses, captures = [], []
+        diagnostics = model._zero_ext.handles.diagnostics
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(700 + step)
+            tokens = torch.randint(0, VOCAB, (world * BATCH, SEQ + 1), generator=g)[rank * BATCH:(rank + 1) * BATCH]
+            before = diagnostics.stats().epilogues
+            if accumulate:
+                with model.no_sync():
+                    step_fn(tokens.flip(0), False)
+            loss = step_fn(tokens, accumulate)
+            backwards = 3 if accumulate else 1
+            ran = diagnostics.stats().epilogues - before
+            if ran != backwards:
+                raise AssertionError(f"step {step}: {ran} epilogues for {backwards} backward calls")
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            captures.append(counters["compiled_autograd"]["captures"])
+        # Compiled autograd traced the backward in the first step, and again
+        # in the second (its parameters' .grad, None before, now hold what
+        # zero_ext keeps there: part of its cache key), and reused it after.
+        if model_only and captures[-1]:
+            raise AssertionError(f"compiled autograd captured {captures[-1]} backward graphs of the engine's backward")
+        if not model_only and (not captures[0] or captures[-1] != captures[1]):
+            raise AssertionError(f"compiled autograd's captures after each step: {captures}")
+        return losses, zero_ext.full_state_dict(model)
     if mode == "blocks":
         for block in model.blocks:
             block.compile(backend=BACKEND)  # FSDP2's idiom: zero_ext's unit hooks are inside what is compiled
@@ -117,6 +180,26 @@ def _train(stage: int, rank: int, world: int, mode: Optional[str], accumulate: b
     return losses, zero_ext.full_state_dict(model)
 
 
+def _one_process(world: int, accumulate: bool) -> Dict[str, torch.Tensor]:
+    """The model trained as one process over the global batch (no zero_ext):
+    what the compiled-autograd items must also equal."""
+    model = Blocks()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(700 + step)
+        tokens = torch.randint(0, VOCAB, (world * BATCH, SEQ + 1), generator=g)
+        shards = tokens.chunk(world)
+        passes = [(torch.cat([t.flip(0) for t in shards]), False), (tokens, True)] if accumulate else [(tokens, False)]
+        for batch, twice in passes:
+            logits = model(batch[:, :-1])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+            for _ in range(2 if twice else 1):
+                loss.backward(retain_graph=True)
+        opt.step()
+        opt.zero_grad()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
 def _autograd_grad(stage: int, rank: int, world: int) -> Optional[str]:
     """torch.autograd.grad with respect to the parameters, through the
     compiled model: the gradients it returns are the eager model's (bitwise,
@@ -157,6 +240,8 @@ def run_one(rank: int, world: int, item: str) -> Optional[str]:
         options = {"mixed_precision": zero_ext.MixedPrecision(param_dtype=torch.float16)}
     if variant == "accumulate":  # no_sync() and a second backward (retain_graph) through the compiled graph
         options = {"accumulate": True}
+    if variant == "model":  # compiled autograd on for the model's compile only: the engine runs the backward
+        options = {"model_only": True}
     torch._dynamo.reset()
     # A compiled backward run twice (retain_graph) needs donated buffers off:
     # torch's own rule for any compiled model, zero_ext or not.
@@ -185,7 +270,13 @@ def run_one(rank: int, world: int, item: str) -> Optional[str]:
             return f"step {step}: no gather in backward: the forward's gathered values were saved for it"
     if mode == "whole" and not counters["stats"]["unique_graphs"]:
         return "nothing was compiled"
-    if mode in ("fullgraph", "fullgraph-module"):  # the same ops in the same order: bitwise
+    if mode == "compiled-autograd" and variant != "fp16":
+        # One process over the global batch, summed in another order: AdamW
+        # moves a parameter by lr * (1 + a few eps) per step at most more.
+        for name, p in _one_process(world, variant == "accumulate").items():
+            if not torch.allclose(params[name], p, rtol=1e-5, atol=1e-6):
+                return f"{name}: {(params[name] - p).abs().max().item()} from one process after {STEPS} steps"
+    if mode in ("fullgraph", "fullgraph-module", "compiled-autograd"):  # the same ops in the same order: bitwise
         for step, (a, b) in enumerate(zip(eager_losses, losses)):
             if a != b:
                 return f"step {step}: loss {b!r} compiled, {a!r} eager (bitwise expected)"
@@ -211,4 +302,7 @@ def all_items() -> List[str]:
             + [f"fullgraph-inductor/stage{stage}" for stage in (0, 1, 2, 3)]
             + [f"fullgraph/stage{stage}/{variant}" for stage in (2, 3) for variant in ("fp16", "accumulate")]
             + ["fullgraph/stage3/kept"] + [f"fullgraph-module/stage{stage}" for stage in (0, 1, 2, 3)]
-            + [f"autograd-grad/stage{stage}" for stage in (2, 3)])
+            + [f"autograd-grad/stage{stage}" for stage in (2, 3)]
+            + [f"compiled-autograd/stage{stage}" for stage in (0, 2, 3)]
+            + ["compiled-autograd/stage3/fp16", "compiled-autograd/stage2/accumulate",
+               "compiled-autograd/stage3/accumulate", "compiled-autograd/stage3/model"])

@@ -21,11 +21,14 @@ SCHEMAS = {
     "accumulate_grad": f"zero_ext::accumulate_grad({MODEL}, int param, Tensor grad) -> ()",
     "run_epilogue": f"zero_ext::run_epilogue({MODEL}) -> ()",
     # What a compiled graph calls (runtime/compiled_forward.py): the model's int handle.
-    "begin_forward": "zero_ext::begin_forward(int model, bool grad=True) -> ()",
+    "begin_forward": "zero_ext::begin_forward(int model, bool grad=True, bool detached_reads=False) -> ()",
     "gathered_param": "zero_ext::gathered_param(int model, int index, Tensor param) -> Tensor",
     "grad_arrived": "zero_ext::grad_arrived(int model, int index, Tensor grad) -> Tensor",
     "end_forward": "zero_ext::end_forward(int model) -> ()",
     "backward_begins": "zero_ext::backward_begins(int model, Tensor grad) -> ()",
+    # Under compiled autograd ([Note: compiled autograd] in csrc/sharded_model_graph.cpp).
+    "hand_over_grad": "zero_ext::hand_over_grad(int model, int index, Tensor grad) -> Tensor",
+    "backward_over": "zero_ext::backward_over(int model, Tensor tokens) -> Tensor",
 }
 
 

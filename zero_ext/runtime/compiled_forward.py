@@ -38,12 +38,15 @@ from torch.utils._pytree import tree_map_only
 
 from . import compiled_units
 
-_OPS = ("begin_forward", "end_forward", "backward_begins", "scale_output_grad")
+_OPS = ("begin_forward", "end_forward", "backward_begins", "scale_output_grad", "grad_arrived", "hand_over_grad",
+        "backward_over")
 
 
 def _mark_side_effects() -> None:
-    """No graph pass may drop these ops: they return nothing, and what they
-    do is on the model, not on a tensor the graph sees."""
+    """No graph pass may drop these ops: what they do is on the model, not on
+    a tensor the graph sees (most return nothing; a gradient handed over is
+    taken even where the graph drops what the op returns, as compiled
+    autograd's graph does once a hook drops the engine's copy)."""
     from torch.fx.node import has_side_effect
 
     for name in _OPS:
@@ -84,7 +87,7 @@ class _ScaledBackwardBegins(torch.autograd.Function):
 
 def pre_forward(handle: int, cast_to: Optional[torch.dtype], args: tuple, kwargs: dict) -> Any:
     """The root pre-forward hook's work in a traced graph."""
-    torch.ops.zero_ext.begin_forward(handle, torch.is_grad_enabled())
+    torch.ops.zero_ext.begin_forward(handle, torch.is_grad_enabled(), compiled_units.reads_detached())
     compiled_units.open_reads(handle)
     if cast_to is None:
         return None

@@ -46,15 +46,64 @@ class _ParamRead(torch.autograd.Function):
     over in the graph] in csrc/sharded_model_graph.cpp)."""
 
     @staticmethod
-    def forward(ctx: Any, handle: int, index: int, param: torch.Tensor, gather: bool) -> torch.Tensor:
-        ctx.handle, ctx.index = handle, index
+    def forward(ctx: Any, handle: int, index: int, param: torch.Tensor, gather: bool,
+                anchor: Optional[torch.Tensor] = None) -> torch.Tensor:
+        ctx.handle, ctx.index, ctx.anchored = handle, index, anchor is not None
         if gather:
             return torch.ops.zero_ext.gathered_param(handle, index, param)
         return param.view_as(param)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        return None, None, torch.ops.zero_ext.grad_arrived(ctx.handle, ctx.index, grad), None
+        if ctx.anchored:  # compiled autograd: `param` came detached; the token goes to the anchor
+            return None, None, None, None, torch.ops.zero_ext.hand_over_grad(ctx.handle, ctx.index, grad)
+        return None, None, torch.ops.zero_ext.grad_arrived(ctx.handle, ctx.index, grad), None, None
+
+
+# By model handle: the anchor of its reads under compiled autograd ([Note:
+# compiled autograd] in csrc/sharded_model_graph.cpp): a CPU scalar leaf
+# every read takes as an input, whose gradient (the reads' tokens, summed)
+# arrives once every read's gradient was handed over; its hook then ends
+# the backward (zero_ext::backward_over).
+_anchors: Dict[int, torch.Tensor] = {}
+
+
+@torch.library.register_fake("zero_ext::hand_over_grad")
+def _hand_over_grad_fake(model: int, index: int, grad: torch.Tensor) -> torch.Tensor:
+    return grad.new_empty((), dtype=torch.float32, device="cpu")
+
+
+@torch.library.register_fake("zero_ext::backward_over")
+def _backward_over_fake(model: int, tokens: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(tokens)
+
+
+def _backward_over(handle: int, tokens: torch.Tensor) -> torch.Tensor:
+    """The anchor's hook. Inside compiled autograd's graph it ends the
+    backward; run by the engine itself (the forward was traced with compiled
+    autograd on, its backward run without), the engine's callback does, as
+    after any eager backward, once the parameters' nodes ran too."""
+    from torch._dynamo import compiled_autograd
+
+    if compiled_autograd.in_compiled_autograd_region:
+        return torch.ops.zero_ext.backward_over(handle, tokens)
+    return tokens
+
+
+def _make_anchor(handle: int) -> torch.Tensor:
+    anchor = torch.zeros((), requires_grad=True)
+    anchor.register_hook(functools.partial(_backward_over, handle))
+    return anchor
+
+
+def reads_detached() -> bool:
+    """Whether reads traced now are detached, anchored ones: the backward of
+    what is being traced will be compiled autograd's (torch.compile turns it
+    on around each call of a function compiled while
+    torch._dynamo.config.compiled_autograd was set)."""
+    from torch._dynamo import compiled_autograd
+
+    return bool(compiled_autograd.compiled_autograd_enabled)
 
 
 # By model handle: the parameters of units kept gathered from forward to
@@ -93,11 +142,14 @@ def read_in_graph(handle: int, index: int, param: torch.Tensor, gather: bool) ->
     reads = _reads.get(handle)
     value = reads.get(index) if reads is not None else None
     if value is None:
+        anchor = _anchors.get(handle) if reads_detached() else None
+        if anchor is not None:
+            param = param.detach()  # no AccumulateGrad of the parameter in compiled autograd's graph
         if gather:
-            value = checkpoint(_ParamRead.apply, handle, index, param, True, use_reentrant=False,
+            value = checkpoint(_ParamRead.apply, handle, index, param, True, anchor, use_reentrant=False,
                                context_fn=_GATHERS_RECOMPUTED)
         else:
-            value = _ParamRead.apply(handle, index, param, False)
+            value = _ParamRead.apply(handle, index, param, False, anchor)
         if reads is not None:
             reads[index] = value
     return value
@@ -132,6 +184,8 @@ def install(model: torch.nn.Module, handle: int, index_of: Dict[int, int], gathe
     if kept:
         _kept_params[handle] = frozenset(kept)
         weakref.finalize(model, _kept_params.pop, handle, None)
+    _anchors[handle] = _make_anchor(handle)
+    weakref.finalize(model, _anchors.pop, handle, None)
     for module in model.modules():
         reads = {name: (handle, index_of[id(p)], gather) for name, p in module._parameters.items()
                  if p is not None and id(p) in index_of}
