@@ -92,6 +92,9 @@ def _backward_over(handle: int, tokens: torch.Tensor) -> torch.Tensor:
 
 def _make_anchor(handle: int) -> torch.Tensor:
     anchor = torch.zeros((), requires_grad=True)
+    # Its gradient defined from the start, as after any backward: compiled
+    # autograd keys its graph on it, and would trace the second step again.
+    anchor.grad = torch.zeros(())
     anchor.register_hook(functools.partial(_backward_over, handle))
     return anchor
 
