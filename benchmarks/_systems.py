@@ -11,8 +11,10 @@ with --vocab tokens when given. A system is plain (world 1), ddp, fsdp2
 fsdp2-s2 (the same kept gathered after forward: ZeRO-2's traffic) or
 zero_ext-N (stage N; zero_ext-N-unchecked: without the collective sequence
 checks; zero_ext-3-blocks: every block a unit of its own, none merged);
-any of them followed by -compile (the whole model under torch.compile) or
--compileblocks (each block compiled). Every system steps torch's AdamW (foreach).
+any of them followed by -compile (the whole model under torch.compile),
+-compileca (the whole train step, forward, loss and backward, compiled with
+compiled autograd) or -compileblocks (each block compiled). Every system
+steps torch's AdamW (foreach).
 """
 from __future__ import annotations
 
@@ -32,6 +34,23 @@ from _models import PRESETS, blocks_of, build_model  # noqa: E402
 import zero_ext  # noqa: E402
 
 MODELS = ["tinygpt", "small-blocks"] + sorted(PRESETS)
+
+
+class CompiledTrainStep:
+    """A system whose step is one compiled function: forward, loss and
+    backward under compiled autograd (the -compileca suffix); `model` is the
+    module it trains."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+        def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = torch.nn.functional.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+            loss.backward()
+            return loss
+
+        with torch._dynamo.config.patch(compiled_autograd=True):
+            self.train_step = torch.compile(train_step)
 
 
 class SmallBlocks(nn.Module):
@@ -100,6 +119,9 @@ def build(args, system: str, world: int):
     gathers included: docs/torch-compile-and-profiling.md); -compileblocks
     compiles each block in place instead (torchtitan's regional compilation,
     the way FSDP2 compiles). The first step carries the compilation."""
+    if system.endswith("-compileca"):
+        trained, opt = build(args, system[:-len("-compileca")], world)
+        return CompiledTrainStep(trained), opt
     for suffix, whole in (("-compileblocks", False), ("-compile", True)):
         if system.endswith(suffix):
             trained, opt = build(args, system[:-len(suffix)], world)
