@@ -78,13 +78,15 @@ class ParamReadyHook : public torch::autograd::FunctionPostHook {
   int64_t index_;
 };
 
-// Before the engine accumulates a gradient into param.grad: a gradient that
-// a compiled graph already handed to zero_ext in this backward (GradHooks::
-// mark_taken) is dropped, and zero_ext's gradient stand-in ([Note: gradient
-// stand-ins] in grad_reducer.h) is cleared so that the engine does not add to it.
+// Before the engine accumulates a gradient into param.grad: what a compiled
+// graph returned for a gradient it handed to zero_ext in this backward
+// (GradHooks::mark_taken: zeros) is dropped, but not a gradient of the same
+// parameter from a use outside the graph, which the engine summed with
+// those zeros; and zero_ext's gradient stand-in ([Note: gradient stand-ins]
+// in grad_reducer.h) is cleared so that the engine does not add to it.
 class AccumulatorPreHook : public torch::autograd::FunctionPreHook {
  public:
-  AccumulatorPreHook(at::Tensor param, at::Tensor stand_in, std::shared_ptr<std::vector<int64_t>> taken_by,
+  AccumulatorPreHook(at::Tensor param, at::Tensor stand_in, std::shared_ptr<std::vector<GradTaken>> taken_by,
                      std::shared_ptr<const GradientRoute> route, std::string name, int64_t index)
       : param_(std::move(param)),
         stand_in_(std::move(stand_in)),
@@ -93,10 +95,18 @@ class AccumulatorPreHook : public torch::autograd::FunctionPreHook {
         name_(std::move(name)),
         index_(index) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
-    int64_t& taken_by = (*taken_by_)[index_];
-    if (taken_by >= 0 && taken_by == current_backward().graph_task_id) {
-      taken_by = -1;
-      return {at::Tensor()};  // AccumulateGrad returns at once on an undefined gradient
+    GradTaken& taken = (*taken_by_)[index_];
+    if (taken.graph_task >= 0 && taken.graph_task == current_backward().graph_task_id) {
+      const at::Tensor returned = std::move(taken.returned);
+      taken = GradTaken();
+      const at::Tensor& grad = grads[0];
+      // The graph's zeros alone (or several graphs' zeros summed: all zero,
+      // so dropping them drops nothing; checked only then, as it reads the
+      // values) are dropped: AccumulateGrad returns at once on an undefined
+      // gradient. Anything else carries another use's gradient.
+      if (!grad.defined() || grad.is_alias_of(returned) || !grad.any().item<bool>()) {
+        return {at::Tensor()};
+      }
     }
     if (stand_in_.defined()) {
       at::Tensor& grad = param_.mutable_grad();
@@ -113,8 +123,8 @@ class AccumulatorPreHook : public torch::autograd::FunctionPreHook {
  private:
   at::Tensor param_;  // the node holds it strongly already
   at::Tensor stand_in_;
-  std::shared_ptr<std::vector<int64_t>> taken_by_;  // shared: the node may outlive the model
-  std::shared_ptr<const GradientRoute> route_;      // shared, likewise
+  std::shared_ptr<std::vector<GradTaken>> taken_by_;  // shared: the node may outlive the model
+  std::shared_ptr<const GradientRoute> route_;        // shared, likewise
   std::string name_;
   int64_t index_;
 };
@@ -154,7 +164,7 @@ GradHooks::GradHooks(const std::vector<at::Tensor>& params, const Layout& layout
                      std::function<void(int64_t)> on_grad_ready)
     : params_(params), layout_(layout), on_grad_ready_(std::move(on_grad_ready)) {
   const int64_t n = layout_.num_params();
-  taken_by_ = std::make_shared<std::vector<int64_t>>(n, -1);
+  taken_by_ = std::make_shared<std::vector<GradTaken>>(n);
   route_ = std::make_shared<GradientRoute>();
   accumulators_.resize(n);
   hook_keys_.assign(n, 0);
@@ -190,8 +200,8 @@ bool GradHooks::accumulates(int64_t i) const {
   return accumulators_[i] && current_backward_executes_any({accumulators_[i].get()});
 }
 
-void GradHooks::mark_taken(int64_t i) {
-  (*taken_by_)[i] = current_backward().graph_task_id;
+void GradHooks::mark_taken(int64_t i, const at::Tensor& returned) {
+  (*taken_by_)[i] = GradTaken{current_backward().graph_task_id, returned};
 }
 
 void GradHooks::verify_accumulators() const {

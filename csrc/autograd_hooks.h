@@ -29,6 +29,13 @@ namespace zero_ext {
 // torch's "compiled_args nyi") under compiled autograd.
 void on_gradient(const at::Tensor& tensor, std::function<void()> fn);
 
+// A gradient a compiled graph handed over: the backward (graph task) it was
+// in, and what the graph returned to the engine in its place.
+struct GradTaken {
+  int64_t graph_task = -1;
+  at::Tensor returned;
+};
+
 class GradHooks {
  public:
   GradHooks(const std::vector<at::Tensor>& params, const Layout& layout, const GradReducer& reducer,
@@ -45,9 +52,10 @@ class GradHooks {
   // param.grad (not torch.autograd.grad, which captures it).
   bool accumulates(int64_t i) const;
   // A compiled graph handed zero_ext parameter i's gradient in this backward
-  // ([Note: gradients handed over in the graph] in sharded_model_graph.cpp): the
-  // engine's accumulation of the same gradient is dropped.
-  void mark_taken(int64_t i);
+  // ([Note: gradients handed over in the graph] in sharded_model_graph.cpp)
+  // and returned `returned` (zeros) to the engine: that is dropped before
+  // AccumulateGrad, a gradient summed with it from another use is not.
+  void mark_taken(int64_t i, const at::Tensor& returned);
   // The forwards of the next backward, which compiled autograd's view of these hooks depends on.
   GradientRoute& route() { return *route_; }
   // Raises if a parameter's accumulator was re-created since wrap(): its
@@ -63,7 +71,7 @@ class GradHooks {
   std::vector<NodeRef> accumulators_;
   std::vector<const void*> accumulator_nodes_;  // the same, for exec_info lookups
   std::vector<uintptr_t> hook_keys_;
-  std::shared_ptr<std::vector<int64_t>> taken_by_;  // by parameter: the graph task that took its gradient, or -1
+  std::shared_ptr<std::vector<GradTaken>> taken_by_;  // by parameter
   std::shared_ptr<GradientRoute> route_;             // shared with the hooks, which may outlive the model
 };
 

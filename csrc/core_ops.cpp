@@ -72,7 +72,7 @@ at::Tensor grad_arrived_kernel(int64_t model, int64_t index, const at::Tensor& g
 }
 
 at::Tensor grad_arrived_meta(int64_t /*model*/, int64_t /*index*/, const at::Tensor& grad) {
-  return at::empty(grad.sizes(), grad.options());
+  return at::empty(grad.sizes(), grad.options());  // contiguous, as the kernel's zeros or copy
 }
 
 // Under compiled autograd ([Note: compiled autograd] in sharded_model_graph.cpp):

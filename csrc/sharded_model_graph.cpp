@@ -54,8 +54,11 @@ at::Tensor ShardedModel::gathered_param(int64_t param_index) {
 // AccumulateGrad, and a bucket goes out once complete (at stage 3 too, where
 // eagerly a unit's backward being over launches its buckets: a graph reads
 // each parameter once per forward, compiled_units.py, so a complete bucket
-// is final), and the engine's own
-// accumulation of it afterwards is dropped (GradHooks::mark_taken). Where
+// is final). The graph returns zeros in its place, which the engine's
+// AccumulateGrad would add: dropped (GradHooks::mark_taken), unless the
+// engine summed them with the gradient of a use of the parameter outside
+// the graph (eager code reading the parameter itself), which is then
+// accumulated and reaches zero_ext as eagerly. Where
 // the running backward does not accumulate into this parameter
 // (torch.autograd.grad captures its gradient), it is not zero_ext's: passed
 // on untouched (a copy: the graph may reuse the memory of its own tensors).
@@ -64,11 +67,17 @@ at::Tensor ShardedModel::gathered_param(int64_t param_index) {
 at::Tensor ShardedModel::grad_arrived(int64_t param_index, const at::Tensor& grad) {
   check_grad_shape(param_index, grad);
   if (!layout_.trainable(param_index) || !hooks_.accumulates(param_index)) {
-    return grad.clone();
+    return grad.clone(at::MemoryFormat::Contiguous);  // the fake kernel's strides
   }
   take_graph_grad(param_index, grad);
-  hooks_.mark_taken(param_index);
-  return grad;  // what the engine would accumulate: dropped (above)
+  // Zeros as what autograd passes on: the engine sums them with the
+  // gradient of any use of the parameter outside the graph, which stays the
+  // parameter's. Not zeros expanded from one scalar, which would need no
+  // memory: a compiler checks the strides against the fake kernel's, and the
+  // copy autograd.grad gets (above) is contiguous.
+  at::Tensor returned = at::zeros_like(grad, at::MemoryFormat::Contiguous);
+  hooks_.mark_taken(param_index, returned);
+  return returned;
 }
 
 void ShardedModel::take_graph_grad(int64_t param_index, const at::Tensor& grad) {

@@ -24,6 +24,11 @@ per step, then parameters), or the graph breaks Dynamo reported.
   nothing.
 - fullgraph/stage2/accumulate: a micro-batch under no_sync(), then a
   backward run twice over one forward (retain_graph), bitwise as eager.
+- fullgraph/stage{0,2}/eager-use: the loss also takes a term computed
+  outside the graph from a weight the graph reads: its gradient is added
+  to the graph's, not lost; as eager within rounding (it arrives after the
+  weight's bucket went out and is reduced in a second round: the ranks' sums
+  are added in another order).
 - compiled-autograd (stages 0, 2, 3): a train step (forward, loss and
   loss.backward()) compiled with compiled autograd on, so the backward is
   compiled autograd's graph too: bitwise the eager result, one epilogue per
@@ -84,7 +89,7 @@ def _compiled_autograd_step(model: torch.nn.Module, scale: float, model_only: bo
 
 
 def _train(stage: int, rank: int, world: int, mode: Optional[str], accumulate: bool = False,
-           gathers: Optional[list] = None, model_only: bool = False,
+           gathers: Optional[list] = None, model_only: bool = False, eager_use: bool = False,
            **options) -> Tuple[List[float], Dict[str, torch.Tensor]]:
     """`gathers`: if a list, gets per step (units the core holds gathered
     after the forward, bucket gathers during the backward)."""
@@ -153,6 +158,8 @@ def _train(stage: int, rank: int, world: int, mode: Optional[str], accumulate: b
             continue
         logits = forward(tokens[:, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        if eager_use:  # a term outside the compiled graph on a weight it reads too (the parameter itself)
+            loss = loss + 0.01 * model.blocks[0].ff.weight.square().sum()
         if "mixed_precision" in options:  # fp16 gradients ~1e-9: zero unless the loss scale lifts them
             loss = loss * 2.0 ** -20
         diagnostics = model._zero_ext.handles.diagnostics
@@ -241,6 +248,8 @@ def run_one(rank: int, world: int, item: str) -> Optional[str]:
         options = {"accumulate": True}
     if variant == "model":  # compiled autograd on for the model's compile only: the engine runs the backward
         options = {"model_only": True}
+    if variant == "eager-use":  # a weight the graph reads, used by eager code in the loss too
+        options = {"eager_use": True}
     torch._dynamo.reset()
     # A compiled backward run twice (retain_graph) needs donated buffers off:
     # torch's own rule for any compiled model, zero_ext or not.
@@ -281,7 +290,7 @@ def run_one(rank: int, world: int, item: str) -> Optional[str]:
         for name, p in _one_process(world, variant == "accumulate").items():
             if not torch.allclose(params[name], p, rtol=1e-5, atol=1e-6):
                 return f"{name}: {(params[name] - p).abs().max().item()} from one process after {STEPS} steps"
-    if mode in ("fullgraph", "fullgraph-module", "compiled-autograd"):  # the same ops in the same order: bitwise
+    if mode in ("fullgraph", "fullgraph-module", "compiled-autograd") and variant != "eager-use":  # bitwise
         for step, (a, b) in enumerate(zip(eager_losses, losses)):
             if a != b:
                 return f"step {step}: loss {b!r} compiled, {a!r} eager (bitwise expected)"
@@ -306,7 +315,7 @@ def all_items() -> List[str]:
             + [f"fullgraph/stage{stage}" for stage in FULLGRAPH_STAGES]
             + [f"fullgraph-inductor/stage{stage}" for stage in (0, 1, 2, 3)]
             + [f"fullgraph/stage{stage}/{variant}" for stage in (2, 3) for variant in ("fp16", "accumulate")]
-            + ["fullgraph/stage3/kept"] + [f"fullgraph-module/stage{stage}" for stage in (0, 1, 2, 3)]
+            + ["fullgraph/stage3/kept", "fullgraph/stage0/eager-use", "fullgraph/stage2/eager-use"] + [f"fullgraph-module/stage{stage}" for stage in (0, 1, 2, 3)]
             + [f"autograd-grad/stage{stage}" for stage in (2, 3)]
             + [f"compiled-autograd/stage{stage}" for stage in (0, 2, 3)]
             + ["compiled-autograd/stage3/fp16", "compiled-autograd/stage2/accumulate",
