@@ -186,6 +186,14 @@ void BackwardRound::mark_unusable(const std::string& report) {
 
 void BackwardRound::check_usable() const {
   TORCH_CHECK(unusable_report_.empty(), unusable_report_);
+  // A collective that failed where no call of the user's saw it (a check of
+  // the ranks' headers on a completion thread, a prefetch): its cause, as
+  // the call that waited on it would have raised it.
+  const Communicator* comms[] = {&mesh_.shard(), &mesh_.replica(), &gather_comm_, &regather_comm_};
+  for (const Communicator* comm : comms) {
+    const std::string report = comm->failure_report();
+    TORCH_CHECK(report.empty(), report);
+  }
   TORCH_CHECK(!mesh_.failed() && !gather_comm_.failed() && !regather_comm_.failed(), "zero_ext: rank ", mesh_.rank(),
               " cannot go on training: an earlier collective of this model failed (see the first "
               "error), so this rank's collectives are out of step with the other ranks'. Restart "

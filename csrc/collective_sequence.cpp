@@ -400,6 +400,11 @@ bool CollectiveSequence::issue_next_locked() {
   return true;
 }
 
+std::string CollectiveSequence::failure_report() const {
+  std::lock_guard<std::recursive_mutex> lock(order_->mutex_);
+  return failed_.load() ? report_ : std::string();
+}
+
 void CollectiveSequence::fail_locked(const std::string& report) {
   if (failed_.exchange(true)) {
     return;

@@ -138,6 +138,9 @@ class CollectiveSequence : public std::enable_shared_from_this<CollectiveSequenc
   // rank's main thread to issue what it already submitted.
   void advance();
   bool failed() const { return failed_.load(); }
+  // Why it failed (the ranks' difference, found here or posted by a peer);
+  // empty while it has not.
+  std::string failure_report() const;
   // The data group is going away: nothing more is issued on it.
   void detach();
 

@@ -89,6 +89,14 @@ bool Communicator::failed() const {
   return failed_ || (sequence_ && (sequence_->failed() || sequence_->headers().failed()));
 }
 
+std::string Communicator::failure_report() const {
+  if (!failed()) {
+    return {};
+  }
+  std::string report = sequence_ ? sequence_->failure_report() : std::string();
+  return report.empty() ? posted_report() : report;
+}
+
 int64_t Communicator::blocking_headers() const { return sequence_ ? sequence_->blocking_headers() : 0; }
 int64_t Communicator::ahead_headers() const { return sequence_ ? sequence_->ahead_headers() : 0; }
 

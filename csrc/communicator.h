@@ -242,6 +242,9 @@ class Communicator {
   // Whether a wait on this group failed, or a sequence check found the
   // ranks apart: its collectives are out of step.
   bool failed() const;
+  // Once failed: what the sequence check found (or a peer posted) about the
+  // ranks' difference, the cause a later call should name; else empty.
+  std::string failure_report() const;
 
   // Test-only: appends "<tag> <kind> <numel>" for every collective issued,
   // to check that ranks issue the same sequence (nullptr: off).
