@@ -210,6 +210,33 @@ say("compiled, no graph break, the same as one process:",
 ''',
     expect=("compiled, no graph break, the same as one process: 4 tensors",))
 
+# The whole train step compiled with compiled autograd: the snippet defines
+# train_step; three steps of it, each followed by the optimizer's step.
+_COMPILED_AUTOGRAD = Prelude(
+    setup='''
+import copy
+model = small_model()
+reference = copy.deepcopy(model)
+model, optimizer = zero_ext.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), stage=3)
+loss_fn = torch.nn.MSELoss()
+''',
+    check='''
+from torch._dynamo.utils import counters
+ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+for step, (x, y) in enumerate(rank_batches(rank, 3)):
+    train_step(x, y)
+    optimizer.step()
+    optimizer.zero_grad()
+    gx, gy = global_batch(step, 3)
+    loss_fn(reference(gx), gy).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+assert counters["compiled_autograd"]["captures"] == 1, dict(counters["compiled_autograd"])
+say("compiled autograd, the same as one process:",
+    assert_same(zero_ext.full_state_dict(model), reference, rtol=1e-4, atol=1e-5), "tensors")
+''',
+    expect=("compiled autograd, the same as one process: 4 tensors",))
+
 _ASYNC = Prelude(
     setup='''
 model = small_model()
@@ -473,6 +500,7 @@ PRELUDES = {
         _DCP,
     ("docs/checkpoints.md", "# given: model, optimizer"): _ASYNC,
     ("docs/torch-compile-and-profiling.md", "# given: model, optimizer"): _COMPILE,
+    ("docs/torch-compile-and-profiling.md", "# given: model (wrapped), loss_fn"): _COMPILED_AUTOGRAD,
     ("docs/checkpoints.md", "# given: ckpt (a path), model, optimizer"): _RESUME,
     ("docs/compression.md", "# given: model, optimizer"): _COMPRESSION,
     ("docs/mixed-precision-and-offload.md", "# given: model, opt; each line is one choice (a model is wrapped once)"):
