@@ -48,26 +48,7 @@ void BackwardRound::run_epilogue(bool sync) {
       if (units_) units_->release_after_backward(info.keep_graph);
       return;
     }
-    ++synced_epilogues_;
-    gate_.note_synced_backward(reducer_.defers_replica_sync());
-    if (faults_.armed()) {
-      faults_.maybe_raise("epilogue", gate_.progress().step_index, mesh_.rank());
-    }
-    reducer_.flush();
-    // The exchange is read later (settle(); see [Note: host syncs] in
-    // rank_agreement.h): until then every trainable parameter shows a
-    // gradient, and late ones wait in param.grad for the next round.
-    const bool check_nonfinite = checks_nonfinite();
-    agreement_.start(reducer_, units_, check_nonfinite ? reducer_.local_nonfinite() : at::Tensor(),
-                     store_.device(), TrainableSignature::of(store_.params()));
-    if (check_nonfinite) {
-      reducer_.mark_nonfinite_on_device(agreement_.last_nonfinite_sum());
-    }
-    reducer_.publish(/*provisional=*/true);
-    hooks_.verify_accumulators();
-    if (!reducer_.late()) {
-      reducer_.check_no_unreduced_grads();
-    }
+    reduce_round();
   } catch (...) {
     // Collectives of this backward may be in flight or skipped here while the
     // other ranks go on: this rank's sequence no longer matches theirs.
@@ -80,11 +61,50 @@ void BackwardRound::run_epilogue(bool sync) {
   if (units_) units_->release_after_backward(info.keep_graph);
 }
 
+void BackwardRound::reduce_round() {
+  ++synced_epilogues_;
+  gate_.note_synced_backward(reducer_.defers_replica_sync());
+  if (faults_.armed()) {
+    faults_.maybe_raise("epilogue", gate_.progress().step_index, mesh_.rank());
+  }
+  reducer_.flush();
+  // The exchange is read later (settle(); see [Note: host syncs] in
+  // rank_agreement.h): until then every trainable parameter shows a
+  // gradient, and late ones wait in param.grad for the next round.
+  const bool check_nonfinite = checks_nonfinite();
+  agreement_.start(reducer_, units_, check_nonfinite ? reducer_.local_nonfinite() : at::Tensor(),
+                   store_.device(), TrainableSignature::of(store_.params()));
+  if (check_nonfinite) {
+    reducer_.mark_nonfinite_on_device(agreement_.last_nonfinite_sum());
+  }
+  reducer_.publish(/*provisional=*/true);
+  hooks_.verify_accumulators();
+  if (!reducer_.late()) {
+    reducer_.check_no_unreduced_grads();
+  }
+}
+
+void BackwardRound::reduce_at_read_now() {
+  RECORD_USER_SCOPE("zero_ext::reduce at read");
+  try {
+    reduce_round();
+  } catch (...) {
+    mark_broken();
+    abandon(/*peers_in_step=*/false);
+    throw;
+  }
+  reducer_.start_round();
+  if (units_) units_->release_held();  // the step's last microbatch is over
+}
+
 bool BackwardRound::checks_nonfinite() const {
   return !layout_.ddp_in_place() || gate_.skip_nonfinite();
 }
 
 void BackwardRound::settle(bool keep) {
+  if (keep && reduce_at_read_ && (reducer_.adopt_written_grads() || reducer_.unsynced_since_reduce())) {
+    reduce_at_read_now();  // [Note: reductions at read]; its exchange is read below
+  }
   reducer_.finish_host_adds();  // offload: the host gradients are read next
   if (!agreement_.pending()) {
     if (keep && reducer_.has_deferred()) {

@@ -61,6 +61,22 @@ class BackwardRound {
 
   // The epilogue's body. `sync`: false under no_sync() (nothing is reduced).
   void run_epilogue(bool sync);
+  // [Note: reductions at read]
+  // Pipeline stages: torch.distributed.pipelining runs a backward per
+  // microbatch (stage_backward calls autograd itself), never says which is
+  // the step's last, and then divides each param.grad by the microbatch
+  // count. So with reduce_at_read every backward accumulates locally, as
+  // under no_sync() (the schedule's division acts on what param.grad holds:
+  // the local sum, or stage 0's staging views), and settle(keep), the first
+  // read of the step's gradients (optimizer.step(), clip, full_grads), runs
+  // the reduction a synced epilogue would have run: one per step whatever
+  // the number of microbatches, the bytes of one backward. FSDP2 under a
+  // schedule does the same (set_requires_gradient_sync(False), then its
+  // post_backward at the schedule's REDUCE_GRAD). Every rank of the group
+  // reads at the same call; one that ran no backward issues no reduction,
+  // and the collective check names the difference.
+  void set_reduce_at_read(bool on) { reduce_at_read_ = on; }
+  bool reduce_at_read() const { return reduce_at_read_; }
   // Reads what the ranks agreed on in the backwards since the last read and
   // finishes their gradients: a second round for late ones, the final
   // .grad (None where no rank had a gradient). Collective when `keep`; with
@@ -95,6 +111,11 @@ class BackwardRound {
   // broke) nothing waits on collectives the peers may never issue.
   std::exception_ptr abandon(bool peers_in_step);
   bool checks_nonfinite() const;
+  // A synced epilogue's reduction: flush the buckets, start the exchange,
+  // publish. Inside the epilogue or, at read, outside any backward.
+  void reduce_round();
+  // [Note: reductions at read]: what the step's backwards accumulated.
+  void reduce_at_read_now();
   // What hybrid backwards kept back from the replicas goes across now
   // ([Note: deferred replica all-reduce] in grad_reducer.h).
   void sync_deferred();
@@ -121,6 +142,7 @@ class BackwardRound {
   int64_t late_rounds_ = 0;
   int64_t last_graph_task_ = -1;
   bool last_keep_graph_ = false;
+  bool reduce_at_read_ = false;
 };
 
 } // namespace zero_ext

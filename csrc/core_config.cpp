@@ -38,6 +38,7 @@ void define_core_config(torch::Library& m) {
       ZERO_EXT_CONFIG_FIELD(min_scale)
       ZERO_EXT_CONFIG_FIELD(hysteresis)
       ZERO_EXT_CONFIG_FIELD(skip_nonfinite)
+      ZERO_EXT_CONFIG_FIELD(reduce_at_read)
       ZERO_EXT_CONFIG_FIELD(weight_bits)
       ZERO_EXT_CONFIG_FIELD(grad_bits)
       ZERO_EXT_CONFIG_FIELD(quant_block)

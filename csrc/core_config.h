@@ -39,6 +39,12 @@ struct CoreConfig : torch::CustomClassHolder {
   int64_t hysteresis = 1;
   bool skip_nonfinite = false;
 
+  // Pipeline stages (wrap(pipeline_group=)): every backward accumulates
+  // locally and the step's first read of the gradients reduces them, once
+  // per step whatever the number of microbatches ([Note: reductions at read]
+  // in backward_round.h).
+  bool reduce_at_read = false;
+
   // [Note: quantized collectives]: bits of stage 3 gathers and of gradient
   // reductions (0: off), `quant_block` elements per scale.
   int64_t weight_bits = 0;

@@ -314,6 +314,18 @@ bool GradReducer::holds_stray_grad(int64_t i) const {
                                 : grad.defined() && !holds_stand_in(i);
 }
 
+bool GradReducer::adopt_written_grads() {
+  bool found = false;
+  for (int64_t i = 0; i < layout_.num_params(); ++i) {
+    if (layout_.trainable(i) && holds_stray_grad(i)) {
+      local_has_grad_[i] = 1;
+      found = true;
+    }
+  }
+  if (found) unsynced_since_reduce_ = true;
+  return found;
+}
+
 void GradReducer::check_no_unreduced_grads() const {
   if (layout_.ddp_in_place()) {
     return;

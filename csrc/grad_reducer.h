@@ -134,6 +134,12 @@ class GradReducer {
   // Allowed per backward round: set when it starts, cleared when it ends.
   void allow_frozen_skip(bool settled) { frozen_skip_allowed_ = settled && !unsynced_since_reduce_; }
   void note_unsynced_backward() { unsynced_since_reduce_ = true; }
+  bool unsynced_since_reduce() const { return unsynced_since_reduce_; }
+  // [Note: reductions at read]: gradients a schedule wrote into param.grad
+  // itself (zero-bubble's weight pass: torch.autograd.grad, then
+  // `weight.grad = dw` or `+=`), which no hook saw, count as accumulated
+  // locally, as under no_sync(). Returns whether there were any.
+  bool adopt_written_grads();
   int64_t frozen_skips() const { return frozen_skips_; }
   void wait_all();
   // Offload from an accelerator: the host adds of landed results, done when

@@ -128,7 +128,7 @@ void ShardedModel::run_epilogue() {
   if (units_) drain_deferred_uses();
   in_backward_round_ = false;  // what follows is no longer this backward's
   hooks_.route().note_backward_over();
-  round_.run_epilogue(sync_);
+  round_.run_epilogue(reduces_in_backward());
 }
 
 void ShardedModel::on_grad_ready(int64_t i, bool launch_complete) {
@@ -139,10 +139,10 @@ void ShardedModel::on_grad_ready(int64_t i, bool launch_complete) {
     if (faults_.armed()) {
       faults_.maybe_raise("grad_hook", gate_.progress().step_index, mesh_.rank());
     }
-    const int64_t completed = reducer_.on_grad_ready(i, sync_);
+    const int64_t completed = reducer_.on_grad_ready(i, reduces_in_backward());
     if (completed >= 0 && units_) {
       units_->on_bucket_complete(completed, round_.owner_graph_task());
-      if (launch_complete && sync_) {
+      if (launch_complete && reduces_in_backward()) {
         reducer_.launch_buckets({completed});
       }
     }
@@ -319,7 +319,7 @@ void ShardedModel::launch_unit_reductions(int64_t u) {
   // Inside a synced backward that reaches the parameters only: a use
   // reported as its graph dies (drained later), under no_sync() or in
   // torch.autograd.grad launches nothing.
-  if (!sync_ || current_backward().graph_task_id < 0 || !hooks_.backward_reaches_params()) {
+  if (!reduces_in_backward() || current_backward().graph_task_id < 0 || !hooks_.backward_reaches_params()) {
     return;
   }
   round_.check_usable();

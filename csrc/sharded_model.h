@@ -320,6 +320,9 @@ class ShardedModel : public torch::CustomClassHolder {
   FaultInjector faults_;
   BackwardRound round_;
   bool sync_ = true;
+  // Whether a backward reduces in its own epilogue: not under no_sync(), nor
+  // on a pipeline stage ([Note: reductions at read] in backward_round.h).
+  bool reduces_in_backward() const { return sync_ && !round_.reduce_at_read(); }
   bool in_backward_round_ = false;  // a backward round began and its epilogue has not run
   // Per forward of the model in progress (nested ones too): the collectives
   // submitted before it began.

@@ -24,6 +24,7 @@ void ShardedModel::apply_config(const CoreConfig& config) {
     gate_.scaler().enable(options);
   }
   gate_.set_skip_nonfinite(config.skip_nonfinite);
+  round_.set_reduce_at_read(config.reduce_at_read);
   if (config.weight_bits != 0 || config.grad_bits != 0) {
     enable_compression(config.weight_bits, config.grad_bits, config.quant_block);
   }
@@ -40,6 +41,7 @@ void ShardedModel::apply_config(const CoreConfig& config) {
   if (units_) {
     units_->set_max_live_bytes(config.max_live_bytes);
     units_->keep_gathered_after_forward(config.kept_after_forward);
+    units_->hold_kept_until_step(config.reduce_at_read);
     units_->reshard_to_subgroup(config.resharded_to_subgroup);
   }
   if (!config.unit_names.empty()) layout_.set_unit_names(config.unit_names);

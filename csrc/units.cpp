@@ -159,7 +159,7 @@ bool UnitScheduler::backward_done(int64_t u, int64_t epilogue_owner) const {
 }
 
 void UnitScheduler::maybe_release_after_backward(int64_t u, int64_t epilogue_owner) {
-  if (!current_backward().keep_graph && backward_done(u, epilogue_owner)) {
+  if (!current_backward().keep_graph && !held(u) && backward_done(u, epilogue_owner)) {
     release(u);
   }
 }
@@ -210,7 +210,7 @@ void UnitScheduler::release_after_backward(bool keep_graph) {
   graph_unit_ = -1;
   graph_gathered_.assign(graph_gathered_.size(), false);
   for (int64_t u = 0; u < num_units(); ++u) {
-    release(u);
+    if (!held(u)) release(u);
     units_[u].pending_uses = 0;
     units_[u].tracked_use = false;
     units_[u].untracked_use = false;
@@ -502,6 +502,12 @@ void UnitScheduler::unpin_units_of(const std::vector<int64_t>& param_indices) {
 
 void UnitScheduler::release_all() {
   for (int64_t u = 0; u < num_units(); ++u) release(u);
+}
+
+void UnitScheduler::release_held() {
+  for (int64_t u = 0; u < num_units(); ++u) {
+    if (held(u)) release(u);
+  }
 }
 
 void UnitScheduler::finish_gathers() {

@@ -59,6 +59,14 @@ class UnitScheduler {
   // graph leaves them gathered until their backward is over (no second
   // gather); other units release after each forward. Set at wrap().
   void keep_gathered_after_forward(const std::vector<int64_t>& units);
+  // Pipeline stages ([Note: reductions at read] in backward_round.h): the
+  // units kept after forward also stay gathered after each microbatch's
+  // backward, so a step gathers them once whatever the number of
+  // microbatches (FSDP2's reshard_after_forward=False under a schedule,
+  // which sets reshard_after_backward False); released by release_held()
+  // when the step reads its gradients.
+  void hold_kept_until_step(bool hold) { hold_kept_ = hold; }
+  void release_held();
   // reshard_after_forward=<the regather group's size> for these units.
   void reshard_to_subgroup(const std::vector<int64_t>& units);
   // FSDP2's set_modules_to_forward/backward_prefetch: when unit u's forward
@@ -176,6 +184,10 @@ class UnitScheduler {
   std::function<void()> check_usable_;  // before any new gather: refuses a broken rank
   std::vector<Unit> units_;
   std::vector<bool> kept_after_forward_;  // by unit: reshard_after_forward=False
+  bool hold_kept_ = false;                // kept units stay gathered until release_held()
+  bool held(int64_t u) const {
+    return hold_kept_ && u < static_cast<int64_t>(kept_after_forward_.size()) && kept_after_forward_[u];
+  }
   std::vector<bool> resharded_to_subgroup_;  // by unit: reshard_after_forward=<int>
   Communicator& regather_comm_;  // the subgroup those units gather in again
   QuantFormat weight_format_;     // bits 0: gathers send the compute dtype

@@ -385,6 +385,30 @@ say(f"dp {mesh['dp'].size()} x tp {mesh['tp'].size()}: the same as one process, 
 ''',
     expect=("dp 1 x tp 2: the same as one process, 21 tensors",))
 
+# docs/multi-node.md's pipeline: pp 2 x dp 2, this dp rank's half of each global batch (the mesh puts
+# dp innermost: rank = pp * 2 + dp), checked against one process by the DCP checkpoint, read whole.
+_PIPELINE = Prelude(
+    setup='''
+import sys
+sys.path.insert(0, os.path.join(os.environ["ZERO_EXT_REPO"], "tests"))
+from pipeline_scenarios import PipelinedLM, batch, loss_fn, reference
+torch.manual_seed(0)
+model = PipelinedLM()
+batches = [tuple(t.chunk(2)[rank % 2] for t in batch(step)) for step in range(3)]
+''',
+    check='''
+barrier()
+if rank == 0:
+    import torch.distributed.checkpoint as dcp
+    whole = {k: torch.zeros_like(v) for k, v in PipelinedLM().state_dict().items()}
+    dcp.load({"model": whole}, checkpoint_id="ckpt", no_dist=True)
+    expected, _ = reference(3, torch.optim.AdamW, 1.0)
+    n = assert_same(whole, expected)
+    say(f"pp 2 x dp 2, 1F1B: the DCP checkpoint holds the whole model, the same as one process, {n} tensors")
+''',
+    expect=("pp 2 x dp 2, 1F1B: the DCP checkpoint holds the whole model, the same as one process, 11 tensors",),
+    ranks=4)
+
 _TINY_LLAMA = '''
 from transformers import LlamaConfig, LlamaForCausalLM
 config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -501,6 +525,9 @@ PRELUDES = {
     ("docs/checkpoints.md", "# given: model, optimizer"): _ASYNC,
     ("docs/torch-compile-and-profiling.md", "# given: model, optimizer"): _COMPILE,
     ("docs/torch-compile-and-profiling.md", "# given: model (wrapped), loss_fn"): _COMPILED_AUTOGRAD,
+    ("docs/multi-node.md",
+     "# given: model (the whole model: emb, layers in a ModuleDict by index, head), loss_fn, batches (this dp rank's), world"):
+        _PIPELINE,
     ("docs/checkpoints.md", "# given: ckpt (a path), model, optimizer"): _RESUME,
     ("docs/compression.md", "# given: model, optimizer"): _COMPRESSION,
     ("docs/mixed-precision-and-offload.md", "# given: model, opt; each line is one choice (a model is wrapped once)"):

@@ -8,6 +8,8 @@ size and reported one test per scenario and stage.
 ZERO_EXT_PARITY_WORLDS=1,2 limits the world sizes (the torch-versions subset).
 
 Tensor parallelism: tensor_parallel_scenarios.py's items, in the world-4 group.
+Pipeline stages: pipeline_scenarios.py's items, in the world-4 group (a
+(pp 2, dp 2) mesh), or in a group of their own without world 4.
 Quantized collectives: compression_scenarios.py's items, in the world-2 and
 world-4 groups and the 2x2 mesh group.
 
@@ -24,6 +26,7 @@ from dist_harness import assert_item_matched, run_items_on_ranks
 from parity_scenarios import all_items
 from tensor_parallel_scenarios import all_items as tensor_parallel_items
 from compression_scenarios import all_items as compression_items
+from pipeline_scenarios import all_items as pipeline_items
 
 WORLD_SIZES = tuple(int(w) for w in os.environ.get("ZERO_EXT_PARITY_WORLDS", "1,2,4").split(","))
 
@@ -56,18 +59,25 @@ COMPRESSION = {2: compression_items(),
 # Tensor parallelism (tensor_parallel_scenarios.py): its items run in the flat
 # world-4 group, or (the torch-versions subset, without world 4) in a group of their own.
 TENSOR_PARALLEL = tensor_parallel_items()
+# Pipeline stages (pipeline_scenarios.py): in the flat world-4 group before the
+# TP items (whose refusals leave rows holding different numbers of pooled
+# groups, which wrap() compares; a refused pipeline wrap holds none, so the
+# ranks stay alike), or a group of their own.
+PIPELINE = pipeline_items()
 
 
 @functools.lru_cache(maxsize=None)
 def group_results(world: int, mesh: str = ""):
     if mesh == "tp":
         items = TENSOR_PARALLEL
+    elif mesh == "pp":
+        items = PIPELINE
     elif mesh:
         items = mesh_items(mesh) + (compression_items(mesh) if mesh == "2x2" else [])
     else:
         # The TP items last: their dp rows pool different numbers of groups
         # (a refused wrap on one row), which a later wrap over every rank refuses.
-        items = all_items() + COMPRESSION.get(world, []) + (TENSOR_PARALLEL if world == 4 else [])
+        items = all_items() + COMPRESSION.get(world, []) + (PIPELINE + TENSOR_PARALLEL if world == 4 else [])
     return run_items_on_ranks(world, "parity_scenarios:run_one", items, item_deadline_s=180)
 
 
@@ -102,3 +112,14 @@ def test_tensor_parallel_parity(item):
     mesh['dp'] (dp 2 x tp 2, dp 1 x tp 4, (replicate 2, shard 1) x tp 2),
     against one process over the global batch."""
     assert_item_matched(4, (group_results(4) if 4 in WORLD_SIZES else group_results(4, "tp"))[item])
+
+
+@pytest.mark.parametrize("item", PIPELINE)
+def test_pipeline_parity(item):
+    """Pipeline stages (torch.distributed.pipelining) over zero_ext on a
+    (pp 2, dp 2) mesh: GPipe, 1F1B, interleaved 1F1B, looped BFS and
+    interleaved zero bubble against one process over the global batch (the
+    whole model's norm clipped), one reduction per step whatever the number
+    of microbatches, one DCP checkpoint of the whole model, and what ranks
+    disagree on refused on every rank."""
+    assert_item_matched(4, (group_results(4) if 4 in WORLD_SIZES else group_results(4, "pp"))[item])

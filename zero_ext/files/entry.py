@@ -95,22 +95,28 @@ def _save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, e
     """save() with the offloaded state in memory."""
     state = state_of(model)
     original, optimizer = optimizer, as_one(optimizer)  # a list or tuple of the model's optimizers: one view
-    ranks = Ranks(state, "zero_ext.save")
+    # A pipeline stage's save is every stage's: one checkpoint of the whole model.
+    ranks = Ranks(state, "zero_ext.save", across_pipeline=True)
     token = ranks.from_rank0(uuid.uuid4().hex)
     target, prepared = _agree_to_save(ranks, token, path, model, original, optimizer, extra, format, async_save,
                                       dcp_layout)
     tmp = publish.staging_path(target, token)
-    members = group_members(state, optimizer, ranks) if format == "dcp" else None  # collective
-    error, job = None, None
-    try:  # what this rank writes (a snapshot of it, asynchronous)
-        if format == "dcp":
-            parts = dcp_save.save_parts(model, optimizer, state, ranks, token, target, tmp, prepared, extra,
-                                        members, async_save)
-        else:
-            parts = own_save.save_parts(model, optimizer, state, ranks, token, target, tmp, prepared, async_save)
-        job = _job(ranks, token, target, tmp, *parts, index_file=DCP_INDEX if format == "dcp" else OWN_INDEX)
+    error, job, members = None, None, None
+    try:  # collective within the stage (its parameters' indices); its error settles across every stage below
+        stage_ranks = Ranks(state, "zero_ext.save") if ranks.pp is not None else ranks
+        members = group_members(state, optimizer, stage_ranks) if format == "dcp" else None
     except Exception as e:  # noqa: BLE001 - raised on every rank by settle
         error = e
+    if error is None:
+        try:  # what this rank writes (a snapshot of it, asynchronous)
+            if format == "dcp":
+                parts = dcp_save.save_parts(model, optimizer, state, ranks, token, target, tmp, prepared, extra,
+                                            members, async_save)
+            else:
+                parts = own_save.save_parts(model, optimizer, state, ranks, token, target, tmp, prepared, async_save)
+            job = _job(ranks, token, target, tmp, *parts, index_file=DCP_INDEX if format == "dcp" else OWN_INDEX)
+        except Exception as e:  # noqa: BLE001 - raised on every rank by settle
+            error = e
     ranks.settle(error, action=f"zero_ext.save: preparing {target}", note="Nothing was written")
     if async_save:
         timeout = group_timeout(state.process_group) if state.process_group is not None else None
@@ -131,6 +137,11 @@ def _agree_to_save(ranks: Ranks, token: str, path, model, original, optimizer, e
         if state_or_none(optimizer) is not state_of(model):
             raise ValueError("zero_ext.save: this optimizer was not wrapped together with this model")
         target = os.path.abspath(os.fspath(path))
+        if ranks.pp is not None and format != "dcp":
+            raise ValueError("zero_ext.save: a pipeline stage (wrap(pipeline_group=)) saves with format=\"dcp\": one "
+                             "torch.distributed.checkpoint directory holds every stage's parameters under the whole "
+                             "model's names. zero_ext's own format does not hold pipeline stages yet. Nothing was "
+                             "written")
         if format == "dcp":
             prepared = dcp_save.checked_layout(dcp_layout, extra)
         else:

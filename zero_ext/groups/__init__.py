@@ -8,11 +8,13 @@ from . import arrival, stall_query
 from .mesh import Topology, resolve_topology
 from .process_groups import (acquire_groups, acquire_mesh_groups, acquire_subgroups, group_timeout,
                              handed_to_backend, pooled_groups, retire_if_failed)
+from .pipeline import Pipeline, pipeline_of
 from .ranks import Ranks, refuse_different_paths
 from .tensor_parallel import (TensorParallel, TensorParallelSpec, check_supported, find_tensor_parallel,
                               global_description, is_dtensor, localize, tensor_parallel_of)
 
 __all__ = [
+    "Pipeline",
     "Ranks",
     "arrival",
     "TensorParallel",
@@ -26,6 +28,7 @@ __all__ = [
     "global_description",
     "is_dtensor",
     "localize",
+    "pipeline_of",
     "tensor_parallel_of",
     "group_timeout",
     "handed_to_backend",

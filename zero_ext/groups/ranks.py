@@ -32,7 +32,7 @@ class Ranks:
     torch.distributed's object collectives carry them; nothing read from a
     file is ever unpickled."""
 
-    def __init__(self, state, operation: str = "zero_ext"):
+    def __init__(self, state, operation: str = "zero_ext", across_pipeline: bool = False):
         self.operation = operation
         self.stage = state.stage
         self.group = state.process_group
@@ -42,10 +42,19 @@ class Ranks:
         self.tp = state.tensor_parallel if state.tensor_parallel is not None and state.tensor_parallel.size > 1 \
             else None
         self.mesh_size = state.mesh_size
-        self.distributed = (self.group is not None and state.mesh_size > 1) or self.tp is not None
-        self.rank = (state.mesh_rank if self.group is not None and state.mesh_size > 1 else 0) + (
+        # A pipeline stage, `across_pipeline` (what every stage does alike, a
+        # DCP save): across the pp group last; rank pp_rank * (the stage's
+        # ranks) + the rank within the stage (`stage_rank`). Otherwise the
+        # stage's own ranks only.
+        pipeline = getattr(state, "pipeline", None) if across_pipeline else None
+        self.pp = pipeline if pipeline is not None and pipeline.size > 1 else None
+        self.distributed = (self.group is not None and state.mesh_size > 1) or self.tp is not None \
+            or self.pp is not None
+        self.stage_rank = (state.mesh_rank if self.group is not None and state.mesh_size > 1 else 0) + (
             self.tp.rank * state.mesh_size if self.tp is not None else 0)
-        self.world = state.mesh_size * (self.tp.size if self.tp is not None else 1)
+        self.stage_world = state.mesh_size * (self.tp.size if self.tp is not None else 1)
+        self.rank = self.stage_rank + (self.pp.rank * self.stage_world if self.pp is not None else 0)
+        self.world = self.stage_world * (self.pp.size if self.pp is not None else 1)
         self.handles = state.handles
         # NCCL moves device tensors only; gloo takes host tensors.
         self.device = state.device if dist.is_initialized() and self.distributed and \
@@ -71,8 +80,12 @@ class Ranks:
                 else:
                     out.copy_(tensor.view(-1))
                 if self.tp is not None:
-                    across = torch.empty(self.world * tensor.numel(), dtype=tensor.dtype, device=self.device)
+                    across = torch.empty(self.stage_world * tensor.numel(), dtype=tensor.dtype, device=self.device)
                     all_gather_into_tensor(across, out, group=self.tp.group)
+                    out = across
+                if self.pp is not None:
+                    across = torch.empty(self.world * tensor.numel(), dtype=tensor.dtype, device=self.device)
+                    all_gather_into_tensor(across, out, group=self.pp.group)
                     out = across
             except RuntimeError as error:  # a peer died or left: say where this rank was
                 raise self._failed(error) from error
@@ -85,6 +98,8 @@ class Ranks:
                     self.handles.collectives.mesh_broadcast_from_rank0(tensor, what)
                 if self.tp is not None:  # tp rank 0 of each tp group holds rank 0's now
                     dist.broadcast(tensor, dist.get_global_rank(self.tp.group, 0), group=self.tp.group)
+                if self.pp is not None:  # each stage's rank 0 holds its own; pp rank 0's is rank 0's
+                    dist.broadcast(tensor, dist.get_global_rank(self.pp.group, 0), group=self.pp.group)
             except RuntimeError as error:
                 raise self._failed(error) from error
 

@@ -3,7 +3,7 @@ parameters whose gradients zero_ext shards (and for plain ones)."""
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, List, Optional, Tuple, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -82,9 +82,13 @@ def _in_place(parts: List[Part], plain: List[torch.Tensor], apply, identity: boo
 
 @torch.no_grad()
 def clip_sharded(parts: List[Part], plain: List[torch.Tensor],
-                 max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
+                 max_norm: float, norm_type: float, error_if_nonfinite: bool,
+                 pipelines: Sequence = ()) -> torch.Tensor:
     """parts: see Part; plain: gradients every rank holds whole. Clips all
-    in place; returns the total norm."""
+    in place; returns the total norm. `pipelines`: the pp dimensions
+    (groups/pipeline.py) whose other stages hold the rest of the model: the
+    sum (max) goes across them too, so every stage clips by the whole
+    model's norm."""
     norm_type = float(norm_type)
     device = parts[0][0].device if parts else (plain[0].device if plain else torch.device("cpu"))
     totals = []
@@ -96,10 +100,11 @@ def clip_sharded(parts: List[Part], plain: List[torch.Tensor],
             total = total.to(device)
         totals.append(total)
     totals.append(_local_norm(plain, norm_type, device))
-    if math.isinf(norm_type):
-        total = torch.stack(totals).max()
-    else:
-        total = torch.stack(totals).sum().pow(1.0 / norm_type)
+    total = torch.stack(totals).max() if math.isinf(norm_type) else torch.stack(totals).sum()
+    for pipeline in pipelines:
+        pipeline.all_reduce(total, math.isinf(norm_type))
+    if not math.isinf(norm_type):
+        total = total.pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"zero_ext.clip_grad_norm_: the total norm of order {norm_type} of the gradients is "
@@ -203,7 +208,16 @@ def clip_grad_norm_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max
     params = _parameters(parameters, "clip_grad_norm_")
     settle_owners(params)
     parts, plain = _held_gradients(params)
-    return clip_sharded(parts, plain, max_norm, norm_type, error_if_nonfinite)
+    return clip_sharded(parts, plain, max_norm, norm_type, error_if_nonfinite, pipelines_of(_owners(params)))
+
+
+def pipelines_of(states: list) -> list:
+    """The pp dimensions of these wrapped models, each once, in a fixed order."""
+    found = {}
+    for state in states:
+        if state.pipeline is not None and state.pipeline.size > 1:
+            found.setdefault(id(state.pipeline.group), state.pipeline)
+    return list(found.values())
 
 
 @torch.no_grad()

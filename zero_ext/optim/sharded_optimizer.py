@@ -24,7 +24,7 @@ from typing import Dict, List
 import torch
 
 from ..tools import attach_state, require_bool, state_of, swap_class, wait_for_snapshot
-from .clip import check_tensor_parallel_grads, clip_sharded, parts_of
+from .clip import check_tensor_parallel_grads, clip_sharded, parts_of, pipelines_of
 from .cpu_adam import adam_step_
 from .ownership import is_elementwise
 from .streamed_step import StreamedStep
@@ -218,15 +218,17 @@ class ZeroExtOptimizer:
         state.handles.optimizer.settle()  # late gradients reduced, .grad final
         check_tensor_parallel_grads(state)
         held = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        pipelines = pipelines_of([state])  # the other stages' parts of the norm
         if state.sharded_optimizer:
             owner_of = dict(zip(map(id, state.handles.optimizer.segments()),
                                 state.handles.optimizer.segment_param_indices()))
             parts = parts_of(state, [(p, state.bucketed[owner_of[id(p)]]) for p in held])
-            return clip_sharded(parts, [], max_norm, norm_type, error_if_nonfinite=False)
+            return clip_sharded(parts, [], max_norm, norm_type, error_if_nonfinite=False, pipelines=pipelines)
         if state.tensor_parallel is not None:  # stage 0: the local leaves themselves
             return clip_sharded(parts_of(state, [(p, p) for p in held]), [], max_norm, norm_type,
-                                error_if_nonfinite=False)
-        return clip_sharded([], [p.grad for p in held], max_norm, norm_type, error_if_nonfinite=False)
+                                error_if_nonfinite=False, pipelines=pipelines)
+        return clip_sharded([], [p.grad for p in held], max_norm, norm_type, error_if_nonfinite=False,
+                            pipelines=pipelines)
 
 
 def shard_optimizer(optimizer: torch.optim.Optimizer, state, ordered_params: List[torch.Tensor],

@@ -48,6 +48,9 @@ class ZeroState:
     # A tensor-parallel model: the tp group and each local leaf's spec
     # (groups/tensor_parallel.py, [Note: local leaves]); None otherwise.
     tensor_parallel: Optional[TensorParallel] = None
+    # A pipeline stage (wrap(pipeline_group=)): the pp group across the
+    # stages (groups/pipeline.py); None otherwise.
+    pipeline: Optional[Pipeline] = None
     # zero_ext.save(..., async_save=True): the save in flight (files/asynchronous.py,
     # waited for by the next save or load) and the host buffers its snapshot reuses.
     async_save: Optional[object] = None

@@ -45,6 +45,7 @@ class CoreConfig:
     min_scale: float = 1.0
     hysteresis: int = 1
     skip_nonfinite: bool = False
+    reduce_at_read: bool = False  # pipeline stages: the step's first read reduces every backward's gradients
     # Quantized collectives: bits (0: off) and elements per scale.
     weight_bits: int = 0
     grad_bits: int = 0

@@ -17,7 +17,7 @@ from .deferred_init import move_to_device
 from .fingerprint import exchange_device
 from .plan import Checked
 from .unit_advice import unit_advice
-from ..groups import TensorParallel, acquire_groups, acquire_mesh_groups, acquire_subgroups, group_timeout
+from ..groups import Pipeline, TensorParallel, acquire_groups, acquire_mesh_groups, acquire_subgroups, group_timeout
 from ..tools import CoreConfig, CoreHandles, core_loader, dtype_name, offload_file
 from .arguments import QUANTIZATION_BLOCK
 
@@ -103,14 +103,18 @@ def _precision_fields(checked: Checked) -> dict:
     return fields
 
 
-def _unit_fields(checked: Checked, model: torch.nn.Module) -> dict:
+def _unit_fields(checked: Checked, model: torch.nn.Module, pipeline: Optional[Pipeline]) -> dict:
     if not checked.unit_names:
         return {}
+    # A pipeline stage with reshard_after_forward=False keeps the root unit
+    # too for the whole step (units.h, hold_kept_until_step): the stage is
+    # gathered once per step, not once per microbatch.
+    root = [0] if pipeline is not None and checked.options.reshard_after_forward is False else []
     advice = []
     if checked.topology.mesh_size > 1:  # for the errors that find ranks at different units
         advice = unit_advice(model, checked.unit_list, default_policy=checked.options.units is None)
     return dict(unit_names=checked.unit_names, unit_advice=advice,
-                kept_after_forward=list(checked.reshard.kept),
+                kept_after_forward=root + list(checked.reshard.kept),
                 resharded_to_subgroup=list(checked.reshard.to_subgroup))
 
 
@@ -149,7 +153,7 @@ def _diagnosis_fields(checked: Checked, groups: OwnGroups, key_space: str,
 
 
 def core_config(checked: Checked, groups: OwnGroups, model: torch.nn.Module, key_space: str,
-                tensor_parallel: Optional[TensorParallel]) -> CoreConfig:
+                tensor_parallel: Optional[TensorParallel], pipeline: Optional[Pipeline] = None) -> CoreConfig:
     """Everything the core is built with besides the parameters' geometry."""
     options = checked.options
     weight_bits, grad_bits = options.compression_bits()
@@ -162,7 +166,8 @@ def core_config(checked: Checked, groups: OwnGroups, model: torch.nn.Module, key
         prefetch=options.prefetch, offload=options.offload, deferred=checked.deferred is not None,
         max_live_bytes=options.max_live_bytes,
         weight_bits=weight_bits, grad_bits=grad_bits, quant_block=QUANTIZATION_BLOCK,
-        **_precision_fields(checked), **_unit_fields(checked, model), **_swap_fields(checked),
+        reduce_at_read=pipeline is not None,  # [Note: reductions at read] in csrc/backward_round.h
+        **_precision_fields(checked), **_unit_fields(checked, model, pipeline), **_swap_fields(checked),
         **_diagnosis_fields(checked, groups, key_space, tensor_parallel))
 
 

@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..groups import TensorParallel, Topology, global_description
+from ..groups import Pipeline, TensorParallel, Topology, global_description
 from ..tools import all_gather_into_tensor
 
 _DESCRIPTION_BYTES = 200
@@ -101,10 +101,11 @@ def _error_text(error: BaseException) -> str:
     return f"{type(error).__name__}\n{message}"
 
 
-def settle_failures(topology: Topology, tp_group: Optional[dist.ProcessGroup],
+def settle_failures(topology: Topology, across: Sequence[Optional[dist.ProcessGroup]],
                     failure: Optional[BaseException]) -> None:
-    """Collective over the wrap's ranks: this rank's mesh, then (a
-    tensor-parallel model) across `tp_group`. Each rank tells whether its
+    """Collective over the wrap's ranks: this rank's mesh, then across each
+    group of `across` in turn (a tensor-parallel model's tp group, a
+    pipeline stage's pp group). Each rank tells whether its
     checks failed (`failure`); if any did, raises on every rank the first
     failing rank's kind of error with its message, naming the failing ranks
     by global rank ([Note: one-rank failures at wrap])."""
@@ -113,12 +114,14 @@ def settle_failures(topology: Topology, tp_group: Optional[dist.ProcessGroup],
 
     def gather(row: torch.Tensor) -> torch.Tensor:
         rows = table.gather(row)
-        if tp_group is None:
-            return rows
-        flat = rows.reshape(-1).to(device)
-        across = torch.empty(dist.get_world_size(tp_group) * flat.numel(), dtype=flat.dtype, device=device)
-        all_gather_into_tensor(across, flat, group=tp_group)
-        return across.view(-1, row.numel()).cpu()
+        for group in across:
+            if group is None:
+                continue
+            flat = rows.reshape(-1).to(device)
+            gathered = torch.empty(dist.get_world_size(group) * flat.numel(), dtype=flat.dtype, device=device)
+            all_gather_into_tensor(gathered, flat, group=group)
+            rows = gathered.view(-1, row.numel()).cpu()
+        return rows
 
     rows = gather(torch.tensor([dist.get_rank(), int(failure is not None)], dtype=torch.int64))
     if not bool(rows[:, 1].any()):
@@ -266,6 +269,44 @@ def wrap_fields(options, topology: Topology, ordered: List[torch.nn.Parameter], 
     ]
 
 
+
+class _FieldTable:
+    """One row per rank of `group` (a tp or pp group across the data-parallel
+    mesh): its global rank, whether an earlier check failed there, and a hash
+    of each field. Collective; one fixed-size row per rank, so ranks whose
+    dp meshes differ still exchange it whole."""
+
+    def __init__(self, group: dist.ProcessGroup, size: int, device: torch.device, failed_here: bool,
+                 fields: List[Tuple[str, object, str]]) -> None:
+        self.device = device if device.type == "cuda" else torch.device("cpu")
+        self.fields = fields
+        self.mine = [int(dist.get_rank()), int(failed_here)] + [_hash(value) for _, value, _ in fields]
+        row = torch.tensor(self.mine, dtype=torch.int64, device=self.device)
+        table = torch.empty(size * row.numel(), dtype=torch.int64, device=self.device)
+        all_gather_into_tensor(table, row, group=group)
+        self.table = table.view(-1, len(self.mine)).cpu()
+        self.ranks = self.table[:, 0].tolist()
+        self.failed = [r for r, bad in zip(self.ranks, self.table[:, 1].tolist()) if bad]
+
+    def differences(self) -> List[str]:
+        """A line per field some rank of the group has differently."""
+        lines = []
+        for k, (name, _, shown) in enumerate(self.fields):
+            column = self.table[:, k + 2]
+            if bool((column == column[0]).all()):
+                continue
+            others = sorted(r for r, v in zip(self.ranks, column.tolist()) if v != self.mine[k + 2])
+            lines.append(f"{name}: {shown} on this rank (global rank {self.mine[0]}); different on global "
+                         + _ranks_text(others))
+        return lines
+
+    def raise_if_only_earlier_failed(self, lines: List[str]) -> None:
+        """Another rank's data-parallel check failed and nothing here differs: say so."""
+        if self.failed and not lines:
+            raise ValueError(
+                f"zero_ext.wrap: global rank(s) {sorted(self.failed)} found that their data-parallel group wrapped "
+                "different models or options (their error names what differs); every rank stopped.")
+
 def check_tensor_parallel_agree(tp: TensorParallel, device: torch.device,
                                 fields: List[Tuple[str, object, str]], dp_error: Optional[ValueError]) -> None:
     """Collective over this rank's tp group, after its data-parallel check:
@@ -275,28 +316,11 @@ def check_tensor_parallel_agree(tp: TensorParallel, device: torch.device,
     difference anywhere, or a dp group's failure, raises on every rank,
     never leaving another group to wait. One fixed-size row per rank: ranks
     whose dp meshes differ still exchange it whole. Raises ValueError."""
-    exchange_device = device if device.type == "cuda" else torch.device("cpu")
-    mine = [int(dist.get_rank()), int(dp_error is not None)] + [_hash(value) for _, value, _ in fields]
-    row = torch.tensor(mine, dtype=torch.int64, device=exchange_device)
-    table = torch.empty(tp.size * row.numel(), dtype=torch.int64, device=exchange_device)
-    all_gather_into_tensor(table, row, group=tp.group)
-    table = table.view(-1, len(mine)).cpu()
-    ranks = table[:, 0].tolist()
-    failed = [r for r, bad in zip(ranks, table[:, 1].tolist()) if bad]
+    table = _FieldTable(tp.group, tp.size, device, dp_error is not None, fields)
     if dp_error is not None:
         raise dp_error
-    lines = []
-    for k, (name, _, shown) in enumerate(fields):
-        column = table[:, k + 2]
-        if bool((column == column[0]).all()):
-            continue
-        others = sorted(r for r, v in zip(ranks, column.tolist()) if v != mine[k + 2])
-        lines.append(f"{name}: {shown} on this rank (global rank {mine[0]}); different on global "
-                     + _ranks_text(others))
-    if failed and not lines:
-        raise ValueError(
-            f"zero_ext.wrap: global rank(s) {sorted(failed)} found that their data-parallel group wrapped different "
-            "models or options (their error names what differs); every rank stopped.")
+    lines = table.differences()
+    table.raise_if_only_earlier_failed(lines)
     if lines:
         raise ValueError(
             "zero_ext.wrap: the ranks of the tensor-parallel model disagree about it, so their collectives would "
@@ -321,4 +345,56 @@ def tensor_parallel_fields(options, topology: Topology, tp: TensorParallel, name
          f"compute {precision.compute_dtype}"),
         ("offload", (options.offload_optimizer, options.offload_params),
          f"offload_optimizer={options.offload_optimizer!r}, offload_params={options.offload_params!r}"),
+    ]
+
+
+def check_pipeline_agree(pipeline: Pipeline, device: torch.device, fields: List[Tuple[str, object, str]],
+                         names: List[str], earlier_error: Optional[ValueError]) -> None:
+    """Collective over this rank's pp group, after its data-parallel (and
+    tensor-parallel) checks: the fields every stage has alike (the
+    data-parallel mesh, stage, options), whether an earlier check failed
+    here, and every stage's parameter names, which must not overlap (a
+    parameter held by two stages would be stepped twice, saved twice, and
+    its gradient split between them). Every pair of ranks is linked through
+    a pp group and a dp group, so a difference anywhere raises on every
+    rank. Raises ValueError."""
+    table = _FieldTable(pipeline.group, pipeline.size, device, earlier_error is not None, fields)
+    held = pipeline.gather_texts("\n".join(names), table.device)
+    if earlier_error is not None:
+        raise earlier_error
+    lines = table.differences()
+    owner: Dict[str, int] = {}
+    shared: Dict[str, List[int]] = {}
+    for stage_rank, text in enumerate(held):
+        for name in filter(None, text.split("\n")):
+            if name in owner:
+                shared.setdefault(name, [owner[name]]).append(stage_rank)
+            else:
+                owner[name] = stage_rank
+    if shared:
+        shown = "; ".join(f"'{n}' on pp ranks {', '.join(map(str, r))}" for n, r in list(shared.items())[:4])
+        lines.append(f"pipeline split: {len(shared)} parameter(s) held by more than one stage ({shown}"
+                     f"{'; ...' if len(shared) > 4 else ''})")
+    table.raise_if_only_earlier_failed(lines)
+    if lines:
+        raise ValueError(
+            "zero_ext.wrap: the pipeline stages disagree, so their collectives or their model would not match:\n  "
+            + "\n  ".join(lines)
+            + "\nEvery rank must build the same mesh, split the model at the same stage boundaries (each stage keeps "
+              "its own layers under the whole model's names and drops the others'), and call zero_ext.wrap() with the "
+              "same options, process_group=mesh['dp'] and pipeline_group=mesh['pp'].")
+
+
+def pipeline_fields(options, topology: Topology, tp_size: int, pp_size: int) -> List[Tuple[str, object, str]]:
+    """What every stage of the pipeline has alike, field by field."""
+    precision = options.precision
+    return [
+        ("mesh", (topology.replicas, topology.shard_size, tp_size, pp_size),
+         f"data parallel {topology.replicas} x {topology.shard_size}, tensor parallel {tp_size}, pipeline {pp_size}"),
+        ("stage", options.stage, f"stage={options.stage}"),
+        ("mixed_precision", (str(precision.compute_dtype), str(precision.reduce_dtype), repr(precision.loss_scale)),
+         f"compute {precision.compute_dtype}, reduce {precision.reduce_dtype}"),
+        ("offload", (options.offload_optimizer, options.offload_params),
+         f"offload_optimizer={options.offload_optimizer!r}, offload_params={options.offload_params!r}"),
+        ("skip_nonfinite", options.skip_nonfinite, f"skip_nonfinite={options.skip_nonfinite}"),
     ]

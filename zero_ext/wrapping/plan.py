@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from .buckets import plan_buckets
 from .deferred_init import plan_deferred
-from ..groups import TensorParallel, Topology, group_timeout, pooled_groups, resolve_topology
+from ..groups import Pipeline, TensorParallel, Topology, group_timeout, pooled_groups, resolve_topology
 from ..groups import arrival as arrivals
 from ..optim import WHOLE, optimizer_sharding, plan_owners
 from ..tools import __version__
@@ -189,13 +189,20 @@ def check_and_plan(model, optimizer, stage, process_group, mixed_precision, offl
 @dataclass
 class AgreementRanks:
     """The ranks of wrap()'s agreement: the data-parallel mesh and, for a
-    tensor-parallel model, the tp group across it."""
+    tensor-parallel model, the tp group across it, for a pipeline stage, the
+    pp group across both."""
     topology: Topology
     tp_group: Optional[dist.ProcessGroup]
+    pp_group: Optional[dist.ProcessGroup] = None
+
+    @property
+    def across(self) -> List[Optional[dist.ProcessGroup]]:
+        """The groups a failure travels across after the mesh, in order."""
+        return [self.tp_group, self.pp_group]
 
 
 def agreement_ranks(process_group, model, tensor_parallel: Optional[TensorParallel],
-              checked: Optional[Checked]) -> Optional[AgreementRanks]:
+              checked: Optional[Checked], pipeline: Optional[Pipeline] = None) -> Optional[AgreementRanks]:
     """Who this rank agrees with; None where nobody waits for it (one
     process, a group of one) or it cannot take part (torch.distributed not
     initialized, a process_group it is not in): it then raises alone. A rank
@@ -217,9 +224,10 @@ def agreement_ranks(process_group, model, tensor_parallel: Optional[TensorParall
     else:  # found as find_tensor_parallel finds it, if it failed before
         mesh = arrivals.first_tensor_parallel_mesh(model) if checked is None else None
         tp_group = mesh.get_group(0) if mesh is not None else None
-    if topology.mesh_size < 2 and tp_group is None:
+    pp_group = pipeline.group if pipeline is not None and pipeline.size > 1 else None
+    if topology.mesh_size < 2 and tp_group is None and pp_group is None:
         return None
-    return AgreementRanks(topology, tp_group)
+    return AgreementRanks(topology, tp_group, pp_group)
 
 
 def arrival_bound(timeout, topology: Topology) -> Tuple[float, str]:

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from .config import MixedPrecision
 from ..files import install_pretrained_export, local_views
 from .deferred_init import has_meta_parameters, materialize
-from ..groups import (Ranks, TensorParallel, check_supported, find_tensor_parallel, localize, retire_if_failed,
-                      tensor_parallel_of)
+from ..groups import (Pipeline, Ranks, TensorParallel, check_supported, find_tensor_parallel, localize,
+                      pipeline_of, retire_if_failed, tensor_parallel_of)
 from ..groups import arrival as arrivals
 from ..groups import stall_query as whereabouts
 from ..optim import WHOLE, optimizer_sharding, shard_optimizer
@@ -24,7 +24,8 @@ from .units import Unit, assign_parameters
 from .arguments import optimizer_list
 from .plan import Checked, agreement_ranks, arrival_bound, check_and_plan
 from .core_build import OwnGroups, acquire_own_groups, build_core, core_config, mesh_token
-from .fingerprint import check_ranks_agree, check_tensor_parallel_agree, settle_failures, tensor_parallel_fields
+from .fingerprint import (check_pipeline_agree, check_ranks_agree, check_tensor_parallel_agree, pipeline_fields,
+                          settle_failures, tensor_parallel_fields)
 
 
 def _broadcast_buffers(model: torch.nn.Module, handles: CoreHandles) -> None:
@@ -56,6 +57,7 @@ def wrap(
     unfreeze_later: bool = False,
     compress_weights: Optional[str] = None,
     compress_grads: Optional[str] = None,
+    pipeline_group: Union[None, dist.ProcessGroup, "torch.distributed.device_mesh.DeviceMesh"] = None,
 ) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
     """Makes `model` and `optimizer` ZeRO data parallel, in place.
 
@@ -159,6 +161,13 @@ def wrap(
             sends fewer bytes (fp32 gradients: up to 7 replicas for int8,
             15 for int4; bf16: 3 and 7). None: off. See
             ``zero_ext.traffic(model)`` for the bytes sent.
+        pipeline_group: a pipeline stage (torch.distributed.pipelining):
+            the pp dimension (mesh["pp"], a 1-D DeviceMesh or a
+            ProcessGroup) across the ranks holding the other stages. Every
+            backward then accumulates locally and the step's first read of
+            the gradients (step, clip, full_grads) reduces them once, so
+            a schedule's microbatches cost one reduction per step; clip
+            norms and DCP saves span every stage (docs/multi-node.md).
     Returns:
         ``(model, optimizer)``, the same objects (a list stays that list).
     Raises:
@@ -167,7 +176,8 @@ def wrap(
             offload_path, a device) is raised on every rank, naming them.
         RuntimeError: a rank did not reach wrap() within the timeout.
     """
-    arguments = {name: value for name, value in locals().items() if name != "unfreeze_later"}
+    arguments = {name: value for name, value in locals().items() if name not in ("unfreeze_later", "pipeline_group")}
+    arguments["pipeline"] = None
     # First: the other ranks hear that this one reached wrap(), so their wait
     # before the first collective is bounded and names the ranks that never
     # come ([Note: arrival at wrap] in groups/arrival.py).
@@ -182,6 +192,7 @@ def wrap(
             if not isinstance(unfreeze_later, bool):
                 raise TypeError(f"zero_ext.wrap: unfreeze_later must be True or False, got {unfreeze_later!r}")
             optimizers = optimizer_list(optimizer)
+            arguments["pipeline"] = pipeline_of(pipeline_group)
             # A tensor-parallel model: its DTensor parameters become local leaves
             # first ([Note: local leaves] in groups/tensor_parallel.py), put back if wrap() fails.
             found = find_tensor_parallel(model, process_group) if isinstance(model, torch.nn.Module) else []
@@ -219,7 +230,8 @@ def _optimized_parameters(optimizers: List[torch.optim.Optimizer]) -> List[torch
 def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optimizer, offload_params, offload_path,
           units, bucket_mb, timeout, prefetch, skip_nonfinite, device, param_init_fn,
           reshard_after_forward, max_live_mb, persist_kb, compress_weights, compress_grads,
-          tensor_parallel: Optional[TensorParallel] = None, arrival: Optional[arrivals.Arrival] = None,
+          tensor_parallel: Optional[TensorParallel] = None, pipeline: Optional[Pipeline] = None,
+          arrival: Optional[arrivals.Arrival] = None,
           failure: Optional[Exception] = None) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
     """wrap(), once the parameters unfreeze_later plans as trainable are marked so
     (`failure`: what wrap() raised on the way here, to settle with the other ranks):
@@ -227,21 +239,22 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
     checked, exchange = _agreed_plan(model, optimizer, stage, process_group, mixed_precision, offload_optimizer,
                                      offload_params, offload_path, units, bucket_mb, timeout, prefetch,
                                      skip_nonfinite, device, param_init_fn, reshard_after_forward, max_live_mb,
-                                     persist_kb, compress_weights, compress_grads, tensor_parallel, arrival, failure)
+                                     persist_kb, compress_weights, compress_grads, tensor_parallel, pipeline,
+                                     arrival, failure)
     groups = acquire_own_groups(checked, model)
     key_space = mesh_token(checked) if groups.shard else ""
     handles: Optional[CoreHandles] = None
     failure = None
     try:  # what fails on this rank alone is settled before the next collective, as the checks were
-        handles = build_core(checked, core_config(checked, groups, model, key_space, tensor_parallel))
+        handles = build_core(checked, core_config(checked, groups, model, key_space, tensor_parallel, pipeline))
     except Exception as error:  # noqa: BLE001 - raised on every rank below
         failure = error
     if exchange is not None:
-        settle_failures(exchange.topology, exchange.tp_group, failure)
+        settle_failures(exchange.topology, exchange.across, failure)
     elif failure is not None:
         raise failure
     assert handles is not None
-    state = _state(model, checked, groups, handles, tensor_parallel)
+    state = _state(model, checked, groups, handles, tensor_parallel, pipeline)
     _start(model, checked, state, handles, bool(groups.shard))
     _attach(model, checked.optimizers, state, checked.unit_list, checked.export_dtype, set(checked.reshard.kept))
     # Set-up is not a step: the host blocks sharding and the first
@@ -253,8 +266,8 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
 def _agreed_plan(model, optimizer, stage, process_group, mixed_precision, offload_optimizer, offload_params,
                  offload_path, units, bucket_mb, timeout, prefetch, skip_nonfinite, device, param_init_fn,
                  reshard_after_forward, max_live_mb, persist_kb, compress_weights, compress_grads,
-                 tensor_parallel: Optional[TensorParallel], arrival: Optional[arrivals.Arrival],
-                 failure: Optional[Exception]) -> Tuple[Checked, object]:
+                 tensor_parallel: Optional[TensorParallel], pipeline: Optional[Pipeline],
+                 arrival: Optional[arrivals.Arrival], failure: Optional[Exception]) -> Tuple[Checked, object]:
     """This rank's checks and plan, raised on every rank if any rank's failed,
     then checked to be the same on every rank."""
     checked: Optional[Checked] = None
@@ -264,39 +277,64 @@ def _agreed_plan(model, optimizer, stage, process_group, mixed_precision, offloa
                                      offload_params, offload_path, units, bucket_mb, timeout, prefetch,
                                      skip_nonfinite, device, param_init_fn, reshard_after_forward, max_live_mb,
                                      persist_kb, compress_weights, compress_grads)
+            if pipeline is not None:
+                _check_pipeline_options(checked)
         except Exception as error:  # noqa: BLE001 - raised on every rank below
             failure = error
-    exchange = agreement_ranks(process_group, model, tensor_parallel, checked)
+    exchange = agreement_ranks(process_group, model, tensor_parallel, checked, pipeline)
     if exchange is None:
         if failure is not None:
             raise failure
     else:
         if arrival is not None:
             arrival.wait(*arrival_bound(timeout, exchange.topology))
-        settle_failures(exchange.topology, exchange.tp_group, failure)
+        settle_failures(exchange.topology, exchange.across, failure)
     assert checked is not None
-    _check_ranks_agree(checked, tensor_parallel)
+    _check_ranks_agree(checked, tensor_parallel, pipeline)
     return checked, exchange
 
 
-def _check_ranks_agree(checked: Checked, tensor_parallel: Optional[TensorParallel]) -> None:
+def _check_pipeline_options(checked: Checked) -> None:
+    """What a pipeline stage cannot do yet: decide alone to skip a step."""
+    options = checked.options
+    if options.precision.loss_scale is not None or options.skip_nonfinite:
+        raise ValueError(
+            "zero_ext.wrap: pipeline_group with fp16 loss scaling or skip_nonfinite=True is not supported: each stage "
+            "would decide alone whether to skip a step (an overflow seen on one stage only), and the stages would "
+            "drift apart. Train the pipeline in bf16 (mixed_precision='bf16') or fp32, without skip_nonfinite.")
+
+
+def _check_ranks_agree(checked: Checked, tensor_parallel: Optional[TensorParallel],
+                       pipeline: Optional[Pipeline] = None) -> None:
     described = list(zip(checked.names, checked.ordered))
-    if tensor_parallel is None:
+    if tensor_parallel is None and pipeline is None:
         check_ranks_agree(checked.topology, checked.model_device, checked.fields, described)
         return
-    # The dp group's check, then one over dp x tp, which also carries the first one's outcome.
-    dp_error = None
+    # The dp group's check, then one over dp x tp and one over pp, each
+    # carrying the outcome of the checks before it.
+    error = None
     try:
         check_ranks_agree(checked.topology, checked.model_device, checked.fields, described)
-    except ValueError as error:
-        dp_error = error
-    check_tensor_parallel_agree(tensor_parallel, checked.model_device, tensor_parallel_fields(
-        checked.options, checked.topology, tensor_parallel, checked.names, checked.ordered, checked.unit_names),
-        dp_error)
+    except ValueError as raised:
+        error = raised
+    if tensor_parallel is not None:
+        try:
+            check_tensor_parallel_agree(tensor_parallel, checked.model_device, tensor_parallel_fields(
+                checked.options, checked.topology, tensor_parallel, checked.names, checked.ordered,
+                checked.unit_names), error)
+        except ValueError as raised:
+            error = raised
+    if pipeline is not None and pipeline.size > 1:
+        tp_size = tensor_parallel.size if tensor_parallel is not None else 1
+        check_pipeline_agree(pipeline, checked.model_device,
+                             pipeline_fields(checked.options, checked.topology, tp_size, pipeline.size),
+                             checked.names, error)
+    elif error is not None:
+        raise error
 
 
 def _state(model: torch.nn.Module, checked: Checked, groups: OwnGroups, handles: CoreHandles,
-           tensor_parallel: Optional[TensorParallel]) -> ZeroState:
+           tensor_parallel: Optional[TensorParallel], pipeline: Optional[Pipeline] = None) -> ZeroState:
     """What zero_ext keeps for the model; its groups retire with it if they failed."""
     options, topology, ordered, names = checked.options, checked.topology, checked.ordered, checked.names
     faults.arm_core(handles, topology.mesh_rank if topology.mesh_size > 1 else 0)
@@ -315,6 +353,7 @@ def _state(model: torch.nn.Module, checked: Checked, groups: OwnGroups, handles:
         frozen_at_wrap={id(p) for p in model.parameters() if not p.requires_grad},
         output_dtype=options.precision.output_dtype,
         tensor_parallel=tensor_parallel,
+        pipeline=pipeline,
     )
     weakref.finalize(state, retire_if_failed, handles, groups.all())
     return state

@@ -95,7 +95,7 @@ def _chunks(key: str, path: Path, p: torch.Tensor, full: Tuple[int, ...], place,
 
 
 def contents(model: torch.nn.Module, optimizer, state, rank: int, mesh_size: int, layout: Layout,
-             extra: Any, group_members: List[List[int]]) -> Contents:
+             extra: Any, group_members: List[List[int]], file_rank: Optional[int] = None) -> Contents:
     """What this rank writes. `group_members`: each param group's parameters
     (bucketed indices), over every rank (a rank's optimizer holds its own
     segments only)."""
@@ -108,7 +108,9 @@ def contents(model: torch.nn.Module, optimizer, state, rank: int, mesh_size: int
     _add_optimizer_state(out, optimizer, state, rank, layout, owned, places)
     if rank == 0:
         _add_param_groups(out, optimizer, state.bucketed_names, layout, group_members)
-    _add_extra(out, rank, layout, extra)
+    # `rank` is within the model's (the stage's) ranks; a pipeline's stages
+    # each write their own parameters alike, and `extra` by global rank.
+    _add_extra(out, rank if file_rank is None else file_rank, layout, extra)
     return out
 
 
@@ -330,7 +332,8 @@ def save_parts(model, optimizer, state, ranks, token: str, target: str, tmp: str
     state now: read now, or for an asynchronous save a snapshot whose live
     items take() copies in the writer thread before write() ([Note: the
     snapshot of an asynchronous save]; None for a save at once)."""
-    items = contents(model, optimizer, state, ranks.rank, ranks.mesh_size, layout, extra, group_members)
+    items = contents(model, optimizer, state, ranks.stage_rank, ranks.mesh_size, layout, extra, group_members,
+                     file_rank=ranks.rank)
     snapshot = None
     if async_save:
         snapshot = asynchronous.stager_of(state).snapshot(

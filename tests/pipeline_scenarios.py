@@ -1,0 +1,325 @@
+"""Pipeline stages over zero_ext (SPEC.md, "Pipeline parallelism"): a model
+split into stages the torchtitan way (each stage keeps the whole model's
+parameter names, the other stages' layers dropped), each stage wrapped with
+process_group=mesh["dp"], pipeline_group=mesh["pp"], handed to
+torch.distributed.pipelining.PipelineStage and stepped by torch's schedules,
+against one process trained on the global batch.
+
+Items run in the world-4 parity group (parity_scenarios.run_one hands over
+"pipeline:NAME/stageN"), on a (pp 2, dp 2) mesh: pp ranks of one
+data-parallel coordinate run one pipeline on that coordinate's half of the
+global batch; the reference trains the whole model on all of it, with the
+loss's mean over the global batch (the schedule's division by the
+microbatch count and zero_ext's mean over dp make that mean).
+
+Single-stage schedules (GPipe, 1F1B) split the model in 2 stages, one per pp
+rank; multi-stage ones (interleaved 1F1B, looped BFS, interleaved zero
+bubble) in 4, two per rank (pp rank r holds stages r and r + 2), each wrapped
+on its own.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import zero_ext
+
+WIDTH, LAYERS, VOCAB, BATCH, SEQ, STEPS = 16, 4, 32, 8, 5, 3
+# fp32, the same sums in another order (a microbatch's mean, then the
+# schedule's division, then zero_ext's mean over dp, against one mean over
+# the global batch), compounded over 3 AdamW steps at lr 1e-2 of weights
+# ~0.3: a few fp32 ulps of the weights (measured 1.2e-7).
+RTOL, ATOL = 1e-5, 1e-6
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x))
+
+
+class PipelinedLM(nn.Module):
+    """torchtitan's shape: layers in a ModuleDict by index, so a stage
+    deletes the others' layers and keeps the names; emb / head None on the
+    stages without them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb: Optional[nn.Embedding] = nn.Embedding(VOCAB, WIDTH)
+        self.layers = nn.ModuleDict({str(i): Block() for i in range(LAYERS)})
+        self.head: Optional[nn.Linear] = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens) if self.emb is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.head(h) if self.head is not None else h
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(output.reshape(-1, VOCAB), target.reshape(-1))
+
+
+def stage_of(full: nn.Module, layers: List[int], first: bool, last: bool) -> nn.Module:
+    module = copy.deepcopy(full)
+    if not first:
+        module.emb = None
+    if not last:
+        module.head = None
+    for i in range(LAYERS):
+        if i not in layers:
+            del module.layers[str(i)]
+    return module
+
+
+def batch(step: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+
+
+_MESH: list = []
+
+
+def mesh():
+    if not _MESH:
+        from torch.distributed.device_mesh import init_device_mesh
+        _MESH.append(init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp")))
+    return _MESH[0]
+
+
+def adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+class Pipeline:
+    """This rank's stages, wrapped, and a schedule over them."""
+
+    def __init__(self, full: nn.Module, stage: int, schedule: str, make_optimizer: Callable, microbatches: int = 4,
+                 **wrap_options) -> None:
+        from torch.distributed import pipelining
+        m = mesh()
+        self.pp, self.dp = m["pp"].get_local_rank(), m["dp"].get_local_rank()
+        cls = getattr(pipelining, schedule)
+        multi = not issubclass(cls, pipelining.schedules.PipelineScheduleSingle)
+        n_stages = 4 if multi else 2
+        indices = [self.pp, self.pp + 2] if multi else [self.pp]
+        per_stage = LAYERS // n_stages
+        self.models, self.optimizers, stages = [], [], []
+        for index in indices:
+            module = stage_of(full, list(range(index * per_stage, (index + 1) * per_stage)), index == 0,
+                              index == n_stages - 1)
+            optimizer = make_optimizer(module.parameters())
+            module, optimizer = zero_ext.wrap(module, optimizer, stage=stage, process_group=m["dp"],
+                                              pipeline_group=m["pp"], **wrap_options)
+            self.models.append(module)
+            self.optimizers.append(optimizer)
+            stages.append(pipelining.PipelineStage(module, index, n_stages, torch.device("cpu"),
+                                                   group=m["pp"].get_group()))
+        self.first, self.last = 0 in indices, n_stages - 1 in indices
+        self.schedule = cls(stages if multi else stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+
+    def run(self, step: int) -> None:
+        """One schedule step on this dp coordinate's half of the global batch."""
+        x, y = batch(step)
+        x, y = x.chunk(2)[self.dp], y.chunk(2)[self.dp]
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+        args = (x,) if self.first else ()
+        kwargs = {"target": y} if self.last else {}
+        self.schedule.step(*args, **kwargs)
+
+    def parameters(self) -> List[torch.Tensor]:
+        return [p for model in self.models for p in model.parameters()]
+
+    def full_state(self) -> Dict[str, torch.Tensor]:
+        out: Dict[str, torch.Tensor] = {}
+        for model in self.models:
+            out.update(zero_ext.full_state_dict(model))
+        return out
+
+
+def reference(steps: int, make_optimizer: Callable, clip: Optional[float]) -> Tuple[nn.Module, List[float]]:
+    torch.manual_seed(0)
+    model = PipelinedLM()
+    optimizer = make_optimizer(model.parameters())
+    norms = []
+    for step in range(steps):
+        x, y = batch(step)
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        optimizer.step()
+    return model, norms
+
+
+def _compare(state: Dict[str, torch.Tensor], model: nn.Module, what: str) -> Optional[str]:
+    expected = model.state_dict()
+    for name, value in state.items():
+        if not torch.allclose(value, expected[name], rtol=RTOL, atol=ATOL):
+            return (f"{what}: '{name}' differs from one process by {(value - expected[name]).abs().max().item():.3e} "
+                    f"(rtol {RTOL}, atol {ATOL})")
+    return None
+
+
+def _agree(text: Optional[str]) -> Optional[str]:
+    """Every rank's verdict (a mismatch on one stage fails every rank's item)."""
+    texts: List[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(texts, text)
+    bad = [(r, t) for r, t in enumerate(texts) if t]
+    return None if not bad else f"rank {bad[0][0]}: {bad[0][1]}"
+
+
+def train(stage: int, schedule: str, make_optimizer: Callable, clip: Optional[str]) -> Optional[str]:
+    """STEPS schedule steps, then each stage's full parameters against one
+    process; clip: None, "optimizer" (optimizer.clip_grad_norm_, one
+    optimizer per rank) or "function" (zero_ext.clip_grad_norm_ over every
+    stage this rank holds): by the whole model's norm, the same as torch's
+    on the whole model."""
+    torch.manual_seed(0)
+    pipeline = Pipeline(PipelinedLM(), stage, schedule, make_optimizer)
+    expected_model, expected_norms = reference(STEPS, make_optimizer, 0.5 if clip else None)
+    norms = []
+    for step in range(STEPS):
+        pipeline.run(step)
+        if clip == "optimizer":
+            norms.append(float(pipeline.optimizers[0].clip_grad_norm_(0.5)))
+        elif clip == "function":
+            norms.append(float(zero_ext.clip_grad_norm_(pipeline.parameters(), 0.5)))
+        for optimizer in pipeline.optimizers:
+            optimizer.step()
+    problem = None
+    for got, want in zip(norms, expected_norms):
+        if abs(got - want) > 1e-5 * want:
+            problem = f"clip_grad_norm_ returned {got}, the whole model's norm is {want}"
+            break
+    problem = problem or _compare(pipeline.full_state(), expected_model, f"{schedule} stage {stage}")
+    return _agree(problem)
+
+
+def _reductions(stage: int, microbatches: int) -> Dict[str, int]:
+    """Bytes zero_ext sent in the second of two 1F1B steps (the first
+    gathers what later steps find gathered)."""
+    torch.manual_seed(0)
+    pipeline = Pipeline(PipelinedLM(), stage, "Schedule1F1B", adamw, microbatches=microbatches,
+                        **({"reshard_after_forward": False} if stage == 3 else {}))
+    for step in range(2):
+        before = dict(zero_ext.traffic(pipeline.models[0]))
+        pipeline.run(step)
+        pipeline.optimizers[0].step()
+    after = zero_ext.traffic(pipeline.models[0])
+    return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+
+
+def one_reduction_per_step(stage: int) -> Optional[str]:
+    """Gradients are reduced once per step whatever the number of
+    microbatches: zero_ext sends the same bytes per step at 2 and at 4
+    microbatches (stage 3 with reshard_after_forward=False: its gathers too,
+    every unit gathered once per step). Under each microbatch's backward
+    reducing (the eager default), the reductions' bytes double."""
+    two, four = _reductions(stage, 2), _reductions(stage, 4)
+    reduced = "all_reduce" if stage == 0 else "reduce_scatter"
+    problem = None
+    if two.get(reduced, 0) == 0:
+        problem = f"no {reduced} at all in a step: {two}"
+    elif two != four:
+        problem = f"bytes per step differ with the microbatch count: 2 microbatches {two}, 4 microbatches {four}"
+    return _agree(problem)
+
+
+def dcp_whole_model(stage: int) -> Optional[str]:
+    """zero_ext.save(format="dcp") from every rank of every stage writes one
+    directory; one plain process (no process group) reads the whole model
+    from it with dcp.load, equal to one process's training."""
+    torch.manual_seed(0)
+    pipeline = Pipeline(PipelinedLM(), stage, "ScheduleGPipe", adamw)
+    for step in range(2):
+        pipeline.run(step)
+        pipeline.optimizers[0].step()
+    expected_model, _ = reference(2, adamw, None)
+    path = [tempfile.mkdtemp(prefix="zero_ext_pp_dcp_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    target = os.path.join(path[0], "ckpt")
+    zero_ext.save(target, pipeline.models[0], pipeline.optimizers[0], format="dcp")
+    problem = None
+    if dist.get_rank() == 0:
+        import torch.distributed.checkpoint as dcp
+        whole = {k: torch.zeros_like(v) for k, v in PipelinedLM().state_dict().items()}
+        dcp.load({"model": whole}, checkpoint_id=target, no_dist=True)
+        problem = _compare(whole, expected_model, "the DCP checkpoint read by one plain process")
+    return _agree(problem)
+
+
+def refusals(stage: int) -> Optional[str]:
+    """What ranks disagree on ends with zero_ext's error on every rank: two
+    stages holding one layer (a wrong split), stages wrapped at different
+    ZeRO stages, and zero_ext's own format (which does not hold pipeline
+    stages yet); fp16 loss scaling refused."""
+    m = mesh()
+    pp = m["pp"].get_local_rank()
+    torch.manual_seed(0)
+    full = PipelinedLM()
+    problems = []
+
+    def expect(what: str, needle: str, call: Callable[[], object]) -> None:
+        try:
+            call()
+        except ValueError as error:
+            if needle not in str(error):
+                problems.append(f"{what}: {error}")
+            return
+        problems.append(f"{what}: accepted")
+
+    overlapping = stage_of(full, [0, 1, 2] if pp == 0 else [2, 3], pp == 0, pp == 1)
+    expect("a split with layer 2 on both stages", "pipeline split",
+           lambda: zero_ext.wrap(overlapping, adamw(overlapping.parameters()), stage=stage, process_group=m["dp"],
+                                 pipeline_group=m["pp"]))
+    halves = stage_of(full, [0, 1] if pp == 0 else [2, 3], pp == 0, pp == 1)
+    other_stage = copy.deepcopy(halves)
+    expect("another ZeRO stage on pp rank 1", "stage=",
+           lambda: zero_ext.wrap(other_stage, adamw(other_stage.parameters()), stage=stage if pp == 0 else 2,
+                                 process_group=m["dp"], pipeline_group=m["pp"]))
+    in_fp16 = copy.deepcopy(halves)
+    expect("fp16 loss scaling", "loss scaling",
+           lambda: zero_ext.wrap(in_fp16, adamw(in_fp16.parameters()), stage=stage, process_group=m["dp"],
+                                 pipeline_group=m["pp"], mixed_precision="fp16"))
+    model, optimizer = zero_ext.wrap(halves, adamw(halves.parameters()), stage=stage, process_group=m["dp"],
+                                     pipeline_group=m["pp"])
+    target = os.path.join(tempfile.gettempdir(), "zero_ext_pp_never_written")
+    expect("format='zero_ext'", 'format="dcp"', lambda: zero_ext.save(target, model, optimizer))
+    return _agree("; ".join(problems) or None)
+
+
+SCENARIOS: Dict[str, Callable[[int], Optional[str]]] = {
+    "1f1b-optimizer-clip": lambda s: train(s, "Schedule1F1B", adamw, "optimizer"),
+    "gpipe-sgd": lambda s: train(s, "ScheduleGPipe", sgd, None),
+    "interleaved-1f1b-clip": lambda s: train(s, "ScheduleInterleaved1F1B", adamw, "function"),
+    "looped-bfs": lambda s: train(s, "ScheduleLoopedBFS", sgd, None),
+    "interleaved-zero-bubble-clip": lambda s: train(s, "ScheduleInterleavedZeroBubble", adamw, "function"),
+    "one-reduction-per-step": one_reduction_per_step,
+    "dcp-whole-model": dcp_whole_model,
+    "refusals": refusals,
+}
+STAGES = {"refusals": (0, 3), "looped-bfs": (1, 3)}
+
+
+def all_items() -> List[str]:
+    return [f"pipeline:{name}/stage{stage}" for name in SCENARIOS for stage in STAGES.get(name, range(4))]
+
+
+def run_one(item: str) -> Optional[str]:
+    name, stage = item[len("pipeline:"):].rsplit("/stage", 1)
+    return SCENARIOS[name](int(stage))
