@@ -224,3 +224,17 @@ def test_the_offload_step_benchmark_moves_what_the_step_must(tmp_path):
     state = float(re.search(r"training state \(fp32 values, gradients, 2 moments\) ([\d.]+) MiB", done.stdout).group(1))
     assert written == pytest.approx(state, rel=0.05), done.stdout
     assert 0.75 * written * 0.95 <= read <= 1.5 * written * 1.05, done.stdout
+
+
+def test_pipeline_step_times_every_schedule_for_both_systems():
+    """benchmarks/pipeline_step.py end to end on a tiny model (pp 2 x dp 2):
+    a row per schedule (GPipe, 1F1B, interleaved 1F1B) and system (zero_ext,
+    FSDP2 per stage), none failed, each with its step times and bubble."""
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "pipeline_step.py"), "--dim", "32", "--layers", "4",
+           "--vocab", "64", "--context", "8", "--rounds", "1", "--warmup", "0"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| Schedule")]
+    assert len(rows) == 6, done.stdout
+    for row in rows:
+        assert "error" not in row and row.rstrip().endswith("% |"), row
