@@ -30,7 +30,11 @@ stages: 1 - compute / step, where compute is the same stage modules' forward
 and backward over the same microbatches, run alone on the rank without the
 pipeline and without zero_ext or FSDP2 (the median of --rounds such runs);
 it holds the schedule's idle time and what the system adds (its
-communication, its waits). Nothing is asserted.
+communication, its waits). "ideal bubble" is the schedule's own,
+(p - 1) / (v m + p - 1) for p stages of v chunks per rank and m
+microbatches. On a machine with fewer cores than ranks an idle rank lends
+its core to a busy one, so the measured bubble there is lower than on
+devices of their own. Nothing is asserted.
 """
 from __future__ import annotations
 
@@ -226,21 +230,29 @@ def markdown(args, per_rank) -> str:
              f"dp {WORLD // PP} on {WORLD} CPU ranks (gloo), global batch {args.global_batch} x {args.context} tokens "
              f"in {args.microbatches} microbatches per dp rank, AdamW; {args.rounds} rounds after {args.warmup} + the "
              f"first, each step the slowest rank's", "",
-             "| schedule | system | first ms | ms/step min | median | max | bubble (median) |",
-             "|---|---|---|---|---|---|---|"]
+             "| schedule | system | first ms | ms/step min | median | max | bubble (median) | ideal bubble |",
+             "|---|---|---|---|---|---|---|---|"]
     keys = list(per_rank[0]["times"])
+    # A rank's own compute, per schedule (the same stage modules for both
+    # systems): the busiest rank's, the median over the systems' measurements.
+    busy_of = {}
+    for key in keys:
+        if key in per_rank[0]["alone"]:
+            busy_of.setdefault(key.split("|")[1], []).append(max(r["alone"][key] for r in per_rank) * 1e3)
     for key in keys:
         system, schedule = key.split("|")
         failed = next((r["errors"][key] for r in per_rank if key in r["errors"]), None)
         if failed:
-            lines.append(f"| {schedule} | {system} | error: {failed.replace('|', '/')} | | | | |")
+            lines.append(f"| {schedule} | {system} | error: {failed.replace('|', '/')} | | | | | |")
             continue
         steps = [max(r["times"][key][i] for r in per_rank) * 1e3 for i in range(args.rounds)]
         first = max(r["first"][key] for r in per_rank) * 1e3
         median = statistics.median(steps)
-        busy = max(r["alone"][key] for r in per_rank) * 1e3  # the busiest rank's own compute
+        busy = statistics.median(busy_of[schedule])
+        chunks = 2 if schedule == "ScheduleInterleaved1F1B" else 1  # stages per rank
+        ideal = (PP - 1) / (chunks * args.microbatches + PP - 1)  # (p - 1) / (v m + p - 1)
         lines.append(f"| {schedule} | {system} | {first:.0f} | {min(steps):.1f} | {median:.1f} | {max(steps):.1f} | "
-                     f"{max(0.0, 1 - busy / median):.0%} |")
+                     f"{max(0.0, 1 - busy / median):.0%} | {ideal:.0%} |")
     return "\n".join(lines)
 
 
