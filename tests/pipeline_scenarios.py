@@ -210,6 +210,43 @@ def train(stage: int, schedule: str, make_optimizer: Callable, clip: Optional[st
     return _agree(problem)
 
 
+def bf16_sgd(stage: int) -> Optional[str]:
+    """mixed_precision="bf16" (bf16 compute, fp32 masters and reductions),
+    GPipe, SGD: against one process computing in bf16 on the global batch
+    with fp32 masters (parity_mixed_reference.MasterWeightReference). SGD,
+    not AdamW: its update is proportional to the gradient, so a gradient
+    scaled wrongly (a missing division by the microbatch count or the dp
+    size) moves the weights by lr x |g| ~ 1e-2 per step, while AdamW's
+    normalized update would hide it."""
+    from parity_mixed_reference import MasterWeightReference
+    torch.manual_seed(0)
+    pipeline = Pipeline(PipelinedLM(), stage, "ScheduleGPipe", sgd, mixed_precision="bf16")
+    torch.manual_seed(0)
+    model = PipelinedLM()
+    ref = MasterWeightReference(model, sgd, torch.bfloat16)
+    for step in range(STEPS):
+        pipeline.run(step)
+        pipeline.optimizers[0].step()
+        x, y = batch(step)
+        ref.zero_grad()
+        loss_fn(model(x).float(), y).backward()
+        ref.step()
+    masters = dict(zip([n for n, _ in model.named_parameters()], ref.masters))
+    error, name = max(((value - masters[name]).abs().max().item(), name)
+                      for name, value in pipeline.full_state().items())
+    return _agree(None if error <= BF16_ATOL else
+                  f"bf16 stage {stage}: '{name}' differs from one process by {error:.3e} (atol {BF16_ATOL})")
+
+
+# bf16: each microbatch's gradient is rounded to bf16 (8 bits: 2**-8
+# relative) where one process rounds the global batch's once, and the
+# pipeline's 4 microbatches add in bf16 before the fp32 reduction: a few
+# bf16 roundings of gradients of ~0.2, times SGD's lr 0.1, over 3 steps:
+# ~3 x 0.1 x 0.2 x 4 x 2**-8 = 1e-3 at most (measured 2.3e-4 at every
+# stage, torch 2.13). A wrong scale moves a weight by ~1e-2 per step.
+BF16_ATOL = 2e-3
+
+
 def _reductions(stage: int, microbatches: int) -> Dict[str, int]:
     """Bytes zero_ext sent in the second of two 1F1B steps (the first
     gathers what later steps find gathered)."""
@@ -263,6 +300,59 @@ def dcp_whole_model(stage: int) -> Optional[str]:
     return _agree(problem)
 
 
+def _shared_directory() -> str:
+    path = [tempfile.mkdtemp(prefix="zero_ext_pp_ckpt_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    return path[0]
+
+
+def checkpoints_across_splits(stage: int) -> Optional[str]:
+    """A checkpoint loads at another pipeline split, model and optimizer
+    state, and training goes on as one process's: 1F1B's 2 stages save DCP
+    after 2 steps; interleaved 1F1B's 4 stages (two per rank) load it and
+    take step 3; the whole model wrapped flat over the 4 ranks (no pipeline)
+    loads it too, and saves zero_ext's own format, which 1F1B's 2 stages
+    load (pp 1 to pp 2) and take step 3 from."""
+    root = _shared_directory()
+    dcp_dir, own_dir = os.path.join(root, "dcp"), os.path.join(root, "own")
+    torch.manual_seed(0)
+    two = Pipeline(PipelinedLM(), stage, "Schedule1F1B", adamw)
+    for step in range(2):
+        two.run(step)
+        two.optimizers[0].step()
+    zero_ext.save(dcp_dir, two.models[0], two.optimizers[0], format="dcp")
+    after_two, _ = reference(2, adamw, None)
+    after_three, _ = reference(3, adamw, None)
+    problems = []
+
+    torch.manual_seed(5)  # other weights: the load must bring them
+    four = Pipeline(PipelinedLM(), stage, "ScheduleInterleaved1F1B", adamw)
+    for model, optimizer in zip(four.models, four.optimizers):
+        zero_ext.load(dcp_dir, model, optimizer)
+    problems.append(_compare(four.full_state(), after_two, "4 stages loaded from 2 stages' DCP"))
+    four.run(2)
+    for optimizer in four.optimizers:
+        optimizer.step()
+    problems.append(_compare(four.full_state(), after_three, "4 stages loaded, then step 3"))
+
+    torch.manual_seed(6)
+    flat = PipelinedLM()
+    optimizer = adamw(flat.parameters())
+    flat, optimizer = zero_ext.wrap(flat, optimizer, stage=stage)  # the world group, no pipeline
+    zero_ext.load(dcp_dir, flat, optimizer)
+    problems.append(_compare(zero_ext.full_state_dict(flat), after_two, "the flat model loaded from 2 stages' DCP"))
+    zero_ext.save(own_dir, flat, optimizer)
+
+    torch.manual_seed(7)
+    again = Pipeline(PipelinedLM(), stage, "Schedule1F1B", adamw)
+    zero_ext.load(own_dir, again.models[0], again.optimizers[0])
+    problems.append(_compare(again.full_state(), after_two, "2 stages loaded from the flat model's checkpoint"))
+    again.run(2)
+    again.optimizers[0].step()
+    problems.append(_compare(again.full_state(), after_three, "2 stages loaded from zero_ext's format, then step 3"))
+    return _agree("; ".join(p for p in problems if p) or None)
+
+
 def refusals(stage: int) -> Optional[str]:
     """What ranks disagree on ends with zero_ext's error on every rank: two
     stages holding one layer (a wrong split), stages wrapped at different
@@ -308,9 +398,11 @@ SCENARIOS: Dict[str, Callable[[int], Optional[str]]] = {
     "gpipe-sgd": lambda s: train(s, "ScheduleGPipe", sgd, None),
     "interleaved-1f1b-clip": lambda s: train(s, "ScheduleInterleaved1F1B", adamw, "function"),
     "looped-bfs": lambda s: train(s, "ScheduleLoopedBFS", sgd, None),
+    "gpipe-bf16-sgd": bf16_sgd,
     "interleaved-zero-bubble-clip": lambda s: train(s, "ScheduleInterleavedZeroBubble", adamw, "function"),
     "one-reduction-per-step": one_reduction_per_step,
     "dcp-whole-model": dcp_whole_model,
+    "checkpoints-across-splits": checkpoints_across_splits,
     "refusals": refusals,
 }
 STAGES = {"refusals": (0, 3), "looped-bfs": (1, 3)}

@@ -29,7 +29,7 @@ from .checkpoint.metadata import METADATA as OWN_INDEX
 from .dcp import save as dcp_save
 from .dcp.index import METADATA as DCP_INDEX
 from .dcp.load import load_dcp
-from .dcp.param_groups import group_members
+from .dcp.param_groups import group_members, group_names
 
 FORMATS = ("zero_ext", "dcp")
 DEFAULT_DCP_LAYOUT = "get_state_dict"
@@ -101,17 +101,22 @@ def _save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, e
     target, prepared = _agree_to_save(ranks, token, path, model, original, optimizer, extra, format, async_save,
                                       dcp_layout)
     tmp = publish.staging_path(target, token)
-    error, job, members = None, None, None
+    error, job, members, names = None, None, None, None
     try:  # collective within the stage (its parameters' indices); its error settles across every stage below
         stage_ranks = Ranks(state, "zero_ext.save") if ranks.pp is not None else ranks
         members = group_members(state, optimizer, stage_ranks) if format == "dcp" else None
     except Exception as e:  # noqa: BLE001 - raised on every rank by settle
         error = e
-    if error is None:
+    if format == "dcp":
+        try:  # collective across every stage of a pipeline, whether or not members came
+            names = group_names(state, optimizer, members, ranks)
+        except Exception as e:  # noqa: BLE001 - raised on every rank by settle
+            error = e
+    if error is None and (format != "dcp" or names is not None):  # names None: a peer failed, settle raises it
         try:  # what this rank writes (a snapshot of it, asynchronous)
             if format == "dcp":
                 parts = dcp_save.save_parts(model, optimizer, state, ranks, token, target, tmp, prepared, extra,
-                                            members, async_save)
+                                            names, async_save)
             else:
                 parts = own_save.save_parts(model, optimizer, state, ranks, token, target, tmp, prepared, async_save)
             job = _job(ranks, token, target, tmp, *parts, index_file=DCP_INDEX if format == "dcp" else OWN_INDEX)
@@ -243,12 +248,16 @@ def _load(path: str, model: torch.nn.Module, optimizer, strict: bool, mismatch: 
     """load() with the offloaded state in memory."""
     state = state_of(model)
     original, optimizer = optimizer, as_one(optimizer)  # a list or tuple of the model's optimizers: one view
-    ranks = Ranks(state, "zero_ext.load")
+    # A pipeline stage's load is every stage's (each reads its part), so an
+    # error on one stage ends every stage; within a stage, what the ranks of
+    # one model exchange.
+    ranks = Ranks(state, "zero_ext.load", across_pipeline=True)
+    stage_ranks = Ranks(state, "zero_ext.load") if ranks.pp is not None else ranks
     target = _agree_to_load(ranks, path, original, strict, mismatch, format)
     dcp_dir = _agree_on_format(ranks, target, path)
     if dcp_dir is not None:
-        return load_dcp(dcp_dir, model, optimizer, state, ranks, strict, mismatch)
-    return load_checkpoint(target, path, model, optimizer, state, ranks, strict, mismatch)
+        return load_dcp(dcp_dir, model, optimizer, state, ranks, strict, mismatch, stage_ranks)
+    return load_checkpoint(target, path, model, optimizer, state, stage_ranks, strict, mismatch)
 
 
 def _agree_to_load(ranks: Ranks, path, original, strict: Any, mismatch: Any, format: Any) -> str:

@@ -20,8 +20,11 @@ def check_same_names(where: str, saved: Dict[str, tuple], model: torch.nn.Module
     state = state_of(model)
     mine = {n: plan.full_shape(state, p) for n, p in model.named_parameters()}
     mine.update({n: tuple(b.shape) for n, b in plan.persistent_buffers(model).items()})
+    # A pipeline stage loads its part of a whole-model checkpoint: the other
+    # stages' parameters are expected in it, not in this stage.
+    elsewhere = state.pipeline.names_elsewhere(set(mine)) if getattr(state, "pipeline", None) is not None else set()
     missing = sorted(set(mine) - set(saved)) if strict else []
-    unexpected = sorted(set(saved) - set(mine)) if strict else []
+    unexpected = sorted(set(saved) - set(mine) - elsewhere) if strict else []
     shapes = sorted(n for n in set(mine) & set(saved) if mine[n] != saved[n])
     if not (missing or unexpected or shapes):
         return

@@ -11,12 +11,20 @@ DCP save writes every stage's parameters into one directory (files/dcp)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional, Set
 
 import torch
 import torch.distributed as dist
 
 from ..tools import all_gather_into_tensor
+
+
+# Every parameter name wrap() saw held across each pp group (by group name),
+# over every stage module wrapped with it in this process (an interleaved
+# schedule wraps two per rank): what a load of a whole-model checkpoint into
+# one stage may find that belongs elsewhere. The same on every rank of the
+# group: each wrap gathers its names across it.
+_NAMES_BY_GROUP: Dict[str, Set[str]] = {}
 
 
 @dataclass
@@ -30,6 +38,14 @@ class Pipeline:
     def all_reduce(self, tensor: torch.Tensor, maximum: bool) -> None:
         """In place, over pp (a tensor on the device the backend moves)."""
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM, group=self.group)
+
+    def note_names(self, names: Set[str]) -> None:
+        """wrap(): the names every stage of this wrap holds."""
+        _NAMES_BY_GROUP.setdefault(self.group.group_name, set()).update(names)
+
+    def names_elsewhere(self, mine: Set[str]) -> Set[str]:
+        """Parameter names the other stage modules of this pipeline hold."""
+        return _NAMES_BY_GROUP.get(self.group.group_name, set()) - mine
 
     def gather_texts(self, text: str, device: torch.device) -> List[str]:
         """Collective over pp: every stage's `text`, by pp rank (UTF-8 bytes

@@ -371,6 +371,7 @@ def check_pipeline_agree(pipeline: Pipeline, device: torch.device, fields: List[
                 shared.setdefault(name, [owner[name]]).append(stage_rank)
             else:
                 owner[name] = stage_rank
+    pipeline.note_names(set(owner))
     if shared:
         shown = "; ".join(f"'{n}' on pp ranks {', '.join(map(str, r))}" for n, r in list(shared.items())[:4])
         lines.append(f"pipeline split: {len(shared)} parameter(s) held by more than one stage ({shown}"

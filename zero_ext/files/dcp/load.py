@@ -270,14 +270,20 @@ def read_optimizer(p_plan: Plan, state, optimizer) -> Dict[torch.Tensor, Dict[st
 
 
 @torch.no_grad()
-def load_dcp(where: str, model, optimizer, state, ranks, strict: bool, mismatch: str) -> Any:
+def load_dcp(where: str, model, optimizer, state, ranks, strict: bool, mismatch: str, stage_ranks=None) -> Any:
     """zero_ext.load's phases over a DCP directory (the caller checked the
-    ranks agree on it). Returns this rank's extra."""
-    members = group_members(state, optimizer, ranks)  # collective: a rank's optimizer holds its own segments
+    ranks agree on it). Returns this rank's extra. A pipeline stage:
+    `ranks` span every stage, `stage_ranks` this stage's model."""
     checkpoint = None
     try:
-        error, found = None, None
+        error, found, members = None, None, None
+        try:  # collective within the stage: a rank's optimizer holds its own segments
+            members = group_members(state, optimizer, stage_ranks if stage_ranks is not None else ranks)
+        except Exception as e:  # noqa: BLE001 - raised on every rank by settle
+            error = e
         try:
+            if error is not None:
+                raise error
             checkpoint = DcpCheckpoint(where, "zero_ext.load")
             found = Plan(checkpoint, state, model, strict, mismatch != "fresh", ranks.rank, members)
         except Exception as e:  # noqa: BLE001 - raised on every rank by settle

@@ -95,10 +95,10 @@ def _chunks(key: str, path: Path, p: torch.Tensor, full: Tuple[int, ...], place,
 
 
 def contents(model: torch.nn.Module, optimizer, state, rank: int, mesh_size: int, layout: Layout,
-             extra: Any, group_members: List[List[int]], file_rank: Optional[int] = None) -> Contents:
-    """What this rank writes. `group_members`: each param group's parameters
-    (bucketed indices), over every rank (a rank's optimizer holds its own
-    segments only)."""
+             extra: Any, group_names: List[List[str]], file_rank: Optional[int] = None) -> Contents:
+    """What this rank writes. `group_names`: each param group's parameter
+    names, over every rank (a rank's optimizer holds its own segments only;
+    param_groups.group_names)."""
     out = Contents()
     owned: Dict[int, List[Tuple[int, int]]] = {}
     for i, start, end in plan.owned_ranges(state, state.shard_rank):
@@ -107,7 +107,7 @@ def contents(model: torch.nn.Module, optimizer, state, rank: int, mesh_size: int
     _add_parameters(out, model, state, rank, mesh_size, layout, owned, places)
     _add_optimizer_state(out, optimizer, state, rank, layout, owned, places)
     if rank == 0:
-        _add_param_groups(out, optimizer, state.bucketed_names, layout, group_members)
+        _add_param_groups(out, optimizer, layout, group_names)
     # `rank` is within the model's (the stage's) ranks; a pipeline's stages
     # each write their own parameters alike, and `extra` by global rank.
     _add_extra(out, rank if file_rank is None else file_rank, layout, extra)
@@ -203,12 +203,12 @@ def _add_scalar(out: Contents, key: str, path: Path, name: str, k: Any, v: Any) 
         out.value(key, path, v)
 
 
-def _add_param_groups(out: Contents, optimizer, names: List[str], layout: Layout,
-                      group_members: List[List[int]]) -> None:
-    """Rank 0: each param group's hyperparameters (and, outside torchtitan's
-    layout, its parameters' names)."""
+def _add_param_groups(out: Contents, optimizer, layout: Layout, group_names: List[List[str]]) -> None:
+    """Rank 0 (of each pipeline stage): each param group's hyperparameters
+    (and, outside torchtitan's layout, its parameters' names: every stage's,
+    param_groups.group_names)."""
     for g, group in enumerate(optimizer.param_groups):
-        params = [names[i] for i in group_members[g]]
+        params = group_names[g]
         hyper = {k: v for k, v in group.items() if k != "params"}
         if layout.name != "torchtitan":
             hyper["params"] = params
@@ -324,7 +324,7 @@ def checked_layout(dcp_layout: str, extra: Any) -> Layout:
 
 
 def save_parts(model, optimizer, state, ranks, token: str, target: str, tmp: str, layout: Layout, extra: Any,
-               group_members: List[List[int]], async_save: bool):
+               group_names: List[List[str]], async_save: bool):
     """(write, index, take) of a DCP save into the staging directory `tmp`:
     write() writes this rank's data file and returns its report; index(every
     rank's reports), on rank 0, writes the checksum sidecar and returns
@@ -332,7 +332,7 @@ def save_parts(model, optimizer, state, ranks, token: str, target: str, tmp: str
     state now: read now, or for an asynchronous save a snapshot whose live
     items take() copies in the writer thread before write() ([Note: the
     snapshot of an asynchronous save]; None for a save at once)."""
-    items = contents(model, optimizer, state, ranks.stage_rank, ranks.mesh_size, layout, extra, group_members,
+    items = contents(model, optimizer, state, ranks.stage_rank, ranks.mesh_size, layout, extra, group_names,
                      file_rank=ranks.rank)
     snapshot = None
     if async_save:
