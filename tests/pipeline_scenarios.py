@@ -151,9 +151,12 @@ class Pipeline:
         return out
 
 
-def reference(steps: int, make_optimizer: Callable, clip: Optional[float]) -> Tuple[nn.Module, List[float]]:
+def reference(steps: int, make_optimizer: Callable, clip: Optional[float],
+              model_class: Callable[[], nn.Module] = None) -> Tuple[nn.Module, List[float]]:
+    """One process over the global batch: the model after `steps` steps, and
+    the norms torch's clip returned (clip: max_norm, or None)."""
     torch.manual_seed(0)
-    model = PipelinedLM()
+    model = (model_class or PipelinedLM)()
     optimizer = make_optimizer(model.parameters())
     norms = []
     for step in range(steps):
@@ -406,6 +409,86 @@ SCENARIOS: Dict[str, Callable[[int], Optional[str]]] = {
     "refusals": refusals,
 }
 STAGES = {"refusals": (0, 3), "looped-bfs": (1, 3)}
+
+
+# --- 3-D: dp 2 x tp 2 x pp 2 (world 8, tests/test_pipeline_3d.py) ---------------
+
+class TensorParallelBlock(nn.Module):
+    """A block torch's ColwiseParallel / RowwiseParallel split over tp."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, 2 * WIDTH)
+        self.down = nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class PipelinedTensorParallelLM(PipelinedLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): TensorParallelBlock() for i in range(LAYERS)})
+
+
+# Tensor parallelism sums each block's output over tp in another order than
+# one process's matmul (tensor_parallel_context.TOLERANCES); measured 9e-7.
+RTOL_3D, ATOL_3D = 1e-5, 1e-4
+
+
+def three_d(rank: int, world: int, item: str) -> Optional[str]:
+    """One "3d/stageN" item on 8 ranks, mesh (pp 2, dp 2, tp 2): each stage's
+    blocks made tensor parallel with parallelize_module over mesh["tp"],
+    wrapped over mesh["dp"] and mesh["pp"], 1F1B, clipped by the whole
+    model's norm (every stage, dp rank and tp shard), against one process;
+    then one DCP checkpoint of every rank, read whole by one plain process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    stage = int(item.rsplit("/stage", 1)[1])
+    if not _MESH:
+        _MESH.append(init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp")))
+    m = _MESH[0]
+    pp, dp = m["pp"].get_local_rank(), m["dp"].get_local_rank()
+    torch.manual_seed(0)
+    full = PipelinedTensorParallelLM()
+    module = stage_of(full, [2 * pp, 2 * pp + 1], pp == 0, pp == 1)
+    for block in module.layers.values():
+        parallelize_module(block, m["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    optimizer = adamw(module.parameters())
+    module, optimizer = zero_ext.wrap(module, optimizer, stage=stage, process_group=m["dp"], pipeline_group=m["pp"])
+    schedule = Schedule1F1B(PipelineStage(module, pp, 2, torch.device("cpu"), group=m["pp"].get_group()),
+                            n_microbatches=2, loss_fn=loss_fn)
+    expected, norms = reference(STEPS, adamw, 0.5, PipelinedTensorParallelLM)
+    problems = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        optimizer.zero_grad()
+        if pp == 0:
+            schedule.step(x.chunk(2)[dp])
+        else:
+            schedule.step(target=y.chunk(2)[dp])
+        norm = float(optimizer.clip_grad_norm_(0.5))
+        optimizer.step()
+        if abs(norm - norms[step]) > 1e-5 * norms[step]:
+            problems.append(f"step {step}: clip_grad_norm_ returned {norm}, the whole model's norm is {norms[step]}")
+    for name, value in zero_ext.full_state_dict(module).items():
+        if not torch.allclose(value, expected.state_dict()[name], rtol=RTOL_3D, atol=ATOL_3D):
+            problems.append(f"'{name}' differs from one process by "
+                            f"{(value - expected.state_dict()[name]).abs().max().item():.3e}")
+            break
+    target = os.path.join(_shared_directory(), "ckpt")
+    zero_ext.save(target, module, optimizer, format="dcp")
+    dist.barrier()
+    if rank == 0:
+        import torch.distributed.checkpoint as dcp
+        whole = {k: torch.zeros_like(v) for k, v in PipelinedTensorParallelLM().state_dict().items()}
+        dcp.load({"model": whole}, checkpoint_id=target, no_dist=True)
+        for name, value in whole.items():
+            if not torch.allclose(value, expected.state_dict()[name], rtol=RTOL_3D, atol=ATOL_3D):
+                problems.append(f"the DCP checkpoint's '{name}' differs from one process")
+                break
+    return _agree("; ".join(problems) or None)
 
 
 def all_items() -> List[str]:
