@@ -283,7 +283,8 @@ def one_reduction_per_step(stage: int) -> Optional[str]:
 def dcp_whole_model(stage: int) -> Optional[str]:
     """zero_ext.save(format="dcp") from every rank of every stage writes one
     directory; one plain process (no process group) reads the whole model
-    from it with dcp.load, equal to one process's training."""
+    from it with dcp.load, and zero_ext.convert turns it into one state_dict,
+    both equal to one process's training."""
     torch.manual_seed(0)
     pipeline = Pipeline(PipelinedLM(), stage, "ScheduleGPipe", adamw)
     for step in range(2):
@@ -300,6 +301,11 @@ def dcp_whole_model(stage: int) -> Optional[str]:
         whole = {k: torch.zeros_like(v) for k, v in PipelinedLM().state_dict().items()}
         dcp.load({"model": whole}, checkpoint_id=target, no_dist=True)
         problem = _compare(whole, expected_model, "the DCP checkpoint read by one plain process")
+        from zero_ext.convert import convert
+        out = os.path.join(path[0], "whole.pt")
+        convert(target, out)  # python -m zero_ext.convert: every stage's tensors, one state_dict
+        problem = problem or _compare(torch.load(out, weights_only=True), expected_model,
+                                      "the DCP checkpoint converted to a state_dict")
     return _agree(problem)
 
 

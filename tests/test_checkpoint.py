@@ -5,6 +5,7 @@ import functools
 import glob
 import io
 import os
+import shutil
 import subprocess
 import sys
 
@@ -338,3 +339,48 @@ def test_pieces_are_typed_by_kind_and_round_trip_their_json(tmp_path):
     assert not any(isinstance(p, StoredPiece) or hasattr(p, "shape") for p in by_kind[PieceKind.SCALARS])
     assert not any(hasattr(p, "values") for p in pieces if isinstance(p, StoredPiece))
     assert [p.to_json() for p in pieces] == written
+
+
+@pytest.mark.parametrize("saved", ["saved-fsdp2", "saved-torchtitan", "saved-stage3-fp32-dcp",
+                                   "saved-stage3-fp32-dcp-torchtitan", "saved-stage1-fp32-mesh2x2-dcp"])
+def test_convert_takes_any_dcp_directory(saved, saved_at_world_4, tmp_path):
+    """`python -m zero_ext.convert` reads DCP directories too, whoever wrote
+    them (FSDP2's get_state_dict layout, torchtitan's, zero_ext's in either
+    layout or hybrid): the model's tensors, under their own names, loaded by
+    a plain Net, equal one process's; and as safetensors the same values."""
+    ckpt = os.path.join(saved_at_world_4, saved)
+    out = str(tmp_path / "plain.pt")
+    run = subprocess.run([sys.executable, "-m", "zero_ext.convert", ckpt, out], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    got = torch.load(out, weights_only=True)
+    want = _reference(None, K)
+    assert set(got) == set(Net().state_dict()), sorted(got)
+    for name, value in want.items():
+        assert torch.allclose(got[name], value, rtol=1e-5, atol=1e-6), name
+    load_file = pytest.importorskip("safetensors.torch").load_file
+    single = str(tmp_path / "model.safetensors")
+    convert(ckpt, single, format="safetensors")
+    assert all(torch.equal(load_file(single)[k], got[k]) for k in got)
+
+
+def test_convert_verify_reads_every_item_of_a_dcp_directory(saved_at_world_4, tmp_path):
+    """--verify over DCP: zero_ext's checked against its checksums ("ok"),
+    another writer's for its structure only, saying so; a flipped byte in
+    zero_ext's data file is named, exit 1."""
+    def verify(path):
+        return subprocess.run([sys.executable, "-m", "zero_ext.convert", "--verify", path], capture_output=True,
+                              text=True)
+    ours = verify(os.path.join(saved_at_world_4, "saved-stage3-fp32-dcp"))
+    assert ours.returncode == 0 and "zero_ext's checksums" in ours.stdout, ours.stdout + ours.stderr
+    theirs = verify(os.path.join(saved_at_world_4, "saved-fsdp2"))
+    assert theirs.returncode == 0 and "structure only" in theirs.stdout, theirs.stdout + theirs.stderr
+    damaged = str(tmp_path / "damaged")
+    shutil.copytree(os.path.join(saved_at_world_4, "saved-stage3-fp32-dcp"), damaged)
+    data = sorted(glob.glob(os.path.join(damaged, "*.distcp")))[0]
+    with open(data, "r+b") as f:
+        f.seek(os.path.getsize(data) - 9)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    bad = verify(damaged)
+    assert bad.returncode == 1 and "damaged:" in bad.stderr, bad.stdout + bad.stderr

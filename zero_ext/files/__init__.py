@@ -21,8 +21,8 @@ from typing import Any
 _OFFERED = {  # name -> the module that defines it
     "Checkpoint": ".checkpoint.reader",
     "checkpoint_exists": ".checkpoint.publish",
-    "convert": ".checkpoint.convert",
-    "convert_main": ".checkpoint.convert",
+    "convert": ".convert",
+    "convert_main": ".convert",
     "describe_pretrained_config": ".weights.save_weights",
     "export_state_dict": ".weights.save_weights",
     "install_pretrained_export": ".weights.save_weights",
