@@ -318,7 +318,7 @@ def _shared_directory() -> str:
 def checkpoints_across_splits(stage: int) -> Optional[str]:
     """A checkpoint loads at another pipeline split, model and optimizer
     state, and training goes on as one process's: 1F1B's 2 stages save DCP
-    after 2 steps; interleaved 1F1B's 4 stages (two per rank) load it and
+    after 2 steps (asynchronously, step 3 running meanwhile); interleaved 1F1B's 4 stages (two per rank) load it and
     take step 3; the whole model wrapped flat over the 4 ranks (no pipeline)
     loads it too, and saves zero_ext's own format, which 1F1B's 2 stages
     load (pp 1 to pp 2) and take step 3 from."""
@@ -329,10 +329,15 @@ def checkpoints_across_splits(stage: int) -> Optional[str]:
     for step in range(2):
         two.run(step)
         two.optimizers[0].step()
-    zero_ext.save(dcp_dir, two.models[0], two.optimizers[0], format="dcp")
+    # In the background: the next step changes every weight while it writes,
+    # and the checkpoint still holds the state at the call.
+    handle = zero_ext.save(dcp_dir, two.models[0], two.optimizers[0], format="dcp", async_save=True)
+    two.run(2)
+    two.optimizers[0].step()
+    handle.wait()
     after_two, _ = reference(2, adamw, None)
     after_three, _ = reference(3, adamw, None)
-    problems = []
+    problems = [_compare(two.full_state(), after_three, "2 stages, step 3 during the asynchronous save")]
 
     torch.manual_seed(5)  # other weights: the load must bring them
     four = Pipeline(PipelinedLM(), stage, "ScheduleInterleaved1F1B", adamw)
