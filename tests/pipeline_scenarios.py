@@ -318,10 +318,13 @@ def _shared_directory() -> str:
 def checkpoints_across_splits(stage: int) -> Optional[str]:
     """A checkpoint loads at another pipeline split, model and optimizer
     state, and training goes on as one process's: 1F1B's 2 stages save DCP
-    after 2 steps (asynchronously, step 3 running meanwhile); interleaved 1F1B's 4 stages (two per rank) load it and
-    take step 3; the whole model wrapped flat over the 4 ranks (no pipeline)
-    loads it too, and saves zero_ext's own format, which 1F1B's 2 stages
-    load (pp 1 to pp 2) and take step 3 from."""
+    after 2 steps (asynchronously, step 3 running meanwhile) and zero_ext's
+    own format after step 3; interleaved 1F1B's 4 stages (two per rank)
+    load each (and take step 3 from the DCP one); convert writes the whole
+    model from the pipeline's own-format checkpoint; the whole model
+    wrapped flat over the 4 ranks (no pipeline) loads the DCP one too, and
+    saves zero_ext's own format, which 1F1B's 2 stages load (pp 1 to pp 2)
+    and take step 3 from."""
     root = _shared_directory()
     dcp_dir, own_dir = os.path.join(root, "dcp"), os.path.join(root, "own")
     torch.manual_seed(0)
@@ -339,15 +342,25 @@ def checkpoints_across_splits(stage: int) -> Optional[str]:
     after_three, _ = reference(3, adamw, None)
     problems = [_compare(two.full_state(), after_three, "2 stages, step 3 during the asynchronous save")]
 
-    torch.manual_seed(5)  # other weights: the load must bring them
-    four = Pipeline(PipelinedLM(), stage, "ScheduleInterleaved1F1B", adamw)
-    for model, optimizer in zip(four.models, four.optimizers):
-        zero_ext.load(dcp_dir, model, optimizer)
-    problems.append(_compare(four.full_state(), after_two, "4 stages loaded from 2 stages' DCP"))
-    four.run(2)
-    for optimizer in four.optimizers:
-        optimizer.step()
-    problems.append(_compare(four.full_state(), after_three, "4 stages loaded, then step 3"))
+    pipeline_own = os.path.join(root, "pipeline-own")
+    zero_ext.save(pipeline_own, two.models[0], two.optimizers[0])  # zero_ext's own format, after step 3
+    for source, after, label in ((dcp_dir, after_two, "DCP"), (pipeline_own, after_three, "zero_ext's format")):
+        torch.manual_seed(5)  # other weights: the load must bring them
+        four = Pipeline(PipelinedLM(), stage, "ScheduleInterleaved1F1B", adamw)
+        for model, optimizer in zip(four.models, four.optimizers):
+            zero_ext.load(source, model, optimizer)
+        problems.append(_compare(four.full_state(), after, f"4 stages loaded from 2 stages' {label}"))
+        next_step = 2 if source == dcp_dir else 3  # the optimizer state came too: the next step is one process's
+        four.run(next_step)
+        for optimizer in four.optimizers:
+            optimizer.step()
+        problems.append(_compare(four.full_state(), reference(next_step + 1, adamw, None)[0],
+                                 f"4 stages loaded from the {label}, then step {next_step + 1}"))
+    if dist.get_rank() == 0:  # the whole model, as one state_dict
+        from zero_ext.convert import convert
+        convert(pipeline_own, os.path.join(root, "whole.pt"))
+        problems.append(_compare(torch.load(os.path.join(root, "whole.pt"), weights_only=True), after_three,
+                                 "the 2 stages' zero_ext checkpoint converted"))
 
     torch.manual_seed(6)
     flat = PipelinedLM()
@@ -370,8 +383,7 @@ def checkpoints_across_splits(stage: int) -> Optional[str]:
 def refusals(stage: int) -> Optional[str]:
     """What ranks disagree on ends with zero_ext's error on every rank: two
     stages holding one layer (a wrong split), stages wrapped at different
-    ZeRO stages, and zero_ext's own format (which does not hold pipeline
-    stages yet); fp16 loss scaling refused."""
+    ZeRO stages; fp16 loss scaling refused."""
     m = mesh()
     pp = m["pp"].get_local_rank()
     torch.manual_seed(0)
@@ -400,10 +412,6 @@ def refusals(stage: int) -> Optional[str]:
     expect("fp16 loss scaling", "loss scaling",
            lambda: zero_ext.wrap(in_fp16, adamw(in_fp16.parameters()), stage=stage, process_group=m["dp"],
                                  pipeline_group=m["pp"], mixed_precision="fp16"))
-    model, optimizer = zero_ext.wrap(halves, adamw(halves.parameters()), stage=stage, process_group=m["dp"],
-                                     pipeline_group=m["pp"])
-    target = os.path.join(tempfile.gettempdir(), "zero_ext_pp_never_written")
-    expect("format='zero_ext'", 'format="dcp"', lambda: zero_ext.save(target, model, optimizer))
     return _agree("; ".join(problems) or None)
 
 

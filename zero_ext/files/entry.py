@@ -142,11 +142,6 @@ def _agree_to_save(ranks: Ranks, token: str, path, model, original, optimizer, e
         if state_or_none(optimizer) is not state_of(model):
             raise ValueError("zero_ext.save: this optimizer was not wrapped together with this model")
         target = os.path.abspath(os.fspath(path))
-        if ranks.pp is not None and format != "dcp":
-            raise ValueError("zero_ext.save: a pipeline stage (wrap(pipeline_group=)) saves with format=\"dcp\": one "
-                             "torch.distributed.checkpoint directory holds every stage's parameters under the whole "
-                             "model's names. zero_ext's own format does not hold pipeline stages yet. Nothing was "
-                             "written")
         if format == "dcp":
             prepared = dcp_save.checked_layout(dcp_layout, extra)
         else:

@@ -61,7 +61,7 @@ def _rank_ops(model, optimizer, state, ranks) -> list:
     state (key) or a whole state that is not elementwise (key, shape), and
     ScalarsPieces. Tensors are views of the live state (staged copies for
     an asynchronous save)."""
-    rank = ranks.rank
+    rank = ranks.stage_rank  # what it writes is decided within its model (a pipeline stage's own ranks)
     ops: list = []
 
     def put(param_name: str, start: int, tensor: torch.Tensor, key: str = "", shape=None) -> None:
@@ -156,8 +156,9 @@ def _stored_dtypes(model, state, pieces: List[Piece]) -> Dict[str, str]:
     return out
 
 
-def _metadata(model, optimizer, state, token: str, pieces: List[Piece], sizes: Dict[str, FileMeta],
-              world: int, at_call: "_AtCall") -> CheckpointMeta:
+def _param_metas(model, optimizer, state, pieces: List[Piece], at_call: "_AtCall") -> List[ParamMeta]:
+    """Each parameter of this model as the metadata lists it (the dtype of
+    its pieces: this rank's, else what a piece of it would be)."""
     group_of = {}
     index = {id(p): i for i, p in enumerate(state.bucketed)}
     for g_index, members in enumerate(plan.optimizer_pieces_by_group(state, optimizer)):
@@ -173,6 +174,16 @@ def _metadata(model, optimizer, state, token: str, pieces: List[Piece], sizes: D
         params.append(ParamMeta(n, tuple(aliases[id(p)]), plan.full_shape(state, p), dtypes[n],
                                 at_call.requires_grad[n], group_of.get(i) if i is not None else None,
                                 plan.tensor_parallel_split(state, p)))
+    return params
+
+
+def _metadata(model, optimizer, state, token: str, pieces: List[Piece], sizes: Dict[str, FileMeta],
+              world: int, at_call: "_AtCall", stages: Optional[List["_Stage"]] = None) -> CheckpointMeta:
+    """rank 0: the metadata; a pipeline's (`stages`, by pp rank) lists every stage's parameters."""
+    if stages is None:
+        params = _param_metas(model, optimizer, state, pieces, at_call)
+    else:
+        params = [param for stage in stages for param in stage.params]
     scale, clean, skipped = at_call.loss_scaler
     return CheckpointMeta(
         token=token, world_size=world, stage=state.stage,
@@ -262,6 +273,46 @@ def optimizer_file(token: str, optimizer) -> Dict[str, bytes]:
     return {"optimizer.pt": checked(value, "optimizer", lambda v: files.packed(token, 0, v))}
 
 
+@dataclasses.dataclass
+class _Stage:
+    """What a pipeline stage's first rank tells rank 0 for the metadata:
+    its parameters, its persistent buffers, its optimizer's groups."""
+    params: List[ParamMeta]
+    buffers: Dict[str, torch.Tensor]
+    groups: str  # the param groups' hyperparameters and the classes, as text to compare
+    names: List[str]
+
+
+def _stages(model, optimizer, state, ranks, at_call: "_AtCall", buffers: Dict[str, torch.Tensor]) -> List[_Stage]:
+    """A pipeline (`ranks` across pp): every stage's _Stage, by pp rank,
+    gathered on every rank (collective whether or not this rank's failed:
+    then every rank raises). The stages' optimizers must have the same
+    param groups: optimizer.pt holds one list of them for the whole model."""
+    mine, error = None, None
+    try:
+        if ranks.stage_rank == 0:
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+            mine = _Stage(_param_metas(model, optimizer, state, [], at_call), buffers,
+                          repr((qualified_class_names(optimizer), groups)), [n for n, _ in model.named_parameters()])
+    except Exception as e:  # noqa: BLE001 - raised below, after the others heard
+        error = e
+    every = ranks.gather((None if error is None else f"{type(error).__name__}: {error}", mine))
+    if error is not None:
+        raise error
+    failed = [(r, text) for r, (text, _) in enumerate(every) if text is not None]
+    if failed:
+        raise RuntimeError(f"zero_ext.save: rank {failed[0][0]} failed to describe its pipeline stage: "
+                           f"{failed[0][1]}. Nothing was written")
+    stages = [stage for _, stage in every if stage is not None]
+    if any(stage.groups != stages[0].groups for stage in stages):
+        raise ValueError(
+            "zero_ext.save: the pipeline stages' optimizers differ in their class or param groups (their number or "
+            "a group's hyperparameters), and zero_ext's checkpoint keeps one list of param groups for the whole "
+            "model: give every stage the same optimizer with the same groups, or save with format=\"dcp\" and "
+            "dcp_layout=\"torchtitan\" (hyperparameters per parameter). Nothing was written")
+    return stages
+
+
 def save_parts(model, optimizer, state, ranks, token: str, target: str, tmp: str, blobs: Dict[str, bytes],
                async_save: bool):
     """(write, index, take) of a save into the staging directory `tmp`:
@@ -273,8 +324,13 @@ def save_parts(model, optimizer, state, ranks, token: str, target: str, tmp: str
     snapshot of an asynchronous save]; None for a save at once)."""
     ops = _rank_ops(model, optimizer, state, ranks)
     at_call = _AtCall.read(model, state)
-    if ranks.rank == 0:  # buffers are tensors: always weights_only-safe (serialized now: a forward changes them)
+    stages = None
+    if ranks.stage_rank == 0:  # buffers are tensors: always weights_only-safe (serialized now: a forward changes them)
         values = {k: v.detach().cpu().clone() for k, v in plan.persistent_buffers(model).items()}
+    if getattr(ranks, "pp", None) is not None:  # every stage's parameters, buffers and groups, to rank 0
+        stages = _stages(model, optimizer, state, ranks, at_call, values if ranks.stage_rank == 0 else {})
+        values = {k: v for stage in reversed(stages) for k, v in stage.buffers.items()}  # pp rank 0's first
+    if ranks.rank == 0:
         blobs["buffers.pt"] = files.packed(token, 0, values)
     snapshot = None
     if async_save:  # parameter shards, masters and optimizer state: all deferred
@@ -292,7 +348,7 @@ def save_parts(model, optimizer, state, ranks, token: str, target: str, tmp: str
         sizes = _check_written(tmp, ranks.world, gathered)
         _check_scalars_agree(gathered)
         meta = _metadata(model, optimizer, state, token, [p for ps, _ in gathered for p in ps], sizes, ranks.world,
-                         at_call)
+                         at_call, stages)
         document = meta.to_json()
         _reads_back(document, target)
         return document
