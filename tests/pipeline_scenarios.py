@@ -186,14 +186,14 @@ def _agree(text: Optional[str]) -> Optional[str]:
     return None if not bad else f"rank {bad[0][0]}: {bad[0][1]}"
 
 
-def train(stage: int, schedule: str, make_optimizer: Callable, clip: Optional[str]) -> Optional[str]:
+def train(stage: int, schedule: str, make_optimizer: Callable, clip: Optional[str], **wrap_options) -> Optional[str]:
     """STEPS schedule steps, then each stage's full parameters against one
     process; clip: None, "optimizer" (optimizer.clip_grad_norm_, one
     optimizer per rank) or "function" (zero_ext.clip_grad_norm_ over every
     stage this rank holds): by the whole model's norm, the same as torch's
     on the whole model."""
     torch.manual_seed(0)
-    pipeline = Pipeline(PipelinedLM(), stage, schedule, make_optimizer)
+    pipeline = Pipeline(PipelinedLM(), stage, schedule, make_optimizer, **wrap_options)
     expected_model, expected_norms = reference(STEPS, make_optimizer, 0.5 if clip else None)
     norms = []
     for step in range(STEPS):
@@ -211,6 +211,29 @@ def train(stage: int, schedule: str, make_optimizer: Callable, clip: Optional[st
             break
     problem = problem or _compare(pipeline.full_state(), expected_model, f"{schedule} stage {stage}")
     return _agree(problem)
+
+
+def pp4_dp1(stage: int) -> Optional[str]:
+    """A pipeline alone: 4 stages, one per rank, data parallel size 1
+    (process_group=mesh["dp"] of one rank), 1F1B, clipped by the whole
+    model's norm, against one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    m = init_device_mesh("cpu", (4, 1), mesh_dim_names=("pp", "dp"))
+    pp = m["pp"].get_local_rank()
+    torch.manual_seed(0)
+    module = stage_of(PipelinedLM(), [pp], pp == 0, pp == 3)
+    optimizer = adamw(module.parameters())
+    module, optimizer = zero_ext.wrap(module, optimizer, stage=stage, process_group=m["dp"], pipeline_group=m["pp"])
+    schedule = Schedule1F1B(PipelineStage(module, pp, 4, torch.device("cpu"), group=m["pp"].get_group()),
+                            n_microbatches=4, loss_fn=loss_fn)
+    for step in range(STEPS):
+        x, y = batch(step)
+        optimizer.zero_grad()
+        schedule.step(*([x] if pp == 0 else []), **({"target": y} if pp == 3 else {}))
+        optimizer.clip_grad_norm_(0.5)
+        optimizer.step()
+    return _agree(_compare(zero_ext.full_state_dict(module), reference(STEPS, adamw, 0.5)[0], "pp 4 x dp 1"))
 
 
 def bf16_sgd(stage: int) -> Optional[str]:
@@ -421,13 +444,15 @@ SCENARIOS: Dict[str, Callable[[int], Optional[str]]] = {
     "interleaved-1f1b-clip": lambda s: train(s, "ScheduleInterleaved1F1B", adamw, "function"),
     "looped-bfs": lambda s: train(s, "ScheduleLoopedBFS", sgd, None),
     "gpipe-bf16-sgd": bf16_sgd,
+    "1f1b-offload-cpu-clip": lambda s: train(s, "Schedule1F1B", adamw, "optimizer", offload_optimizer="cpu"),
+    "pp4-dp1-clip": pp4_dp1,
     "interleaved-zero-bubble-clip": lambda s: train(s, "ScheduleInterleavedZeroBubble", adamw, "function"),
     "one-reduction-per-step": one_reduction_per_step,
     "dcp-whole-model": dcp_whole_model,
     "checkpoints-across-splits": checkpoints_across_splits,
     "refusals": refusals,
 }
-STAGES = {"refusals": (0, 3), "looped-bfs": (1, 3)}
+STAGES = {"refusals": (0, 3), "looped-bfs": (1, 3), "1f1b-offload-cpu-clip": (2, 3), "pp4-dp1-clip": (0, 3)}
 
 
 # --- 3-D: dp 2 x tp 2 x pp 2 (world 8, tests/test_pipeline_3d.py) ---------------
