@@ -210,7 +210,22 @@ def train(stage: int, schedule: str, make_optimizer: Callable, clip: Optional[st
             problem = f"clip_grad_norm_ returned {got}, the whole model's norm is {want}"
             break
     problem = problem or _compare(pipeline.full_state(), expected_model, f"{schedule} stage {stage}")
-    return _agree(problem)
+    return _agree(problem or _by_dimension(pipeline.models[0], pipeline.optimizers[0], PipelinedLM()))
+
+
+def _by_dimension(model: nn.Module, optimizer, whole: nn.Module, tp_size: int = 1) -> Optional[str]:
+    """memory_report(by_dimension=True) of a stage: the whole model's bytes
+    (every stage's, learned at wrap, no collective), this stage's, and its
+    tp part (a tensor-parallel stage: the split matrices' over tp)."""
+    report = zero_ext.memory_report(model, optimizer, by_dimension=True)
+    full = dict(whole.named_parameters())
+    stage = {n: full[n].numel() * 4 for n, _ in model.named_parameters()}
+    want = {"params_full": sum(p.numel() * 4 for p in full.values()), "params_pp_stage": sum(stage.values())}
+    if tp_size > 1:
+        want["params_tp_local"] = sum(b // tp_size if n.endswith(("up.weight", "up.bias", "down.weight")) else b
+                                      for n, b in stage.items())
+    got = {k: report.get(k) for k in want}
+    return None if got == want else f"memory_report(by_dimension=True) gave {got}, not {want}"
 
 
 def pp4_dp1(stage: int) -> Optional[str]:
@@ -521,6 +536,7 @@ def three_d(rank: int, world: int, item: str) -> Optional[str]:
             problems.append(f"'{name}' differs from one process by "
                             f"{(value - expected.state_dict()[name]).abs().max().item():.3e}")
             break
+    problems.append(_by_dimension(module, optimizer, PipelinedTensorParallelLM(), tp_size=2))
     target = os.path.join(_shared_directory(), "ckpt")
     zero_ext.save(target, module, optimizer, format="dcp")
     dist.barrier()
@@ -532,7 +548,7 @@ def three_d(rank: int, world: int, item: str) -> Optional[str]:
             if not torch.allclose(value, expected.state_dict()[name], rtol=RTOL_3D, atol=ATOL_3D):
                 problems.append(f"the DCP checkpoint's '{name}' differs from one process")
                 break
-    return _agree("; ".join(problems) or None)
+    return _agree("; ".join(p for p in problems if p) or None)
 
 
 def all_items() -> List[str]:

@@ -19,12 +19,13 @@ import torch.distributed as dist
 from ..tools import all_gather_into_tensor
 
 
-# Every parameter name wrap() saw held across each pp group (by group name),
-# over every stage module wrapped with it in this process (an interleaved
-# schedule wraps two per rank): what a load of a whole-model checkpoint into
-# one stage may find that belongs elsewhere. The same on every rank of the
-# group: each wrap gathers its names across it.
-_NAMES_BY_GROUP: Dict[str, Set[str]] = {}
+# Every parameter wrap() saw held across each pp group (by group name), with
+# its full bytes (before tp and dp shard it), over every stage module wrapped
+# with it in this process (an interleaved schedule wraps two per rank): what
+# a load of a whole-model checkpoint into one stage may find that belongs
+# elsewhere, and the whole model's size (memory_report). The same on every
+# rank of the group: each wrap gathers its names across it.
+_NAMES_BY_GROUP: Dict[str, Dict[str, int]] = {}
 
 
 @dataclass
@@ -39,13 +40,17 @@ class Pipeline:
         """In place, over pp (a tensor on the device the backend moves)."""
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM, group=self.group)
 
-    def note_names(self, names: Set[str]) -> None:
-        """wrap(): the names every stage of this wrap holds."""
-        _NAMES_BY_GROUP.setdefault(self.group.group_name, set()).update(names)
+    def note_names(self, full_bytes: Dict[str, int]) -> None:
+        """wrap(): the parameters every stage of this wrap holds, with their full bytes."""
+        _NAMES_BY_GROUP.setdefault(self.group.group_name, {}).update(full_bytes)
 
     def names_elsewhere(self, mine: Set[str]) -> Set[str]:
         """Parameter names the other stage modules of this pipeline hold."""
-        return _NAMES_BY_GROUP.get(self.group.group_name, set()) - mine
+        return set(_NAMES_BY_GROUP.get(self.group.group_name, {})) - mine
+
+    def model_bytes(self) -> int:
+        """The full bytes of every parameter of every stage (as wrapped so far)."""
+        return sum(_NAMES_BY_GROUP.get(self.group.group_name, {}).values())
 
     def gather_texts(self, text: str, device: torch.device) -> List[str]:
         """Collective over pp: every stage's `text`, by pp rank (UTF-8 bytes

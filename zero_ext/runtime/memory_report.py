@@ -31,8 +31,9 @@ def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     the fp32 shard accumulator, as the stage keeps them), and with mixed
     precision the fp32 master shards count as optimizer state, as in the ZeRO
     paper's K; for a plain or DDP model gradients are the .grad tensors.
-    by_dimension: a tensor-parallel model's report adds the parameter bytes
-    before each dimension shards them, "params_full" and "params_tp_local"
+    by_dimension: a tensor-parallel model's or a pipeline stage's report
+    adds the parameter bytes before each dimension shards them,
+    "params_full", "params_pp_stage" (pipeline) and "params_tp_local" (tp)
     (see _per_dimension); off by default, so the values still sum to what
     this rank holds.
     process: adds what the process holds, all of it, these tensors included
@@ -45,7 +46,7 @@ def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     require_module(model, "zero_ext.memory_report", call, "the model (wrapped by zero_ext or not)")
     require_optimizer(optimizer, "zero_ext.memory_report", call, "the model's optimizer, or the list of them")
     require_bool(by_dimension, "zero_ext.memory_report", "by_dimension",
-                 "pass by_dimension=True to add a tensor-parallel model's bytes before each dimension shards them")
+                 "pass by_dimension=True to add the bytes before each dimension (pp, tp, dp) shards them")
     require_bool(process, "zero_ext.memory_report", "process",
                  "pass process=True to add the process's resident bytes (and a GPU model's device memory)")
     optimizer = as_one(optimizer)  # a list or tuple of the model's optimizers
@@ -63,8 +64,8 @@ def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         params = sum(p.numel() * p.element_size() for p in model.parameters())
         grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
     report = {"params": params, "grads": grads, "optimizer_state": _optimizer_state_bytes(optimizer) + masters}
-    if by_dimension and state is not None and state.tensor_parallel is not None:
-        report.update(_per_dimension(model, state.tensor_parallel))
+    if by_dimension and state is not None and (state.tensor_parallel is not None or state.pipeline is not None):
+        report.update(_per_dimension(model, state.tensor_parallel, state.pipeline))
     if process:
         report.update(_process_bytes())
         device = next((t.device for t in itertools.chain(model.parameters(), model.buffers()) if t.is_cuda), None)
@@ -110,15 +111,23 @@ def _process_bytes() -> Dict[str, int]:
     return {key: found[key] for key in fields.values() if key in found}
 
 
-def _per_dimension(model: torch.nn.Module, tp) -> Dict[str, int]:
-    """A tensor-parallel model's parameter bytes before each dimension
-    shards them: the full model ("params_full"), this rank's tensor-parallel
-    part of it ("params_tp_local", which the data-parallel group shards into
-    "params" at stage 3)."""
-    full = local = 0
+def _per_dimension(model: torch.nn.Module, tp, pipeline) -> Dict[str, int]:
+    """A model's parameter bytes before each dimension shards them, the
+    outermost first: the whole model ("params_full": every pipeline
+    stage's, as wrapped), this rank's pipeline stage ("params_pp_stage",
+    a pipeline only), this rank's tensor-parallel part of it
+    ("params_tp_local", tp only), which the data-parallel group shards into
+    "params" at stage 3. Not collective: wrap() learned the other stages'
+    sizes."""
+    stage = local = 0
     for p in model.parameters():
-        spec = tp.spec_of(p)
+        spec = tp.spec_of(p) if tp is not None else None
         size = p.element_size()
         local += p.numel() * size
-        full += (math.prod(spec.shape) if spec is not None else p.numel()) * size
-    return {"params_full": full, "params_tp_local": local}
+        stage += (math.prod(spec.shape) if spec is not None else p.numel()) * size
+    out = {"params_full": pipeline.model_bytes() if pipeline is not None and pipeline.size > 1 else stage}
+    if pipeline is not None:
+        out["params_pp_stage"] = stage
+    if tp is not None:
+        out["params_tp_local"] = local
+    return out

@@ -349,7 +349,7 @@ def tensor_parallel_fields(options, topology: Topology, tp: TensorParallel, name
 
 
 def check_pipeline_agree(pipeline: Pipeline, device: torch.device, fields: List[Tuple[str, object, str]],
-                         names: List[str], earlier_error: Optional[ValueError]) -> None:
+                         names: List[str], full_bytes: List[int], earlier_error: Optional[ValueError]) -> None:
     """Collective over this rank's pp group, after its data-parallel (and
     tensor-parallel) checks: the fields every stage has alike (the
     data-parallel mesh, stage, options), whether an earlier check failed
@@ -359,19 +359,22 @@ def check_pipeline_agree(pipeline: Pipeline, device: torch.device, fields: List[
     a pp group and a dp group, so a difference anywhere raises on every
     rank. Raises ValueError."""
     table = _FieldTable(pipeline.group, pipeline.size, device, earlier_error is not None, fields)
-    held = pipeline.gather_texts("\n".join(names), table.device)
+    held = pipeline.gather_texts("\n".join(f"{n}\t{b}" for n, b in zip(names, full_bytes)), table.device)
     if earlier_error is not None:
         raise earlier_error
     lines = table.differences()
     owner: Dict[str, int] = {}
     shared: Dict[str, List[int]] = {}
+    sizes: Dict[str, int] = {}
     for stage_rank, text in enumerate(held):
-        for name in filter(None, text.split("\n")):
+        for line in filter(None, text.split("\n")):
+            name, _, size = line.rpartition("\t")
+            sizes[name] = int(size)
             if name in owner:
                 shared.setdefault(name, [owner[name]]).append(stage_rank)
             else:
                 owner[name] = stage_rank
-    pipeline.note_names(set(owner))
+    pipeline.note_names(sizes)
     if shared:
         shown = "; ".join(f"'{n}' on pp ranks {', '.join(map(str, r))}" for n, r in list(shared.items())[:4])
         lines.append(f"pipeline split: {len(shared)} parameter(s) held by more than one stage ({shown}"

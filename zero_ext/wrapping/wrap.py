@@ -3,6 +3,7 @@ core, hook the model, shard the optimizer."""
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import weakref
 from typing import Callable, List, Optional, Sequence, Set, Tuple, Union
@@ -326,9 +327,13 @@ def _check_ranks_agree(checked: Checked, tensor_parallel: Optional[TensorParalle
             error = raised
     if pipeline is not None and pipeline.size > 1:
         tp_size = tensor_parallel.size if tensor_parallel is not None else 1
+        # Each parameter's full bytes (a tensor-parallel leaf's whole tensor's), for memory_report.
+        full_bytes = [math.prod(spec.shape) * p.element_size() if spec is not None else p.numel() * p.element_size()
+                      for p in checked.ordered
+                      for spec in [tensor_parallel.spec_of(p) if tensor_parallel is not None else None]]
         check_pipeline_agree(pipeline, checked.model_device,
                              pipeline_fields(checked.options, checked.topology, tp_size, pipeline.size),
-                             checked.names, error)
+                             checked.names, full_bytes, error)
     elif error is not None:
         raise error
 
