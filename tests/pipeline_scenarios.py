@@ -14,8 +14,9 @@ microbatch count and zero_ext's mean over dp make that mean).
 
 Single-stage schedules (GPipe, 1F1B) split the model in 2 stages, one per pp
 rank; multi-stage ones (interleaved 1F1B, looped BFS, interleaved zero
-bubble) in 4, two per rank (pp rank r holds stages r and r + 2), each wrapped
-on its own.
+bubble) in 4, two per rank (pp rank r holds stages r and r + 2; the
+V-shaped ZBV zero bubble and DualPipeV: r and 3 - r), each wrapped on its
+own.
 """
 from __future__ import annotations
 
@@ -115,7 +116,10 @@ class Pipeline:
         cls = getattr(pipelining, schedule)
         multi = not issubclass(cls, pipelining.schedules.PipelineScheduleSingle)
         n_stages = 4 if multi else 2
-        indices = [self.pp, self.pp + 2] if multi else [self.pp]
+        if "ZBV" in schedule or "DualPipeV" in schedule:  # V-shaped: rank r holds stages r and 3 - r
+            indices = [self.pp, n_stages - 1 - self.pp]
+        else:
+            indices = [self.pp, self.pp + 2] if multi else [self.pp]
         per_stage = LAYERS // n_stages
         self.models, self.optimizers, stages = [], [], []
         for index in indices:
@@ -462,6 +466,8 @@ SCENARIOS: Dict[str, Callable[[int], Optional[str]]] = {
     "1f1b-offload-cpu-clip": lambda s: train(s, "Schedule1F1B", adamw, "optimizer", offload_optimizer="cpu"),
     "pp4-dp1-clip": pp4_dp1,
     "interleaved-zero-bubble-clip": lambda s: train(s, "ScheduleInterleavedZeroBubble", adamw, "function"),
+    "zbv-zero-bubble-clip": lambda s: train(s, "ScheduleZBVZeroBubble", adamw, "function"),
+    "dualpipev": lambda s: train(s, "ScheduleDualPipeV", sgd, None),
     "one-reduction-per-step": one_reduction_per_step,
     "dcp-whole-model": dcp_whole_model,
     "checkpoints-across-splits": checkpoints_across_splits,

@@ -117,8 +117,9 @@ def test_tensor_parallel_parity(item):
 @pytest.mark.parametrize("item", PIPELINE)
 def test_pipeline_parity(item):
     """Pipeline stages (torch.distributed.pipelining) over zero_ext on a
-    (pp 2, dp 2) mesh: GPipe, 1F1B, interleaved 1F1B, looped BFS and
-    interleaved zero bubble against one process over the global batch (the
+    (pp 2, dp 2) mesh: GPipe, 1F1B, interleaved 1F1B, looped BFS,
+    interleaved zero bubble, ZBV zero bubble and DualPipeV against one
+    process over the global batch (the
     whole model's norm clipped), one reduction per step whatever the number
     of microbatches, one DCP checkpoint of the whole model, and what ranks
     disagree on refused on every rank."""
