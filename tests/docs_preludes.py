@@ -406,7 +406,7 @@ if rank == 0:
     n = assert_same(whole, expected)
     say(f"pp 2 x dp 2, 1F1B: the DCP checkpoint holds the whole model, the same as one process, {n} tensors")
 ''',
-    expect=("pp 2 x dp 2, 1F1B: the DCP checkpoint holds the whole model, the same as one process, 11 tensors",),
+    expect=("pp 2 x dp 2, 1F1B: the DCP checkpoint holds the whole model, the same as one process, 12 tensors",),
     ranks=4)
 
 _TINY_LLAMA = '''

@@ -51,10 +51,12 @@ class Block(nn.Module):
 class PipelinedLM(nn.Module):
     """torchtitan's shape: layers in a ModuleDict by index, so a stage
     deletes the others' layers and keeps the names; emb / head None on the
-    stages without them."""
+    stages without them. A persistent root buffer every stage keeps under
+    one name, as torchtitan's freqs_cis: checkpoints hold it once."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.register_buffer("positions", torch.arange(SEQ, dtype=torch.float32))
         self.emb: Optional[nn.Embedding] = nn.Embedding(VOCAB, WIDTH)
         self.layers = nn.ModuleDict({str(i): Block() for i in range(LAYERS)})
         self.head: Optional[nn.Linear] = nn.Linear(WIDTH, VOCAB)
@@ -278,7 +280,7 @@ def bf16_sgd(stage: int) -> Optional[str]:
         ref.step()
     masters = dict(zip([n for n, _ in model.named_parameters()], ref.masters))
     error, name = max(((value - masters[name]).abs().max().item(), name)
-                      for name, value in pipeline.full_state().items())
+                      for name, value in pipeline.full_state().items() if name in masters)  # not the buffer
     return _agree(None if error <= BF16_ATOL else
                   f"bf16 stage {stage}: '{name}' differs from one process by {error:.3e} (atol {BF16_ATOL})")
 

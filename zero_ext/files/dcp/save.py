@@ -150,9 +150,10 @@ def _add_parameters(out: Contents, model, state, rank: int, mesh_size: int, layo
                             out.tensors)
                 else:
                     _whole(out, key, path, p.detach())
-    if rank == 0:
+    if rank == 0:  # (of each pipeline stage: a root buffer every stage keeps, torchtitan's freqs_cis, is
+        # written by each stage's first rank alike, and the lowest rank's is kept)
         for n, buf in plan.persistent_buffers(model).items():
-            _whole(out, *layout.model_key(n), buf.detach().cpu())
+            _whole(out, *layout.model_key(n), buf.detach().cpu(), shared=True)
 
 
 def _add_optimizer_state(out: Contents, optimizer, state, rank: int, layout: Layout,
