@@ -84,6 +84,21 @@ void BackwardRound::reduce_round() {
   }
 }
 
+bool BackwardRound::any_rank_pending(bool mine) {
+  // One flag over the mesh, so ranks that ran no backward since the last
+  // read (a backward on some data-parallel ranks only) reduce with the
+  // others, their gradients zeros, as an unused parameter's are.
+  at::Tensor flag = at::full({1}, mine ? 1 : 0, at::TensorOptions().dtype(at::kInt).device(store_.device()));
+  try {
+    mesh_.all_reduce(flag, /*max=*/true, Purpose::kAgreement, "reduce at read: gradients pending",
+                     [] { return std::string("the exchange of whether any rank holds gradients to reduce"); });
+  } catch (...) {
+    mark_broken();
+    throw;
+  }
+  return flag.item<int>() > 0;
+}
+
 void BackwardRound::reduce_at_read_now() {
   RECORD_USER_SCOPE("zero_ext::reduce at read");
   try {
@@ -102,7 +117,7 @@ bool BackwardRound::checks_nonfinite() const {
 }
 
 void BackwardRound::settle(bool keep) {
-  if (keep && reduce_at_read_ && (reducer_.adopt_written_grads() || reducer_.unsynced_since_reduce())) {
+  if (keep && reduce_at_read_ && any_rank_pending(reducer_.adopt_written_grads() || reducer_.unsynced_since_reduce())) {
     reduce_at_read_now();  // [Note: reductions at read]; its exchange is read below
   }
   reducer_.finish_host_adds();  // offload: the host gradients are read next

@@ -73,8 +73,9 @@ class BackwardRound {
   // the number of microbatches, the bytes of one backward. FSDP2 under a
   // schedule does the same (set_requires_gradient_sync(False), then its
   // post_backward at the schedule's REDUCE_GRAD). Every rank of the group
-  // reads at the same call; one that ran no backward issues no reduction,
-  // and the collective check names the difference.
+  // reads at the same call and first agrees whether any rank has gradients
+  // to reduce (any_rank_pending): one that ran no backward reduces zeros with
+  // the others, as for a parameter some ranks did not use.
   void set_reduce_at_read(bool on) { reduce_at_read_ = on; }
   bool reduce_at_read() const { return reduce_at_read_; }
   // Reads what the ranks agreed on in the backwards since the last read and
@@ -116,6 +117,8 @@ class BackwardRound {
   void reduce_round();
   // [Note: reductions at read]: what the step's backwards accumulated.
   void reduce_at_read_now();
+  // Collective over the mesh: whether any rank has gradients to reduce.
+  bool any_rank_pending(bool mine);
   // What hybrid backwards kept back from the replicas goes across now
   // ([Note: deferred replica all-reduce] in grad_reducer.h).
   void sync_deferred();

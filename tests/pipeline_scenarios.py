@@ -234,6 +234,34 @@ def _by_dimension(model: nn.Module, optimizer, whole: nn.Module, tp_size: int = 
     return None if got == want else f"memory_report(by_dimension=True) gave {got}, not {want}"
 
 
+def backward_on_one_dp_rank(stage: int) -> Optional[str]:
+    """A backward outside the schedule on dp rank 0 only, then the step on
+    every rank: the ranks agree at the read that gradients are pending, the
+    rank without a backward reduces zeros (as for a parameter it did not
+    use), and both dp ranks of a stage step to the same weights: the
+    gradient of rank 0's batch, halved (SGD, lr 0.1: checked against that
+    arithmetic on a plain copy of the stage). Without the agreement, rank 0
+    raised and rank 1 stepped alone. Stages 0-2 (stage 3's forward gathers,
+    so a forward on one rank already ends every rank with zero_ext's stall
+    error, as SPEC.md's errors say)."""
+    m = mesh()
+    pp, dp = m["pp"].get_local_rank(), m["dp"].get_local_rank()
+    torch.manual_seed(0)
+    module = stage_of(PipelinedLM(), [0, 1] if pp == 0 else [2, 3], pp == 0, pp == 1)
+    plain = copy.deepcopy(module)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    module, optimizer = zero_ext.wrap(module, optimizer, stage=stage, process_group=m["dp"], pipeline_group=m["pp"])
+    x = batch(0)[0] if pp == 0 else torch.randn(BATCH, SEQ, WIDTH, generator=torch.Generator().manual_seed(pp))
+    if dp == 0:
+        module(x).sum().backward()
+    optimizer.step()
+    plain(x).sum().backward()
+    with torch.no_grad():
+        for p in plain.parameters():
+            p -= 0.1 * p.grad / 2
+    return _agree(_compare(zero_ext.full_state_dict(module), plain, f"a backward on dp rank 0 only, pp {pp}"))
+
+
 def pp4_dp1(stage: int) -> Optional[str]:
     """A pipeline alone: 4 stages, one per rank, data parallel size 1
     (process_group=mesh["dp"] of one rank), 1F1B, clipped by the whole
@@ -467,6 +495,7 @@ SCENARIOS: Dict[str, Callable[[int], Optional[str]]] = {
     "gpipe-bf16-sgd": bf16_sgd,
     "1f1b-offload-cpu-clip": lambda s: train(s, "Schedule1F1B", adamw, "optimizer", offload_optimizer="cpu"),
     "pp4-dp1-clip": pp4_dp1,
+    "backward-on-one-dp-rank": backward_on_one_dp_rank,
     "interleaved-zero-bubble-clip": lambda s: train(s, "ScheduleInterleavedZeroBubble", adamw, "function"),
     "zbv-zero-bubble-clip": lambda s: train(s, "ScheduleZBVZeroBubble", adamw, "function"),
     "dualpipev": lambda s: train(s, "ScheduleDualPipeV", sgd, None),
@@ -475,7 +504,7 @@ SCENARIOS: Dict[str, Callable[[int], Optional[str]]] = {
     "checkpoints-across-splits": checkpoints_across_splits,
     "refusals": refusals,
 }
-STAGES = {"refusals": (0, 3), "looped-bfs": (1, 3), "1f1b-offload-cpu-clip": (2, 3), "pp4-dp1-clip": (0, 3)}
+STAGES = {"refusals": (0, 3), "backward-on-one-dp-rank": (0, 1, 2), "looped-bfs": (1, 3), "1f1b-offload-cpu-clip": (2, 3), "pp4-dp1-clip": (0, 3)}
 
 
 # --- 3-D: dp 2 x tp 2 x pp 2 (world 8, tests/test_pipeline_3d.py) ---------------
