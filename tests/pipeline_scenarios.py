@@ -588,8 +588,16 @@ def three_d(rank: int, world: int, item: str) -> Optional[str]:
     return _agree("; ".join(p for p in problems if p) or None)
 
 
+# torch 2.11's V-shaped schedules (ZBV, DualPipeV) stop in gloo's P2P
+# ("Pair is not connected") in every stage (seen 2026-11-30; not examined
+# without zero_ext); 2.13 and 2.15 run them. Not collected before 2.13.
+V_SHAPED_FROM = (2, 13)
+
+
 def all_items() -> List[str]:
-    return [f"pipeline:{name}/stage{stage}" for name in SCENARIOS for stage in STAGES.get(name, range(4))]
+    version = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    return [f"pipeline:{name}/stage{stage}" for name in SCENARIOS for stage in STAGES.get(name, range(4))
+            if version >= V_SHAPED_FROM or name not in ("zbv-zero-bubble-clip", "dualpipev")]
 
 
 def run_one(item: str) -> Optional[str]:
