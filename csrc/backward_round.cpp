@@ -11,10 +11,11 @@ namespace zero_ext {
 BackwardRound::BackwardRound(const Layout& layout, ParamStore& store, GradReducer& reducer,
                              UnitScheduler* units, RankAgreement& agreement, StepGate& gate,
                              const GradHooks& hooks, FaultInjector& faults, const Mesh& mesh,
-                             const Communicator& gather_comm, const Communicator& regather_comm)
+                             const Communicator& gather_comm, const Communicator& regather_comm,
+                             const Communicator& expert_comm)
     : layout_(layout), store_(store), reducer_(reducer), units_(units), agreement_(agreement), gate_(gate),
       hooks_(hooks), faults_(faults), mesh_(mesh), comm_(mesh.shard()),
-      gather_comm_(gather_comm), regather_comm_(regather_comm) {}
+      gather_comm_(gather_comm), regather_comm_(regather_comm), expert_comm_(expert_comm) {}
 
 RoundState BackwardRound::state() const {
   if (!broken_.empty() || !unusable_report_.empty()) return RoundState::kBroken;
@@ -224,12 +225,14 @@ void BackwardRound::check_usable() const {
   // A collective that failed where no call of the user's saw it (a check of
   // the ranks' headers on a completion thread, a prefetch): its cause, as
   // the call that waited on it would have raised it.
-  const Communicator* comms[] = {&mesh_.shard(), &mesh_.replica(), &gather_comm_, &regather_comm_};
+  const Communicator* comms[] = {&mesh_.shard(), &mesh_.replica(), &gather_comm_, &regather_comm_,
+                                   &expert_comm_};
   for (const Communicator* comm : comms) {
     const std::string report = comm->failure_report();
     TORCH_CHECK(report.empty(), report);
   }
-  TORCH_CHECK(!mesh_.failed() && !gather_comm_.failed() && !regather_comm_.failed(), "zero_ext: rank ", mesh_.rank(),
+  TORCH_CHECK(!mesh_.failed() && !gather_comm_.failed() && !regather_comm_.failed() && !expert_comm_.failed(),
+              "zero_ext: rank ", mesh_.rank(),
               " cannot go on training: an earlier collective of this model failed (see the first "
               "error), so this rank's collectives are out of step with the other ranks'. Restart "
               "every rank from the last checkpoint.");

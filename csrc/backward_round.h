@@ -48,7 +48,8 @@ class BackwardRound {
  public:
   BackwardRound(const Layout& layout, ParamStore& store, GradReducer& reducer, UnitScheduler* units,
                 RankAgreement& agreement, StepGate& gate, const GradHooks& hooks, FaultInjector& faults,
-                const Mesh& mesh, const Communicator& gather_comm, const Communicator& regather_comm);
+                const Mesh& mesh, const Communicator& gather_comm, const Communicator& regather_comm,
+                const Communicator& expert_comm);
 
   RoundState state() const;
   // Queues `epilogue` on the running backward unless one is pending.
@@ -135,6 +136,7 @@ class BackwardRound {
   const Communicator& comm_;  // the shard group
   const Communicator& gather_comm_;
   const Communicator& regather_comm_;
+  const Communicator& expert_comm_;
   Epilogue epilogue_;
   bool in_second_round_ = false;
   std::string broken_;  // first line of the error that broke this rank

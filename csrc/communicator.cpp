@@ -56,7 +56,8 @@ void Communicator::enable_sequence_checks(
   }
   static const char* const kDescriptions[] = {"the gradient reduction group", "the parameter gather group (stage 3)",
                                               "the group across replicas",
-                                              "the parameter regather subgroup (reshard_after_forward=<int>)"};
+                                              "the parameter regather subgroup (reshard_after_forward=<int>)",
+                                              "the expert group (expert_process_group)"};
   const int slot = static_cast<int>(slot_);
   TORCH_INTERNAL_ASSERT(slot < kDataSlots, "sequence checks are for data groups");
   sequence_ = std::make_shared<CollectiveSequence>(*this, kDescriptions[slot], header_group_name,

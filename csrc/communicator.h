@@ -52,12 +52,14 @@ struct RaisedForwardOutcome {
 // posts ([Note: stall diagnosis]): the data groups, then their header groups
 // ([Note: collectives that prove what they are] in collective_sequence.h).
 // kRegather: stage 3 units resharded to subgroups of the shard group after
-// forward (reshard_after_forward=<int>) gather again within them.
+// forward (reshard_after_forward=<int>) gather again within them. kExpert:
+// the expert group (wrap(expert_process_group=)), over which the expert
+// buckets are sharded ([Note: expert buckets] in layout.h).
 enum class GroupSlot : int {
-  kShard = 0, kGather, kReplica, kRegather,
-  kShardHeaders, kGatherHeaders, kReplicaHeaders, kRegatherHeaders
+  kShard = 0, kGather, kReplica, kRegather, kExpert,
+  kShardHeaders, kGatherHeaders, kReplicaHeaders, kRegatherHeaders, kExpertHeaders
 };
-constexpr int kDataSlots = 4;  // a data group's headers are at slot + kDataSlots
+constexpr int kDataSlots = 5;  // a data group's headers are at slot + kDataSlots
 constexpr int kGroupSlots = 2 * kDataSlots;
 // Collectives may be issued from a header's completion callback (a gloo
 // thread; collective_sequence.h), so what they count is shared safely.
@@ -206,6 +208,9 @@ class Communicator {
   // `subgroup_size`: of the regather subgroups (consecutive shard ranks), 0 if none.
   void enable_stall_diagnosis(double seconds, const std::string& key_space, std::vector<int64_t> mesh_ranks,
                               int64_t replicas, int64_t shard_size, bool timed_waits, int64_t subgroup_size = 0);
+  // The expert group (its index) of each mesh rank, so that any of the
+  // model's groups can tell which ranks a posted expert wait needs.
+  void set_expert_partition(std::vector<int64_t> group_of_mesh_rank);
 
   // [Note: whereabouts] A rank stalled in a collective also asks the ranks
   // that posted nothing (not waiting in zero_ext) where they are: each rank
@@ -282,6 +287,8 @@ class Communicator {
   int64_t replicas_ = 1;
   int64_t shard_size_ = 1;
   int64_t subgroup_size_ = 0;
+  // The expert group of each mesh rank (empty: no expert group), for members_of.
+  std::vector<int64_t> expert_group_of_;
   // Issues a collective through the sequence checks (now or once its headers
   // are verified), counted and logged when it goes out; nullptr without a group.
   // `wire_bytes`: what the collective sends ([Note: traffic]); -1: the

@@ -24,6 +24,8 @@ void define_core_config(torch::Library& m) {
       ZERO_EXT_CONFIG_FIELD(gather_group)
       ZERO_EXT_CONFIG_FIELD(replica_group)
       ZERO_EXT_CONFIG_FIELD(regather_group)
+      ZERO_EXT_CONFIG_FIELD(expert_group)
+      ZERO_EXT_CONFIG_FIELD(expert_buckets)
       ZERO_EXT_CONFIG_FIELD(prefetch)
       ZERO_EXT_CONFIG_FIELD(compute_dtype)
       ZERO_EXT_CONFIG_FIELD(reduce_dtype)
@@ -59,11 +61,14 @@ void define_core_config(torch::Library& m) {
       ZERO_EXT_CONFIG_FIELD(gather_headers)
       ZERO_EXT_CONFIG_FIELD(replica_headers)
       ZERO_EXT_CONFIG_FIELD(regather_headers)
+      ZERO_EXT_CONFIG_FIELD(expert_headers)
       ZERO_EXT_CONFIG_FIELD(stall_seconds)
       ZERO_EXT_CONFIG_FIELD(timeout_seconds)
       ZERO_EXT_CONFIG_FIELD(key_space)
       ZERO_EXT_CONFIG_FIELD(shard_mesh_ranks)
-      ZERO_EXT_CONFIG_FIELD(replica_mesh_ranks);
+      ZERO_EXT_CONFIG_FIELD(replica_mesh_ranks)
+      ZERO_EXT_CONFIG_FIELD(expert_mesh_ranks)
+      ZERO_EXT_CONFIG_FIELD(expert_group_of_mesh_rank);
 }
 
 #undef ZERO_EXT_CONFIG_FIELD

@@ -22,6 +22,11 @@ struct CoreConfig : torch::CustomClassHolder {
   std::string gather_group;    // stage 3 gathers on it ("": the shard group)
   std::string replica_group;   // hybrid sharding ([Note: hybrid sharding] in mesh.h)
   std::string regather_group;  // units resharded to a subgroup gather again in it
+  // Experts on their own mesh dimension (wrap(expert_process_group=)): the
+  // expert buckets are sharded over this group ([Note: expert buckets] in
+  // layout.h); "" and no buckets: none.
+  std::string expert_group;
+  std::vector<int64_t> expert_buckets;
   int64_t prefetch = 1;
   std::string compute_dtype;  // mixed precision ("float16", "bfloat16"; "": none)
   std::string reduce_dtype;   // gradients reduced in it ("": fp32)
@@ -78,6 +83,7 @@ struct CoreConfig : torch::CustomClassHolder {
   std::string gather_headers;
   std::string replica_headers;
   std::string regather_headers;
+  std::string expert_headers;
 
   // Stall diagnosis (communicator.h; stall_seconds 0: off): a wait stalled
   // this long compares notes through the store under `key_space` (the same
@@ -88,6 +94,10 @@ struct CoreConfig : torch::CustomClassHolder {
   std::string key_space;
   std::vector<int64_t> shard_mesh_ranks;
   std::vector<int64_t> replica_mesh_ranks;
+  // The expert group's members' mesh ranks (by group rank), and the expert
+  // group (an index) of every mesh rank.
+  std::vector<int64_t> expert_mesh_ranks;
+  std::vector<int64_t> expert_group_of_mesh_rank;
 };
 
 // "float16" / "bfloat16" / "float32" to the ScalarType; "" to none.

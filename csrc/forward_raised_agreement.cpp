@@ -219,7 +219,7 @@ void ShardedModel::forward_raised(std::string error) {
   auto position = [this, &where] {
     RaisedPost post;
     post.present = true;
-    const Communicator* data[kDataSlots] = {&comm_, &gather_comm_, &replica_comm_, &regather_comm_};
+    const Communicator* data[kDataSlots] = {&comm_, &gather_comm_, &replica_comm_, &regather_comm_, &expert_comm_};
     post.settled = true;
     for (int g = 0; g < kDataSlots; ++g) {
       post.submitted[g] = data[g]->submitted();

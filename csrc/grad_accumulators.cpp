@@ -434,7 +434,7 @@ std::exception_ptr GradReducer::abandon(bool wait) {
     BucketGrads& bucket = buckets_[b];
     // A replica all-reduce not issued yet stays unissued: this rank's
     // sequence is broken anyway, and its peers fail or diagnose the stall.
-    for (auto [work, comm] : {std::make_pair(bucket.work, &comm_), std::make_pair(bucket.replica_work, &replica_comm_)}) {
+    for (auto [work, comm] : {std::make_pair(bucket.work, &comm_of(b)), std::make_pair(bucket.replica_work, &replica_comm_)}) {
       if (wait && work) {
         try {
           comm->wait(work, [] { return std::string("reduction abandoned by a failed backward"); });
@@ -516,10 +516,10 @@ std::vector<at::Tensor> GradReducer::full_grads() {
     }
     shard = shard.to(store_.bucket(b).flat.device());  // offloaded: collectives run on the device
     full[b] = at::empty({shape.padded}, shard.options());
-    works[b] = comm_.all_gather(full[b], shard, Purpose::kFullGrads, b);
+    works[b] = comm_of(b).all_gather(full[b], shard, Purpose::kFullGrads, b);
   }
   for (int64_t b = 0; b < n_buckets; ++b) {
-    comm_.wait(works[b], [&] {
+    comm_of(b).wait(works[b], [&] {
       return "all-gather of gradients for full_grads() of " + layout_.describe_bucket(b, gate_.progress().where());
     });
     if (buckets_[b].swap_slot >= 0) swap_->park(buckets_[b].swap_slot, /*dirty=*/false);

@@ -31,8 +31,8 @@ constexpr std::chrono::milliseconds kHostBoundWait{2000};
 }  // namespace
 
 GradReducer::GradReducer(const Layout& layout, ParamStore& store, Communicator& comm, Communicator& replica_comm,
-                         const StepGate& gate, std::optional<c10::ScalarType> reduce_dtype)
-    : layout_(layout), store_(store), comm_(comm), replica_comm_(replica_comm), hybrid_(replica_comm.size() > 1),
+                         Communicator& expert_comm, const StepGate& gate, std::optional<c10::ScalarType> reduce_dtype)
+    : layout_(layout), store_(store), comm_(comm), expert_comm_(expert_comm), replica_comm_(replica_comm), hybrid_(replica_comm.size() > 1),
       streams_(store.device()), gate_(gate),
       reduce_dtype_(reduce_dtype.value_or(at::kFloat)) {
   TORCH_INTERNAL_ASSERT(reduce_dtype_ == at::kFloat || reduce_dtype_ == at::kBFloat16 || reduce_dtype_ == at::kHalf,
@@ -316,7 +316,7 @@ void GradReducer::issue_replica_reduction(int64_t b) {
   BucketGrads& bucket = buckets_[b];
   TORCH_INTERNAL_ASSERT(bucket.replica_pending, "replica reduction issued twice");
   RECORD_USER_SCOPE("zero_ext::all_reduce across replicas bucket " + std::to_string(b));
-  comm_.wait(bucket.work, [&] {
+  comm_of(b).wait(bucket.work, [&] {
     return "gradient reduction of " + layout_.describe_bucket(b, gate_.progress().where());
   });
   bucket.work.reset();
@@ -431,7 +431,7 @@ void GradReducer::retire(int64_t b) {
   if (bucket.replica_pending) {
     issue_replica_reduction(b);  // waits for the shard's reduction
   }
-  comm_.wait(bucket.work, [&] {
+  comm_of(b).wait(bucket.work, [&] {
     return "gradient reduction of " + layout_.describe_bucket(b, gate_.progress().where());
   });
   replica_comm_.wait(bucket.replica_work, [&] {

@@ -60,6 +60,7 @@ class GradReducer {
   // comm: the shard group; replica_comm: across the copies of the shard
   // (hybrid sharding, [Note: hybrid sharding] in mesh.h; none when flat).
   GradReducer(const Layout& layout, ParamStore& store, Communicator& comm, Communicator& replica_comm,
+              Communicator& expert_comm,
               const StepGate& gate, std::optional<c10::ScalarType> reduce_dtype);
 
   // A parameter's gradient was accumulated into param.grad. Returns the
@@ -270,7 +271,7 @@ class GradReducer {
   // holds it until the caller returns), the staging pre-divided.
   void begin_reduction(int64_t b, std::optional<c10::StreamGuard>& on_reduction_stream);
   // Whether reductions within the shard group send quantized payloads (compress_grads).
-  bool reduces_quantized() const;
+  bool reduces_quantized(int64_t b) const;
   // Issues a sharded layout's reduction (quantized, an all-reduce in place on
   // the CPU, or a reduce-scatter); returns the scratch bytes it holds in flight.
   int64_t issue_reduce_scatter(int64_t b);
@@ -315,6 +316,9 @@ class GradReducer {
   const Layout& layout_;
   ParamStore& store_;
   Communicator& comm_;
+  Communicator& expert_comm_;
+  // The group bucket b is reduced over ([Note: expert buckets] in layout.h).
+  Communicator& comm_of(int64_t b) const { return layout_.expert(b) ? expert_comm_ : comm_; }
   Communicator& replica_comm_;
   const bool hybrid_;
   bool replica_sync_ = true;  // set_requires_all_reduce()

@@ -90,7 +90,7 @@ void GradReducer::launch_ddp_in_place(int64_t b) {
   bucket.staging_stale = false;  // every slot written above
   std::optional<c10::StreamGuard> on_reduction_stream;
   begin_reduction(b, on_reduction_stream);
-  bucket.work = comm_.all_reduce_sum(bucket.staging, Purpose::kGradReduce, b);
+  bucket.work = comm_of(b).all_reduce_sum(bucket.staging, Purpose::kGradReduce, b);
   go_in_flight(b);
   on_reduction_stream.reset();  // before retiring: see [Note: retiring from a launch]
   bound_in_flight();
@@ -102,7 +102,7 @@ void GradReducer::launch_replicated(int64_t b) {
   std::optional<c10::StreamGuard> on_reduction_stream;
   begin_reduction(b, on_reduction_stream);
   bucket.reduce_out = bucket.staging;
-  bucket.work = comm_.all_reduce_sum(bucket.staging, Purpose::kGradReduce, b);
+  bucket.work = comm_of(b).all_reduce_sum(bucket.staging, Purpose::kGradReduce, b);
   go_in_flight(b);
   on_reduction_stream.reset();  // before retiring: see [Note: retiring from a launch]
   bound_in_flight();
@@ -118,7 +118,7 @@ void GradReducer::launch_sharded_persistent(int64_t b) {
     // Alone in its group: staged apart from the accumulator as stages 2-3
     // stage ([Note: one rank's staging is its accumulator]).
     if (!buckets_[b].staging.is_same(buckets_[b].accum)) count_staging_in_flight(b, scratch_bytes);
-  } else if (by_exchange_ || reduces_quantized()) {
+  } else if (by_exchange_ || reduces_quantized(b)) {
     count_exchange_in_flight(b, scratch_bytes);
   }
   on_reduction_stream.reset();  // before retiring: see [Note: retiring from a launch]
@@ -176,6 +176,7 @@ void GradReducer::begin_reduction(int64_t b, std::optional<c10::StreamGuard>& on
   // scale in the same pass unless the reduction runs in fp16, whose range
   // the scale is there to use.
   const LossScaler& scaler = gate_.scaler();
+  // An expert bucket too divides by the whole data-parallel size ([Note: expert buckets] in layout.h).
   double divisor = divide_factor_ > 0.0 ? divide_factor_ : static_cast<double>(comm_.size() * replica_comm_.size());
   if (scaler.enabled() && reduce_dtype_ != at::kHalf) {
     divisor *= scaler.scale();
@@ -185,17 +186,17 @@ void GradReducer::begin_reduction(int64_t b, std::optional<c10::StreamGuard>& on
   }
 }
 
-bool GradReducer::reduces_quantized() const {
-  return grad_format_.enabled() && !comm_.local() && !layout_.ddp_in_place() && !layout_.replicated();
+bool GradReducer::reduces_quantized(int64_t b) const {
+  return grad_format_.enabled() && !comm_of(b).local() && !layout_.ddp_in_place() && !layout_.replicated();
 }
 
 int64_t GradReducer::issue_reduce_scatter(int64_t b) {
   const BucketShape& shape = layout_.bucket(b);
   BucketGrads& bucket = buckets_[b];
-  const bool quantized = reduces_quantized();
+  const bool quantized = reduces_quantized(b);
   // The exchange's receive buffer; quantized: the fp32 values sent and the payloads both ways.
   const int64_t scratch_bytes =
-      quantized ? 4 * bucket.staging.numel() + 2 * comm_.size() * grad_format_.payload_bytes(shape.shard)
+      quantized ? 4 * bucket.staging.numel() + 2 * comm_of(b).size() * grad_format_.payload_bytes(shape.shard)
                 : (by_exchange_ ? bucket.staging.nbytes() : 0);
   if (quantized) {
     // [Note: quantized collectives]: written from the backend's thread,
@@ -204,14 +205,14 @@ int64_t GradReducer::issue_reduce_scatter(int64_t b) {
       bucket.residual = at::zeros({bucket.staging.numel()}, bucket.staging.options().dtype(at::kFloat));
     }
     bucket.reduce_out = at::empty({shape.shard}, bucket.staging.options());
-    bucket.work = comm_.quantized_reduce_scatter_sum(bucket.reduce_out, bucket.staging, grad_format_, bucket.residual,
-                                                     Purpose::kGradReduce, b);
-  } else if (!comm_.local() && bucket.staging.is_cpu() && !by_exchange_) {
+    bucket.work = comm_of(b).quantized_reduce_scatter_sum(bucket.reduce_out, bucket.staging, grad_format_,
+                                                         bucket.residual, Purpose::kGradReduce, b);
+  } else if (!comm_of(b).local() && bucket.staging.is_cpu() && !by_exchange_) {
     // Any other CPU reduction: an all-reduce in place (gloo's reduce-scatter
     // is one, plus a copy inside wait() that no bounded wait can see), read
     // at this rank's shard.
     bucket.reduce_out = bucket.staging.narrow(0, layout_.shard_start(b), shape.shard);
-    bucket.work = comm_.all_reduce_sum(bucket.staging, Purpose::kGradReduce, b);
+    bucket.work = comm_of(b).all_reduce_sum(bucket.staging, Purpose::kGradReduce, b);
   } else {
     // Never straight into the accumulator from a gloo thread: a reduction a
     // failed backward abandons may still write it after zero_grad() freed it.
@@ -219,7 +220,7 @@ int64_t GradReducer::issue_reduce_scatter(int64_t b) {
                         bucket.accum.dtype() == bucket.staging.dtype() &&
                         bucket.accum.device() == bucket.staging.device();
     bucket.reduce_out = direct ? bucket.accum : reusable_empty({shape.shard}, bucket.staging.options());
-    bucket.work = comm_.reduce_scatter_sum(bucket.reduce_out, bucket.staging, Purpose::kGradReduce, b);
+    bucket.work = comm_of(b).reduce_scatter_sum(bucket.reduce_out, bucket.staging, Purpose::kGradReduce, b);
   }
   return scratch_bytes;
 }

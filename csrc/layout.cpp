@@ -35,8 +35,8 @@ const char* grad_layout_name(GradLayout layout) {
 Layout::Layout(std::vector<std::vector<int64_t>> shapes, std::vector<std::string> names,
                std::vector<int64_t> trainable, const std::vector<int64_t>& params_per_bucket,
                const std::vector<int64_t>& unit_of_bucket, int64_t stage, GradLayout grad_layout,
-               int64_t rank, int64_t world, const std::vector<int64_t>& owner_of_param)
-    : stage_(stage), grad_layout_(grad_layout), rank_(rank), world_(world),
+               int64_t rank, int64_t world, const std::vector<int64_t>& owner_of_param, ExpertGroup experts)
+    : stage_(stage), grad_layout_(grad_layout), rank_(rank), world_(world), experts_(std::move(experts)),
       shapes_(std::move(shapes)), names_(std::move(names)),
       trainable_(trainable.begin(), trainable.end()), owner_(owner_of_param) {
   check_plan(params_per_bucket, unit_of_bucket);
@@ -51,7 +51,9 @@ Layout::Layout(std::vector<std::vector<int64_t>> shapes, std::vector<std::string
   int64_t next = 0;
   for (int64_t count : params_per_bucket) {
     TORCH_CHECK(count > 0 && next + count <= n, "zero_ext internal: bad bucket plan");
-    const BucketShape bucket = place_bucket(next, count, stage_ == 3 ? unit_of_bucket.at(buckets_.size()) : -1);
+    const int64_t index = static_cast<int64_t>(buckets_.size());
+    const bool expert = std::binary_search(experts_.buckets.begin(), experts_.buckets.end(), index);
+    const BucketShape bucket = place_bucket(next, count, stage_ == 3 ? unit_of_bucket.at(index) : -1, expert);
     if (bucket.unit >= 0) {
       if (static_cast<int64_t>(unit_buckets_.size()) <= bucket.unit) {
         unit_buckets_.resize(bucket.unit + 1);
@@ -86,14 +88,24 @@ void Layout::check_plan(const std::vector<int64_t>& params_per_bucket,
   }
   TORCH_CHECK(!any_whole_ || (stage_ >= 1 && !replicated() && !ddp_in_place()),
               "zero_ext internal: whole-parameter layouts are for stages 1-3");
+  TORCH_CHECK(std::is_sorted(experts_.buckets.begin(), experts_.buckets.end()) &&
+                  (experts_.buckets.empty() || (experts_.buckets.front() >= 0 &&
+                                                experts_.buckets.back() < static_cast<int64_t>(params_per_bucket.size()))),
+              "zero_ext internal: the expert buckets must be ascending bucket indices");
+  TORCH_CHECK(experts_.world >= 1 && experts_.rank >= 0 && experts_.rank < experts_.world &&
+                  world_ % experts_.world == 0,
+              "zero_ext internal: the expert group must divide the data-parallel group");
 }
 
-BucketShape Layout::place_bucket(int64_t first, int64_t count, int64_t unit) {
+BucketShape Layout::place_bucket(int64_t first, int64_t count, int64_t unit, bool expert) {
   BucketShape bucket;
   bucket.first = first;
   bucket.count = count;
   bucket.unit = unit;
+  bucket.expert = expert;
+  const int64_t world = expert ? experts_.world : world_;
   const bool whole = owner(first) >= 0;  // [Note: whole-parameter layout]
+  TORCH_CHECK(!(whole && expert), "zero_ext internal: expert parameters are cut in equal shards");
   std::vector<int64_t> region(whole ? world_ : 0, 0);  // elements each owner has in it so far
   for (int64_t i = first; i < first + count; ++i) {
     bucket_of_[i] = static_cast<int64_t>(buckets_.size());
@@ -124,8 +136,8 @@ BucketShape Layout::place_bucket(int64_t first, int64_t count, int64_t unit) {
     bucket.shard = widest;
   } else {
     const int64_t at_least_one = std::max<int64_t>(bucket.numel, 1);
-    bucket.padded = (at_least_one + world_ - 1) / world_ * world_;
-    bucket.shard = replicated() ? bucket.padded : bucket.padded / world_;
+    bucket.padded = (at_least_one + world - 1) / world * world;
+    bucket.shard = replicated() ? bucket.padded : bucket.padded / world;
   }
   return bucket;
 }
@@ -155,8 +167,9 @@ std::vector<ShardPiece> Layout::pieces_of(int64_t rank, int64_t per_rank, bool t
   std::vector<ShardPiece> out;
   for (int64_t b = 0; b < num_buckets(); ++b) {
     const BucketShape& bucket = buckets_[b];
-    const int64_t width = per_rank >= 0 ? bucket.padded / world_ : bucket.shard;
-    const int64_t lo = per_rank >= 0 ? rank * width : shard_start_of(b, rank);
+    const int64_t in_group = bucket.expert ? experts_.rank : rank;
+    const int64_t width = per_rank >= 0 ? bucket.padded / bucket_world(b) : bucket.shard;
+    const int64_t lo = per_rank >= 0 ? in_group * width : shard_start_of(b, in_group);
     const int64_t hi = lo + width;
     for (int64_t i = bucket.first; i < bucket.first + bucket.count; ++i) {
       const int64_t start = std::max(lo, offset_[i]);
@@ -176,6 +189,7 @@ std::vector<ShardPiece> Layout::local_pieces() const {
 
 std::vector<std::tuple<int64_t, int64_t, int64_t>> Layout::owned_ranges(int64_t rank) const {
   TORCH_CHECK(rank >= 0 && rank < world_, "zero_ext internal: rank out of range");
+  TORCH_CHECK(!has_experts() || rank == rank_, "zero_ext internal: with expert buckets, a rank's own ranges only");
   std::vector<std::tuple<int64_t, int64_t, int64_t>> out;
   for (const auto& piece : pieces_of(rank, /*per_rank=*/1, /*trainable_only=*/false)) {
     out.emplace_back(piece.param, piece.param_start, piece.param_start + piece.length);
@@ -189,6 +203,7 @@ std::string Layout::describe_bucket(int64_t b, const std::string& where) const {
   std::ostringstream out;
   out << "bucket " << b << " of " << buckets_.size() << " (stage " << stage_ << ", " << bucket.count
       << " parameters from '" << names_[bucket.first] << "', " << bucket.padded << " elements"
+      << (bucket.expert ? ", sharded over the expert group" : "")
       << (where.empty() ? "" : "; ") << where << ")";
   return out.str();
 }

@@ -55,6 +55,27 @@ const char* grad_layout_name(GradLayout layout);
 // machinery (reduce-scatter, all-gather, stage 3 gathers, checkpoints' owned
 // ranges) is then unchanged, and each segment is one whole parameter, viewed
 // with its shape. The gaps (padding inside and after regions) hold zeros.
+// [Note: expert buckets]
+// Experts on their own mesh dimension (wrap(expert_process_group=), torchtitan's
+// dp_shard_mod_ep): each rank holds its expert-parallel part of the experts
+// (its local experts), and the ranks holding the same experts form the expert
+// group, a subgroup of the data-parallel group. The experts' parameters fill
+// buckets of their own, padded and sharded over the expert group (its size
+// and this rank's place in it), and every collective of such a bucket (its
+// gradient reduction, its stage 3 gather, its all-gather after a step, the
+// first broadcast) runs on the expert group. The reduction still divides by
+// the whole data-parallel size: each expert's gradient already sums, through
+// the token dispatch, the tokens of every expert-parallel rank, so the sum
+// over the expert group divided by dp is the mean over the global batch
+// (torchtitan's gradient divide factor). What sums over the whole mesh (the
+// gradient mask, a norm) is unchanged: each piece of an expert is held by
+// exactly one rank of the mesh.
+struct ExpertGroup {
+  std::vector<int64_t> buckets;  // the expert buckets, ascending
+  int64_t rank = 0;              // this rank in the expert group
+  int64_t world = 1;
+};
+
 struct BucketShape {
   int64_t first = 0;      // index of its first parameter
   int64_t count = 0;      // parameters in it
@@ -63,6 +84,7 @@ struct BucketShape {
   int64_t shard = 0;      // elements this rank holds: padded / world (replicated: padded)
   int64_t trainable = 0;  // parameters in it that get gradients
   int64_t unit = -1;      // stage 3: the unit it is gathered with (root: 0)
+  bool expert = false;    // sharded over the expert group ([Note: expert buckets])
 };
 
 // A piece of one parameter held in this rank's shard of its bucket.
@@ -79,7 +101,8 @@ class Layout {
   Layout(std::vector<std::vector<int64_t>> shapes, std::vector<std::string> names,
          std::vector<int64_t> trainable, const std::vector<int64_t>& params_per_bucket,
          const std::vector<int64_t>& unit_of_bucket, int64_t stage, GradLayout grad_layout,
-         int64_t rank, int64_t world, const std::vector<int64_t>& owner_of_param = {});
+         int64_t rank, int64_t world, const std::vector<int64_t>& owner_of_param = {},
+         ExpertGroup experts = {});
 
   int64_t stage() const { return stage_; }
   GradLayout grad_layout() const { return grad_layout_; }
@@ -96,6 +119,12 @@ class Layout {
   bool segment_is_whole(int64_t i) const { return replicated() || owner(i) >= 0; }
   int64_t rank() const { return rank_; }
   int64_t world() const { return world_; }
+  // Bucket b is sharded over the expert group ([Note: expert buckets]).
+  bool expert(int64_t b) const { return buckets_[b].expert; }
+  bool has_experts() const { return !experts_.buckets.empty(); }
+  // The ranks bucket b is sharded over, and this rank's place among them.
+  int64_t bucket_world(int64_t b) const { return expert(b) ? experts_.world : world_; }
+  int64_t bucket_rank(int64_t b) const { return expert(b) ? experts_.rank : rank_; }
 
   int64_t num_params() const { return static_cast<int64_t>(names_.size()); }
   int64_t num_buckets() const { return static_cast<int64_t>(buckets_.size()); }
@@ -108,8 +137,9 @@ class Layout {
   const std::string& name(int64_t i) const { return names_[i]; }
   bool trainable(int64_t i) const { return trainable_[i] != 0; }
 
-  // First element of `rank`'s shard of bucket b (replicated: 0).
-  int64_t shard_start(int64_t b) const { return shard_start_of(b, rank_); }
+  // First element of `rank`'s shard of bucket b (replicated: 0); `rank` in
+  // the bucket's group.
+  int64_t shard_start(int64_t b) const { return shard_start_of(b, bucket_rank(b)); }
   int64_t shard_start_of(int64_t b, int64_t rank) const;
   // (start, length) of the elements of bucket b that belong to no parameter:
   // the tail padding, and in whole-parameter layouts the end of each region.
@@ -120,7 +150,8 @@ class Layout {
   const std::vector<ShardPiece>& segments() const { return segments_; }
   // (param, start, end) of `rank`'s equal slice of each bucket (padded / world
   // elements, also for replicated layouts): what that rank writes in a
-  // checkpoint.
+  // checkpoint. With expert buckets only this rank's own (their slice is
+  // this rank's in the expert group).
   std::vector<std::tuple<int64_t, int64_t, int64_t>> owned_ranges(int64_t rank) const;
 
   // Stage 3: the buckets of each unit that has parameters.
@@ -139,16 +170,18 @@ class Layout {
   std::string advice_for(const std::string& report) const;
 
  private:
+  // `rank` in the main group; expert buckets take this rank's expert rank.
   std::vector<ShardPiece> pieces_of(int64_t rank, int64_t shard_elements_per_rank, bool trainable_only) const;
   // The constructor's steps: the arguments checked (and any_whole_ set); the
   // bucket of parameters [first, first + count), their offsets placed in it.
   void check_plan(const std::vector<int64_t>& params_per_bucket, const std::vector<int64_t>& unit_of_bucket);
-  BucketShape place_bucket(int64_t first, int64_t count, int64_t unit);
+  BucketShape place_bucket(int64_t first, int64_t count, int64_t unit, bool expert);
 
   int64_t stage_;
   GradLayout grad_layout_;
   int64_t rank_;
   int64_t world_;
+  ExpertGroup experts_;
   std::vector<std::vector<int64_t>> shapes_;
   std::vector<std::string> names_;
   std::vector<uint8_t> trainable_;

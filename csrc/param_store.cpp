@@ -36,9 +36,9 @@ at::Tensor copy_of(const at::Tensor& values, const at::TensorOptions& options, b
 }  // namespace
 
 ParamStore::ParamStore(std::vector<at::Tensor> params, const Layout& layout, const Mesh& mesh,
-                       const Progress& progress, std::optional<c10::ScalarType> compute_dtype,
+                       Communicator& expert_comm, const Progress& progress, std::optional<c10::ScalarType> compute_dtype,
                        bool offload, bool deferred)
-    : layout_(layout), mesh_(mesh), comm_(mesh.shard()), progress_(progress), params_(std::move(params)), offload_(offload), deferred_(deferred) {
+    : layout_(layout), mesh_(mesh), comm_(mesh.shard()), expert_comm_(expert_comm), progress_(progress), params_(std::move(params)), offload_(offload), deferred_(deferred) {
   TORCH_INTERNAL_ASSERT(static_cast<int64_t>(params_.size()) == layout_.num_params());
   at::NoGradGuard no_grad;
   const int64_t n_buckets = layout_.num_buckets();
@@ -48,21 +48,36 @@ ParamStore::ParamStore(std::vector<at::Tensor> params, const Layout& layout, con
     released_.resize(params_.size());
   }
   std::vector<at::Tensor> to_broadcast;
+  std::vector<int64_t> broadcast_buckets, expert_buckets;
   for (int64_t b = 0; b < n_buckets; ++b) {
     lay_out_flat(b);
     if (deferred) {
       // No values to send yet: lay the bucket out at once, so stage 3 never
       // holds more than one bucket whole here.
       keep_what_the_stage_keeps(b, compute_dtype);
+    } else if (layout_.expert(b)) {
+      expert_buckets.push_back(b);
     } else {
       to_broadcast.push_back(values_[b].flat);
+      broadcast_buckets.push_back(b);
     }
   }
   if (!deferred) {
-    mesh_.broadcast_from_rank0(to_broadcast, Purpose::kInitBroadcast, {}, [&](size_t b) {
+    mesh_.broadcast_from_rank0(to_broadcast, Purpose::kInitBroadcast, {}, [&](size_t k) {
       return "initial broadcast of parameters from rank 0 (" +
-             layout_.describe_bucket(static_cast<int64_t>(b), progress_.where()) + ")";
+             layout_.describe_bucket(broadcast_buckets[k], progress_.where()) + ")";
     });
+    // The ranks of an expert group hold the same experts; the others hold others.
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    for (int64_t b : expert_buckets) {
+      works.push_back(expert_comm_.broadcast_from_rank0(values_[b].flat, Purpose::kInitBroadcast, b, {}));
+    }
+    for (size_t k = 0; k < works.size(); ++k) {
+      expert_comm_.wait(works[k], [&] {
+        return "initial broadcast of experts from the expert group's rank 0 (" +
+               layout_.describe_bucket(expert_buckets[k], progress_.where()) + ")";
+      });
+    }
     for (int64_t b = 0; b < n_buckets; ++b) keep_what_the_stage_keeps(b, compute_dtype);
   }
   build_segments();
@@ -130,7 +145,7 @@ void ParamStore::keep_shard(int64_t b, const at::Tensor& mine) {
     // at unreadable storage between uses, as on more ranks, and view a
     // copy while gathered for inspection (open_inspection_copy), so that
     // changes made there are discarded unless written back, as on more ranks.
-    values.shard = comm_.local() && !values.master.defined() ? mine : copy_of(mine, mine.options(), deferred_);
+    values.shard = comm_of(b).local() && !values.master.defined() ? mine : copy_of(mine, mine.options(), deferred_);
   }  // else a gather casts the master ([Note: compute shard from the master])
   if (!shard_is_flat(b)) release_storage(values.flat);
   for (int64_t i = shape.first; i < shape.first + shape.count; ++i) {

@@ -52,8 +52,10 @@ class ParamStore {
   // deferred: the parameters hold no values yet (a meta-device model); the
   // buckets are laid out empty for begin/end_materialize.
   // Shards over the mesh's shard group; the initial values (and a deferred
-  // model's) come from mesh rank 0 to every rank.
-  ParamStore(std::vector<at::Tensor> params, const Layout& layout, const Mesh& mesh,
+  // model's) come from mesh rank 0 to every rank. Expert buckets shard over
+  // `expert_comm`, and their initial values come from its rank 0 ([Note:
+  // expert buckets] in layout.h).
+  ParamStore(std::vector<at::Tensor> params, const Layout& layout, const Mesh& mesh, Communicator& expert_comm,
              const Progress& progress, std::optional<c10::ScalarType> compute_dtype, bool offload,
              bool deferred);
 
@@ -167,6 +169,9 @@ class ParamStore {
   const Layout& layout_;
   const Mesh& mesh_;
   Communicator& comm_;  // the shard group
+  Communicator& expert_comm_;
+  // The group bucket b is sharded over.
+  Communicator& comm_of(int64_t b) const { return layout_.expert(b) ? expert_comm_ : comm_; }
   const Progress& progress_;
   std::vector<at::Tensor> params_;
   std::vector<BucketValues> values_;

@@ -95,11 +95,12 @@ void ParamStore::all_gather_updated(const std::function<bool(int64_t)>& touched)
   std::vector<c10::intrusive_ptr<c10d::Work>> works(values_.size());
   for (size_t b = 0; b < values_.size(); ++b) {
     if (touched(static_cast<int64_t>(b))) {
-      works[b] = comm_.all_gather(values_[b].flat, values_[b].shard, Purpose::kStepGather, static_cast<int64_t>(b));
+      works[b] = comm_of(b).all_gather(values_[b].flat, values_[b].shard, Purpose::kStepGather,
+                                       static_cast<int64_t>(b));
     }
   }
   for (size_t b = 0; b < values_.size(); ++b) {
-    comm_.wait(works[b], [&] {
+    comm_of(b).wait(works[b], [&] {
       return "all-gather of updated parameters of " + layout_.describe_bucket(b, progress_.where());
     });
   }
@@ -127,10 +128,10 @@ std::vector<at::Tensor> ParamStore::full_masters_of(const std::vector<int64_t>& 
     }
     shard = shard.to(values.flat.device());
     full[k] = at::empty({layout_.bucket(b).padded}, shard.options());
-    works[k] = comm_.all_gather(full[k], shard, Purpose::kMasters, b);
+    works[k] = comm_of(b).all_gather(full[k], shard, Purpose::kMasters, b);
   }
   for (size_t k = 0; k < buckets.size(); ++k) {
-    comm_.wait(works[k], [&] {
+    comm_of(buckets[k]).wait(works[k], [&] {
       return "all-gather of master weights of " + layout_.describe_bucket(buckets[k], progress_.where());
     });
     park_value(buckets[k], /*dirty=*/false);

@@ -22,7 +22,8 @@ Layout make_layout(const std::vector<at::Tensor>& params, std::vector<std::strin
                    std::vector<int64_t> trainable, const std::vector<int64_t>& params_per_bucket,
                    const std::vector<int64_t>& unit_of_bucket, int64_t stage,
                    std::optional<c10::ScalarType> compute_dtype, std::optional<c10::ScalarType> reduce_dtype,
-                   bool offload, const Communicator& comm, const std::vector<int64_t>& owner_of_param) {
+                   bool offload, const Communicator& comm, const std::vector<int64_t>& owner_of_param,
+                   const std::vector<int64_t>& expert_buckets, const Communicator& expert_comm) {
   std::vector<std::vector<int64_t>> shapes;
   for (const auto& p : params) shapes.push_back(p.sizes().vec());
   // Stage 0 keeps DDP's layout (param.grad is the reduced buffer) only when
@@ -31,7 +32,7 @@ Layout make_layout(const std::vector<at::Tensor>& params, std::vector<std::strin
       compute_dtype.has_value() || offload || reduce_dtype.value_or(at::kFloat) != at::kFloat;
   return Layout(std::move(shapes), std::move(names), std::move(trainable), params_per_bucket, unit_of_bucket,
                 stage, grad_layout_for(stage, masters_or_low_precision_reduce), comm.rank(), comm.size(),
-                owner_of_param);
+                owner_of_param, ExpertGroup{expert_buckets, expert_comm.rank(), expert_comm.size()});
 }
 
 } // namespace
@@ -48,15 +49,18 @@ ShardedModel::ShardedModel(std::vector<at::Tensor> params, std::vector<std::stri
                    GroupSlot::kGather, issue_counts_),
       replica_comm_(config->replica_group, GroupSlot::kReplica, issue_counts_),
       regather_comm_(config->stage == 3 ? config->regather_group : std::string(), GroupSlot::kRegather, issue_counts_),
+      expert_comm_(config->expert_group, GroupSlot::kExpert, issue_counts_),
       mesh_(comm_, replica_comm_),
       layout_(make_layout(params, std::move(names), std::move(trainable), params_per_bucket, unit_of_bucket,
                           config->stage, parse_config_dtype(config->compute_dtype),
-                          parse_config_dtype(config->reduce_dtype), config->offload, comm_, owner_of_param)),
-      store_(std::move(params), layout_, mesh_, gate_.progress(), parse_config_dtype(config->compute_dtype),
+                          parse_config_dtype(config->reduce_dtype), config->offload, comm_, owner_of_param,
+                          config->expert_buckets, expert_comm_)),
+      store_(std::move(params), layout_, mesh_, expert_comm_, gate_.progress(), parse_config_dtype(config->compute_dtype),
              config->offload, config->deferred),
-      reducer_(layout_, store_, comm_, replica_comm_, gate_, parse_config_dtype(config->reduce_dtype)),
+      reducer_(layout_, store_, comm_, replica_comm_, expert_comm_, gate_, parse_config_dtype(config->reduce_dtype)),
       units_(layout_.params_sharded()
-                 ? std::make_unique<UnitScheduler>(layout_, store_, gather_comm_, regather_comm_, reducer_, gate_,
+                 ? std::make_unique<UnitScheduler>(layout_, store_, gather_comm_, regather_comm_, expert_comm_, reducer_,
+                                                   gate_,
                                                    config->prefetch,
                                                    [this] { round_.check_usable(); })
                  : nullptr),
@@ -71,8 +75,8 @@ ShardedModel::ShardedModel(std::vector<at::Tensor> params, std::vector<std::stri
                }
              }),
       round_(layout_, store_, reducer_, units_.get(), agreement_, gate_, hooks_, faults_, mesh_, gather_comm_,
-             regather_comm_) {
-  for (Communicator* comm : {&comm_, &gather_comm_, &replica_comm_, &regather_comm_}) {
+             regather_comm_, expert_comm_) {
+  for (Communicator* comm : {&comm_, &gather_comm_, &replica_comm_, &regather_comm_, &expert_comm_}) {
     comm->count_traffic_to(traffic_);
   }
   apply_config(*config);
@@ -117,6 +121,7 @@ void ShardedModel::begin_round(RoundKind kind, int64_t detail, const std::string
   gather_comm_.begin_round(key, label);
   regather_comm_.begin_round(key, label);
   replica_comm_.begin_round(key, label);
+  expert_comm_.begin_round(key, label);
 }
 
 void ShardedModel::begin_python_round(const std::string& what) {
@@ -237,7 +242,8 @@ void ShardedModel::end_forward(std::vector<at::Tensor> outputs) {
 }
 
 int64_t ShardedModel::collectives_submitted() const {
-  return comm_.submitted() + gather_comm_.submitted() + regather_comm_.submitted() + replica_comm_.submitted();
+  return comm_.submitted() + gather_comm_.submitted() + regather_comm_.submitted() + replica_comm_.submitted() +
+         expert_comm_.submitted();
 }
 
 // ShardedModel::forward_raised: forward_raised_agreement.cpp ([Note: a forward that raised]).

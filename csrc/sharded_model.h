@@ -308,6 +308,8 @@ class ShardedModel : public torch::CustomClassHolder {
   // Stage 3 units resharded to a subgroup after forward gather again in it
   // ([Note: resharding to a subgroup] in units.cpp); none otherwise.
   Communicator regather_comm_;
+  // The expert buckets' group ([Note: expert buckets] in layout.h); none otherwise.
+  Communicator expert_comm_;
   Mesh mesh_;
   IssueLog issue_log_;
   Layout layout_;

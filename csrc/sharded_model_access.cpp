@@ -138,7 +138,9 @@ void ShardedModel::end_materialize(std::vector<int64_t> buckets) {
 
 std::string ShardedModel::grad_layout() { return grad_layout_name(layout_.grad_layout()); }
 
-bool ShardedModel::failed() { return mesh_.failed() || gather_comm_.failed() || regather_comm_.failed(); }
+bool ShardedModel::failed() {
+  return mesh_.failed() || gather_comm_.failed() || regather_comm_.failed() || expert_comm_.failed();
+}
 
 c10::Dict<std::string, int64_t> ShardedModel::stats() {
   c10::Dict<std::string, int64_t> out;
@@ -147,9 +149,10 @@ c10::Dict<std::string, int64_t> ShardedModel::stats() {
   out.insert("late_rounds", round_.late_rounds());
   out.insert("agreement_reads", agreement_.host_reads());
   out.insert("blocking_headers", comm_.blocking_headers() + gather_comm_.blocking_headers() +
-                                     replica_comm_.blocking_headers() + regather_comm_.blocking_headers());
+                                     replica_comm_.blocking_headers() + regather_comm_.blocking_headers() +
+                                     expert_comm_.blocking_headers());
   out.insert("ahead_headers", comm_.ahead_headers() + gather_comm_.ahead_headers() + replica_comm_.ahead_headers() +
-                                  regather_comm_.ahead_headers());
+                                  regather_comm_.ahead_headers() + expert_comm_.ahead_headers());
   out.insert("last_graph_task", round_.last_graph_task());
   out.insert("last_keep_graph", round_.last_keep_graph() ? 1 : 0);
   out.insert("collectives", comm_.collectives_issued());
@@ -169,6 +172,7 @@ c10::Dict<std::string, int64_t> ShardedModel::stats() {
   // With units resharded to a subgroup: the parts they keep between forward and backward.
   out.insert("param_bytes", store_.param_bytes() + (units_ ? units_->partial_bytes() : 0));
   out.insert("regathers", regather_comm_.all_gathers_issued());
+  out.insert("expert_collectives", expert_comm_.collectives_issued());
   out.insert("master_bytes", store_.master_bytes());
   out.insert("materializing_bytes", store_.materializing_bytes());
   out.insert("grad_bytes", reducer_.grad_bytes());
@@ -203,6 +207,7 @@ void ShardedModel::log_issues(bool on) {
   gather_comm_.log_issues_to(on ? &issue_log_ : nullptr, "gather");
   replica_comm_.log_issues_to(on ? &issue_log_ : nullptr, "replicate");
   regather_comm_.log_issues_to(on ? &issue_log_ : nullptr, "regather");
+  expert_comm_.log_issues_to(on ? &issue_log_ : nullptr, "expert");
 }
 
 std::vector<std::string> ShardedModel::take_issue_log() {

@@ -100,7 +100,7 @@ void ShardedModel::set_unit_advice(const std::vector<std::string>& advice) {
   layout_.set_unit_advice(advice);
   // Read only by a failing wait or sequence check, after wrap() set it.
   auto advise = [this](const std::string& report) { return layout_.advice_for(report); };
-  for (Communicator* comm : {&comm_, &gather_comm_, &regather_comm_, &replica_comm_}) {
+  for (Communicator* comm : {&comm_, &gather_comm_, &regather_comm_, &replica_comm_, &expert_comm_}) {
     comm->set_advice(advise);
   }
 }
@@ -119,6 +119,7 @@ void ShardedModel::enable_collective_checks(const CoreConfig& config) {
   gather_comm_.enable_sequence_checks(config.gather_headers, order, true, describe, progress);
   regather_comm_.enable_sequence_checks(config.regather_headers, order, true, describe, progress);
   replica_comm_.enable_sequence_checks(config.replica_headers, order, replicas_in_order, describe, progress);
+  expert_comm_.enable_sequence_checks(config.expert_headers, order, true, describe, progress);
 }
 
 void ShardedModel::enable_stall_diagnosis(const CoreConfig& config) {
@@ -146,6 +147,12 @@ void ShardedModel::enable_stall_diagnosis(const CoreConfig& config) {
     const auto first = shard_mesh_ranks.begin() + comm_.rank() / sub * sub;
     regather_comm_.enable_stall_diagnosis(seconds, key_space, std::vector<int64_t>(first, first + sub), replicas,
                                           shard_size, timed, sub);
+  }
+  if (expert_comm_.distributed()) {
+    expert_comm_.enable_stall_diagnosis(seconds, key_space, config.expert_mesh_ranks, replicas, shard_size, timed, sub);
+    for (Communicator* comm : {&comm_, &gather_comm_, &replica_comm_, &regather_comm_, &expert_comm_}) {
+      comm->set_expert_partition(config.expert_group_of_mesh_rank);
+    }
   }
 }
 

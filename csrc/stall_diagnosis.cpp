@@ -56,8 +56,21 @@ void Communicator::enable_stall_diagnosis(double seconds, const std::string& key
   raised_keys_ = "zero_ext_stall/" + key_space + "/raised";
 }
 
+void Communicator::set_expert_partition(std::vector<int64_t> group_of_mesh_rank) {
+  if (sequence_) sequence_->headers().set_expert_partition(group_of_mesh_rank);
+  expert_group_of_ = std::move(group_of_mesh_rank);
+}
+
 std::vector<int64_t> Communicator::members_of(int slot, int64_t mesh_rank) const {
   std::vector<int64_t> out;
+  const bool expert = slot == static_cast<int>(GroupSlot::kExpert) ||
+                      slot == static_cast<int>(GroupSlot::kExpertHeaders);
+  if (expert && mesh_rank < static_cast<int64_t>(expert_group_of_.size())) {
+    for (int64_t m = 0; m < static_cast<int64_t>(expert_group_of_.size()); ++m) {
+      if (expert_group_of_[m] == expert_group_of_[mesh_rank]) out.push_back(m);
+    }
+    return out;
+  }
   const bool across_replicas = slot == static_cast<int>(GroupSlot::kReplica) ||
                                slot == static_cast<int>(GroupSlot::kReplicaHeaders);
   const bool in_subgroup = slot == static_cast<int>(GroupSlot::kRegather) ||

@@ -28,9 +28,10 @@ StallPost parse_stall_post(const std::string& text) {
 
 const char* slot_name(int slot) {
   static const char* const kNames[] = {"gradient reductions", "parameter gathers", "across replicas",
-                                       "parameter regathers within a subgroup",
+                                       "parameter regathers within a subgroup", "expert gathers and reductions",
                                        "headers of gradient reductions", "headers of parameter gathers",
-                                       "headers across replicas", "headers of parameter regathers"};
+                                       "headers across replicas", "headers of parameter regathers",
+                                       "headers of expert collectives"};
   return slot >= 0 && slot < kGroupSlots ? kNames[slot] : "?";
 }
 

@@ -14,10 +14,11 @@
 namespace zero_ext {
 
 UnitScheduler::UnitScheduler(const Layout& layout, ParamStore& store, Communicator& gather_comm,
-                             Communicator& regather_comm, const GradReducer& reducer, const StepGate& gate,
+                             Communicator& regather_comm, Communicator& expert_comm, const GradReducer& reducer, const StepGate& gate,
                              int64_t prefetch, std::function<void()> check_usable)
     : layout_(layout), store_(store), gather_comm_(gather_comm), reducer_(reducer), gate_(gate),
-      prefetch_(prefetch), check_usable_(std::move(check_usable)), regather_comm_(regather_comm) {
+      prefetch_(prefetch), check_usable_(std::move(check_usable)), regather_comm_(regather_comm),
+      expert_comm_(expert_comm) {
   units_.resize(layout_.num_units());
   for (int64_t u = 0; u < layout_.num_units(); ++u) {
     units_[u].buckets = layout_.unit_buckets(u);
@@ -69,7 +70,7 @@ void UnitScheduler::start_gather(int64_t u) {
   unit.quantized = quantized || (from_partial && unit.quantized);
   for (int64_t b : unit.buckets) {
     store_.regrow_flat(b);
-    Communicator& comm = from_partial ? regather_comm_ : gather_comm_;
+    Communicator& comm = from_partial ? regather_comm_ : gather_comm_of(b);
     // Within the subgroup, from the parts its members kept; else from the shards.
     at::Tensor input = from_partial ? partial_[b] : store_.gather_input(b);
     gather_work_[b] = quantized
@@ -94,7 +95,7 @@ void UnitScheduler::finish_gather(int64_t u) {
     return;
   }
   for (int64_t b : unit.buckets) {
-    (regathering_[b] ? regather_comm_ : gather_comm_).wait(gather_work_[b], [&] {
+    (regathering_[b] ? regather_comm_ : gather_comm_of(b)).wait(gather_work_[b], [&] {
       return std::string(regathering_[b] ? "all-gather within the subgroup" : "all-gather") +
              " of the parameters of " + layout_.describe_unit(u) + " (" +
              layout_.describe_bucket(b, gate_.progress().where()) + ")";
@@ -437,7 +438,8 @@ void UnitScheduler::gather_exact_for_inspection(int64_t u) {
   finish_gather(u);
   for (int64_t b : unit.buckets) {  // every rank alike: inspection is collective, `quantized` the same everywhere
     at::Tensor input = store_.gather_input(b);
-    gather_comm_.wait(gather_comm_.all_gather(store_.flat_mut(b), input, Purpose::kUnitGather, b), [&] {
+    Communicator& comm = gather_comm_of(b);
+    comm.wait(comm.all_gather(store_.flat_mut(b), input, Purpose::kUnitGather, b), [&] {
       return "exact all-gather for inspection of the parameters of " + layout_.describe_unit(u);
     });
     store_.point_params(b, /*gathered=*/true);

@@ -35,7 +35,7 @@ enum class UnitState : int8_t { kReleased, kGathering, kGathered, kPartial };
 class UnitScheduler {
  public:
   UnitScheduler(const Layout& layout, ParamStore& store, Communicator& gather_comm, Communicator& regather_comm,
-                const GradReducer& reducer, const StepGate& gate, int64_t prefetch,
+                Communicator& expert_comm, const GradReducer& reducer, const StepGate& gate, int64_t prefetch,
                 std::function<void()> check_usable);
 
   // Around a unit's forward (u = 0: the root). `grad_enabled`: its graph is
@@ -190,6 +190,8 @@ class UnitScheduler {
   }
   std::vector<bool> resharded_to_subgroup_;  // by unit: reshard_after_forward=<int>
   Communicator& regather_comm_;  // the subgroup those units gather in again
+  Communicator& expert_comm_;    // expert buckets gather in it ([Note: expert buckets] in layout.h)
+  Communicator& gather_comm_of(int64_t b) const { return layout_.expert(b) ? expert_comm_ : gather_comm_; }
   QuantFormat weight_format_;     // bits 0: gathers send the compute dtype
   std::vector<at::Tensor> partial_;  // by bucket: this rank's part of the subgroup's copy
   std::vector<bool> regathering_;    // by bucket: gather_work_ is on regather_comm_

@@ -279,3 +279,34 @@ def assert_item_matched(world: int, result: Any) -> None:
         pytest.fail(f"world size {world}: {result}")
     for rank, mismatch in enumerate(result):
         assert mismatch is None, f"rank {rank}: {mismatch}"
+
+
+# --- inside a rank: what a scenario's ranks settle together ------------------
+
+def agree_on_ranks(text: Optional[str]) -> Optional[str]:
+    """Every rank's verdict (collective): a mismatch on one rank fails every rank's item."""
+    import torch.distributed as dist
+    texts: List[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(texts, text)
+    bad = [(r, t) for r, t in enumerate(texts) if t]
+    return None if not bad else f"rank {bad[0][0]}: {bad[0][1]}"
+
+
+def shared_directory(prefix: str) -> str:
+    """A new directory rank 0 made, its path on every rank (collective)."""
+    import torch.distributed as dist
+    path = [tempfile.mkdtemp(prefix=prefix) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    return path[0]
+
+
+def expect_refused(problems: List[str], what: str, needle: str, call) -> None:
+    """call() must raise a ValueError whose message holds `needle`; what it
+    did instead is added to `problems`."""
+    try:
+        call()
+    except ValueError as error:
+        if needle not in str(error):
+            problems.append(f"{what}: {error}")
+        return
+    problems.append(f"{what}: accepted")

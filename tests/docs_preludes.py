@@ -409,6 +409,38 @@ if rank == 0:
     expect=("pp 2 x dp 2, 1F1B: the DCP checkpoint holds the whole model, the same as one process, 12 tensors",),
     ranks=4)
 
+_EXPERTS = Prelude(
+    setup='''
+import sys
+sys.path.insert(0, os.path.join(os.environ["ZERO_EXT_REPO"], "examples"))
+from moe_expert_parallel import MoELM, batch, expert_parallel
+import torch.nn.functional as F
+model = MoELM()
+loss_fn = lambda logits, y: F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+per = 16 // world
+batches = [tuple(t[rank * per:(rank + 1) * per] for t in batch(step, 16, 16, 64)) for step in range(3)]
+''',
+    check='''
+barrier()
+if rank == 0:
+    import torch.distributed.checkpoint as dcp
+    torch.manual_seed(0)
+    expected = MoELM()
+    opt = torch.optim.AdamW(expected.parameters())
+    for step in range(3):
+        x, y = batch(step, 16, 16, 64)
+        loss_fn(expected(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(expected.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    whole = {k: torch.zeros_like(v) for k, v in expected.state_dict().items()}
+    dcp.load({"model": whole}, checkpoint_id="ckpt", no_dist=True)
+    n = assert_same(whole, expected)
+    say(f"ep 2 x dp_mod_ep 2: the DCP checkpoint holds every expert whole, the same as one process, {n} tensors")
+''',
+    expect=("ep 2 x dp_mod_ep 2: the DCP checkpoint holds every expert whole, the same as one process, 13 tensors",),
+    ranks=4)
+
 _TINY_LLAMA = '''
 from transformers import LlamaConfig, LlamaForCausalLM
 config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -528,6 +560,9 @@ PRELUDES = {
     ("docs/multi-node.md",
      "# given: model (the whole model: emb, layers in a ModuleDict by index, head), loss_fn, batches (this dp rank's), world"):
         _PIPELINE,
+    ("docs/multi-node.md",
+     "# given: model (a MoE LM; expert_parallel as examples/moe_expert_parallel.py's), loss_fn, batches (this rank's), world"):
+        _EXPERTS,
     ("docs/checkpoints.md", "# given: ckpt (a path), model, optimizer"): _RESUME,
     ("docs/compression.md", "# given: model, optimizer"): _COMPRESSION,
     ("docs/mixed-precision-and-offload.md", "# given: model, opt; each line is one choice (a model is wrapped once)"):

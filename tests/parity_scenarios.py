@@ -204,6 +204,9 @@ def run_one(rank: int, world: int, item: str) -> Optional[str]:
     if item.startswith("compression:"):  # quantized collectives (compression_scenarios.py), worlds 2 and 4
         import compression_scenarios
         return compression_scenarios.run_one(item, device_mesh)
+    if item.startswith("experts:"):  # experts on their own mesh dimension (expert_scenarios.py), world 4
+        import expert_scenarios
+        return expert_scenarios.run_one(item)
     if item.startswith("pipeline:"):  # pipeline stages (pipeline_scenarios.py), in the world-4 group
         import pipeline_scenarios
         return pipeline_scenarios.run_one(item)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import os
-import tempfile
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -30,6 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import zero_ext
+from dist_harness import agree_on_ranks, expect_refused, shared_directory
 
 WIDTH, LAYERS, VOCAB, BATCH, SEQ, STEPS = 16, 4, 32, 8, 5, 3
 # fp32, the same sums in another order (a microbatch's mean, then the
@@ -184,12 +184,7 @@ def _compare(state: Dict[str, torch.Tensor], model: nn.Module, what: str) -> Opt
     return None
 
 
-def _agree(text: Optional[str]) -> Optional[str]:
-    """Every rank's verdict (a mismatch on one stage fails every rank's item)."""
-    texts: List[Optional[str]] = [None] * dist.get_world_size()
-    dist.all_gather_object(texts, text)
-    bad = [(r, t) for r, t in enumerate(texts) if t]
-    return None if not bad else f"rank {bad[0][0]}: {bad[0][1]}"
+_agree = agree_on_ranks  # a mismatch on one stage fails every rank's item
 
 
 def train(stage: int, schedule: str, make_optimizer: Callable, clip: Optional[str], **wrap_options) -> Optional[str]:
@@ -363,9 +358,8 @@ def dcp_whole_model(stage: int) -> Optional[str]:
         pipeline.run(step)
         pipeline.optimizers[0].step()
     expected_model, _ = reference(2, adamw, None)
-    path = [tempfile.mkdtemp(prefix="zero_ext_pp_dcp_") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(path, src=0)
-    target = os.path.join(path[0], "ckpt")
+    root = shared_directory("zero_ext_pp_dcp_")
+    target = os.path.join(root, "ckpt")
     zero_ext.save(target, pipeline.models[0], pipeline.optimizers[0], format="dcp")
     problem = None
     if dist.get_rank() == 0:
@@ -374,7 +368,7 @@ def dcp_whole_model(stage: int) -> Optional[str]:
         dcp.load({"model": whole}, checkpoint_id=target, no_dist=True)
         problem = _compare(whole, expected_model, "the DCP checkpoint read by one plain process")
         from zero_ext.convert import convert
-        out = os.path.join(path[0], "whole.pt")
+        out = os.path.join(root, "whole.pt")
         convert(target, out)  # python -m zero_ext.convert: every stage's tensors, one state_dict
         problem = problem or _compare(torch.load(out, weights_only=True), expected_model,
                                       "the DCP checkpoint converted to a state_dict")
@@ -382,9 +376,7 @@ def dcp_whole_model(stage: int) -> Optional[str]:
 
 
 def _shared_directory() -> str:
-    path = [tempfile.mkdtemp(prefix="zero_ext_pp_ckpt_") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(path, src=0)
-    return path[0]
+    return shared_directory("zero_ext_pp_ckpt_")
 
 
 def checkpoints_across_splits(stage: int) -> Optional[str]:
@@ -463,13 +455,7 @@ def refusals(stage: int) -> Optional[str]:
     problems = []
 
     def expect(what: str, needle: str, call: Callable[[], object]) -> None:
-        try:
-            call()
-        except ValueError as error:
-            if needle not in str(error):
-                problems.append(f"{what}: {error}")
-            return
-        problems.append(f"{what}: accepted")
+        expect_refused(problems, what, needle, call)
 
     overlapping = stage_of(full, [0, 1, 2] if pp == 0 else [2, 3], pp == 0, pp == 1)
     expect("a split with layer 2 on both stages", "pipeline split",

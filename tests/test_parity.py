@@ -10,6 +10,8 @@ ZERO_EXT_PARITY_WORLDS=1,2 limits the world sizes (the torch-versions subset).
 Tensor parallelism: tensor_parallel_scenarios.py's items, in the world-4 group.
 Pipeline stages: pipeline_scenarios.py's items, in the world-4 group (a
 (pp 2, dp 2) mesh), or in a group of their own without world 4.
+Experts on their own mesh dimension: expert_scenarios.py's items, in the
+world-4 group ((dp_mod_ep, ep) meshes), or in a group of their own.
 Quantized collectives: compression_scenarios.py's items, in the world-2 and
 world-4 groups and the 2x2 mesh group.
 
@@ -27,6 +29,7 @@ from parity_scenarios import all_items
 from tensor_parallel_scenarios import all_items as tensor_parallel_items
 from compression_scenarios import all_items as compression_items
 from pipeline_scenarios import all_items as pipeline_items
+from expert_scenarios import all_items as expert_items
 
 WORLD_SIZES = tuple(int(w) for w in os.environ.get("ZERO_EXT_PARITY_WORLDS", "1,2,4").split(","))
 
@@ -64,6 +67,9 @@ TENSOR_PARALLEL = tensor_parallel_items()
 # groups, which wrap() compares; a refused pipeline wrap holds none, so the
 # ranks stay alike), or a group of their own.
 PIPELINE = pipeline_items()
+# Experts on their own mesh dimension (expert_scenarios.py): in the flat
+# world-4 group after the pipeline items, or a group of their own.
+EXPERTS = expert_items()
 
 
 @functools.lru_cache(maxsize=None)
@@ -72,12 +78,14 @@ def group_results(world: int, mesh: str = ""):
         items = TENSOR_PARALLEL
     elif mesh == "pp":
         items = PIPELINE
+    elif mesh == "ep":
+        items = EXPERTS
     elif mesh:
         items = mesh_items(mesh) + (compression_items(mesh) if mesh == "2x2" else [])
     else:
         # The TP items last: their dp rows pool different numbers of groups
         # (a refused wrap on one row), which a later wrap over every rank refuses.
-        items = all_items() + COMPRESSION.get(world, []) + (PIPELINE + TENSOR_PARALLEL if world == 4 else [])
+        items = all_items() + COMPRESSION.get(world, []) + (PIPELINE + EXPERTS + TENSOR_PARALLEL if world == 4 else [])
     return run_items_on_ranks(world, "parity_scenarios:run_one", items, item_deadline_s=180)
 
 
@@ -124,3 +132,16 @@ def test_pipeline_parity(item):
     of microbatches, one DCP checkpoint of the whole model, and what ranks
     disagree on refused on every rank."""
     assert_item_matched(4, (group_results(4) if 4 in WORLD_SIZES else group_results(4, "pp"))[item])
+
+
+@pytest.mark.parametrize("item", EXPERTS)
+def test_expert_parity(item):
+    """Experts on their own mesh dimension: examples/moe_expert_parallel.py's
+    MoE (experts Shard(0) over mesh['ep'], all-to-all dispatch) wrapped with
+    expert_process_group=mesh['dp_mod_ep'] at ep 2 x 2 and ep 4 x 1, against
+    one process over the global batch (AdamW with the whole model's norm
+    clipped, SGD in bf16, experts no token reached, offload, no_sync), the
+    bytes each group reduces, checkpoints loaded at another ep size and
+    converted whole, and ranks that disagree on the ep size refused on
+    every rank."""
+    assert_item_matched(4, (group_results(4) if 4 in WORLD_SIZES else group_results(4, "ep"))[item])

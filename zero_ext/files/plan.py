@@ -13,7 +13,9 @@ A tensor-parallel model (groups/tensor_parallel.py) stores each parameter
 full: a parameter split over tp tp rank by tp rank (each rank's part
 flattened, metadata ParamMeta.tensor_parallel), so a rank's ranges of its
 local leaf shift by where its part starts (stored_offset); a parameter every
-tp rank holds alike is written by tp rank 0 and read by all.
+tp rank holds alike is written by tp rank 0 and read by all. Experts on
+their own mesh dimension (groups/experts.py) are stored the same way: split
+along dim 0 over ep, each ep rank's experts at their place.
 """
 from __future__ import annotations
 
@@ -110,32 +112,50 @@ def _split_numels(spec) -> List[int]:
     return out
 
 
+def split_of(state, p: torch.Tensor):
+    """(spec, this rank's place along it) of a local leaf: a tensor-parallel
+    one's over tp, an expert's over ep; (None, 0) for any other parameter."""
+    for dimension in (state.tensor_parallel, getattr(state, "experts", None)):
+        spec = dimension.spec_of(p) if dimension is not None else None
+        if spec is not None:
+            return spec, dimension.rank
+    return None, 0
+
+
 def stored_offset(state, p: torch.Tensor, writing: bool) -> Optional[int]:
     """Where this rank's local values of parameter `p` start among the stored
     elements of the full parameter: 0 without tensor parallelism; None when
     writing a part another tp rank writes (a parameter every tp rank holds
     alike: tp rank 0 writes it)."""
+    spec, rank = split_of(state, p)
+    if spec is not None and spec.shard_dim is not None:
+        return sum(_split_numels(spec)[:rank])
     tp = state.tensor_parallel
     if tp is None:
         return 0
-    spec = tp.spec_of(p)
-    if spec is None or spec.shard_dim is None:
-        return None if writing and tp.rank != 0 else 0
-    return sum(_split_numels(spec)[:tp.rank])
+    return None if writing and tp.rank != 0 else 0
 
 
 def full_shape(state, p: torch.Tensor) -> Tuple[int, ...]:
-    """The parameter's full shape (a tensor-parallel leaf's: the full tensor's)."""
-    spec = state.tensor_parallel.spec_of(p) if state.tensor_parallel is not None else None
+    """The parameter's full shape (a tensor-parallel leaf's or an expert's: the full tensor's)."""
+    spec, _ = split_of(state, p)
     return tuple(spec.shape) if spec is not None else tuple(p.shape)
 
 
 def tensor_parallel_split(state, p: torch.Tensor) -> Optional[Tuple[int, Tuple[int, ...]]]:
-    """(dim, each tp rank's extent) of a parameter split over tp, else None."""
-    spec = state.tensor_parallel.spec_of(p) if state.tensor_parallel is not None else None
+    """(dim, each rank's extent) of a parameter split over tp (or ep), else None."""
+    spec, _ = split_of(state, p)
     if spec is None or spec.shard_dim is None:
         return None
     return spec.shard_dim, tuple(spec.local_sizes())
+
+
+def split_offset(state, p: torch.Tensor) -> Tuple[Optional[int], int]:
+    """(dim, where this rank's part starts along it) of a split parameter, (None, 0) otherwise."""
+    split = tensor_parallel_split(state, p)
+    if split is None:
+        return None, 0
+    return split[0], sum(split[1][:split_of(state, p)[1]])
 
 
 def check_split_readable(state, model: torch.nn.Module, saved_splits: Dict[str, Optional[tuple]], where: str) -> None:

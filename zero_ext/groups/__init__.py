@@ -8,12 +8,14 @@ from . import arrival, stall_query
 from .mesh import Topology, resolve_topology
 from .process_groups import (acquire_groups, acquire_mesh_groups, acquire_subgroups, group_timeout,
                              handed_to_backend, pooled_groups, retire_if_failed)
+from .experts import ExpertParallel, check_experts_supported, expert_parallel_of, find_experts
 from .pipeline import Pipeline, pipeline_of
 from .ranks import Ranks, refuse_different_paths
-from .tensor_parallel import (TensorParallel, TensorParallelSpec, check_supported, find_tensor_parallel,
-                              global_description, is_dtensor, localize, tensor_parallel_of)
+from .tensor_parallel import (TensorParallel, TensorParallelSpec, check_supported, data_parallel_ranks,
+                              find_tensor_parallel, global_description, is_dtensor, localize, tensor_parallel_of)
 
 __all__ = [
+    "ExpertParallel",
     "Pipeline",
     "Ranks",
     "arrival",
@@ -23,7 +25,11 @@ __all__ = [
     "acquire_groups",
     "acquire_mesh_groups",
     "acquire_subgroups",
+    "check_experts_supported",
     "check_supported",
+    "data_parallel_ranks",
+    "expert_parallel_of",
+    "find_experts",
     "find_tensor_parallel",
     "global_description",
     "is_dtensor",

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .tensor_parallel import _data_parallel_ranks, is_dtensor
+from .tensor_parallel import data_parallel_ranks, is_dtensor
 
 # [Note: arrival at wrap]
 # wrap()'s first collective (the agreement, wrapping/fingerprint.py) would
@@ -74,15 +74,22 @@ _STOPPED = "stopped:"
 _wraps_over: Dict[Tuple[int, ...], int] = {}
 
 
-def first_tensor_parallel_mesh(model: object):
+def first_tensor_parallel_mesh(model: object, dp_ranks: Optional[Sequence[int]] = None):
     """The mesh of the model's first DTensor parameter (find_tensor_parallel's
-    order), None for a model that is not tensor parallel."""
+    order), None for a model that is not tensor parallel. A mesh inside
+    `dp_ranks` is an expert-parallel one (groups/experts.py), not tp."""
     if not isinstance(model, torch.nn.Module):
         return None
+    inside = set(int(r) for r in dp_ranks) if dp_ranks is not None else None
     for _, module in model.named_modules(remove_duplicate=False):
         for p in module._parameters.values():
             if p is not None and is_dtensor(p):
-                return p.device_mesh if p.device_mesh.ndim == 1 else None
+                if p.device_mesh.ndim != 1:
+                    return None
+                ranks = set(int(r) for r in dist.get_process_group_ranks(p.device_mesh.get_group(0)))
+                if inside is not None and len(ranks) > 1 and ranks <= inside:
+                    continue
+                return p.device_mesh
     return None
 
 
@@ -125,8 +132,8 @@ def wrap_ranks(model: object, process_group: object) -> Optional[List[int]]:
     if not (dist.is_available() and dist.is_initialized()):
         return None
     try:
-        dp = sorted(int(r) for r in _data_parallel_ranks(process_group))
-        mesh = first_tensor_parallel_mesh(model)
+        dp = sorted(int(r) for r in data_parallel_ranks(process_group))
+        mesh = first_tensor_parallel_mesh(model, dp)
         ranks = dp if mesh is None else _grid(dp, mesh)
     except Exception:  # noqa: BLE001 - wrap()'s own checks name what is wrong with the arguments
         return None

@@ -197,7 +197,7 @@ def _group_ranks(group) -> List[int]:
     return list(dist.get_process_group_ranks(group))
 
 
-def _data_parallel_ranks(process_group) -> List[int]:
+def data_parallel_ranks(process_group) -> List[int]:
     """Global ranks of the data-parallel group or mesh passed to wrap()."""
     if process_group is None:
         return list(range(dist.get_world_size()))
@@ -206,43 +206,31 @@ def _data_parallel_ranks(process_group) -> List[int]:
     return _group_ranks(process_group)
 
 
-def find_tensor_parallel(model: torch.nn.Module, process_group) -> List[_Found]:
+def find_tensor_parallel(model: torch.nn.Module, process_group, experts: Sequence[_Found] = ()) -> List[_Found]:
     """The model's DTensor parameters, checked to be what zero_ext shards:
     on one 1-D mesh, Shard(dim) or Replicate, orthogonal to the data-parallel
-    group. Raises ValueError before anything changes (every rank sees the
-    same model and meshes, so every rank raises alike)."""
-    found: List[_Found] = []
-    seen: Dict[int, TensorParallelSpec] = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        for name, p in module._parameters.items():
-            if p is None or not is_dtensor(p):
-                continue
-            where = f"{prefix}.{name}" if prefix else name
-            if id(p) in seen:
-                found.append(_Found(module, name, p, seen[id(p)]))
-                continue
-            mesh = p.device_mesh
-            if mesh.ndim != 1:
-                raise ValueError(
-                    f"zero_ext.wrap: parameter '{where}' is a DTensor on a {mesh.ndim}-D mesh; zero_ext takes "
-                    "parameters made tensor parallel over one mesh dimension (parallelize_module(module, "
-                    "mesh['tp'], plan)) and shards them itself over the data-parallel dimension it is given. "
-                    "Do not apply fully_shard / FSDP before zero_ext.wrap.")
-            placement = p.placements[0]
-            if not (placement.is_shard() or placement.is_replicate()):
-                raise ValueError(
-                    f"zero_ext.wrap: parameter '{where}' has the placement {placement}; zero_ext takes "
-                    "tensor-parallel parameters that are Shard(dim) or Replicate() (what ColwiseParallel, "
-                    "RowwiseParallel and SequenceParallel make).")
-            spec = TensorParallelSpec(mesh, tuple(p.placements), p.shape, tuple(p.stride()))
-            _check_local_part(where, p, spec)
-            if found and found[0].spec.mesh != mesh:
-                raise ValueError(
-                    f"zero_ext.wrap: parameters '{found[0].module.__class__.__name__}.{found[0].name}' and "
-                    f"'{where}' are DTensors on different meshes; zero_ext takes one tensor-parallel mesh "
-                    "dimension for the whole model.")
-            seen[id(p)] = spec
-            found.append(_Found(module, name, p, spec))
+    group; `experts` (groups/experts.py) are not among them. Raises
+    ValueError before anything changes (every rank sees the same model and
+    meshes, so every rank raises alike)."""
+    expert_ids = {id(f.param) for f in experts}
+
+    def spec_of(p, where: str) -> TensorParallelSpec:
+        mesh = p.device_mesh
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"zero_ext.wrap: parameter '{where}' is a DTensor on a {mesh.ndim}-D mesh; zero_ext takes "
+                "parameters made tensor parallel over one mesh dimension (parallelize_module(module, "
+                "mesh['tp'], plan)) and shards them itself over the data-parallel dimension it is given. "
+                "Do not apply fully_shard / FSDP before zero_ext.wrap.")
+        placement = p.placements[0]
+        if not (placement.is_shard() or placement.is_replicate()):
+            raise ValueError(
+                f"zero_ext.wrap: parameter '{where}' has the placement {placement}; zero_ext takes "
+                "tensor-parallel parameters that are Shard(dim) or Replicate() (what ColwiseParallel, "
+                "RowwiseParallel and SequenceParallel make).")
+        return TensorParallelSpec(mesh, tuple(p.placements), p.shape, tuple(p.stride()))
+
+    found = walk_dtensors(model, lambda p: id(p) not in expert_ids, spec_of, "a tensor-parallel")
     for name, b in model.named_buffers():
         if is_dtensor(b):
             raise ValueError(f"zero_ext.wrap: buffer '{name}' is a DTensor; zero_ext keeps buffers whole on every "
@@ -253,7 +241,7 @@ def find_tensor_parallel(model: torch.nn.Module, process_group) -> List[_Found]:
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("zero_ext.wrap: the model has DTensor parameters but torch.distributed is not initialized")
     tp_ranks = _group_ranks(tp_mesh.get_group(0))
-    dp_ranks = _data_parallel_ranks(process_group)
+    dp_ranks = data_parallel_ranks(process_group)
     me = dist.get_rank()
     common = sorted(set(tp_ranks) & set(dp_ranks))
     if common != [me]:
@@ -262,7 +250,36 @@ def find_tensor_parallel(model: torch.nn.Module, process_group) -> List[_Found]:
             f"and process_group spans ranks {dp_ranks[:16]}{' ...' if len(dp_ranks) > 16 else ''}, which share "
             f"ranks {common} with it. Pass the data-parallel dimension of the same mesh as process_group, "
             "e.g. wrap(model, optimizer, process_group=mesh['dp']) for "
-            "mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')).")
+            "mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp'))."
+            + (" If these parameters are expert-parallel experts (Shard(0) over mesh['ep'], tokens dispatched to "
+               "them), pass expert_process_group=mesh['dp_mod_ep'] (the ranks holding the same experts) too."
+               if set(tp_ranks) <= set(dp_ranks) else ""))
+    return found
+
+
+def walk_dtensors(model: torch.nn.Module, wanted: Callable[[torch.Tensor], bool],
+                  spec_of: Callable[[torch.Tensor, str], TensorParallelSpec], kind: str) -> List[_Found]:
+    """Every DTensor parameter `wanted` takes, by module and attribute (a
+    shared one once per holder), with the spec `spec_of` checks it to have
+    (raising on what zero_ext cannot take), its local part checked, all on
+    one mesh (`kind`: which mesh dimension, for the error)."""
+    found: List[_Found] = []
+    seen: Dict[int, TensorParallelSpec] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, p in module._parameters.items():
+            if p is None or not is_dtensor(p) or not wanted(p):
+                continue
+            where = f"{prefix}.{name}" if prefix else name
+            if id(p) not in seen:
+                spec = spec_of(p, where)
+                _check_local_part(where, p, spec)
+                if found and found[0].spec.mesh != spec.mesh:
+                    raise ValueError(
+                        f"zero_ext.wrap: parameters '{found[0].module.__class__.__name__}.{found[0].name}' and "
+                        f"'{where}' are DTensors on different meshes; zero_ext takes {kind} mesh dimension "
+                        "for the whole model.")
+                seen[id(p)] = spec
+            found.append(_Found(module, name, p, seen[id(p)]))
     return found
 
 
@@ -270,21 +287,31 @@ def check_supported(found: List[_Found], deferred: bool, optimizers: Sequence[to
                     stage: int, elementwise: Callable[[torch.optim.Optimizer], bool]) -> None:
     """What this version does not combine with tensor parallelism, refused
     before anything changes."""
+    refuse_for_local_leaves(found, deferred, optimizers, elementwise, "tensor-parallel parameters",
+                            "parallelize_module it")
+
+
+def refuse_for_local_leaves(found: List[_Found], deferred: bool, optimizers: Sequence[torch.optim.Optimizer],
+                            elementwise: Callable[[torch.optim.Optimizer], bool], what: str, how: str) -> None:
+    """What local leaves ([Note: local leaves]) do not combine with: a meta
+    model (its DTensors hold no values to split), and a non-elementwise
+    optimizer over them (it would step one rank's part as if whole). `what`
+    names the leaves, `how` the user's step that makes them."""
     if not found:
         return
     if deferred:
         raise ValueError(
-            "zero_ext.wrap: a meta-device model (zero_ext.empty_init) with tensor-parallel parameters is not "
-            "supported; build the model on its device, parallelize_module it, then wrap()")
+            f"zero_ext.wrap: a meta-device model (zero_ext.empty_init) with {what} is not supported; build the "
+            f"model on its device, {how}, then wrap()")
     ids = {id(f.param) for f in found}
     for opt in optimizers:
         holds = any(id(p) in ids for g in opt.param_groups for p in g["params"])
         if holds and not elementwise(opt):
             raise ValueError(
-                f"zero_ext.wrap: {type(opt).__name__} is not elementwise, and stepping it on a tensor-parallel "
-                "parameter's local part would not equal stepping the full parameter (zero_ext's whole-parameter "
-                "ownership steps one rank's tensor). Step the tensor-parallel parameters with an elementwise "
-                "optimizer (AdamW, SGD, ...) and give a non-elementwise one (Muon) only plain parameters.")
+                f"zero_ext.wrap: {type(opt).__name__} is not elementwise, and stepping it on the local part of "
+                f"{what} would not equal stepping the full parameter (zero_ext's whole-parameter ownership steps "
+                f"one rank's tensor). Step the {what} with an elementwise optimizer (AdamW, SGD, ...) and give a "
+                "non-elementwise one (Muon) only plain parameters.")
 
 
 def localize(found: List[_Found], optimizers: Sequence[torch.optim.Optimizer]) -> Tuple[Dict[int, TensorParallelSpec],

@@ -44,13 +44,17 @@ def _reduce(local: torch.Tensor, state, norm_type: float) -> torch.Tensor:
     return on_device.to(local.device)
 
 
-# A part: (zero_ext state, this rank's gradient tensors of it, streamed, over tp).
+# A part: (zero_ext state, this rank's gradient tensors of it, streamed, across).
 # Streamed (offload_optimizer="nvme"): the tensors are the optimizer's segments,
 # whose gradients are in the offload file and come in chunk by chunk
-# (gradient_chunks). Over tp: a tensor-parallel model's gradients of the
-# parameters split over tp, whose sums add up over the tp ranks (the rest,
-# which every tp rank holds alike, count once; groups/tensor_parallel.py).
-Part = Tuple[object, List[torch.Tensor], bool, bool]
+# (gradient_chunks). Across: None, or the dimension whose ranks hold the
+# other parts of these gradients, over which their sums add up after the
+# data-parallel group's: tp for a tensor-parallel model's parameters split
+# over tp (the rest, which every tp rank holds alike, count once;
+# groups/tensor_parallel.py); ep for experts on their own dimension at stage
+# 0, where each rank of an expert group holds its experts' whole gradient
+# (at stages 1-3 the sum over dp already holds every expert's shard once).
+Part = Tuple[object, List[torch.Tensor], bool, Optional[object]]
 
 
 def _part_norm(part: Part, norm_type: float, device: torch.device) -> torch.Tensor:
@@ -94,9 +98,9 @@ def clip_sharded(parts: List[Part], plain: List[torch.Tensor],
     totals = []
     for part in parts:
         total = _reduce(_part_norm(part, norm_type, device), part[0], norm_type).to(device)
-        if part[3]:  # summed over dp above, now over tp
+        if part[3] is not None:  # summed over dp above, now over tp (or ep)
             total = total.to(part[0].device)
-            part[0].tensor_parallel.all_reduce(total, math.isinf(norm_type))
+            part[3].all_reduce(total, math.isinf(norm_type))
             total = total.to(device)
         totals.append(total)
     totals.append(_local_norm(plain, norm_type, device))
@@ -150,13 +154,20 @@ def check_tensor_parallel_grads(state) -> None:
 def parts_of(state, held: List[Tuple[torch.Tensor, torch.Tensor]]) -> List[Part]:
     """The Parts of one model's (tensor the optimizer steps, its parameter)
     pairs whose gradients this rank holds. A tensor-parallel model has a split
-    part on every rank, maybe empty: its tp all-reduce is collective."""
+    part on every rank, maybe empty: its tp all-reduce is collective; so do
+    experts on their own dimension at stage 0, over ep."""
     streamed = state.streams_optimizer  # the gradients are in the offload file
     tp = state.tensor_parallel
+    ep = state.experts if state.experts is not None and not state.grads_sharded else None
+    across = tp if tp is not None else ep
+
+    def split(owner) -> bool:
+        return tp.sums_over_tp(owner) if tp is not None else ep.spec_of(owner) is not None
+
     parts = []
-    for over_tp in ((False, True) if tp is not None else (False,)):
-        kept = [t for t, owner in held if tp is None or tp.sums_over_tp(owner) == over_tp]
-        parts.append((state, kept if streamed else [t.grad for t in kept], streamed, over_tp))
+    for over in ((False, True) if across is not None else (False,)):
+        kept = [t for t, owner in held if across is None or split(owner) == over]
+        parts.append((state, kept if streamed else [t.grad for t in kept], streamed, across if over else None))
     return parts
 
 
@@ -172,7 +183,8 @@ def _held_gradients(params: List[torch.Tensor]) -> Tuple[List[Part], List[torch.
         state = ref() if ref is not None else None
         segment_ref = getattr(p, "_zero_ext_segment_of", None)  # a tensor of the sharded optimizer
         owner_of_segment = segment_ref() if segment_ref is not None else None
-        if state is not None and (state.sharded_optimizer or state.tensor_parallel is not None):
+        if state is not None and (state.sharded_optimizer or state.tensor_parallel is not None
+                                  or state.experts is not None):
             sharded.setdefault(id(state), (state, set(), []))[1].add(id(p))
         elif owner_of_segment is not None:
             entry = sharded.setdefault(id(owner_of_segment), (owner_of_segment, set(), []))
@@ -185,14 +197,14 @@ def _held_gradients(params: List[torch.Tensor]) -> Tuple[List[Part], List[torch.
         if state.sharded_optimizer:
             segments = state.handles.optimizer.segments()
             owners = [state.bucketed[i] for i in state.handles.optimizer.segment_param_indices()]
-        else:  # stage 0 of a tensor-parallel model: the parameters themselves
+        else:  # stage 0 of a tensor-parallel model (or with experts): the parameters themselves
             segments = owners = state.bucketed
         owner_of = {id(seg): owner for seg, owner in zip(segments, owners)}
         chosen = [(seg, owner) for seg, owner in zip(segments, owners)
                   if id(owner) in wanted and seg.grad is not None] + [(seg, owner_of[id(seg)]) for seg in given]
         parts += parts_of(state, chosen)
     # Every state in a fixed order on every rank: the reductions are collective.
-    parts.sort(key=lambda part: (part[0].names[0] if part[0].names else "", part[3]))
+    parts.sort(key=lambda part: (part[0].names[0] if part[0].names else "", part[3] is not None))
     return parts, plain
 
 

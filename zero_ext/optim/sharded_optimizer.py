@@ -224,7 +224,7 @@ class ZeroExtOptimizer:
                                 state.handles.optimizer.segment_param_indices()))
             parts = parts_of(state, [(p, state.bucketed[owner_of[id(p)]]) for p in held])
             return clip_sharded(parts, [], max_norm, norm_type, error_if_nonfinite=False, pipelines=pipelines)
-        if state.tensor_parallel is not None:  # stage 0: the local leaves themselves
+        if state.tensor_parallel is not None or state.experts is not None:  # stage 0: the local leaves themselves
             return clip_sharded(parts_of(state, [(p, p) for p in held]), [], max_norm, norm_type,
                                 error_if_nonfinite=False, pipelines=pipelines)
         return clip_sharded([], [p.grad for p in held], max_norm, norm_type, error_if_nonfinite=False,

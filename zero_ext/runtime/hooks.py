@@ -257,8 +257,8 @@ class RootHooks:
         # at stage 3 the units' hooks do nothing in a graph, where each read
         # of a parameter gathers (runtime/compiled_units.py): torch.compile
         # over the whole model meets no graph break of zero_ext's. Not yet
-        # for a tensor-parallel model at stage 3 (DTensor parameters).
-        self.traceable = not (state.params_sharded and state.tensor_parallel)
+        # for a tensor-parallel model, or expert-parallel experts, at stage 3 (DTensor parameters).
+        self.traceable = not (state.params_sharded and (state.tensor_parallel or state.experts))
         self.handle = self.units.handle() if self.traceable else 0
 
     @property

@@ -31,9 +31,10 @@ def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     the fp32 shard accumulator, as the stage keeps them), and with mixed
     precision the fp32 master shards count as optimizer state, as in the ZeRO
     paper's K; for a plain or DDP model gradients are the .grad tensors.
-    by_dimension: a tensor-parallel model's or a pipeline stage's report
-    adds the parameter bytes before each dimension shards them,
-    "params_full", "params_pp_stage" (pipeline) and "params_tp_local" (tp)
+    by_dimension: a tensor-parallel model's, a pipeline stage's or a model
+    with expert-parallel experts' report adds the parameter bytes before
+    each dimension shards them, "params_full", "params_pp_stage"
+    (pipeline), "params_tp_local" (tp) and "params_ep_local" (experts)
     (see _per_dimension); off by default, so the values still sum to what
     this rank holds.
     process: adds what the process holds, all of it, these tensors included
@@ -64,8 +65,10 @@ def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         params = sum(p.numel() * p.element_size() for p in model.parameters())
         grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
     report = {"params": params, "grads": grads, "optimizer_state": _optimizer_state_bytes(optimizer) + masters}
-    if by_dimension and state is not None and (state.tensor_parallel is not None or state.pipeline is not None):
-        report.update(_per_dimension(model, state.tensor_parallel, state.pipeline))
+    if by_dimension and state is not None and (state.tensor_parallel is not None or state.pipeline is not None
+                                               or state.experts is not None):
+        report.update(_per_dimension(model, state.tensor_parallel or state.experts, state.pipeline,
+                                     "params_ep_local" if state.experts is not None else "params_tp_local"))
     if process:
         report.update(_process_bytes())
         device = next((t.device for t in itertools.chain(model.parameters(), model.buffers()) if t.is_cuda), None)
@@ -111,14 +114,16 @@ def _process_bytes() -> Dict[str, int]:
     return {key: found[key] for key in fields.values() if key in found}
 
 
-def _per_dimension(model: torch.nn.Module, tp, pipeline) -> Dict[str, int]:
+def _per_dimension(model: torch.nn.Module, tp, pipeline, local_key: str = "params_tp_local") -> Dict[str, int]:
     """A model's parameter bytes before each dimension shards them, the
     outermost first: the whole model ("params_full": every pipeline
     stage's, as wrapped), this rank's pipeline stage ("params_pp_stage",
     a pipeline only), this rank's tensor-parallel part of it
     ("params_tp_local", tp only), which the data-parallel group shards into
-    "params" at stage 3. Not collective: wrap() learned the other stages'
-    sizes."""
+    "params" at stage 3; with experts on their own dimension instead, this
+    rank's experts and every other parameter ("params_ep_local"), which
+    the expert and data-parallel groups shard. Not collective: wrap()
+    learned the other stages' sizes."""
     stage = local = 0
     for p in model.parameters():
         spec = tp.spec_of(p) if tp is not None else None
@@ -129,5 +134,5 @@ def _per_dimension(model: torch.nn.Module, tp, pipeline) -> Dict[str, int]:
     if pipeline is not None:
         out["params_pp_stage"] = stage
     if tp is not None:
-        out["params_tp_local"] = local
+        out[local_key] = local
     return out

@@ -48,6 +48,10 @@ class ZeroState:
     # A tensor-parallel model: the tp group and each local leaf's spec
     # (groups/tensor_parallel.py, [Note: local leaves]); None otherwise.
     tensor_parallel: Optional[TensorParallel] = None
+    # Experts on their own mesh dimension (wrap(expert_process_group=)): the
+    # ep mesh, the expert group and each expert leaf's spec
+    # (groups/experts.py, [Note: expert parallelism]); None otherwise.
+    experts: Optional[object] = None
     # A pipeline stage (wrap(pipeline_group=)): the pp group across the
     # stages (groups/pipeline.py); None otherwise.
     pipeline: Optional[Pipeline] = None

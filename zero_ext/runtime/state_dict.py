@@ -24,16 +24,18 @@ def full_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
 
 
 def _over_tensor_parallel(state, model: torch.nn.Module, values: Dict[str, Optional[torch.Tensor]], how) -> dict:
-    """A tensor-parallel model: each local leaf's entry made full (gathered
-    over tp, a collective in named_parameters() order) or local, by `how`."""
-    tp = state.tensor_parallel
-    if tp is None:
+    """A tensor-parallel model, or one with expert-parallel experts: each
+    local leaf's entry made full (gathered over tp or ep, a collective in
+    named_parameters() order) or local, by `how`."""
+    dimensions = [d for d in (state.tensor_parallel, state.experts) if d is not None]
+    if not dimensions:
         return values
     out = dict(values)
     for name, p in model.named_parameters(remove_duplicate=False):
-        spec = tp.spec_of(p)
-        if spec is not None and out.get(name) is not None:
-            out[name] = how(tp, out[name], spec)
+        for dimension in dimensions:
+            spec = dimension.spec_of(p)
+            if spec is not None and out.get(name) is not None:
+                out[name] = how(dimension, out[name], spec)
     return out
 
 
@@ -43,9 +45,11 @@ def load_full_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.
     model, in place, on every rank. Keys must match exactly."""
     require_module(model, "zero_ext.load_full_state_dict", "zero_ext.load_full_state_dict(model, state_dict)")
     state = state_of(model)
-    if state.tensor_parallel is not None:  # full tensors in: refused alike on every rank before anything changes
+    for dimension in (state.tensor_parallel, state.experts):  # full tensors in: refused alike before any change
+        if dimension is None:
+            continue
         for name, p in model.named_parameters(remove_duplicate=False):
-            spec = state.tensor_parallel.spec_of(p)
+            spec = dimension.spec_of(p)
             if spec is not None and name in state_dict and tuple(state_dict[name].shape) != tuple(spec.shape):
                 raise ValueError(
                     f"zero_ext.load_full_state_dict: '{name}' has shape {tuple(state_dict[name].shape)}, and this "

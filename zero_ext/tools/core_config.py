@@ -30,6 +30,8 @@ class CoreConfig:
     gather_group: str = ""  # stage 3 gathers on it ("": the shard group)
     replica_group: str = ""  # hybrid sharding: across the copies of this rank's shard
     regather_group: str = ""  # units resharded to a subgroup gather again in it
+    expert_group: str = ""  # expert_process_group: the expert buckets are sharded over it
+    expert_buckets: List[int] = dataclasses.field(default_factory=list)
     prefetch: int = 1
     compute_dtype: str = ""  # dtype_name(): mixed precision's compute dtype
     reduce_dtype: str = ""  # gradients reduced in it ("": fp32)
@@ -70,12 +72,15 @@ class CoreConfig:
     gather_headers: str = ""
     replica_headers: str = ""
     regather_headers: str = ""
+    expert_headers: str = ""
     # Stall diagnosis (stall_seconds 0: off).
     stall_seconds: float = 0.0
     timeout_seconds: float = 1800.0
     key_space: str = ""
     shard_mesh_ranks: List[int] = dataclasses.field(default_factory=list)
     replica_mesh_ranks: List[int] = dataclasses.field(default_factory=list)
+    expert_mesh_ranks: List[int] = dataclasses.field(default_factory=list)  # the expert group's, by group rank
+    expert_group_of_mesh_rank: List[int] = dataclasses.field(default_factory=list)
 
     def to_core(self) -> object:
         """The torch.classes.zero_ext.CoreConfig the core's constructor takes."""

@@ -17,7 +17,8 @@ from .deferred_init import move_to_device
 from .fingerprint import exchange_device
 from .plan import Checked
 from .unit_advice import unit_advice
-from ..groups import Pipeline, TensorParallel, acquire_groups, acquire_mesh_groups, acquire_subgroups, group_timeout
+from ..groups import (ExpertParallel, Pipeline, TensorParallel, acquire_groups, acquire_mesh_groups, acquire_subgroups,
+                      group_timeout)
 from ..tools import CoreConfig, CoreHandles, core_loader, dtype_name, offload_file
 from .arguments import QUANTIZATION_BLOCK
 
@@ -38,14 +39,15 @@ class OwnGroups:
     regather: List[dist.ProcessGroup]  # the subgroup, then its headers' group
     headers: List[dist.ProcessGroup]
     replica_headers: Optional[dist.ProcessGroup]
+    expert: List[dist.ProcessGroup] = dataclasses.field(default_factory=list)  # the expert group, then its headers'
 
     def all(self) -> List[dist.ProcessGroup]:
         """Every group, for retiring them with the model."""
         return (self.shard + ([self.replica] if self.replica is not None else []) + self.headers
-                + ([self.replica_headers] if self.replica_headers is not None else []) + self.regather)
+                + ([self.replica_headers] if self.replica_headers is not None else []) + self.regather + self.expert)
 
 
-def acquire_own_groups(checked: Checked, model: torch.nn.Module) -> OwnGroups:
+def acquire_own_groups(checked: Checked, model: torch.nn.Module, experts: Optional[ExpertParallel] = None) -> OwnGroups:
     """Collective over the model's ranks (every rank reaches it once the checks agree)."""
     options, topology = checked.options, checked.topology
     count = 2 if options.stage == 3 else 1
@@ -68,7 +70,12 @@ def acquire_own_groups(checked: Checked, model: torch.nn.Module) -> OwnGroups:
                                                            device, model, backend="gloo")
         else:
             headers = acquire_groups(base, count, options.timeout, device, model, backend="gloo")
-    return OwnGroups(shard, replica, regather, headers, replica_headers)
+    expert: List[dist.ProcessGroup] = []
+    if experts is not None:  # [Note: expert buckets] in csrc/layout.h; collective over the expert group
+        expert = acquire_groups(experts.expert_group, 1, options.timeout, device, model)
+        if headers:
+            expert += acquire_groups(experts.expert_group, 1, options.timeout, device, model, backend="gloo")
+    return OwnGroups(shard, replica, regather, headers, replica_headers, expert)
 
 
 def mesh_token(checked: Checked) -> str:
@@ -152,8 +159,26 @@ def _diagnosis_fields(checked: Checked, groups: OwnGroups, key_space: str,
     return fields
 
 
+def _expert_fields(checked: Checked, groups: OwnGroups, experts: Optional[ExpertParallel]) -> dict:
+    """The expert buckets and their group; where each mesh rank's expert
+    group is, for the stall diagnosis (collective over the mesh)."""
+    if experts is None:
+        return {}
+    shard_group = checked.topology.shard_group
+    fields: dict = dict(expert_group=groups.expert[0].group_name, expert_buckets=list(checked.expert_buckets),
+                        expert_headers=groups.expert[1].group_name if len(groups.expert) > 1 else "")
+    if shard_group is not None:
+        members = [dist.get_group_rank(shard_group, g) for g in experts.member_ranks()]
+        first = torch.tensor([min(members)], dtype=torch.int64, device=exchange_device(shard_group))
+        every = [torch.empty_like(first) for _ in range(dist.get_world_size(shard_group))]
+        dist.all_gather(every, first, group=shard_group)
+        fields.update(expert_mesh_ranks=members, expert_group_of_mesh_rank=[int(t.item()) for t in every])
+    return fields
+
+
 def core_config(checked: Checked, groups: OwnGroups, model: torch.nn.Module, key_space: str,
-                tensor_parallel: Optional[TensorParallel], pipeline: Optional[Pipeline] = None) -> CoreConfig:
+                tensor_parallel: Optional[TensorParallel], pipeline: Optional[Pipeline] = None,
+                experts: Optional[ExpertParallel] = None) -> CoreConfig:
     """Everything the core is built with besides the parameters' geometry."""
     options = checked.options
     weight_bits, grad_bits = options.compression_bits()
@@ -168,7 +193,7 @@ def core_config(checked: Checked, groups: OwnGroups, model: torch.nn.Module, key
         weight_bits=weight_bits, grad_bits=grad_bits, quant_block=QUANTIZATION_BLOCK,
         reduce_at_read=pipeline is not None,  # [Note: reductions at read] in csrc/backward_round.h
         **_precision_fields(checked), **_unit_fields(checked, model, pipeline), **_swap_fields(checked),
-        **_diagnosis_fields(checked, groups, key_space, tensor_parallel))
+        **_diagnosis_fields(checked, groups, key_space, tensor_parallel), **_expert_fields(checked, groups, experts))
 
 
 def build_core(checked: Checked, config: CoreConfig) -> CoreHandles:

@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from .buckets import plan_buckets
 from .deferred_init import plan_deferred
-from ..groups import Pipeline, TensorParallel, Topology, group_timeout, pooled_groups, resolve_topology
+from ..groups import (Pipeline, TensorParallel, Topology, data_parallel_ranks, group_timeout, pooled_groups,
+                      resolve_topology)
 from ..groups import arrival as arrivals
 from ..optim import WHOLE, optimizer_sharding, plan_owners
 from ..tools import __version__
@@ -81,6 +82,30 @@ def _split_by_optimizer(ordered: List[torch.nn.Parameter], counts: List[int],
     return out, out_counts, out_units
 
 
+def _split_experts(ordered: List[torch.nn.Parameter], counts: List[int], unit_of_bucket: List[int],
+                   expert_ids: set) -> Tuple[List[torch.nn.Parameter], List[int], List[int], List[int]]:
+    """Each bucket cut in two, its other parameters then its experts
+    ([Note: expert buckets] in csrc/layout.h: an expert bucket is sharded
+    over the expert group); also the indices of the expert buckets."""
+    if not expert_ids:
+        return ordered, counts, unit_of_bucket, []
+    out, out_counts, out_units, expert_buckets, first = [], [], [], [], 0
+    for b, count in enumerate(counts):
+        members = ordered[first:first + count]
+        first += count
+        for is_expert in (False, True):
+            run = [p for p in members if (id(p) in expert_ids) == is_expert]
+            if not run:
+                continue
+            if is_expert:
+                expert_buckets.append(len(out_counts))
+            out += run
+            out_counts.append(len(run))
+            if unit_of_bucket:
+                out_units.append(unit_of_bucket[b])
+    return out, out_counts, out_units, expert_buckets
+
+
 def _plan(model: torch.nn.Module, trainable: List[torch.nn.Parameter], options: Options,
           optimizers: List[torch.optim.Optimizer]):
     """Units (stage 3) and buckets: the parameters in bucket order, each
@@ -128,6 +153,7 @@ class Checked:
     counts: List[int]
     unit_of_bucket: List[int]
     owners: List[int]
+    expert_buckets: List[int]  # indices of the buckets sharded over the expert group
     names: List[str]
     unit_names: List[str]
     reshard: object
@@ -136,7 +162,8 @@ class Checked:
 
 def check_and_plan(model, optimizer, stage, process_group, mixed_precision, offload_optimizer, offload_params,
                    offload_path, units, bucket_mb, timeout, prefetch, skip_nonfinite, device, param_init_fn,
-                   reshard_after_forward, max_live_mb, persist_kb, compress_weights, compress_grads) -> Checked:
+                   reshard_after_forward, max_live_mb, persist_kb, compress_weights, compress_grads,
+                   experts=None) -> Checked:
     """Everything wrap() checks and plans before its first collective; raises
     on bad input, here or on this rank only (a path, a device)."""
     optimizers = optimizer_list(optimizer)
@@ -169,6 +196,8 @@ def check_and_plan(model, optimizer, stage, process_group, mixed_precision, offl
     for group in (topology.shard_group, topology.replicate_group):
         check_backend(group, model_device)
     unit_list, ordered, counts, unit_of_bucket = _plan(model, trainable, options, optimizers)
+    ordered, counts, unit_of_bucket, expert_buckets = _split_experts(ordered, counts, unit_of_bucket,
+                                                                     set(experts.specs) if experts else set())
     owners: List[int] = []
     if options.whole_params:  # the parameters of optimizers that are not elementwise: stepped whole by one rank
         whole = {id(p) for opt in optimizers if optimizer_sharding(opt, shards_state=options.stage > 0) == WHOLE
@@ -182,8 +211,13 @@ def check_and_plan(model, optimizer, stage, process_group, mixed_precision, offl
         options, topology, ordered, names, counts, unit_names, unit_of_bucket, list(model.named_buffers()),
         deferred is not None, pooled_groups(), f"zero_ext {__version__}, torch {torch.__version__}",
         owners or [-1] * len(ordered), reshard, device=model_device)
+    fields.append(("expert_process_group",
+                   (experts.size, experts.expert_size, expert_buckets) if experts else None,
+                   f"experts split over ep {experts.size}, sharded over an expert group of {experts.expert_size} "
+                   f"({len(expert_buckets)} bucket{'s' if len(expert_buckets) != 1 else ''})" if experts
+                   else "no expert_process_group"))
     return Checked(options, optimizers, trainable, export_dtype, deferred, model_device, nvme, topology, unit_list,
-                    ordered, counts, unit_of_bucket, owners, names, unit_names, reshard, fields)
+                    ordered, counts, unit_of_bucket, owners, expert_buckets, names, unit_names, reshard, fields)
 
 
 @dataclass
@@ -222,7 +256,8 @@ def agreement_ranks(process_group, model, tensor_parallel: Optional[TensorParall
     if tensor_parallel is not None:
         tp_group = tensor_parallel.group
     else:  # found as find_tensor_parallel finds it, if it failed before
-        mesh = arrivals.first_tensor_parallel_mesh(model) if checked is None else None
+        mesh = (arrivals.first_tensor_parallel_mesh(model, data_parallel_ranks(process_group))
+                if checked is None else None)
         tp_group = mesh.get_group(0) if mesh is not None else None
     pp_group = pipeline.group if pipeline is not None and pipeline.size > 1 else None
     if topology.mesh_size < 2 and tp_group is None and pp_group is None:

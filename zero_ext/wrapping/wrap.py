@@ -14,8 +14,9 @@ import torch.distributed as dist
 from .config import MixedPrecision
 from ..files import install_pretrained_export, local_views
 from .deferred_init import has_meta_parameters, materialize
-from ..groups import (Pipeline, Ranks, TensorParallel, check_supported, find_tensor_parallel, localize,
-                      pipeline_of, retire_if_failed, tensor_parallel_of)
+from ..groups import (ExpertParallel, Pipeline, Ranks, TensorParallel, check_experts_supported, check_supported,
+                      expert_parallel_of, find_experts, find_tensor_parallel, localize, pipeline_of, retire_if_failed,
+                      tensor_parallel_of)
 from ..groups import arrival as arrivals
 from ..groups import stall_query as whereabouts
 from ..optim import WHOLE, optimizer_sharding, shard_optimizer
@@ -59,6 +60,7 @@ def wrap(
     compress_weights: Optional[str] = None,
     compress_grads: Optional[str] = None,
     pipeline_group: Union[None, dist.ProcessGroup, "torch.distributed.device_mesh.DeviceMesh"] = None,
+    expert_process_group: Union[None, dist.ProcessGroup, "torch.distributed.device_mesh.DeviceMesh"] = None,
 ) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
     """Makes `model` and `optimizer` ZeRO data parallel, in place.
 
@@ -169,6 +171,13 @@ def wrap(
             the gradients (step, clip, full_grads) reduces them once, so
             a schedule's microbatches cost one reduction per step; clip
             norms and DCP saves span every stage (docs/multi-node.md).
+        expert_process_group: experts on their own mesh dimension: a model
+            whose experts are expert parallel (DTensors Shard(0) over
+            mesh["ep"], with its own token dispatch) gives the ranks that
+            hold the same experts (mesh["dp_mod_ep"]; ep x dp_mod_ep =
+            process_group's ranks). The experts are sharded over it, every
+            other parameter over process_group; every gradient is averaged
+            over the whole data-parallel batch (docs/multi-node.md).
     Returns:
         ``(model, optimizer)``, the same objects (a list stays that list).
     Raises:
@@ -177,7 +186,8 @@ def wrap(
             offload_path, a device) is raised on every rank, naming them.
         RuntimeError: a rank did not reach wrap() within the timeout.
     """
-    arguments = {name: value for name, value in locals().items() if name not in ("unfreeze_later", "pipeline_group")}
+    arguments = {name: value for name, value in locals().items()
+                 if name not in ("unfreeze_later", "pipeline_group", "expert_process_group")}
     arguments["pipeline"] = None
     # First: the other ranks hear that this one reached wrap(), so their wait
     # before the first collective is bounded and names the ranks that never
@@ -196,10 +206,18 @@ def wrap(
             arguments["pipeline"] = pipeline_of(pipeline_group)
             # A tensor-parallel model: its DTensor parameters become local leaves
             # first ([Note: local leaves] in groups/tensor_parallel.py), put back if wrap() fails.
-            found = find_tensor_parallel(model, process_group) if isinstance(model, torch.nn.Module) else []
+            # Experts on their own mesh dimension become local leaves too (groups/experts.py).
+            module = isinstance(model, torch.nn.Module)
+            experts = find_experts(model, process_group, expert_process_group) if module else []
+            found = find_tensor_parallel(model, process_group, experts) if module else []
             check_supported(found, has_meta_parameters(model) if found else False, optimizers, stage, _elementwise)
-            specs, restore = localize(found, optimizers)
+            check_experts_supported(experts, bool(found), has_meta_parameters(model) if experts else False,
+                                    optimizers, _elementwise, arguments["pipeline"] is not None)
+            expert_specs, restore_experts = localize(experts, optimizers)
+            specs, restore_tp = localize(found, optimizers)
+            restore = lambda: (restore_tp(), restore_experts())  # noqa: E731
             arguments["tensor_parallel"] = tensor_parallel_of(found, specs)
+            arguments["experts"] = expert_parallel_of(experts, expert_specs, expert_process_group)
             # Planned as trainable and frozen again right after, the supported way to
             # unfreeze later (see ZeroState.check_parameters_unchanged).
             later = [p for p in _optimized_parameters(optimizers)
@@ -232,7 +250,7 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
           units, bucket_mb, timeout, prefetch, skip_nonfinite, device, param_init_fn,
           reshard_after_forward, max_live_mb, persist_kb, compress_weights, compress_grads,
           tensor_parallel: Optional[TensorParallel] = None, pipeline: Optional[Pipeline] = None,
-          arrival: Optional[arrivals.Arrival] = None,
+          experts: Optional[ExpertParallel] = None, arrival: Optional[arrivals.Arrival] = None,
           failure: Optional[Exception] = None) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
     """wrap(), once the parameters unfreeze_later plans as trainable are marked so
     (`failure`: what wrap() raised on the way here, to settle with the other ranks):
@@ -241,13 +259,14 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
                                      offload_params, offload_path, units, bucket_mb, timeout, prefetch,
                                      skip_nonfinite, device, param_init_fn, reshard_after_forward, max_live_mb,
                                      persist_kb, compress_weights, compress_grads, tensor_parallel, pipeline,
-                                     arrival, failure)
-    groups = acquire_own_groups(checked, model)
+                                     experts, arrival, failure)
+    groups = acquire_own_groups(checked, model, experts)
     key_space = mesh_token(checked) if groups.shard else ""
     handles: Optional[CoreHandles] = None
     failure = None
     try:  # what fails on this rank alone is settled before the next collective, as the checks were
-        handles = build_core(checked, core_config(checked, groups, model, key_space, tensor_parallel, pipeline))
+        handles = build_core(checked, core_config(checked, groups, model, key_space, tensor_parallel, pipeline,
+                                                  experts))
     except Exception as error:  # noqa: BLE001 - raised on every rank below
         failure = error
     if exchange is not None:
@@ -255,7 +274,7 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
     elif failure is not None:
         raise failure
     assert handles is not None
-    state = _state(model, checked, groups, handles, tensor_parallel, pipeline)
+    state = _state(model, checked, groups, handles, tensor_parallel, pipeline, experts)
     _start(model, checked, state, handles, bool(groups.shard))
     _attach(model, checked.optimizers, state, checked.unit_list, checked.export_dtype, set(checked.reshard.kept))
     # Set-up is not a step: the host blocks sharding and the first
@@ -268,7 +287,8 @@ def _agreed_plan(model, optimizer, stage, process_group, mixed_precision, offloa
                  offload_path, units, bucket_mb, timeout, prefetch, skip_nonfinite, device, param_init_fn,
                  reshard_after_forward, max_live_mb, persist_kb, compress_weights, compress_grads,
                  tensor_parallel: Optional[TensorParallel], pipeline: Optional[Pipeline],
-                 arrival: Optional[arrivals.Arrival], failure: Optional[Exception]) -> Tuple[Checked, object]:
+                 experts: Optional[ExpertParallel], arrival: Optional[arrivals.Arrival],
+                 failure: Optional[Exception]) -> Tuple[Checked, object]:
     """This rank's checks and plan, raised on every rank if any rank's failed,
     then checked to be the same on every rank."""
     checked: Optional[Checked] = None
@@ -277,9 +297,12 @@ def _agreed_plan(model, optimizer, stage, process_group, mixed_precision, offloa
             checked = check_and_plan(model, optimizer, stage, process_group, mixed_precision, offload_optimizer,
                                      offload_params, offload_path, units, bucket_mb, timeout, prefetch,
                                      skip_nonfinite, device, param_init_fn, reshard_after_forward, max_live_mb,
-                                     persist_kb, compress_weights, compress_grads)
+                                     persist_kb, compress_weights, compress_grads,
+                                     experts=experts)
             if pipeline is not None:
                 _check_pipeline_options(checked)
+            if experts is not None:
+                _check_expert_options(checked, experts)
         except Exception as error:  # noqa: BLE001 - raised on every rank below
             failure = error
     exchange = agreement_ranks(process_group, model, tensor_parallel, checked, pipeline)
@@ -291,7 +314,7 @@ def _agreed_plan(model, optimizer, stage, process_group, mixed_precision, offloa
             arrival.wait(*arrival_bound(timeout, exchange.topology))
         settle_failures(exchange.topology, exchange.across, failure)
     assert checked is not None
-    _check_ranks_agree(checked, tensor_parallel, pipeline)
+    _check_ranks_agree(checked, tensor_parallel, pipeline, experts)
     return checked, exchange
 
 
@@ -305,8 +328,23 @@ def _check_pipeline_options(checked: Checked) -> None:
             "drift apart. Train the pipeline in bf16 (mixed_precision='bf16') or fp32, without skip_nonfinite.")
 
 
+def _check_expert_options(checked: Checked, experts: ExpertParallel) -> None:
+    """What the expert group does not combine with in this version."""
+    topology = checked.topology
+    if topology.replicate_group is not None:
+        raise ValueError("zero_ext.wrap: expert_process_group with a 2-D (hybrid) process_group is not supported in "
+                         "this version; pass the flattened data-parallel group (mesh._flatten('dp') or the world).")
+    if checked.reshard.subgroup_size:
+        raise ValueError("zero_ext.wrap: expert_process_group with reshard_after_forward=<int> is not supported in "
+                         "this version; pass True or False.")
+    if topology.shard_size != experts.size * experts.expert_size:
+        raise ValueError(f"zero_ext.wrap: the experts are split over {experts.size} ranks (ep) and "
+                         f"expert_process_group has {experts.expert_size}, which make {experts.size * experts.expert_size} "
+                         f"and not process_group's {topology.shard_size} ranks; ep x dp_mod_ep must be dp.")
+
+
 def _check_ranks_agree(checked: Checked, tensor_parallel: Optional[TensorParallel],
-                       pipeline: Optional[Pipeline] = None) -> None:
+                       pipeline: Optional[Pipeline] = None, experts: Optional[ExpertParallel] = None) -> None:
     described = list(zip(checked.names, checked.ordered))
     if tensor_parallel is None and pipeline is None:
         check_ranks_agree(checked.topology, checked.model_device, checked.fields, described)
@@ -339,7 +377,8 @@ def _check_ranks_agree(checked: Checked, tensor_parallel: Optional[TensorParalle
 
 
 def _state(model: torch.nn.Module, checked: Checked, groups: OwnGroups, handles: CoreHandles,
-           tensor_parallel: Optional[TensorParallel], pipeline: Optional[Pipeline] = None) -> ZeroState:
+           tensor_parallel: Optional[TensorParallel], pipeline: Optional[Pipeline] = None,
+           experts: Optional[ExpertParallel] = None) -> ZeroState:
     """What zero_ext keeps for the model; its groups retire with it if they failed."""
     options, topology, ordered, names = checked.options, checked.topology, checked.ordered, checked.names
     faults.arm_core(handles, topology.mesh_rank if topology.mesh_size > 1 else 0)
@@ -359,6 +398,7 @@ def _state(model: torch.nn.Module, checked: Checked, groups: OwnGroups, handles:
         output_dtype=options.precision.output_dtype,
         tensor_parallel=tensor_parallel,
         pipeline=pipeline,
+        experts=experts,
     )
     weakref.finalize(state, retire_if_failed, handles, groups.all())
     return state
@@ -394,7 +434,7 @@ def _attach(model: torch.nn.Module, optimizers: List[torch.optim.Optimizer], sta
     model._is_accelerate_prepared = True
     owner = assign_parameters(model, unit_list)
     root = install_forward_hooks(model, unit_list, owner)
-    if root.traceable and state.tensor_parallel is None:  # DTensor parameters: read as they are
+    if root.traceable and state.tensor_parallel is None and state.experts is None:  # DTensors: read as they are
         index_of = {id(p): i for i, p in enumerate(state.bucketed)}
         # The root unit stays gathered from forward to backward, as eagerly.
         kept = {index_of[key] for key, u in owner.items() if (u == 0 or u in kept_units) and key in index_of}

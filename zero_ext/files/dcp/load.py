@@ -30,10 +30,7 @@ _TRAINER_ENTRIES = ("optimizer", "optim", "lr_scheduler", "dataloader", "train_s
 
 
 def _place(state, p: torch.Tensor) -> Tuple[Optional[int], int]:
-    split = plan.tensor_parallel_split(state, p)
-    if split is None:
-        return None, 0
-    return split[0], sum(split[1][:state.tensor_parallel.rank])
+    return plan.split_offset(state, p)
 
 
 class _Filler:

@@ -76,10 +76,9 @@ def _tp_place(state, p: torch.Tensor) -> Tuple[Optional[int], int, bool]:
     """(dim, offset along it, whether this rank writes it): where this rank's
     local tensor of `p` sits in the full tensor. A part every tp rank holds
     alike is written by tp rank 0."""
-    split = plan.tensor_parallel_split(state, p)
-    if split is not None:
-        dim, sizes = split
-        return dim, sum(sizes[:state.tensor_parallel.rank]), True
+    dim, offset = plan.split_offset(state, p)
+    if dim is not None:
+        return dim, offset, True
     return None, 0, plan.stored_offset(state, p, writing=True) is not None
 
 

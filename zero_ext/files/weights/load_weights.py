@@ -235,9 +235,9 @@ def load_weights(model: torch.nn.Module, source, strict: bool = True) -> LoadedW
     unexpected keys and the bytes this rank read."""
     require_module(model, "zero_ext.load_weights", "zero_ext.load_weights(model, source)")
     state = state_of(model)
-    if state.tensor_parallel is not None:  # every rank of a tensor-parallel model raises alike
+    if state.tensor_parallel is not None or state.experts is not None:  # every rank raises alike
         raise NotImplementedError(
-            "zero_ext.load_weights: this version does not read weights into a tensor-parallel model; load the "
+            "zero_ext.load_weights: this version does not read weights into a tensor- or expert-parallel model; load the "
             "full tensors with zero_ext.load_full_state_dict(model, state_dict) (each rank keeps its part)")
     wait_for_snapshot(state)  # it writes what a save in flight may not have copied yet
     ranks = Ranks(state)

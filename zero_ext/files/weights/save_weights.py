@@ -62,9 +62,9 @@ def save_weights(model: torch.nn.Module, path, dtype: Optional[torch.dtype] = No
     or cast to `dtype`) as safetensors; see the module's docstring."""
     require_module(model, "zero_ext.save_weights", "zero_ext.save_weights(model, path)")
     state = state_of(model)
-    if state.tensor_parallel is not None:  # every rank of a tensor-parallel model raises alike
+    if state.tensor_parallel is not None or state.experts is not None:  # every rank raises alike
         raise NotImplementedError(
-            "zero_ext.save_weights: this version does not write a tensor-parallel model's weights as safetensors; "
+            "zero_ext.save_weights: this version does not write a tensor- or expert-parallel model's weights as safetensors; "
             "zero_ext.full_state_dict(model) gives the full tensors on every rank, or zero_ext.save then "
             "python -m zero_ext.convert CKPT OUT --format safetensors writes them")
     ranks = Ranks(state)
@@ -157,9 +157,9 @@ def export_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     from one). Collective under mixed precision or at stage 3: every rank
     calls it."""
     state = state_of(model)
-    if state.tensor_parallel is not None:  # every rank alike: model.state_dict() holds tp parts
+    if state.tensor_parallel is not None or state.experts is not None:  # model.state_dict() holds parts
         raise NotImplementedError(
-            "zero_ext: this version does not export a tensor-parallel model's weights (save_pretrained, an "
+            "zero_ext: this version does not export a tensor- or expert-parallel model's weights (save_pretrained, an "
             "integration's state_dict); zero_ext.full_state_dict(model) gives the full tensors on every rank")
     if not state.handles.optimizer.has_masters():
         return model.state_dict()
