@@ -32,6 +32,7 @@ JOBS_TIER_FILES = frozenset({
     "test_docs_examples.py", "test_exit.py", "test_benchmarks.py", "test_multinode.py",
     "test_checkpoint_publish.py", "test_demo.py", "test_gpu_benchmark.py",
     "test_pipeline_3d.py",  # world 8 (dp x tp x pp): the README suite stood at 855 s of its 900 with it
+    "test_coordinator.py", "test_replicas.py",  # a coordinator process, and replicas as torchrun jobs
 })
 # [Note: the slow tier] What must stay long and says little about one
 # change: the tolerance study (test_tolerances.py reruns every scenario's

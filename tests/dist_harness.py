@@ -310,3 +310,20 @@ def expect_refused(problems: List[str], what: str, needle: str, call) -> None:
             problems.append(f"{what}: {error}")
         return
     problems.append(f"{what}: accepted")
+
+
+def free_port_pair() -> int:
+    """A local port free now whose next one is too (a coordinator's store takes PORT + 1)."""
+    import socket
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port >= 60000:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port

@@ -12,7 +12,8 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(REPO, "zero_ext")
 ROOMS = {"wrapping", "runtime", "optim", "groups", "tools", "files", "integrations"}
-TOP_LEVEL = {"__init__.py", "env.py", "selfcheck.py", "convert.py"}  # the public API and `python -m` entry points
+# The public API and the `python -m` entry points.
+TOP_LEVEL = {"__init__.py", "env.py", "selfcheck.py", "convert.py", "coordinator.py"}
 SHARED_PRIVATE = {"_C", "__version__"}  # the compiled core and the version: the package's own
 
 

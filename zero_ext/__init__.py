@@ -11,9 +11,10 @@ from .tools import __version__
 try:
     from .files import checkpoint_exists, load, load_weights, save, save_weights
     from .optim import clip_grad_norm_, clip_grad_value_
+    from .groups import Replicas
     from .runtime import (full_grads, full_params, full_state_dict, load_full_state_dict, memory_report,
-                          register_forward_method, set_modules_to_backward_prefetch, set_modules_to_forward_prefetch,
-                          traffic)
+                          register_forward_method, replica_status, set_modules_to_backward_prefetch,
+                          set_modules_to_forward_prefetch, traffic)
     from .wrapping import DynamicLossScale, MixedPrecision, empty_init, skip_init, wrap
 except ImportError as _error:
     import sys as _sys
@@ -32,6 +33,7 @@ except ImportError as _error:
 __all__ = [
     "DynamicLossScale",
     "MixedPrecision",
+    "Replicas",
     "checkpoint_exists",
     "clip_grad_norm_",
     "clip_grad_value_",
@@ -44,6 +46,7 @@ __all__ = [
     "load_weights",
     "memory_report",
     "register_forward_method",
+    "replica_status",
     "save",
     "save_weights",
     "set_modules_to_backward_prefetch",

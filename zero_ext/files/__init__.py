@@ -29,6 +29,7 @@ _OFFERED = {  # name -> the module that defines it
     "load": ".entry",
     "load_weights": ".weights.load_weights",
     "local_views": ".plan",
+    "recover_from_peer": ".peer_state",
     "save": ".entry",
     "save_weights": ".weights.save_weights",
     "weights_only_loadable": ".weights_only",

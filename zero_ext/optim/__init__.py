@@ -4,6 +4,8 @@ streamed through offload files."""
 from __future__ import annotations
 
 from .clip import check_tensor_parallel_grads, clip_grad_norm_, clip_grad_value_
+from .replica_step import exchange as exchange_across_replicas
+from .replica_step import optimized_tensors
 from .optimizer_set import as_one, class_name, qualified_class_names
 from .ownership import WHOLE, optimizer_sharding, plan_owners
 from .sharded_optimizer import check_step_not_patched, shard_optimizer
@@ -19,8 +21,10 @@ __all__ = [
     "class_name",
     "clip_grad_norm_",
     "clip_grad_value_",
+    "exchange_across_replicas",
     "optimizer_sharding",
     "offload_in_memory",
+    "optimized_tensors",
     "qualified_class_names",
     "plan_owners",
     "shard_optimizer",

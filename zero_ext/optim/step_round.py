@@ -19,7 +19,7 @@ With one optimizer every step is a round of its own, as before.
 from __future__ import annotations
 
 import enum
-from typing import Optional, Set, Tuple
+from typing import Callable, Optional, Set, Tuple
 
 import torch
 
@@ -46,6 +46,9 @@ class StepRound:
         # gradients over the data-parallel group; the tp ranks then agree here,
         # so every rank skips (and moves the loss scale) alike.
         self.tensor_parallel = tensor_parallel
+        # wrap(replicas=): averages the gradients over the live replicas once
+        # the step is decided ([Note: a step across replicas]); None otherwise.
+        self.before_step: Optional[Callable[[], None]] = None
 
     def join(self, optimizer) -> None:
         # A token on the optimizer, not id(): wrappers that copy its __dict__
@@ -67,6 +70,8 @@ class StepRound:
                     f"call zero_grad() after the last one's step.")
             self._agree_nonfinite_over_tp()
             skip = bool(self.handles.optimizer.begin_step())
+            if not skip and self.before_step is not None:
+                self.before_step()
             self.state = StepRoundState.SKIPPING if skip else StepRoundState.STEPPING
             self.done = set()
             return skip, True

@@ -10,6 +10,7 @@ from .full_params import full_params
 from .hooks import install_forward_hooks
 from .memory_report import memory_report
 from .module import ZeroExtModule, swap_module_class
+from .replica_status import replica_status
 from .prefetch import set_modules_to_backward_prefetch, set_modules_to_forward_prefetch
 from .state import ZeroState
 from .state_dict import full_grads, full_state_dict, load_full_state_dict
@@ -26,6 +27,7 @@ __all__ = [
     "load_full_state_dict",
     "memory_report",
     "register_forward_method",
+    "replica_status",
     "set_modules_to_backward_prefetch",
     "set_modules_to_forward_prefetch",
     "swap_module_class",

@@ -55,6 +55,9 @@ class ZeroState:
     # A pipeline stage (wrap(pipeline_group=)): the pp group across the
     # stages (groups/pipeline.py); None otherwise.
     pipeline: Optional[Pipeline] = None
+    # wrap(replicas=): the replicas this job trains with (groups/replicas.py,
+    # [Note: a step across replicas]); None otherwise.
+    replica_set: Optional[object] = None
     # zero_ext.save(..., async_save=True): the save in flight (files/asynchronous.py,
     # waited for by the next save or load) and the host buffers its snapshot reuses.
     async_save: Optional[object] = None

@@ -19,6 +19,10 @@ sets it.
   `async_slow_snapshot` makes an asynchronous save's writer thread wait
   PAUSE_S before it takes its snapshot (files/asynchronous.py), so what
   training does right after the call runs before the copy.
+- across replicas (optim/replica_step.py), where the rank exits at once
+  with code 17 at optimizer step `step` if given: `replica_average` (before
+  the gradients' sum over the quorum) and `replica_recover` (a replica
+  catching up, after it learned the state's layout, before its tensors come).
 - `build_check_signal:*:N`: the build check's child kills itself with signal
   N, standing in for a build that crashes (tools/build_check.py, which runs
   by path and so reads this variable itself).
@@ -69,9 +73,11 @@ def armed(point: str, rank: Optional[int] = None) -> bool:
     return any(f.point == point and (rank is None or f.rank is None or f.rank == rank) for f in armed_faults())
 
 
-def exit_if_armed(point: str, rank: int) -> None:
-    """Ends this process at once, as a kill would, where `point` is armed for `rank`."""
-    if armed(point, rank):
+def exit_if_armed(point: str, rank: int, step: Optional[int] = None) -> None:
+    """Ends this process at once, as a kill would, where `point` is armed for
+    `rank` (and, if the fault names a step, at that `step`)."""
+    if any(f.point == point and (f.rank is None or f.rank == rank) and (f.step < 0 or f.step == step)
+           for f in armed_faults()):
         os._exit(EXIT_CODE)
 
 

@@ -3,6 +3,7 @@ core, hook the model, shard the optimizer."""
 from __future__ import annotations
 
 import datetime
+import hashlib
 import math
 import os
 import weakref
@@ -12,14 +13,14 @@ import torch
 import torch.distributed as dist
 
 from .config import MixedPrecision
-from ..files import install_pretrained_export, local_views
+from ..files import install_pretrained_export, local_views, recover_from_peer
 from .deferred_init import has_meta_parameters, materialize
-from ..groups import (ExpertParallel, Pipeline, Ranks, TensorParallel, check_experts_supported, check_supported,
-                      expert_parallel_of, find_experts, find_tensor_parallel, localize, pipeline_of, retire_if_failed,
-                      tensor_parallel_of)
+from ..groups import (ExpertParallel, Pipeline, Ranks, Replicas, ReplicaSet, TensorParallel, check_experts_supported,
+                      check_supported, expert_parallel_of, find_experts, find_tensor_parallel, localize, pipeline_of,
+                      retire_if_failed, tensor_parallel_of)
 from ..groups import arrival as arrivals
 from ..groups import stall_query as whereabouts
-from ..optim import WHOLE, optimizer_sharding, shard_optimizer
+from ..optim import WHOLE, exchange_across_replicas, optimizer_sharding, shard_optimizer
 from ..runtime import ZeroState, compiled_units, install_forward_hooks, swap_module_class
 from ..tools import CoreHandles, attach_state, faults
 from .units import Unit, assign_parameters
@@ -61,6 +62,7 @@ def wrap(
     compress_grads: Optional[str] = None,
     pipeline_group: Union[None, dist.ProcessGroup, "torch.distributed.device_mesh.DeviceMesh"] = None,
     expert_process_group: Union[None, dist.ProcessGroup, "torch.distributed.device_mesh.DeviceMesh"] = None,
+    replicas: Optional[Replicas] = None,
 ) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
     """Makes `model` and `optimizer` ZeRO data parallel, in place.
 
@@ -178,6 +180,12 @@ def wrap(
             process_group's ranks). The experts are sharded over it, every
             other parameter over process_group; every gradient is averaged
             over the whole data-parallel batch (docs/multi-node.md).
+        replicas: zero_ext.Replicas(coordinator="HOST:PORT", replica_id=ID):
+            this job is one replica of several (each its own torchrun job,
+            sharded over its own ranks), whose gradients are averaged over
+            the live replicas before every step; a replica that fails is
+            left out and one that starts again takes a live one's state
+            (docs/faults.md, "Surviving a lost replica").
     Returns:
         ``(model, optimizer)``, the same objects (a list stays that list).
     Raises:
@@ -250,7 +258,8 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
           units, bucket_mb, timeout, prefetch, skip_nonfinite, device, param_init_fn,
           reshard_after_forward, max_live_mb, persist_kb, compress_weights, compress_grads,
           tensor_parallel: Optional[TensorParallel] = None, pipeline: Optional[Pipeline] = None,
-          experts: Optional[ExpertParallel] = None, arrival: Optional[arrivals.Arrival] = None,
+          experts: Optional[ExpertParallel] = None, replicas: Optional[Replicas] = None,
+          arrival: Optional[arrivals.Arrival] = None,
           failure: Optional[Exception] = None) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
     """wrap(), once the parameters unfreeze_later plans as trainable are marked so
     (`failure`: what wrap() raised on the way here, to settle with the other ranks):
@@ -259,7 +268,7 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
                                      offload_params, offload_path, units, bucket_mb, timeout, prefetch,
                                      skip_nonfinite, device, param_init_fn, reshard_after_forward, max_live_mb,
                                      persist_kb, compress_weights, compress_grads, tensor_parallel, pipeline,
-                                     experts, arrival, failure)
+                                     experts, replicas, arrival, failure)
     groups = acquire_own_groups(checked, model, experts)
     key_space = mesh_token(checked) if groups.shard else ""
     handles: Optional[CoreHandles] = None
@@ -277,6 +286,8 @@ def _wrap(model, optimizer, stage, process_group, mixed_precision, offload_optim
     state = _state(model, checked, groups, handles, tensor_parallel, pipeline, experts)
     _start(model, checked, state, handles, bool(groups.shard))
     _attach(model, checked.optimizers, state, checked.unit_list, checked.export_dtype, set(checked.reshard.kept))
+    if replicas is not None:
+        _attach_replicas(state, checked, replicas)
     # Set-up is not a step: the host blocks sharding and the first
     # broadcasts used are not kept for it ([Note: reusable host blocks]).
     torch.ops.zero_ext.release_idle_host_blocks()
@@ -287,8 +298,8 @@ def _agreed_plan(model, optimizer, stage, process_group, mixed_precision, offloa
                  offload_path, units, bucket_mb, timeout, prefetch, skip_nonfinite, device, param_init_fn,
                  reshard_after_forward, max_live_mb, persist_kb, compress_weights, compress_grads,
                  tensor_parallel: Optional[TensorParallel], pipeline: Optional[Pipeline],
-                 experts: Optional[ExpertParallel], arrival: Optional[arrivals.Arrival],
-                 failure: Optional[Exception]) -> Tuple[Checked, object]:
+                 experts: Optional[ExpertParallel], replicas: Optional[Replicas],
+                 arrival: Optional[arrivals.Arrival], failure: Optional[Exception]) -> Tuple[Checked, object]:
     """This rank's checks and plan, raised on every rank if any rank's failed,
     then checked to be the same on every rank."""
     checked: Optional[Checked] = None
@@ -303,6 +314,8 @@ def _agreed_plan(model, optimizer, stage, process_group, mixed_precision, offloa
                 _check_pipeline_options(checked)
             if experts is not None:
                 _check_expert_options(checked, experts)
+            if replicas is not None:
+                _check_replica_options(checked, replicas, pipeline)
         except Exception as error:  # noqa: BLE001 - raised on every rank below
             failure = error
     exchange = agreement_ranks(process_group, model, tensor_parallel, checked, pipeline)
@@ -339,8 +352,42 @@ def _check_expert_options(checked: Checked, experts: ExpertParallel) -> None:
                          "this version; pass True or False.")
     if topology.shard_size != experts.size * experts.expert_size:
         raise ValueError(f"zero_ext.wrap: the experts are split over {experts.size} ranks (ep) and "
-                         f"expert_process_group has {experts.expert_size}, which make {experts.size * experts.expert_size} "
-                         f"and not process_group's {topology.shard_size} ranks; ep x dp_mod_ep must be dp.")
+                         f"expert_process_group has {experts.expert_size}, which make "
+                         f"{experts.size * experts.expert_size} and not process_group's {topology.shard_size} "
+                         "ranks; ep x dp_mod_ep must be dp.")
+
+
+def _check_replica_options(checked: Checked, replicas: Replicas, pipeline: Optional[Pipeline]) -> None:
+    """What replicas need, and what they do not combine with yet."""
+    if not isinstance(replicas, Replicas):
+        raise TypeError(f"zero_ext.wrap: replicas must be a zero_ext.Replicas, got {type(replicas).__name__}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("zero_ext.wrap: replicas needs torch.distributed initialized (each replica is a torchrun job)")
+    options = checked.options
+    if options.precision.loss_scale is not None or options.skip_nonfinite:
+        raise ValueError("zero_ext.wrap: replicas with fp16 loss scaling or skip_nonfinite=True is not supported in "
+                         "this version (a replica would skip a step alone); train in bf16 or fp32.")
+    if checked.nvme:
+        raise ValueError("zero_ext.wrap: replicas with offload to files ('nvme') is not supported in this version; "
+                         "offload_optimizer='cpu' works.")
+    if pipeline is not None:
+        raise ValueError("zero_ext.wrap: replicas with pipeline_group is not supported in this version.")
+
+
+def _attach_replicas(state: ZeroState, checked: Checked, replicas: Replicas) -> None:
+    """The replica set, and the step that averages across it
+    ([Note: a step across replicas] in groups/replicas.py). The fingerprint
+    the coordinator compares: every field wrap()'s ranks agreed on but how
+    many groups this process pooled before (a replica started again has fewer)."""
+    fingerprint = {name: f"{shown} [{hashlib.sha256(repr(value).encode()).hexdigest()[:12]}]"
+                   for name, value, shown in checked.fields if name != "zero_ext groups already held"}
+    state.replica_set = ReplicaSet(replicas, fingerprint)
+    held = weakref.ref(state)
+    optimizers = [weakref.ref(o) for o in checked.optimizers]
+
+    def before_step() -> None:
+        exchange_across_replicas(held(), [o() for o in optimizers if o() is not None], recover_from_peer)
+    state.step_round.before_step = before_step
 
 
 def _check_ranks_agree(checked: Checked, tensor_parallel: Optional[TensorParallel],

@@ -1,0 +1,237 @@
+"""Replicas that survive each other's failures, as users launch them: a
+coordinator (python -m zero_ext.coordinator) and one torchrun job per
+replica (tests/replica_job.py). One replica is killed mid-training (kill -9
+of one of its ranks): the other goes on alone within seconds; started again,
+the killed one joins from its peer and both end with the model one process
+trains on the batches of the replicas that contributed to each step. A
+replica wrapped differently is refused at join; a coordinator that dies
+ends every replica with zero_ext's error (and one started again in time
+lets training go on). In the jobs tier ([Note: the jobs tier] in conftest.py)."""
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import zero_ext
+from zero_ext.groups import coordinator_request as request
+
+from dist_harness import free_port_pair
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(zero_ext.__file__)))
+JOB = os.path.join(ROOT, "tests", "replica_job.py")
+ENV = {**os.environ, "PYTHONPATH": PACKAGE_ROOT + os.pathsep + os.path.join(ROOT, "tests")}
+LINE = re.compile(r"^step (\d+) contributors ([\w,]+) t=([\d.]+)$", re.M)
+
+
+class Run:
+    """The processes of one test, all killed at its end."""
+
+    def __init__(self, tmp_path):
+        self.tmp = tmp_path
+        self.procs = []
+
+    def coordinator(self, port=None, *extra):
+        port = port or free_port_pair()
+        proc = subprocess.Popen([sys.executable, "-m", "zero_ext.coordinator", "--host", "127.0.0.1", "--port",
+                                 str(port), "--dead-after", "2", *extra], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=ENV)
+        self.procs.append(proc)
+        line = proc.stdout.readline()
+        assert "zero_ext coordinator" in line, (line, proc.stderr.read() if proc.wait(5) is not None else "")
+        return f"127.0.0.1:{port}", proc
+
+    def replica(self, address, rid, ranks=2, *extra, env=None):
+        log = open(self.tmp / f"{rid}.log", "a")
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+                                 "--master-port", str(free_port_pair()), JOB, "--coordinator", address,
+                                 "--replica", rid,
+                                 "--out", str(self.tmp / f"{rid}.pt"), *extra],
+                                stdout=log, stderr=subprocess.STDOUT, env={**ENV, **(env or {})}, cwd=str(self.tmp))
+        self.procs.append(proc)
+        return proc
+
+    def log(self, rid) -> str:
+        path = self.tmp / f"{rid}.log"
+        return path.read_text() if path.exists() else ""
+
+    def steps(self, rid):
+        return [(int(s), c.split(","), float(t)) for s, c, t in LINE.findall(self.log(rid))]
+
+    def wait_for(self, what, condition, timeout=120):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if condition():
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"waited {timeout} s for {what}:\n" + "\n".join(
+            f"--- {p.name}\n{p.read_text()[-3000:]}" for p in self.tmp.glob("*.log")))
+
+    def close(self):
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def run(tmp_path):
+    r = Run(tmp_path)
+    yield r
+    r.close()
+
+
+def _reference(contributed, steps):
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    try:
+        import replica_job
+    finally:
+        sys.path.pop(0)
+    model, optimizer = replica_job.model_and_optimizer(0)
+    for step in range(steps):
+        ids = contributed[step]
+        loss = sum(replica_job.loss_of(model, *replica_job.batch(rid, step)) for rid in ids) / len(ids)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.state_dict()
+
+
+def _same(state, expected):
+    for name, value in expected.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_a_killed_replica_is_left_out_then_joins_from_its_peer(run, tmp_path):
+    steps = 16
+    address, _ = run.coordinator(None, "--min-replicas", "2")
+    gate = tmp_path / "gate"
+    a = run.replica(address, "a", 2, "--steps", str(steps), "--step-sleep", "0.05", "--hold", f"9:{gate}")
+    b = run.replica(address, "b", 2, "--steps", str(steps), "--step-sleep", "0.05", "--seed", "3")
+    run.wait_for("both replicas at step 3", lambda: any(s >= 3 for s, _, _ in run.steps("b")))
+    victim = int((tmp_path / "b.pt.pid1").read_text())
+    killed_at = time.time()
+    os.kill(victim, signal.SIGKILL)
+    run.wait_for("replica a alone", lambda: any(c == ["a"] for _, c, _ in run.steps("a")))
+    alone = next(t for _, c, t in run.steps("a") if c == ["a"])
+    assert b.wait(60) != 0
+    assert alone - killed_at < 2 + 10, "the survivor's next step came more than dead-after + 10 s after the kill"
+    (tmp_path / "b.pt.wrapped").unlink()
+    b = run.replica(address, "b", 2, "--steps", str(steps), "--step-sleep", "0.05", "--seed", "5")
+    run.wait_for("b wrapped again", lambda: (tmp_path / "b.pt.wrapped").exists())
+    gate.write_text("go")  # a asks for step 9's quorum now, b for its first: b joins from a
+    assert a.wait(120) == 0, run.log("a")
+    assert b.wait(120) == 0, run.log("b")
+    saved_a, saved_b = torch.load(tmp_path / "a.pt", weights_only=True), torch.load(tmp_path / "b.pt",
+                                                                                    weights_only=True)
+    contributed = saved_a["status"]["contributed"]
+    assert any(c == ["a"] for c in contributed.values()) and contributed[steps - 1] == ["a", "b"], contributed
+    assert saved_b["status"]["step"] == saved_a["status"]["step"] == steps
+    for name, value in saved_a["state"].items():
+        assert torch.equal(value, saved_b["state"][name]), name  # the joined replica took a's state exactly
+    _same(saved_a["state"], _reference(contributed, steps))
+
+
+def test_a_replica_wrapped_differently_is_refused_at_join(run, tmp_path):
+    address, _ = run.coordinator()
+    a = run.replica(address, "a", 1, "--steps", "400", "--step-sleep", "0.02")
+    run.wait_for("a training", lambda: len(run.steps("a")) >= 2)
+    b = run.replica(address, "b", 1, "--steps", "4", "--width", "32")
+    assert b.wait(120) != 0
+    assert "wrapped differently" in run.log("b") and "parameters" in run.log("b"), run.log("b")
+    assert a.poll() is None  # the refused one never got in: a goes on
+
+
+def test_a_dead_coordinator_ends_every_replica_and_one_started_again_lets_them_go_on(run, tmp_path):
+    address, coordinator = run.coordinator()
+    a = run.replica(address, "a", 1, "--steps", "400", "--step-sleep", "0.02", "--timeout", "4")
+    run.wait_for("a training", lambda: len(run.steps("a")) >= 2)
+    coordinator.kill()
+    coordinator.wait()
+    assert a.wait(60) != 0
+    assert "did not answer for 4 s" in run.log("a"), run.log("a")
+    port = int(address.rpartition(":")[2])
+    address, coordinator = run.coordinator(port)
+    a = run.replica(address, "a2", 1, "--steps", "400", "--step-sleep", "0.02", "--timeout", "8")
+    run.wait_for("a2 training", lambda: len(run.steps("a2")) >= 2)
+    coordinator.kill()
+    coordinator.wait()
+    seen = len(run.steps("a2"))
+    run.coordinator(port)  # back within the replica's timeout: training goes on
+    run.wait_for("a2 going on", lambda: len(run.steps("a2")) > seen + 2)
+
+
+DEATHS = {  # where one rank of replica b dies at step 4: its job's options, or the fault point inside zero_ext
+    "forward": (["--die-in", "forward", "--die-at", "4"], {}),
+    "backward": (["--die-in", "backward", "--die-at", "4"], {}),
+    "step": ([], {"ZERO_EXT_TEST_FAULT": "replica_average:1:4"}),
+}
+
+
+@pytest.mark.parametrize("where", list(DEATHS) + ["join"])
+def test_a_rank_that_dies_anywhere_leaves_its_peers_training(run, tmp_path, where):
+    """kill -9 of one rank of replica b mid-forward, mid-backward, inside the
+    step's exchange, or while b joins again (then b is started a third
+    time): a goes on alone, b joins, and both end with one process's model
+    over the batches of each step's contributors."""
+    steps = 12
+    address, _ = run.coordinator(None, "--min-replicas", "2")
+    gate = tmp_path / "gate"
+    common = ["--steps", str(steps), "--step-sleep", "0.02"]
+    a = run.replica(address, "a", 2, *common, "--hold", f"7:{gate}", "--hold", f"9:{tmp_path / 'gate2'}")
+    extra, env = DEATHS.get(where, ([], {}))
+    if where == "join":  # b dies at step 2 (forward), then again while joining
+        extra = ["--die-in", "forward", "--die-at", "2"]
+    b = run.replica(address, "b", 2, *common, *extra, env=env)
+    assert b.wait(120) != 0
+    run.wait_for("a alone", lambda: any(c == ["a"] for _, c, _ in run.steps("a")))
+    if where == "join":
+        (tmp_path / "b.pt.wrapped").unlink()
+        b = run.replica(address, "b", 2, *common, env={"ZERO_EXT_TEST_FAULT": "replica_recover:1"})
+        run.wait_for("b wrapped", lambda: (tmp_path / "b.pt.wrapped").exists())
+        gate.write_text("go")
+        assert b.wait(120) != 0
+        gate = tmp_path / "gate2"  # a holds again before step 9
+    else:
+        (tmp_path / "gate2").write_text("go")
+    (tmp_path / "b.pt.wrapped").unlink()
+    b = run.replica(address, "b", 2, *common)
+    run.wait_for("b wrapped", lambda: (tmp_path / "b.pt.wrapped").exists())
+    gate.write_text("go")
+    assert a.wait(120) == 0, run.log("a")
+    assert b.wait(120) == 0, run.log("b")
+    saved_a, saved_b = (torch.load(tmp_path / f"{r}.pt", weights_only=True) for r in "ab")
+    contributed = saved_a["status"]["contributed"]
+    assert any(c == ["a"] for c in contributed.values()), contributed
+    for name, value in saved_a["state"].items():
+        assert torch.equal(value, saved_b["state"][name]), name
+    _same(saved_a["state"], _reference(contributed, steps))
+
+
+def test_a_stopped_replica_is_left_out_and_catches_up_when_it_wakes(run, tmp_path):
+    """Three replicas of one rank each; c is stopped (SIGSTOP) for longer
+    than the timeout: a and b go on without it, and c, woken (SIGCONT),
+    takes their state and trains with them to the end."""
+    steps = 30
+    address, _ = run.coordinator(None, "--min-replicas", "3")
+    common = ["--steps", str(steps), "--step-sleep", "0.1", "--timeout", "4"]
+    procs = {r: run.replica(address, r, 1, *common) for r in "abc"}
+    run.wait_for("c at step 3", lambda: any(s >= 3 for s, _, _ in run.steps("c")))
+    stopped = int((tmp_path / "c.pt.pid0").read_text())
+    os.kill(stopped, signal.SIGSTOP)
+    run.wait_for("a and b alone", lambda: any(c == ["a", "b"] for _, c, _ in run.steps("a")))
+    os.kill(stopped, signal.SIGCONT)
+    for r, proc in procs.items():
+        assert proc.wait(180) == 0, run.log(r)
+    saved = {r: torch.load(tmp_path / f"{r}.pt", weights_only=True) for r in "abc"}
+    contributed = saved["a"]["status"]["contributed"]
+    assert contributed[steps - 1] == ["a", "b", "c"], contributed
+    for name, value in saved["a"]["state"].items():
+        assert torch.equal(value, saved["b"]["state"][name]) and torch.equal(value, saved["c"]["state"][name]), name
+    _same(saved["a"]["state"], _reference(contributed, steps))
