@@ -50,6 +50,10 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="another seed: the join must bring the weights")
     parser.add_argument("--width", type=int, default=16, help="another width: refused at join")
     parser.add_argument("--timeout", type=float, default=10.0)
+    parser.add_argument("--mixed-precision", default=None)
+    parser.add_argument("--offload-optimizer", default=None)
+    parser.add_argument("--compress-grads", default=None)
+    parser.add_argument("--save", default="", help="zero_ext.save there at the end (replica a)")
     parser.add_argument("--hold", action="append", default=[], metavar="STEP:FILE",
                         help="before step STEP, wait for FILE to exist (repeatable)")
     parser.add_argument("--die-in", choices=["forward", "backward"], help="rank 1 kills itself there at --die-at")
@@ -64,8 +68,10 @@ def main() -> int:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with open(f"{args.out}.pid{rank}", "w") as f:
         f.write(str(os.getpid()))
-    model, optimizer = zero_ext.wrap(model, optimizer, stage=args.stage, replicas=zero_ext.Replicas(
-        coordinator=args.coordinator, replica_id=args.replica, timeout=args.timeout))
+    model, optimizer = zero_ext.wrap(model, optimizer, stage=args.stage, mixed_precision=args.mixed_precision,
+                                     offload_optimizer=args.offload_optimizer, compress_grads=args.compress_grads,
+                                     replicas=zero_ext.Replicas(coordinator=args.coordinator, replica_id=args.replica,
+                                                                timeout=args.timeout))
     if rank == 0:  # wrapped: its heartbeats run, and its next call asks for a quorum
         open(f"{args.out}.wrapped", "w").close()
     per = BATCH // world
@@ -90,6 +96,8 @@ def main() -> int:
             print(f"step {status['step'] - 1} contributors {','.join(status['contributed'][status['step'] - 1])} "
                   f"t={time.time():.3f}", flush=True)
         time.sleep(args.step_sleep)
+    if args.save:
+        zero_ext.save(args.save, model, optimizer)
     state = zero_ext.full_state_dict(model)
     if rank == 0:
         torch.save({"state": state, "status": zero_ext.replica_status(model)}, args.out)

@@ -73,6 +73,20 @@ class Run:
         raise AssertionError(f"waited {timeout} s for {what}:\n" + "\n".join(
             f"--- {p.name}\n{p.read_text()[-3000:]}" for p in self.tmp.glob("*.log")))
 
+    def b_joins_and_both_finish(self, address, a, common, gate) -> dict:
+        """Replica b started again (2 ranks), a let past its hold once b is
+        wrapped; both end, identical: a's saved state and status."""
+        (self.tmp / "b.pt.wrapped").unlink()
+        b = self.replica(address, "b", 2, *common)
+        self.wait_for("b wrapped", lambda: (self.tmp / "b.pt.wrapped").exists())
+        gate.write_text("go")
+        assert a.wait(120) == 0, self.log("a")
+        assert b.wait(120) == 0, self.log("b")
+        saved_a, saved_b = (torch.load(self.tmp / f"{r}.pt", weights_only=True) for r in "ab")
+        for name, value in saved_a["state"].items():
+            assert torch.equal(value, saved_b["state"][name]), name  # b took a's state exactly
+        return saved_a
+
     def close(self):
         for proc in self.procs:
             if proc.poll() is None:
@@ -200,17 +214,9 @@ def test_a_rank_that_dies_anywhere_leaves_its_peers_training(run, tmp_path, wher
         gate = tmp_path / "gate2"  # a holds again before step 9
     else:
         (tmp_path / "gate2").write_text("go")
-    (tmp_path / "b.pt.wrapped").unlink()
-    b = run.replica(address, "b", 2, *common)
-    run.wait_for("b wrapped", lambda: (tmp_path / "b.pt.wrapped").exists())
-    gate.write_text("go")
-    assert a.wait(120) == 0, run.log("a")
-    assert b.wait(120) == 0, run.log("b")
-    saved_a, saved_b = (torch.load(tmp_path / f"{r}.pt", weights_only=True) for r in "ab")
+    saved_a = run.b_joins_and_both_finish(address, a, common, gate)
     contributed = saved_a["status"]["contributed"]
     assert any(c == ["a"] for c in contributed.values()), contributed
-    for name, value in saved_a["state"].items():
-        assert torch.equal(value, saved_b["state"][name]), name
     _same(saved_a["state"], _reference(contributed, steps))
 
 
@@ -235,3 +241,38 @@ def test_a_stopped_replica_is_left_out_and_catches_up_when_it_wakes(run, tmp_pat
     for name, value in saved["a"]["state"].items():
         assert torch.equal(value, saved["b"]["state"][name]) and torch.equal(value, saved["c"]["state"][name]), name
     _same(saved["a"]["state"], _reference(contributed, steps))
+
+
+SETTINGS = {  # wrap options of both replicas; whether one process's fp32 model is the reference
+    "stage0": (["--stage", "0"], True),
+    "stage1-offload": (["--stage", "1", "--offload-optimizer", "cpu"], True),
+    "stage3": (["--stage", "3"], True),
+    "stage2-bf16": (["--stage", "2", "--mixed-precision", "bf16"], False),
+    "stage3-int8-grads": (["--stage", "3", "--compress-grads", "int8"], False),
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_every_setting_survives_a_lost_replica_and_saves_as_today(run, tmp_path, setting):
+    """Two replicas of two ranks at another stage, with mixed precision, the
+    optimizer offloaded or compressed gradients: b killed at step 3 (mid
+    forward), a alone, b back and joined; both end identical (and, exact
+    settings, equal to one process); a checkpoint a live replica saved
+    converts to its model."""
+    options, exact = SETTINGS[setting]
+    steps = 10
+    address, _ = run.coordinator(None, "--min-replicas", "2")
+    gate = tmp_path / "gate"
+    common = ["--steps", str(steps), "--step-sleep", "0.02", *options]
+    a = run.replica(address, "a", 2, *common, "--hold", f"6:{gate}", "--save", str(tmp_path / "ckpt"))
+    b = run.replica(address, "b", 2, *common, "--die-in", "forward", "--die-at", "3")
+    assert b.wait(120) != 0
+    run.wait_for("a alone", lambda: any(c == ["a"] for _, c, _ in run.steps("a")))
+    saved_a = run.b_joins_and_both_finish(address, a, common, gate)
+    if exact:
+        _same(saved_a["state"], _reference(saved_a["status"]["contributed"], steps))
+    from zero_ext.convert import convert
+    convert(str(tmp_path / "ckpt"), str(tmp_path / "whole.pt"))
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)
+    for name, value in saved_a["state"].items():
+        torch.testing.assert_close(whole[name].float(), value.float(), rtol=0, atol=0)

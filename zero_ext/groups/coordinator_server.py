@@ -9,9 +9,11 @@ optimizer step: "replica R, at step S, fingerprint F: who steps with me?"
 The coordinator answers once every live replica has asked (a replica is
 live while its heartbeats arrive: one every HEARTBEAT_S, dead after
 `dead_after` seconds without), so the quorum is also the replicas' step
-barrier. Its answer: a quorum id (new for every answer, prefixed by the
-coordinator's incarnation, so groups of an earlier quorum or an earlier
-coordinator are never met again), the members in replica-id order, the
+barrier. Its answer: a quorum id (new for every answer), a group id (prefixed by the
+coordinator's incarnation: the same as the last quorum's while its members,
+the same processes, had no failure, else a new one, so a group a failed or
+dead member was part of, or an earlier coordinator's, is never used again),
+the members in replica-id order, the
 step they take (the highest asked), who contributes a gradient (the
 members at that step) and who first takes the state of a member at it (the
 replicas behind: restarted ones, or one that missed a commit), from whom.
@@ -53,6 +55,8 @@ class Coordinator:
         self.replicas: Dict[str, _Replica] = {}
         self.reference: Optional[Dict[str, str]] = None  # the fingerprint every replica must have
         self.quorums = 0
+        self.groups = 0
+        self.last_members: List[tuple] = []  # (id, incarnation) of the last quorum, whose group may serve again
         self.formed_once = False
         self.lock = threading.Condition()
 
@@ -105,7 +109,8 @@ class Coordinator:
             refused = self._differs(fingerprint)
             if refused:
                 return {"ok": False, "error": refused}
-            me.asking, me.answer = {"step": step, "fingerprint": fingerprint, "fresh": bool(request.get("fresh"))}, None
+            me.asking, me.answer = {"step": step, "fingerprint": fingerprint, "fresh": bool(request.get("fresh")),
+                                    "failed": bool(request.get("failed"))}, None
             self.lock.notify_all()
             while me.answer is None:
                 if gone():  # died while waiting: it no longer asks, and its heartbeats stop
@@ -156,7 +161,14 @@ class Coordinator:
         recovering = [r.id for r in members if r.asking["step"] < top or (r.asking["fresh"] and r is not source)]
         if self.reference is None:
             self.reference = dict(source.asking["fingerprint"])
-        answer = {"ok": True, "quorum": f"{self.incarnation}-q{self.quorums}", "members": [r.id for r in members],
+        # The same members (the same processes) and no failure since: the
+        # last quorum's group serves again; otherwise a new one is made.
+        key = [(r.id, r.incarnation) for r in members]
+        if key != self.last_members or any(r.asking["failed"] for r in members) or self.groups == 0:
+            self.groups += 1
+        self.last_members = key
+        answer = {"ok": True, "quorum": f"{self.incarnation}-q{self.quorums}",
+                  "group": f"{self.incarnation}-g{self.groups}", "members": [r.id for r in members],
                   "step": top, "contributors": [r.id for r in at_top if r.id not in recovering],
                   "recovering": recovering, "source": source.id}
         for r in members:

@@ -97,6 +97,7 @@ class _Heartbeat:
 @dataclass
 class Quorum:
     id: str
+    group: str  # the cross-replica group's id ([Note: quorums])
     members: List[str]
     step: int
     contributors: List[str]
@@ -116,6 +117,7 @@ class ReplicaSet:
         self.incarnation = uuid.uuid4().hex[:12] if self.rank == 0 else ""
         self.step = 0
         self.joined = False  # in a quorum whose step committed: it has trained with the others
+        self.failed = False  # its last attempt failed: the next quorum makes a new group
         self.live: List[str] = []
         self.contributed: Dict[int, List[str]] = {}
         self._groups: Dict[str, Any] = {}
@@ -135,11 +137,13 @@ class ReplicaSet:
         if not answer[0].get("ok"):
             raise RuntimeError(f"zero_ext: replica {self.options.replica_id!r}: {answer[0].get('error')}")
         a = answer[0]
-        return Quorum(a["quorum"], a["members"], a["step"], a["contributors"], a["recovering"], a["source"])
+        return Quorum(a["quorum"], a["group"], a["members"], a["step"], a["contributors"], a["recovering"],
+                      a["source"])
 
     def _ask(self) -> dict:
         body = {"op": "quorum", "replica": self.options.replica_id, "incarnation": self.incarnation,
-                "step": self.step, "fingerprint": self.fingerprint, "timeout": 600.0, "fresh": not self.joined}
+                "step": self.step, "fingerprint": self.fingerprint, "timeout": 600.0, "fresh": not self.joined,
+                "failed": self.failed}
         deadline = time.monotonic() + self.options.timeout
         while True:
             try:
@@ -153,19 +157,19 @@ class ReplicaSet:
                 time.sleep(0.2)
 
     def group(self, quorum: Quorum):
-        """This shard rank's gloo group across the quorum's members (made once per quorum)."""
-        if quorum.id in self._groups:
-            return self._groups[quorum.id]
-        incarnation = quorum.id.rsplit("-q", 1)[0]
+        """This shard rank's gloo group across the quorum's members (made once per group id)."""
+        if quorum.group in self._groups:
+            return self._groups[quorum.group]
+        incarnation = quorum.group.rsplit("-g", 1)[0]
         if self._store is None or self._store_incarnation != incarnation:  # a coordinator started again: its new store
             host, _, port = self.options.coordinator.rpartition(":")
             self._store = dist.TCPStore(host, int(port) + 1, is_master=False,
                                         timeout=datetime.timedelta(seconds=self.options.timeout))
             self._store_incarnation = incarnation
-        prefix = f"zero_ext/{quorum.id}/shard{self.rank}"
+        prefix = f"zero_ext/{quorum.group}/shard{self.rank}"
         group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self._store), quorum.members.index(
             self.options.replica_id), len(quorum.members), datetime.timedelta(seconds=self.options.timeout))
-        self._groups = {quorum.id: group}  # an earlier quorum's group is never used again
+        self._groups = {quorum.group: group}  # an earlier group is never used again
         return group
 
     def status(self) -> dict:
@@ -178,6 +182,7 @@ class ReplicaSet:
         self.live = list(quorum.members)
         self.step = quorum.step + 1
         self.joined = True
+        self.failed = False
 
 
 def agree_in_replica(outcome: int) -> int:

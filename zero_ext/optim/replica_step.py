@@ -54,6 +54,7 @@ def exchange(state, optimizers, recover) -> None:
         if outcome == OK:
             replicas.record(quorum)
             return
+        replicas.failed = True
         if outcome == MISMATCH:
             raise last if isinstance(last, ReplicaMismatch) else ReplicaMismatch(
                 "zero_ext: after a replica joined, another rank of this replica found the replicas' states differ "
