@@ -238,3 +238,16 @@ def test_pipeline_step_times_every_schedule_for_both_systems():
     assert len(rows) == 6, done.stdout
     for row in rows:
         assert "error" not in row and row.rstrip().endswith("% |") and row.count("%") == 2, row
+
+
+def test_replicas_benchmark_prints_the_three_measurements():
+    """benchmarks/replicas.py end to end on a tiny model: a row per system
+    (hybrid, replicas), the overhead line, and a kill/join row."""
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "replicas.py"), "--model", "gpt2-tiny", "--runs", "1",
+           "--steps", "4", "--dead-after", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and not line.startswith("| system")]
+    assert any(r.startswith("| hybrid") for r in rows) and any(r.startswith("| 2 replicas") for r in rows), done.stdout
+    assert "fault tolerance when nothing fails" in done.stdout
+    assert any(r.startswith("| 1 |") for r in rows), done.stdout
