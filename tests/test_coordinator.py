@@ -120,3 +120,19 @@ def test_a_coordinator_started_again_is_a_new_incarnation(coordinator):
     coordinator(port=port)
     after = _ask(address, "a", 0)
     assert after["ok"] and not after["quorum"].startswith(before)
+
+
+def test_a_taken_store_port_falls_back_to_a_free_one_that_the_answers_name(coordinator):
+    import datetime
+
+    import torch.distributed as dist
+    port = free_port_pair()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port + 1))
+        taken.listen()
+        address, _ = coordinator(port=port)
+        answer = _ask(address, "a", 0)
+    assert answer["ok"] and answer["store_port"] != port + 1, answer
+    store = dist.TCPStore("127.0.0.1", answer["store_port"], is_master=False, timeout=datetime.timedelta(seconds=10))
+    store.set("k", "v")
+    assert store.get("k") == b"v"

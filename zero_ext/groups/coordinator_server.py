@@ -48,7 +48,8 @@ class _Replica:
 class Coordinator:
     """The quorum state; thread-safe (one thread per connection)."""
 
-    def __init__(self, min_replicas: int = 1, dead_after: float = 5.0) -> None:
+    def __init__(self, min_replicas: int = 1, dead_after: float = 5.0, store_port: int = 0) -> None:
+        self.store_port = store_port  # where the replicas' groups meet (told in every answer)
         self.min_replicas = max(1, int(min_replicas))
         self.dead_after = float(dead_after)
         self.incarnation = uuid.uuid4().hex[:12]
@@ -167,7 +168,7 @@ class Coordinator:
         if key != self.last_members or any(r.asking["failed"] for r in members) or self.groups == 0:
             self.groups += 1
         self.last_members = key
-        answer = {"ok": True, "quorum": f"{self.incarnation}-q{self.quorums}",
+        answer = {"ok": True, "quorum": f"{self.incarnation}-q{self.quorums}", "store_port": self.store_port,
                   "group": f"{self.incarnation}-g{self.groups}", "members": [r.id for r in members],
                   "step": top, "contributors": [r.id for r in at_top if r.id not in recovering],
                   "recovering": recovering, "source": source.id}
@@ -211,14 +212,18 @@ class _Server(socketserver.ThreadingTCPServer):
 def serve(host: str, port: int, store_port: int, min_replicas: int = 1, dead_after: float = 5.0,
           ready=None) -> None:
     """Runs the coordinator until the process ends: the quorum server on
-    `port`, the store the cross-replica groups meet through on `store_port`."""
+    `port`, the store the cross-replica groups meet through on `store_port`
+    (if it is taken, any free port: the answers tell the replicas which)."""
     import datetime
 
     import torch.distributed as dist
-    store = dist.TCPStore(host, store_port, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
     server = _Server((host, port), _Handler)
-    server.coordinator = Coordinator(min_replicas, dead_after)
+    try:
+        store = dist.TCPStore(host, store_port, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=60))
+    except (RuntimeError, OSError):
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
+    server.coordinator = Coordinator(min_replicas, dead_after, store.port)
     server.store = store  # held for the process's life
     if ready is not None:
         ready(server)

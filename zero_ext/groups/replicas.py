@@ -98,6 +98,7 @@ class _Heartbeat:
 class Quorum:
     id: str
     group: str  # the cross-replica group's id ([Note: quorums])
+    store_port: int  # the coordinator's store, where the group meets
     members: List[str]
     step: int
     contributors: List[str]
@@ -137,8 +138,8 @@ class ReplicaSet:
         if not answer[0].get("ok"):
             raise RuntimeError(f"zero_ext: replica {self.options.replica_id!r}: {answer[0].get('error')}")
         a = answer[0]
-        return Quorum(a["quorum"], a["group"], a["members"], a["step"], a["contributors"], a["recovering"],
-                      a["source"])
+        return Quorum(a["quorum"], a["group"], a["store_port"], a["members"], a["step"], a["contributors"],
+                      a["recovering"], a["source"])
 
     def _ask(self) -> dict:
         body = {"op": "quorum", "replica": self.options.replica_id, "incarnation": self.incarnation,
@@ -163,7 +164,7 @@ class ReplicaSet:
         incarnation = quorum.group.rsplit("-g", 1)[0]
         if self._store is None or self._store_incarnation != incarnation:  # a coordinator started again: its new store
             host, _, port = self.options.coordinator.rpartition(":")
-            self._store = dist.TCPStore(host, int(port) + 1, is_master=False,
+            self._store = dist.TCPStore(host, quorum.store_port, is_master=False,
                                         timeout=datetime.timedelta(seconds=self.options.timeout))
             self._store_incarnation = incarnation
         prefix = f"zero_ext/{quorum.group}/shard{self.rank}"
