@@ -144,6 +144,14 @@ RaisedForwardOutcome Communicator::agree_where_forward_raised(int64_t occurrence
   }
   outcome.in_step = decided == kInStep;
   if (!outcome.in_step) {
+    // The posts as they stand now: a rank that adopted another's decision
+    // may not have read the stall post that decided it (seen under load).
+    try {
+      read_raised_posts(prefix, me, mine(), raised);
+      read_stalls_past_raised(raised, stalls);
+    } catch (const StoreUnreachable&) {
+      // what was read before stands
+    }
     outcome.positions = describe_raised_positions(raised, stalls, timed_out, limit);
   }
   return outcome;

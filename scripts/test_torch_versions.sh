@@ -95,6 +95,12 @@ build_in_env() {  # $1 env dir: builds a wheel of the checkout's sources against
   rm -rf "$src/zero_ext" "$src/csrc"
   # -p keeps the sources' times, so setuptools and ninja rebuild only what changed.
   cp -rp "$REPO/zero_ext" "$REPO/csrc" "$REPO/setup.py" "$REPO/pyproject.toml" "$src/"
+  # A source whose content changed since the last build but whose time is
+  # older than its object (edited while that build ran) is touched, so
+  # ninja rebuilds it (before: an undefined symbol at import).
+  (cd "$src" && sha256sum csrc/* > .hashes.now && if [ -f .hashes.built ]; then
+     diff .hashes.built .hashes.now | sed -n 's/^> [0-9a-f]*  //p' | while read -r f; do touch "$f"; done
+   fi)
   find "$src/zero_ext" -name '*.so' -delete
   rm -f "$src/zero_ext/_build_info.json"
   # A non-editable install, as users get it: `pip wheel` builds the wheel
@@ -112,6 +118,7 @@ build_in_env() {  # $1 env dir: builds a wheel of the checkout's sources against
     fi
     rm -rf "$env/built" && mkdir -p "$env/built"
     cp "$env"/wheel/zero_ext-*.whl "$env/built/" && sources_hash > "$env/built/hash"
+    mv "$src/.hashes.now" "$src/.hashes.built"
   fi
   "$env/bin/python" -m pip install --quiet --no-deps --force-reinstall "$env"/built/zero_ext-*.whl \
     >>"$env/build.log" 2>&1 || { tail "$env/build.log"; return 1; }
