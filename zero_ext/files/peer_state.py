@@ -5,7 +5,7 @@ checked identical."""
 from __future__ import annotations
 
 import json
-from typing import List, Tuple
+from typing import List
 
 import torch
 import torch.distributed as dist
@@ -17,24 +17,19 @@ from ..tools import faults
 from .plan import local_views, persistent_buffers
 
 
-def _state_tensors(state, model, optimizers) -> Tuple[List[torch.Tensor], List[str]]:
+def _state_tensors(state, model, optimizers) -> List[torch.Tensor]:
     """What a replica holds of the model and its optimizers, in one order:
     this rank's values (shards or masters, or whole parameters at stage 0),
     the parameters outside zero_ext's buckets, the persistent buffers, then
-    each optimizer's state tensors; with the state's structure (each
-    optimizer tensor's key)."""
+    each optimizer's state tensors (by key, in _structure's order)."""
     tensors = [view for _, _, view in local_views(state)]
     bucketed = {id(p) for p in state.bucketed}
     tensors += [p.detach() for p in model.parameters() if id(p) not in bucketed]
     tensors += list(persistent_buffers(model).values())
-    keys = []
-    for k, opt in enumerate(optimizers):
-        for j, p in enumerate(optimized_tensors([opt])):
-            for key, value in sorted(opt.state.get(p, {}).items()):
-                if isinstance(value, torch.Tensor):
-                    tensors.append(value)
-                    keys.append(f"{k}/{j}/{key}")
-    return tensors, keys
+    for opt in optimizers:
+        for p in optimized_tensors([opt]):
+            tensors += [v for _, v in sorted(opt.state.get(p, {}).items()) if isinstance(v, torch.Tensor)]
+    return tensors
 
 
 def _structure(optimizers) -> dict:
@@ -91,7 +86,7 @@ def recover_from_peer(state, optimizers, replicas, quorum: Quorum, group) -> Non
     if behind:
         faults.exit_if_armed("replica_recover", dist.get_rank())
         _install_structure(optimizers, structure)
-    tensors, _ = _state_tensors(state, model, optimizers)
+    tensors = _state_tensors(state, model, optimizers)
     for t in tensors:  # into its own tensors where it catches up; elsewhere sent, or received and dropped
         target = t.contiguous() if behind or me == root else torch.empty_like(t, memory_format=torch.contiguous_format)
         group_broadcast(group, target, root)

@@ -115,7 +115,7 @@ def _split_numels(spec) -> List[int]:
 def split_of(state, p: torch.Tensor):
     """(spec, this rank's place along it) of a local leaf: a tensor-parallel
     one's over tp, an expert's over ep; (None, 0) for any other parameter."""
-    for dimension in (state.tensor_parallel, getattr(state, "experts", None)):
+    for dimension in (state.tensor_parallel, state.experts):
         spec = dimension.spec_of(p) if dimension is not None else None
         if spec is not None:
             return spec, dimension.rank

@@ -141,10 +141,6 @@ class ExpertParallel:
         sizes = spec.local_sizes()
         return full.narrow(0, sum(sizes[:self.rank]), sizes[self.rank])
 
-    def first_member(self) -> int:
-        """The expert group's lowest global rank: what names it alike on its members."""
-        return min(int(r) for r in dist.get_process_group_ranks(self.expert_group))
-
     def member_ranks(self) -> List[int]:
         """The expert group's global ranks, by group rank."""
         return [int(r) for r in dist.get_process_group_ranks(self.expert_group)]

@@ -82,12 +82,12 @@ class _Heartbeat:
     def __init__(self, address: str, replica_id: str, incarnation: str) -> None:
         self.body = {"op": "heartbeat", "replica": replica_id, "incarnation": incarnation}
         self.address = address
-        self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="zero_ext-replica-heartbeat", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        while not self.stopped.wait(HEARTBEAT_S):
+        while True:  # a daemon thread: it ends with the process
+            time.sleep(HEARTBEAT_S)
             try:
                 request(self.address, self.body, timeout=HEARTBEAT_S * 4)
             except (OSError, ValueError):

@@ -35,7 +35,7 @@ def exchange(state, optimizers, recover) -> None:
     those behind brought to a live member's state first."""
     replicas = state.replica_set
     params = optimized_tensors(optimizers)
-    kept = [p.grad.detach().clone() if p.grad is not None else None for p in params]
+    mine = _contribution(params)  # built once: an attempt that failed after writing back starts from it again
     last: Optional[BaseException] = None
     for _ in range(MAX_ATTEMPTS):
         quorum = replicas.quorum()  # raises alike on every rank of this replica (a refusal)
@@ -45,7 +45,7 @@ def exchange(state, optimizers, recover) -> None:
             if quorum.recovering:
                 recover(state, optimizers, replicas, quorum, group)
             faults.exit_if_armed("replica_average", dist.get_rank(), quorum.step)
-            _average(params, quorum, group, replicas.options.replica_id in quorum.contributors)
+            _average(params, quorum, group, mine if replicas.options.replica_id in quorum.contributors else None)
         except ReplicaMismatch as error:
             outcome, last = MISMATCH, error
         except Exception as error:  # noqa: BLE001 - a peer replica failed: a new quorum, on every rank of ours
@@ -59,30 +59,31 @@ def exchange(state, optimizers, recover) -> None:
             raise last if isinstance(last, ReplicaMismatch) else ReplicaMismatch(
                 "zero_ext: after a replica joined, another rank of this replica found the replicas' states differ "
                 "(checksums exchanged): a replica's training diverged. Restart the replicas from a checkpoint.")
-        for p, g in zip(params, kept):  # as before the failed attempt
-            if g is None:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.copy_(g)
-            else:
-                p.grad = g.clone()
     raise RuntimeError(f"zero_ext: replica {replicas.options.replica_id!r} could not complete a step with the other "
                        f"replicas in {MAX_ATTEMPTS} quorums; the last failure: {last}") from last
 
 
-def _average(params: List[torch.Tensor], quorum: Quorum, group, contributes: bool) -> None:
-    """Sum over the members (this one's zeros if it is not a contributor),
-    divided by the contributors; a gradient one replica has and another
-    lacks (a parameter unused there) counts as zeros where lacking."""
+def _contribution(params: List[torch.Tensor]) -> torch.Tensor:
+    """This rank's gradients as one fp32 buffer: a flag per tensor (it has
+    a gradient), then each gradient flattened (zeros where it has none)."""
     numels = [p.numel() for p in params]
     flat = torch.zeros(len(params) + sum(numels), dtype=torch.float32)
-    if contributes:
-        at = len(params)
-        for k, (p, n) in enumerate(zip(params, numels)):
-            if p.grad is not None:
-                flat[k] = 1.0
-                flat[at:at + n].copy_(p.grad.detach().reshape(-1))
-            at += n
+    at = len(params)
+    for k, (p, n) in enumerate(zip(params, numels)):
+        if p.grad is not None:
+            flat[k] = 1.0
+            flat[at:at + n].copy_(p.grad.detach().reshape(-1))
+        at += n
+    return flat
+
+
+def _average(params: List[torch.Tensor], quorum: Quorum, group, mine: Optional[torch.Tensor]) -> None:
+    """Sum over the members of their contributions (`mine`; zeros for a
+    member that is not a contributor), divided by the contributors, written
+    into the gradients; a gradient one replica has and another lacks (a
+    parameter unused there) counts as zeros where lacking."""
+    numels = [p.numel() for p in params]
+    flat = mine.clone() if mine is not None else torch.zeros(len(params) + sum(numels), dtype=torch.float32)
     group_all_reduce(group, flat)
     flat[len(params):].div_(len(quorum.contributors))
     at = len(params)

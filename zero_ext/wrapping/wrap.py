@@ -313,7 +313,7 @@ def _agreed_plan(model, optimizer, stage, process_group, mixed_precision, offloa
             if pipeline is not None:
                 _check_pipeline_options(checked)
             if experts is not None:
-                _check_expert_options(checked, experts)
+                _check_expert_options(checked)
             if replicas is not None:
                 _check_replica_options(checked, replicas, pipeline)
         except Exception as error:  # noqa: BLE001 - raised on every rank below
@@ -341,7 +341,7 @@ def _check_pipeline_options(checked: Checked) -> None:
             "drift apart. Train the pipeline in bf16 (mixed_precision='bf16') or fp32, without skip_nonfinite.")
 
 
-def _check_expert_options(checked: Checked, experts: ExpertParallel) -> None:
+def _check_expert_options(checked: Checked) -> None:
     """What the expert group does not combine with in this version."""
     topology = checked.topology
     if topology.replicate_group is not None:
@@ -350,11 +350,6 @@ def _check_expert_options(checked: Checked, experts: ExpertParallel) -> None:
     if checked.reshard.subgroup_size:
         raise ValueError("zero_ext.wrap: expert_process_group with reshard_after_forward=<int> is not supported in "
                          "this version; pass True or False.")
-    if topology.shard_size != experts.size * experts.expert_size:
-        raise ValueError(f"zero_ext.wrap: the experts are split over {experts.size} ranks (ep) and "
-                         f"expert_process_group has {experts.expert_size}, which make "
-                         f"{experts.size * experts.expert_size} and not process_group's {topology.shard_size} "
-                         "ranks; ep x dp_mod_ep must be dp.")
 
 
 def _check_replica_options(checked: Checked, replicas: Replicas, pipeline: Optional[Pipeline]) -> None:
