@@ -54,6 +54,7 @@ def main() -> int:
     parser.add_argument("--offload-optimizer", default=None)
     parser.add_argument("--compress-grads", default=None)
     parser.add_argument("--save", default="", help="zero_ext.save there at the end (replica a)")
+    parser.add_argument("--rank1-replica", default="", help="rank 1 passes this replica id instead (a mistake)")
     parser.add_argument("--hold", action="append", default=[], metavar="STEP:FILE",
                         help="before step STEP, wait for FILE to exist (repeatable)")
     parser.add_argument("--die-in", choices=["forward", "backward"], help="rank 1 kills itself there at --die-at")
@@ -70,7 +71,9 @@ def main() -> int:
         f.write(str(os.getpid()))
     model, optimizer = zero_ext.wrap(model, optimizer, stage=args.stage, mixed_precision=args.mixed_precision,
                                      offload_optimizer=args.offload_optimizer, compress_grads=args.compress_grads,
-                                     replicas=zero_ext.Replicas(coordinator=args.coordinator, replica_id=args.replica,
+                                     replicas=zero_ext.Replicas(coordinator=args.coordinator,
+                                                                replica_id=args.rank1_replica if rank == 1 and
+                                                                args.rank1_replica else args.replica,
                                                                 timeout=args.timeout))
     if rank == 0:  # wrapped: its heartbeats run, and its next call asks for a quorum
         open(f"{args.out}.wrapped", "w").close()

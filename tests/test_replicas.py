@@ -166,6 +166,16 @@ def test_a_replica_wrapped_differently_is_refused_at_join(run, tmp_path):
     assert a.poll() is None  # the refused one never got in: a goes on
 
 
+def test_ranks_of_one_replica_that_name_different_replicas_end_in_zero_ext_error(run, tmp_path):
+    """Rank 1 of a job passes another replica_id than rank 0: wrap() refuses
+    on both ranks, naming the option, before any step."""
+    address, _ = run.coordinator()
+    a = run.replica(address, "a", 2, "--steps", "4", "--rank1-replica", "z")
+    assert a.wait(120) != 0
+    log = run.log("a")
+    assert log.count("replicas=zero_ext.Replicas(") >= 2 and "different on rank 1" in log, log
+
+
 def test_a_dead_coordinator_ends_every_replica_and_one_started_again_lets_them_go_on(run, tmp_path):
     address, coordinator = run.coordinator()
     a = run.replica(address, "a", 1, "--steps", "400", "--step-sleep", "0.02", "--timeout", "4")

@@ -316,6 +316,7 @@ def _agreed_plan(model, optimizer, stage, process_group, mixed_precision, offloa
                 _check_expert_options(checked)
             if replicas is not None:
                 _check_replica_options(checked, replicas, pipeline)
+            checked.fields.append(_replica_field(replicas))  # the ranks of one replica name the same one
         except Exception as error:  # noqa: BLE001 - raised on every rank below
             failure = error
     exchange = agreement_ranks(process_group, model, tensor_parallel, checked, pipeline)
@@ -369,13 +370,24 @@ def _check_replica_options(checked: Checked, replicas: Replicas, pipeline: Optio
         raise ValueError("zero_ext.wrap: replicas with pipeline_group is not supported in this version.")
 
 
+def _replica_field(replicas: Optional[Replicas]) -> Tuple[str, object, str]:
+    """wrap()'s fingerprint field of the replicas option: every rank of a
+    job must name the same replica (only rank 0 asks the coordinator)."""
+    if replicas is None:
+        return ("replicas", None, "no replicas")
+    value = (replicas.coordinator, replicas.replica_id, float(replicas.timeout))
+    return ("replicas", value, f"replicas=zero_ext.Replicas(coordinator={replicas.coordinator!r}, "
+                               f"replica_id={replicas.replica_id!r}, timeout={replicas.timeout:g})")
+
+
 def _attach_replicas(state: ZeroState, checked: Checked, replicas: Replicas) -> None:
     """The replica set, and the step that averages across it
     ([Note: a step across replicas] in groups/replicas.py). The fingerprint
     the coordinator compares: every field wrap()'s ranks agreed on but how
-    many groups this process pooled before (a replica started again has fewer)."""
+    many groups this process pooled before (a replica started again has
+    fewer) and the replica's own id."""
     fingerprint = {name: f"{shown} [{hashlib.sha256(repr(value).encode()).hexdigest()[:12]}]"
-                   for name, value, shown in checked.fields if name != "zero_ext groups already held"}
+                   for name, value, shown in checked.fields if name not in ("zero_ext groups already held", "replicas")}
     state.replica_set = ReplicaSet(replicas, fingerprint)
     held = weakref.ref(state)
     optimizers = [weakref.ref(o) for o in checked.optimizers]
