@@ -34,6 +34,8 @@ from typing import Dict, List, Optional
 
 HEARTBEAT_S = 0.5
 MAX_REQUEST_BYTES = 1 << 20  # a fingerprint is a few KiB; nothing legitimate comes near this
+LINGER_SECONDS = 2.0  # how long an answered asker may take to end its side before the server closes
+LINGER_BYTES = 8 * MAX_REQUEST_BYTES  # past this, an asker that keeps sending is cut off
 
 
 class _Replica:
@@ -200,8 +202,23 @@ class _Handler(socketserver.StreamRequestHandler):
             answer = {"ok": False, "error": f"{type(error).__name__}: {error}"}
         try:
             self.wfile.write((json.dumps(answer) + "\n").encode())
+            self._linger()
         except OSError:
             pass  # the asker is gone (a replica that died while waiting)
+
+    def _linger(self) -> None:
+        """Ends the answer, then reads (bounded) what the asker still sends until it ends its side.
+        Closing a socket with unread input makes the kernel reset the connection, and an asker still
+        sending (a request over the limit) or not yet done sending then loses the answer: the lingering
+        close of HTTP servers."""
+        self.connection.shutdown(socket.SHUT_WR)
+        self.connection.settimeout(LINGER_SECONDS)
+        left = LINGER_BYTES
+        while left > 0:
+            chunk = self.connection.recv(min(1 << 16, left))
+            if not chunk:
+                return
+            left -= len(chunk)
 
 
 class _Server(socketserver.ThreadingTCPServer):
