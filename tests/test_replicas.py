@@ -176,6 +176,24 @@ def test_ranks_of_one_replica_that_name_different_replicas_end_in_zero_ext_error
     assert log.count("replicas=zero_ext.Replicas(") >= 2 and "different on rank 1" in log, log
 
 
+def test_a_join_that_leaves_the_states_different_ends_every_rank_of_both_replicas(run, tmp_path):
+    """Replica b joins from a, and one of its ranks ends up holding a value
+    other than a's (a damaged transfer, standing in): the checksums differ, and
+    every rank of both replicas ends with ReplicaMismatch, none trains on."""
+    address, _ = run.coordinator()
+    gate = tmp_path / "gate"
+    a = run.replica(address, "a", 2, "--steps", "8", "--hold", f"3:{gate}")
+    run.wait_for("a at its hold", lambda: len(run.steps("a")) >= 3)
+    b = run.replica(address, "b", 2, "--steps", "8", "--seed", "5", env={"ZERO_EXT_TEST_FAULT": "replica_damaged:1"})
+    run.wait_for("b wrapped", lambda: (tmp_path / "b.pt.wrapped").exists())
+    gate.write_text("go")
+    assert a.wait(120) != 0 and b.wait(120) != 0, (run.log("a"), run.log("b"))
+    for rid in "ab":
+        log = run.log(rid)
+        assert log.count("ReplicaMismatch: zero_ext:") == 2 and "states differ" in log, log  # one per rank
+        assert not re.search(r"^step [3-9]", log, re.M), log  # no step after the join
+
+
 def test_a_dead_coordinator_ends_every_replica_and_one_started_again_lets_them_go_on(run, tmp_path):
     address, coordinator = run.coordinator()
     a = run.replica(address, "a", 1, "--steps", "400", "--step-sleep", "0.02", "--timeout", "4")

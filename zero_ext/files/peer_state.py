@@ -73,6 +73,13 @@ def _install_structure(optimizers, structure: dict) -> None:
             opt.state[p] = made
 
 
+def _damage(tensors: List[torch.Tensor]) -> None:
+    """Test-only (tools/faults.py): one received value changed, as a transfer or
+    an install gone wrong would leave it, for the checksums to find."""
+    held = next(t for t in tensors if t.numel() and t.is_floating_point())
+    held.view(-1)[0] += 1.0
+
+
 def recover_from_peer(state, optimizers, replicas, quorum: Quorum, group) -> None:
     """Collective over the quorum: the members behind take the source's
     state (shard rank i from shard rank i); then every member's checksum
@@ -100,6 +107,8 @@ def recover_from_peer(state, optimizers, replicas, quorum: Quorum, group) -> Non
             user.load_state_dict(object_from(received))
         replicas.step = quorum.step
         state.handles.checkpoint.refresh_params_from_shards()  # collective over this replica: all of it is behind
+    if behind and faults.armed("replica_damaged", dist.get_rank()):
+        _damage(tensors)
     digest = torch.tensor(list(bytes.fromhex(checksum(tensors))), dtype=torch.int32)
     top, low = digest.clone(), digest.clone()
     group_all_reduce(group, top, dist.ReduceOp.MAX)

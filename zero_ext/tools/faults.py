@@ -22,7 +22,10 @@ sets it.
 - across replicas (optim/replica_step.py), where the rank exits at once
   with code 17 at optimizer step `step` if given: `replica_average` (before
   the gradients' sum over the quorum) and `replica_recover` (a replica
-  catching up, after it learned the state's layout, before its tensors come).
+  catching up, after it learned the state's layout, before its tensors come);
+  and one condition: `replica_damaged`, where a replica catching up changes
+  one value it received before the states' checksums are compared
+  (files/peer_state.py).
 - `build_check_signal:*:N`: the build check's child kills itself with signal
   N, standing in for a build that crashes (tools/build_check.py, which runs
   by path and so reads this variable itself).
