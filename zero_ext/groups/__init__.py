@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from . import arrival, stall_query
 from .mesh import Topology, resolve_topology
-from .process_groups import (acquire_groups, acquire_mesh_groups, acquire_subgroups, group_timeout,
+from .process_groups import (acquire_groups, acquire_mesh_groups, acquire_subgroups, exchange_device, group_timeout,
                              handed_to_backend, pooled_groups, retire_if_failed)
 from .coordinator_server import request as coordinator_request, serve as serve_coordinator
 from .experts import ExpertParallel, check_experts_supported, expert_parallel_of, find_experts
@@ -39,6 +39,7 @@ __all__ = [
     "acquire_groups",
     "acquire_mesh_groups",
     "acquire_subgroups",
+    "exchange_device",
     "check_experts_supported",
     "coordinator_request",
     "check_supported",

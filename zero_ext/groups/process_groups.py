@@ -339,3 +339,11 @@ def _acquire_world_subgroups(subgroups, mine: int, backend: str, timeout, device
     entry, groups = chosen
     entry.owner = weakref.ref(owner)
     return [held() for held in groups[mine]]
+
+
+def exchange_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """Where a group's (None: the default group's) host-side exchanges put their tensors: NCCL moves CUDA
+    tensors only, gloo host ones."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

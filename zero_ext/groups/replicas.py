@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from .coordinator_server import HEARTBEAT_S, request
+from .process_groups import exchange_device
 
 KEPT_STEPS = 100  # steps whose contributors replica_status lists
 
@@ -130,14 +131,11 @@ class ReplicaSet:
     # --- 1. the quorum ------------------------------------------------------
     def quorum(self) -> Quorum:
         """Collective over this replica: rank 0 asks, every rank learns."""
-        answer: List[Any] = [None]
-        if self.rank == 0:
-            answer[0] = self._ask()
+        a = self._ask() if self.rank == 0 else None
         if self.world > 1:
-            dist.broadcast_object_list(answer, src=0)
-        if not answer[0].get("ok"):
-            raise RuntimeError(f"zero_ext: replica {self.options.replica_id!r}: {answer[0].get('error')}")
-        a = answer[0]
+            a = _broadcast_json(a)
+        if not a.get("ok"):
+            raise RuntimeError(f"zero_ext: replica {self.options.replica_id!r}: {a.get('error')}")
         return Quorum(a["quorum"], a["group"], a["store_port"], a["members"], a["step"], a["contributors"],
                       a["recovering"], a["source"])
 
@@ -163,7 +161,7 @@ class ReplicaSet:
             return self._groups[quorum.group]
         incarnation = quorum.group.rsplit("-g", 1)[0]
         if self._store is None or self._store_incarnation != incarnation:  # a coordinator started again: its new store
-            host, _, port = self.options.coordinator.rpartition(":")
+            host = self.options.coordinator.rpartition(":")[0]
             self._store = dist.TCPStore(host, quorum.store_port, is_master=False,
                                         timeout=datetime.timedelta(seconds=self.options.timeout))
             self._store_incarnation = incarnation
@@ -191,9 +189,23 @@ def agree_in_replica(outcome: int) -> int:
     (0: its part went through)."""
     if dist.get_world_size() == 1:
         return outcome
-    flag = torch.tensor([outcome], dtype=torch.int32)
+    flag = torch.tensor([outcome], dtype=torch.int32, device=exchange_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return int(flag.item())
+
+
+def _broadcast_json(value: Any) -> Any:
+    """Collective over this replica: rank 0's JSON value (the coordinator's
+    answer) on every rank, as UTF-8 bytes: nothing unpickled."""
+    device = exchange_device()
+    data = json.dumps(value).encode() if dist.get_rank() == 0 else b""
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(length, src=0)
+    out = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    if data:
+        out.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(out, src=0)
+    return json.loads(bytes(out.cpu().numpy()).decode())
 
 
 def group_all_reduce(group, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> None:

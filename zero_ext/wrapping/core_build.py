@@ -14,11 +14,10 @@ import torch.distributed as dist
 
 from .config import DynamicLossScale
 from .deferred_init import move_to_device
-from .fingerprint import exchange_device
 from .plan import Checked
 from .unit_advice import unit_advice
 from ..groups import (ExpertParallel, Pipeline, TensorParallel, acquire_groups, acquire_mesh_groups, acquire_subgroups,
-                      group_timeout)
+                      exchange_device, group_timeout)
 from ..tools import CoreConfig, CoreHandles, core_loader, dtype_name, offload_file
 from .arguments import QUANTIZATION_BLOCK
 

@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..groups import Pipeline, TensorParallel, Topology, global_description
+from ..groups import Pipeline, TensorParallel, Topology, exchange_device, global_description
 from ..tools import all_gather_into_tensor
 
 _DESCRIPTION_BYTES = 200
@@ -85,13 +85,6 @@ class _Table:
 # way before the next collective. A rank that cannot take part (no
 # torch.distributed, a process_group it is not in) raises alone, as nobody
 # waits for it there.
-
-
-def exchange_device(group: dist.ProcessGroup) -> torch.device:
-    """Where settle_failures' tensors live: NCCL moves CUDA tensors only, gloo host ones."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _error_text(error: BaseException) -> str:
