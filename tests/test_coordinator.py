@@ -89,6 +89,8 @@ BAD_INPUT = {
     "unknown-op": b'{"op": "launch"}\n',
     "empty-replica": b'{"op": "quorum", "replica": "", "incarnation": "x", "step": 0}\n',
     "negative-step": b'{"op": "quorum", "replica": "a", "incarnation": "x", "step": -1, "fingerprint": {}}\n',
+    "nan-timeout": b'{"op": "quorum", "replica": "a", "incarnation": "x", "step": 0, "fingerprint": {}, '
+                   b'"timeout": NaN}\n',
     "too-long": b"x" * (2 << 20) + b"\n",
     "nothing": b"",
 }

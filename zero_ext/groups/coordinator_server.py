@@ -34,6 +34,7 @@ from typing import Dict, List, Optional
 
 HEARTBEAT_S = 0.5
 MAX_REQUEST_BYTES = 1 << 20  # a fingerprint is a few KiB; nothing legitimate comes near this
+MAX_WAIT_S = 3600.0  # the longest a quorum request may wait (replicas ask for 600 s)
 LINGER_SECONDS = 2.0  # how long an answered asker may take to end its side before the server closes
 LINGER_BYTES = 8 * MAX_REQUEST_BYTES  # past this, an asker that keeps sending is cut off
 
@@ -105,7 +106,9 @@ class Coordinator:
         if not isinstance(fingerprint, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                         for k, v in fingerprint.items()):
             raise ValueError("a quorum request gives its 'fingerprint' ({field: text})")
-        timeout = float(request.get("timeout", 600.0))
+        timeout = request.get("timeout", 600.0)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_WAIT_S:
+            raise ValueError(f"a quorum request's 'timeout' is seconds in (0, {MAX_WAIT_S:g}]")  # NaN too
         deadline = time.monotonic() + timeout
         with self.lock:
             me = self._replica(request)
